@@ -1,0 +1,3 @@
+from kvrag.cli.app import main
+
+main()

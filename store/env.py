@@ -1,0 +1,152 @@
+"""The LMDB environment of one store directory: its named databases and map growth.
+
+Every other store module goes through `StoreEnv.write` / `StoreEnv.read`, so map growth,
+resizes by other processes and "not a store" checks live in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from kvrag import KvragError
+
+T = TypeVar("T")
+
+# Named databases. meta: manifest and bookkeeping; chunks/docs: the corpus; kv: per-(chunk, layer) KV.
+DB_NAMES = ("meta", "chunks", "docs", "kv")
+STORE_MARKER = b"kvrag-store"  # key in `meta` written when a store is created
+INITIAL_MAP_SIZE = 64 << 20  # grows by doubling whenever LMDB reports the map full
+
+
+def _max_map_size() -> int:
+    """An upper bound on the map, from `KVRAG_MAX_MAP_SIZE` (bytes); mainly to simulate a full disk."""
+    raw = os.environ.get("KVRAG_MAX_MAP_SIZE")
+    return int(raw) if raw else 1 << 40
+
+
+def is_store(path: Path) -> bool:
+    return (Path(path) / "data.mdb").is_file()
+
+
+class StoreEnv:
+    """One LMDB environment (a directory with data.mdb/lock.mdb) and its named databases."""
+
+    def __init__(self, env: lmdb.Environment, path: Path, readonly: bool):
+        self.env = env
+        self.path = path
+        self.readonly = readonly
+        self.dbs = {name: env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+
+    @classmethod
+    def open(cls, path: Path | str, *, create: bool = False, readonly: bool = False) -> StoreEnv:
+        """Open the store at `path`; with `create`, make it if the directory holds no store yet.
+
+        Raises KvragError (one clear line) when the path is not a store, or is a non-empty
+        directory of something else.
+        """
+        path = Path(path).expanduser()
+        if path.exists() and not path.is_dir():
+            raise KvragError(f"{path} is a file, not a store directory")
+        if not is_store(path):
+            if not create:
+                raise KvragError(f"no kvrag store at {path} (run `kvrag index` first)")
+            if path.exists() and any(path.iterdir()):
+                raise KvragError(f"{path} is not empty and is not a kvrag store; choose another --store")
+            path.mkdir(parents=True, exist_ok=True)
+        try:
+            env = lmdb.open(
+                str(path),
+                map_size=max(INITIAL_MAP_SIZE, _current_file_size(path)),
+                max_dbs=len(DB_NAMES) + 2,
+                readonly=readonly,
+                max_readers=256,
+                readahead=False,  # values are read layer by layer, not sequentially
+            )
+        except lmdb.Error as exc:
+            raise KvragError(f"cannot open store at {path}: {exc}") from None
+        store = cls(env, path, readonly)
+        if not readonly:
+            with env.begin(write=True, db=store.dbs["meta"]) as txn:
+                if txn.get(STORE_MARKER) is None:
+                    if _has_foreign_data(env, store):
+                        raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
+                    txn.put(STORE_MARKER, b"1")
+        elif store.read(lambda txn: txn.get(STORE_MARKER, db=store.dbs["meta"])) is None:
+            raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
+        return store
+
+    def db(self, name: str):
+        return self.dbs[name]
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in one write transaction, growing the map and retrying it whole if full.
+
+        `fn` must be safe to re-run: a MapFullError aborts everything it wrote.
+        """
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in a read transaction (readers never block the writer)."""
+        while True:
+            try:
+                with self.env.begin(write=False, buffers=False) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    @contextmanager
+    def reader(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction for code that iterates (cursors); prefer `read` elsewhere."""
+        try:
+            txn = self.env.begin(write=False)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            txn = self.env.begin(write=False)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+
+    def _grow(self) -> None:
+        size = self.env.info()["map_size"]
+        limit = _max_map_size()
+        if size >= limit:
+            raise KvragError(
+                f"store at {self.path} is full ({size >> 20} MiB, the limit); nothing stored was lost. "
+                "Free disk space or raise KVRAG_MAX_MAP_SIZE."
+            )
+        self.env.set_mapsize(min(size * 2, limit))
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __enter__(self) -> StoreEnv:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _current_file_size(path: Path) -> int:
+    data = path / "data.mdb"
+    return data.stat().st_size if data.exists() else 0
+
+
+def _has_foreign_data(env: lmdb.Environment, store: StoreEnv) -> bool:
+    """True when the main database names something other than our named databases."""
+    ours = {name.encode() for name in DB_NAMES}
+    with env.begin() as txn:
+        return any(key not in ours for key, _ in txn.cursor())

@@ -1,0 +1,134 @@
+"""Decoding over our own KV cache: greedy or sampled, one token at a time, streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvrag import KvragError
+from kvrag.blend.model import Transformer
+
+STOP_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 32
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise KvragError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise KvragError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise KvragError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+class DecodeCache:
+    """Every layer's rotated keys and values, preallocated for the prompt plus the answer.
+
+    Positions are 0..length-1, so a new token's position is `length`.
+    """
+
+    def __init__(self, model: Transformer, capacity: int):
+        c = model.cfg
+        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        self.k = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
+        self.v = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
+        self.length = 0
+
+    @classmethod
+    def from_prompt(cls, model: Transformer, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                    extra: int) -> DecodeCache:
+        """From the prompt's per-layer (rotated k [S, Hkv, hd], v [S, Hkv, hd]), with room for `extra`."""
+        n = layers[0][0].shape[0]
+        cache = cls(model, n + extra)
+        for i, (k, v) in enumerate(layers):
+            cache.k[i, :n] = k
+            cache.v[i, :n] = v
+        cache.length = n
+        return cache
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Tensor, DecodeCache]:
+    """Plain full prefill of ids [T]: last-position logits [V] and a cache ready for decoding."""
+    positions = torch.arange(ids.shape[0], device=model.device)
+    logits, kv = model.full_forward(ids, positions)
+    rope = model.positions_cos_sin(positions)
+    layers = [(model.rotate_keys(k, positions, rope), v) for k, v in kv]
+    return logits[0], DecodeCache.from_prompt(model, layers, extra)
+
+
+def decode_step(model: Transformer, cache: DecodeCache, token: int) -> torch.Tensor:
+    """Feed one token at position `cache.length`; returns the next-token logits [V]."""
+    if cache.length >= cache.capacity:
+        raise KvragError("decode cache is full")
+    n = cache.length
+    pos = torch.tensor([n], device=model.device)
+    rope = model.positions_cos_sin(pos)
+    h = model.embed(torch.tensor([token], device=model.device))  # [1, D]
+    for layer in range(model.cfg.n_layers):
+        qkv = model.project(layer, h, pos, rope)
+        cache.k[layer, n] = model.rotate_keys(qkv.k, pos, rope)[0]
+        cache.v[layer, n] = qkv.v[0]
+        attn = model.attend(qkv.q, pos, cache.k[layer, : n + 1], cache.v[layer, : n + 1], None)
+        h = model.finish(layer, h, attn)
+    cache.length = n + 1
+    return model.logits(h)[0]
+
+
+def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a temperature / nucleus (top-p) sample."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def stop_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    return ids | {vocab[m] for m in STOP_MARKERS if m in vocab}
+
+
+def generate(model: Transformer, cache: DecodeCache, first_logits: torch.Tensor, sampling: SamplingConfig,
+             stop: set[int]) -> Iterator[int]:
+    """Yield answer tokens one by one until a stop token, max_tokens or a full cache."""
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+    logits = first_logits
+    for i in range(sampling.max_tokens):
+        token = choose(logits.cpu(), sampling, generator)
+        if token in stop:
+            return
+        yield token
+        if i + 1 == sampling.max_tokens or cache.length >= cache.capacity:
+            return
+        logits = decode_step(model, cache, token)
+
+
+def stream_text(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
+    """Turn a token stream into text pieces, holding back incomplete UTF-8 sequences."""
+    seen: list[int] = []
+    emitted = ""
+    for token in tokens:
+        seen.append(token)
+        text = tokenizer.decode(seen, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            continue
+        yield text[len(emitted):]
+        emitted = text

@@ -1,0 +1,54 @@
+"""Choosing the compute device and dtype.
+
+bf16 where the hardware does it fast (CUDA, or a CPU with AMX / AVX512-BF16), float32 elsewhere;
+float32 stays the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from kvrag import KvragError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_device(choice: str | None = None) -> torch.device:
+    choice = choice or os.environ.get("KVRAG_DEVICE") or "auto"
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise KvragError("--device cuda was asked for, but no CUDA device is available")
+    if choice != "cpu" and not choice.startswith("cuda"):
+        raise KvragError(f"unknown device '{choice}' (use auto, cpu or cuda)")
+    return torch.device(choice)
+
+
+def resolve_dtype(choice: str | None, device: torch.device) -> torch.dtype:
+    """`--dtype` / `$KVRAG_DTYPE`: auto, float32 or bfloat16."""
+    choice = (choice or os.environ.get("KVRAG_DTYPE") or "auto").lower()
+    if choice == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
+    if choice not in DTYPES:
+        raise KvragError(f"unknown dtype '{choice}' (use auto, float32 or bfloat16)")
+    return DTYPES[choice]
+
+
+def set_cpu_threads() -> None:
+    """Use every core for compute (`$KVRAG_THREADS` overrides)."""
+    n = int(os.environ.get("KVRAG_THREADS") or os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))

@@ -1,0 +1,198 @@
+"""Our own layer-by-layer forward for Llama-family models (Llama, Mistral, Qwen2) over HF weights.
+
+The forward is split into per-layer primitives so that blending can run any layer on any subset
+of token rows at explicit absolute positions, and read or replace that layer's K (before rotary)
+and V:
+
+    h = embed(ids)                                   # [T, D]
+    for layer in range(n_layers):
+        qkv = model.project(layer, h, positions)     # q rotated; k *before* rotary; v
+        k_rot = model.rotate_keys(k_all, key_pos)    # rotate a fresh copy at use time
+        a = model.attend(qkv.q, positions, k_rot, v_all, key_pos)
+        h = model.finish(layer, h, a)
+    logits = model.logits(h[-1:])
+
+`full_forward` is the readable reference path (SDPA, plain causal mask) the tests hold against
+transformers' own logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from kvrag import KvragError
+from kvrag.blend import rotary
+from kvrag.blend.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [D]
+    wqkv: torch.Tensor  # [(Hq + 2*Hkv) * hd, D]  q, k, v projections fused into one matmul
+    bqkv: torch.Tensor | None  # [(Hq + 2*Hkv) * hd]  Qwen2's q/k/v bias
+    wo: torch.Tensor  # [D, Hq * hd]
+    mlp_norm: torch.Tensor  # [D]
+    w_gate_up: torch.Tensor  # [2 * I, D]  gate and up fused
+    w_down: torch.Tensor  # [D, I]
+
+
+@dataclass
+class LayerQKV:
+    q: torch.Tensor  # [T, Hq, hd]   rotated to the rows' positions
+    k: torch.Tensor  # [T, Hkv, hd]  before rotary: what the store keeps
+    v: torch.Tensor  # [T, Hkv, hd]
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KvragError(f"model weights lack '{name}'")
+            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed_tokens = take("model.embed_tokens.weight")  # [V, D]
+        self.final_norm = take("model.norm.weight")  # [D]
+        if "lm_head.weight" in tensors and not cfg.tie_embeddings:
+            self.lm_head = take("lm_head.weight")  # [V, D]
+        else:
+            self.lm_head = self.embed_tokens
+        self.layers = [self._layer_weights(i, take, tensors) for i in range(cfg.n_layers)]
+        self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [hd/2]
+
+    def _layer_weights(self, i: int, take, tensors) -> LayerWeights:
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        wqkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                          take(attn + "v_proj.weight")])
+        bqkv = None
+        if self.cfg.qkv_bias or (attn + "q_proj.bias") in tensors:
+            bqkv = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
+        return LayerWeights(
+            attn_norm=take(p + "input_layernorm.weight"),
+            wqkv=wqkv,
+            bqkv=bqkv,
+            wo=take(attn + "o_proj.weight"),
+            mlp_norm=take(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            w_down=take(p + "mlp.down_proj.weight"),
+        )
+
+    @classmethod
+    def from_safetensors(cls, cfg: ModelConfig, files: list[Path], dtype: torch.dtype,
+                         device: torch.device | str = "cpu") -> Transformer:
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    tensors[name] = sf.get_tensor(name)
+        return cls(cfg, tensors, dtype, device)
+
+    # ---- primitives -------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm computed in float32 and cast back, as transformers does."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
+        return weight * xf.to(x.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> hidden [T, D]."""
+        return self.embed_tokens[ids.to(self.device)]
+
+    def positions_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary.cos_sin(self.inv_freq, positions.to(self.device), self.dtype)
+
+    def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerQKV:
+        """Attention-norm and q/k/v of rows h [T, D] at absolute `positions` [T].
+
+        `rope` is `positions_cos_sin(positions)`, passed in when many layers share it.
+        """
+        c, w = self.cfg, self.layers[layer]
+        x = self.rms_norm(h, w.attn_norm)
+        qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, (Hq + 2*Hkv) * hd]
+        nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q = qkv[:, :nq].view(-1, c.n_heads, c.head_dim)  # [T, Hq, hd]
+        k = qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim)  # [T, Hkv, hd]
+        v = qkv[:, nq + nk:].view(-1, c.n_kv_heads, c.head_dim)  # [T, Hkv, hd]
+        cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
+        return LayerQKV(q=rotary.rotate(q, cos, sin), k=k, v=v)
+
+    def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Pre-rotary keys [S, Hkv, hd] rotated to absolute `positions` [S] (a new tensor)."""
+        cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
+        return rotary.rotate(k.to(self.dtype), cos, sin)
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_pos: torch.Tensor | None) -> torch.Tensor:
+        """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd].
+
+        A query at position p sees exactly the keys at positions <= p (absolute-position mask,
+        never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
+        Returns [R, Hq * hd].
+        """
+        g = self.cfg.group_size
+        if g > 1:  # grouped-query attention: each KV head serves g query heads
+            k = k[:, :, None, :].expand(-1, -1, g, -1).flatten(1, 2)  # [S, Hq, hd]
+            v = v[:, :, None, :].expand(-1, -1, g, -1).flatten(1, 2)  # [S, Hq, hd]
+        # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension.
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        if k_pos is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh)
+        elif _is_plain_causal(q_pos, k_pos):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        else:
+            mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+    def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
+        w = self.layers[layer]
+        h = h + F.linear(attn, w.wo)
+        x = self.rms_norm(h, w.mlp_norm)
+        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
+        return h + F.linear(F.silu(gate) * up, w.w_down)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h [R, D] -> float32 logits [R, V]."""
+        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head).float()
+
+    # ---- reference path ---------------------------------------------------------------------
+
+    def full_forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                     all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer (k, v).
+
+        Returned keys are before rotary ([T, Hkv, hd]), values as they are.
+        """
+        if positions is None:
+            positions = torch.arange(ids.shape[0])
+        positions = positions.to(self.device)
+        h = self.embed(ids)
+        rope = self.positions_cos_sin(positions)
+        kv = []
+        for layer in range(self.cfg.n_layers):
+            qkv = self.project(layer, h, positions, rope)
+            attn = self.attend(qkv.q, positions, self.rotate_keys(qkv.k, positions, rope), qkv.v, positions)
+            h = self.finish(layer, h, attn)
+            kv.append((qkv.k, qkv.v))
+        return self.logits(h if all_logits else h[-1:]), kv
+
+
+def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when queries and keys are the same increasing positions: SDPA's is_causal is exact then."""
+    if q_pos.shape != k_pos.shape or q_pos.numel() == 0:
+        return False
+    return bool((q_pos == k_pos).all()) and bool((q_pos[1:] > q_pos[:-1]).all())

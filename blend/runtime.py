@@ -1,0 +1,39 @@
+"""Everything needed to run a model: weights, tokenizer, prompt builder, device and dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrag.blend.device import resolve_device, resolve_dtype, set_cpu_threads
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import LocalModel, resolve_model
+from kvrag.blend.prompt import PromptBuilder, check_segmentation
+
+
+@dataclass
+class Runtime:
+    local: LocalModel
+    model: Transformer
+    tokenizer: object
+    prompts: PromptBuilder
+
+    @property
+    def fingerprint(self) -> str:
+        return self.local.fingerprint
+
+    @classmethod
+    def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None) -> Runtime:
+        """Resolve (and on first use convert) the model, then load it for compute."""
+        set_cpu_threads()
+        local = resolve_model(model)
+        dev = resolve_device(device)
+        tokenizer = local.load_tokenizer()
+        prompts = PromptBuilder(tokenizer)
+        check_segmentation(prompts)
+        weights = Transformer.from_safetensors(local.config, local.weight_files(), resolve_dtype(dtype, dev), dev)
+        return cls(local, weights, tokenizer, prompts)
+
+    def ids_tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device)

@@ -1,0 +1,37 @@
+"""Options and helpers shared by the commands: stderr console, JSON output, common flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvrag import KvragError
+
+MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
+                            help="Local Hugging Face model directory (default: SmolLM2-135M-Instruct).")
+DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
+DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
+JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+
+
+def stderr_console() -> Console:
+    """Progress, tables and messages go to stderr so stdout stays clean for answers and JSON."""
+    return Console(stderr=True)
+
+
+def print_json(payload) -> None:
+    sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def read_json_file(path: Path):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise KvragError(f"{path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise KvragError(f"cannot read {path} as JSON: {exc}") from None

@@ -1,0 +1,102 @@
+"""Shared fixtures: an isolated KVRAG_HOME, the real default model (converted once per session),
+and tiny random Llama/Qwen2 models built from a config, which most tests use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import torch  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MUSIQUE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
+
+
+@pytest.fixture(scope="session")
+def session_home(tmp_path_factory) -> Path:
+    """One KVRAG_HOME for the whole session, so the default model is converted once."""
+    home = tmp_path_factory.mktemp("kvrag-home")
+    os.environ["KVRAG_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(session_home, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(session_home))
+    monkeypatch.delenv("KVRAG_MODEL", raising=False)
+    monkeypatch.delenv("KVRAG_DTYPE", raising=False)
+    monkeypatch.delenv("KVRAG_STORE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def smol(session_home):
+    """The real default model (SmolLM2-135M-Instruct), converted from its GGUF once per session."""
+    from kvrag.blend.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol):
+    return smol.load_tokenizer()
+
+
+def _tiny_model_dir(root: Path, smol, arch: str, **overrides) -> Path:
+    """A randomly initialised tiny model saved as a HF directory, with SmolLM2's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2,
+    )
+    base.update(overrides)
+    config = AutoConfig.for_model(arch, **base)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is near-trivial (zero biases, unit norms); make every weight count
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / arch
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smol.path / name).exists():
+            shutil.copy(smol.path / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smol) -> Path:
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny"), smol, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smol) -> Path:
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny"), smol, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory, smol) -> Path:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny"), smol, "llama", rope_scaling=rope,
+                           rope_parameters=rope)
+
+
+@pytest.fixture(scope="session")
+def musique_items() -> list[dict]:
+    import json
+
+    if not MUSIQUE.exists():
+        pytest.skip(f"{MUSIQUE} is not there")
+    return json.loads(MUSIQUE.read_text())

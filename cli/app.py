@@ -47,9 +47,9 @@ def _root(
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to `app`, `model_app`, `store_app`.
-    from kvrag.cli import model_cmd  # noqa: F401
+    from kvrag.cli import model_cmd, precompute_cmd  # noqa: F401
 
-    for optional in ("index_cmd", "store_cmd", "precompute_cmd", "ask_cmd", "bench_cmd"):
+    for optional in ("index_cmd", "store_cmd", "ask_cmd", "bench_cmd"):
         try:
             __import__(f"kvrag.cli.{optional}")
         except ModuleNotFoundError as exc:

@@ -55,6 +55,8 @@ class StoreEnv:
             raise KvragError(f"{path} is a file, not a store directory")
         if not is_store(path):
             if not create:
+                if path.is_dir() and any(path.iterdir()):
+                    raise KvragError(f"{path} is not a kvrag store (no data.mdb); check --store")
                 raise KvragError(f"no kvrag store at {path} (run `kvrag index` first)")
             if path.exists() and any(path.iterdir()):
                 raise KvragError(f"{path} is not empty and is not a kvrag store; choose another --store")
@@ -62,7 +64,7 @@ class StoreEnv:
         try:
             env = lmdb.open(
                 str(path),
-                map_size=max(INITIAL_MAP_SIZE, _current_file_size(path)),
+                map_size=max(min(INITIAL_MAP_SIZE, _max_map_size()), _current_file_size(path)),
                 max_dbs=len(DB_NAMES) + 2,
                 readonly=readonly,
                 max_readers=256,
@@ -70,14 +72,16 @@ class StoreEnv:
             )
         except lmdb.Error as exc:
             raise KvragError(f"cannot open store at {path}: {exc}") from None
+        if _has_foreign_data(env):  # checked before our databases are created in someone else's file
+            env.close()
+            raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
         store = cls(env, path, readonly)
         if not readonly:
             with env.begin(write=True, db=store.dbs["meta"]) as txn:
                 if txn.get(STORE_MARKER) is None:
-                    if _has_foreign_data(env, store):
-                        raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
                     txn.put(STORE_MARKER, b"1")
         elif store.read(lambda txn: txn.get(STORE_MARKER, db=store.dbs["meta"])) is None:
+            env.close()
             raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
         return store
 
@@ -97,6 +101,9 @@ class StoreEnv:
                 self._grow()
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)  # another process grew the map: adopt its size
+            except lmdb.Error as exc:  # e.g. a full disk: LMDB fails the commit with an I/O error
+                raise KvragError(f"cannot write to the store at {self.path} ({exc}; is the disk full?); "
+                                 "nothing stored was lost") from None
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run `fn(txn)` in a read transaction (readers never block the writer)."""
@@ -125,7 +132,7 @@ class StoreEnv:
         limit = _max_map_size()
         if size >= limit:
             raise KvragError(
-                f"store at {self.path} is full ({size >> 20} MiB, the limit); nothing stored was lost. "
+                f"store at {self.path} is full ({size / 2**20:.1f} MiB, the limit); nothing stored was lost. "
                 "Free disk space or raise KVRAG_MAX_MAP_SIZE."
             )
         self.env.set_mapsize(min(size * 2, limit))
@@ -145,7 +152,7 @@ def _current_file_size(path: Path) -> int:
     return data.stat().st_size if data.exists() else 0
 
 
-def _has_foreign_data(env: lmdb.Environment, store: StoreEnv) -> bool:
+def _has_foreign_data(env: lmdb.Environment) -> bool:
     """True when the main database names something other than our named databases."""
     ours = {name.encode() for name in DB_NAMES}
     with env.begin() as txn:

@@ -1,0 +1,93 @@
+"""`kvrag precompute`: compute and store the KV of every indexed chunk that has none yet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from kvrag.cli.app import app
+from kvrag.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    JSON_OPTION,
+    MODEL_OPTION,
+    print_json,
+    stderr_console,
+)
+from kvrag.store.home import default_store_dir
+
+
+@app.command("precompute")
+def precompute_command(
+    store: Path = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store)."),
+    codec: str = typer.Option("fp16", "--codec", help="fp16 (default), bf16 or int8."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Compute at most N chunks this run."),
+    shard: str = typer.Option(None, "--shard", help="i/N: compute only this process's share (run N of them)."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Precompute the KV cache of every indexed chunk, so `ask` never prefills a stored passage again.
+
+    Interrupted and run again, it resumes; several processes may share one store.
+
+    Example: kvrag precompute --store ./store --codec fp16
+    """
+    from kvrag.blend.precompute import precompute
+    from kvrag.blend.runtime import Runtime
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.keys import codec_id
+    from kvrag.store.kv import Shard
+
+    codec_id(codec)  # validate before loading anything
+    parsed_shard = Shard.parse(shard) if shard else None
+    console = stderr_console()
+    with StoreEnv.open(store or default_store_dir()) as env:
+        runtime = Runtime.load(model, dtype, device)
+        progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=console, disable=as_json and not console.is_terminal)
+        task = None
+        clock = {}
+
+        def on_start(n: int) -> None:
+            nonlocal task
+            import time
+
+            clock["t0"] = time.perf_counter()
+            task = progress.add_task("precompute", total=n, rate="")
+
+        def on_progress(done: int, tokens: int, total: int) -> None:
+            import time
+
+            rate = tokens / max(1e-9, time.perf_counter() - clock["t0"])
+            progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
+
+        with progress:
+            summary = precompute(env, runtime, codec, limit, parsed_shard, on_progress, on_start)
+    if as_json:
+        print_json(summary.to_dict())
+        return
+    table = Table(title="precompute", show_header=False)
+    table.add_row("model", summary.model_fp)
+    table.add_row("codec", summary.codec)
+    table.add_row("indexed chunks", str(summary.indexed_chunks))
+    table.add_row("already stored", str(summary.already_stored))
+    table.add_row("computed now", f"{summary.computed} ({summary.tokens:,} tokens)")
+    if summary.skipped_by_others:
+        table.add_row("left to other processes", str(summary.skipped_by_others))
+    table.add_row("throughput", f"{summary.tokens_per_s:,.0f} tok/s")
+    table.add_row("store overhead", f"{summary.store_overhead:.1%} of compute time")
+    table.add_row("time", f"{summary.wall_s:.1f} s")
+    console.print(table)

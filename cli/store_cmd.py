@@ -1,0 +1,149 @@
+"""`kvrag store stats|verify|gc`: inspect and maintain the KV store. Tables go to stderr, --json to stdout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvrag import KvragError
+from kvrag.cli.app import store_app
+from kvrag.store.env import StoreEnv
+from kvrag.store.home import default_store_dir
+from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport, gc, stats, verify
+
+_SHOWN_PROBLEMS = 20  # listed one by one on stderr; all of them are in --json
+_STORE_HELP = "Store directory (default: $KVRAG_STORE, else <home>/store)."
+
+
+def _open(store: Path | None) -> StoreEnv:
+    return StoreEnv.open((store or default_store_dir()).expanduser())
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+@store_app.command("stats")
+def stats_command(
+    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON on stdout."),
+) -> None:
+    """Chunks, tokens and bytes per token of the stored KV, per model and codec, with per-layer sizes.
+
+    Example: kvrag store stats --store ./my-store
+    """
+    with _open(store) as env:
+        result = stats(env)
+    _print_stats(Console(stderr=True), result)
+    if json_out:
+        typer.echo(json.dumps(_stats_json(result), indent=2))
+
+
+@store_app.command("verify")
+def verify_command(
+    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    repair: bool = typer.Option(False, "--repair", help="Delete every chunk with a corrupt value; "
+                                                        "the next `kvrag precompute` computes it again."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Read and decode every stored value, checking checksums, lengths and shapes.
+
+    Exits 1 when something is corrupt (unless --repair deleted it).
+
+    Example: kvrag store verify --repair
+    """
+    err = Console(stderr=True)
+    with _open(store) as env, err.status("verifying every stored value"):
+        report = verify(env, repair=repair)
+    _print_verify(err, report)
+    if json_out:
+        typer.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    if not report.ok and not repair:
+        chunks = len({(p.model_fp, p.codec, p.chunk_id) for p in report.problems})
+        raise KvragError(f"{len(report.problems)} problem(s) in {chunks} chunk(s); "
+                         "`kvrag store verify --repair` deletes them so the next precompute redoes them")
+
+
+@store_app.command("gc")
+def gc_command(
+    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    model: str | None = typer.Option(None, "--model", help="Keep only this model fingerprint's KV; "
+                                                          "drop every other model's."),
+    drop_model: str | None = typer.Option(None, "--drop-model", help="Drop all KV of this model fingerprint."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would go; delete nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Drop KV of chunks that are no longer indexed, and of other models with --model / --drop-model.
+
+    Model fingerprints are listed by `kvrag store stats`. LMDB reuses the freed pages; the file
+    does not shrink.
+
+    Example: kvrag store gc --model 3f2a9c0d1e4b5a6f7c8d9e0f
+    """
+    from kvrag.store.chunks import ChunkTable
+
+    with _open(store) as env:
+        indexed = ChunkTable(env).ids()
+        if not indexed:
+            if model is None and drop_model is None:
+                raise KvragError(f"no chunks are indexed in {env.path}, so gc would drop all KV; "
+                                 "run `kvrag index` first, or use --model / --drop-model")
+            indexed = None  # only the model-wise drop
+        report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run)
+    _print_gc(Console(stderr=True), report)
+    if json_out:
+        typer.echo(json.dumps(asdict(report), indent=2))
+
+
+def _stats_json(result: StoreStats) -> dict:
+    out = asdict(result)
+    for group, raw in zip(result.groups, out["groups"], strict=True):
+        raw["bytes_per_token"] = round(group.bytes_per_token, 1)
+    return out
+
+
+def _print_stats(err: Console, result: StoreStats) -> None:
+    err.print(f"store {result.path} (schema {result.schema_version}): {_mib(result.used_bytes)} used, "
+              f"map {_mib(result.map_size)}; models: {', '.join(result.models) or 'none'}")
+    if not result.groups:
+        err.print("no KV stored yet (run `kvrag precompute`)")
+        return
+    table = Table("model", "codec", "chunks", "tokens", "size", "bytes/token", "layers", "preamble")
+    for g in result.groups:
+        table.add_row(g.model_fp, g.codec, f"{g.chunks:,}", f"{g.tokens:,}", _mib(g.bytes),
+                      f"{g.bytes_per_token:,.0f}", str(len(g.layer_bytes)),
+                      f"{g.preamble_tokens} tokens" if g.preamble_tokens else "missing")
+    err.print(table)
+    for g in result.groups:
+        if g.layer_bytes:
+            sizes = " ".join(f"{b / (1 << 20):.1f}" for b in g.layer_bytes)
+            err.print(f"{g.model_fp} {g.codec} per-layer MiB: {sizes}")
+        if g.damaged_records:
+            err.print(f"[red]{g.damaged_records} damaged chunk record(s): run `kvrag store verify`[/red]")
+
+
+def _print_verify(err: Console, report: VerifyReport) -> None:
+    err.print(f"checked {report.chunks:,} chunks, {report.values:,} values ({_mib(report.bytes)})")
+    if report.ok:
+        err.print("[green]no problems[/green]")
+        return
+    table = Table("model", "codec", "chunk", "layer", "problem")
+    for p in report.problems[:_SHOWN_PROBLEMS]:
+        table.add_row(p.model_fp, p.codec, p.chunk_id, "-" if p.layer is None else str(p.layer), p.reason)
+    err.print(table)
+    if len(report.problems) > _SHOWN_PROBLEMS:
+        err.print(f"… and {len(report.problems) - _SHOWN_PROBLEMS} more (see --json)")
+    if report.repaired_chunks:
+        err.print(f"repaired: deleted {report.repaired_chunks} chunk(s); `kvrag precompute` recomputes them")
+
+
+def _print_gc(err: Console, report: GcReport) -> None:
+    verb = "would drop" if report.dry_run else "dropped"
+    models = f"; {verb} model(s) {', '.join(report.dropped_models)}" if report.dropped_models else ""
+    err.print(f"{verb} {report.dropped_chunks:,} chunk(s), {_mib(report.dropped_bytes)}{models}; "
+              f"kept {report.kept_chunks:,}")

@@ -162,7 +162,7 @@ def _print_summary(console: Console, s: IndexSummary) -> None:
     table.add_row("time", f"{s.seconds:.1f} s")
     for skip in s.skipped[:_SHOWN_SKIPS]:
         console.print(f"skipped {skip.source}: {skip.reason}" + (f" ({skip.detail})" if skip.detail else ""),
-                      highlight=False, markup=False)
+                      highlight=False, markup=False, soft_wrap=True)
     if len(s.skipped) > _SHOWN_SKIPS:
         console.print(f"... and {len(s.skipped) - _SHOWN_SKIPS} more skipped (all are listed by --json)")
     console.print(table)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag import KvragError
 from kvrag.blend.precompute import precompute
 from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import ChunkTable

@@ -1,0 +1,159 @@
+"""CacheBlend fusion: reuse loaded chunk KV, recompute only the tokens whose KV deviates most.
+
+The prompt is preamble (exact KV) + chunks (loaded KV, keys before rotary) + suffix (computed):
+
+    rows   = chunk tokens + suffix tokens, at absolute positions P .. N-1
+    layer < check_layer:  every row is computed (its fresh K/V replace the loaded ones)
+    layer = check_layer:  every row's K/V is computed; the top `ratio` share of chunk rows by
+                          ||fresh - loaded|| (K, V or both) is selected, and from here on only the
+                          selected rows and the suffix go on through attention and the MLP
+    layer > check_layer:  selected + suffix rows computed; their fresh K/V overwrite the loaded
+                          ones; every other chunk token's K/V is reused as loaded
+    keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change)
+    a computed row at position p sees exactly the keys at positions <= p
+
+Baselines use the same engine with a fixed set of computed rows: full KV reuse (suffix only) and
+prefix caching (all but the first chunk). With every chunk row selected it is a full prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvrag import KvragError
+from kvrag.blend.decode import DecodeCache
+from kvrag.blend.model import Transformer
+from kvrag.blend.prefill import LayerKV
+
+DEVIATIONS = ("k", "v", "kv")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    ratio: float = 0.15  # share of chunk tokens recomputed from the check layer on
+    check_layer: int = 1  # layers before it are computed for every token
+    deviation: str = "v"  # what ||fresh - loaded|| is measured on
+    gradual: bool = False  # re-select a smaller share at the next layers (CacheBlend's gradual filtering)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise KvragError(f"--ratio must be between 0 and 1 (or auto), got {self.ratio}")
+        if self.check_layer < 0:
+            raise KvragError(f"--check-layer must be >= 0, got {self.check_layer}")
+        if self.deviation not in DEVIATIONS:
+            raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
+
+    def selection_schedule(self) -> dict[int, float]:
+        """Layer -> share of chunk tokens kept after that layer's check."""
+        if not self.gradual or self.ratio >= 1.0:
+            return {self.check_layer: self.ratio}
+        # start wider and narrow down over two more layers, ending at `ratio`
+        wide = min(1.0, self.ratio * 2)
+        mid = (wide + self.ratio) / 2
+        return {self.check_layer: wide, self.check_layer + 1: mid, self.check_layer + 2: self.ratio}
+
+
+class ChunkKVSource(Protocol):
+    """Loaded KV of the reused chunk rows, one layer at a time (blocking until that layer is ready)."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k pre-rotary, v), each [R_loaded, Hkv, hd], for the rows this source covers."""
+        ...
+
+
+@dataclass
+class FusionResult:
+    logits: torch.Tensor  # [V] at the last prompt position
+    cache: DecodeCache  # every layer's rotated K and V of the whole prompt, ready to decode
+    selected: torch.Tensor  # chunk-row indices recomputed after the check (all chunk rows: full)
+    compute_s: float = 0.0
+    wait_s: float = 0.0  # time spent waiting for the loader
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)  # (kind, layer, start, end)
+
+
+def _deviation(kind: str, fresh_k, fresh_v, loaded_k, loaded_v) -> torch.Tensor:
+    """Per-token squared distance between fresh and loaded KV: [C]."""
+    dev = torch.zeros(fresh_k.shape[0], device=fresh_k.device)
+    if "k" in kind:  # pre-rotary keys: rotation is orthogonal, so the distance is the rotated one too
+        dev += (fresh_k.float() - loaded_k.float()).pow(2).sum(dim=(1, 2))
+    if "v" in kind:
+        dev += (fresh_v.float() - loaded_v.float()).pow(2).sum(dim=(1, 2))
+    return dev
+
+
+def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
+                  source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
+                  extra: int) -> FusionResult:
+    """Prefill preamble + chunks + suffix reusing loaded chunk KV.
+
+    rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
+    0 .. loaded_rows-1 (all chunks for blend/reuse, the first chunk for prefix caching); rows beyond
+    are computed at every layer. `config` None means no selection: loaded rows are reused at every
+    layer (full reuse or prefix caching); otherwise CacheBlend selection over the loaded rows.
+    """
+    dev = model.device
+    n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
+    n_total = n_pre + n_rest
+    positions = torch.arange(n_total, device=dev)
+    rope = model.positions_cos_sin(positions)
+    rest_pos = positions[n_pre:]
+    cache = DecodeCache(model, n_total + extra)
+    cache.length = n_total
+    # chunk rows computed at every layer: those not loaded (all of them in a full prefill)
+    result = FusionResult(torch.empty(0), cache, torch.arange(loaded_rows, n_chunk, device=dev))
+
+    schedule = config.selection_schedule() if config is not None else {}
+    first_check = min(schedule) if schedule else None
+    # rows (indices into rest) that go through attention and the MLP at the current layer
+    if config is None:
+        rows = torch.arange(loaded_rows, n_rest, device=dev)
+    else:
+        rows = torch.arange(n_rest, device=dev)
+    h = model.embed(rest_ids[rows])  # [R, D]
+
+    for layer in range(model.cfg.n_layers):
+        uses_loaded = loaded_rows > 0 and (config is None or layer >= first_check)
+        if uses_loaded:  # wait for the loader first, so compute spans exclude the wait
+            w0 = time.perf_counter()
+            loaded_k, loaded_v = source.layer(layer)  # [loaded_rows, Hkv, hd]
+            result.wait_s += time.perf_counter() - w0
+        t0 = time.perf_counter()
+        qkv = model.project(layer, h, rest_pos[rows], (rope[0][n_pre:][rows], rope[1][n_pre:][rows]))
+        k_rest = torch.empty(n_rest, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
+        v_rest = torch.empty_like(k_rest)
+        if uses_loaded:
+            k_rest[:loaded_rows] = loaded_k
+            v_rest[:loaded_rows] = loaded_v
+        k_rest[rows] = qkv.k
+        v_rest[rows] = qkv.v
+
+        keep = torch.arange(rows.shape[0], device=dev)  # positions within `rows` that go on
+        if layer in schedule:
+            # rows are the still-selected chunk rows (then the suffix); rank them by deviation
+            n_sel = int((rows < n_chunk).sum())
+            chunk_part = rows[:n_sel]
+            dev_score = _deviation(config.deviation, qkv.k[:n_sel], qkv.v[:n_sel],
+                                   loaded_k[chunk_part], loaded_v[chunk_part])
+            n_keep = min(n_sel, math.ceil(schedule[layer] * n_chunk))
+            top = torch.topk(dev_score, n_keep).indices.sort().values
+            keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])
+            result.selected = chunk_part[top]
+
+        k_all = torch.cat([preamble.k[layer].to(model.dtype), k_rest])  # [N, Hkv, hd] pre-rotary
+        v_all = torch.cat([preamble.v[layer].to(model.dtype), v_rest])  # [N, Hkv, hd]
+        k_rot = model.rotate_keys(k_all, positions, rope)
+        cache.k[layer, :n_total] = k_rot
+        cache.v[layer, :n_total] = v_all
+        rows, h = rows[keep], h[keep]
+        attn = model.attend(qkv.q[keep], rest_pos[rows], k_rot, v_all, positions)
+        h = model.finish(layer, h, attn)
+        t1 = time.perf_counter()
+        result.spans.append(("compute", layer, t0, t1))
+        result.compute_s += t1 - t0
+    result.logits = model.logits(h[-1:])[0]
+    return result

@@ -1,0 +1,180 @@
+"""Blending against a full prefill (the reference), rotation, masking and loader overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrag.blend.engine import Engine
+from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.precompute import chunk_kv, layers_to_numpy
+from kvrag.blend.runtime import Runtime
+from kvrag.store.chunks import chunk_id_for
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import KVTable
+from kvrag.store.maintenance import verify
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tiny_llama_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_dir), "float32")
+
+
+def _chunks(runtime: Runtime, items, n: int = 4, words: int = 50) -> list[tuple[str, list[int]]]:
+    """n MuSiQue passages cut to `words` words, as (chunk_id, token_ids)."""
+    out = []
+    for ctx in items[0]["ctxs"][:n]:
+        ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:words]))
+        out.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
+    return out
+
+
+@pytest.fixture
+def stored(tmp_path, tiny_runtime, musique_items):
+    """A store holding the KV of four chunks (as precompute would write them), and the chunks."""
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    engine = Engine(tiny_runtime, env)
+    chunks = _chunks(tiny_runtime, musique_items)
+    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
+    with torch.inference_mode():
+        for chunk_id, ids in chunks:
+            table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(tiny_runtime, engine.preamble, ids)))
+    yield env, engine, chunks
+    env.close()
+
+
+QUESTION = "Who was the spouse of the performer?"
+
+
+def test_ratio_one_reproduces_full_prefill(stored):
+    _, engine, chunks = stored
+    full = engine.prefill(chunks, QUESTION, mode="full")
+    blended = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=1.0))
+    assert blended.recomputed_chunk_tokens == blended.chunk_tokens
+    torch.testing.assert_close(blended.logits, full.logits, rtol=1e-4, atol=2e-4)
+    # the whole cache too, so decoding continues from the same state
+    n = full.prompt_tokens
+    torch.testing.assert_close(blended.cache.k[:, :n], full.cache.k[:, :n], rtol=1e-3, atol=1e-3)
+
+
+def test_ratio_zero_is_full_reuse(stored):
+    _, engine, chunks = stored
+    reuse = engine.prefill(chunks, QUESTION, mode="reuse")
+    zero = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=0.0))
+    assert zero.recomputed_chunk_tokens == reuse.recomputed_chunk_tokens == 0
+    torch.testing.assert_close(zero.logits, reuse.logits)
+
+
+def test_blend_lies_between_reuse_and_full(stored):
+    """Recomputing more tokens moves the logits towards the full prefill's."""
+    _, engine, chunks = stored
+    full = engine.prefill(chunks, QUESTION, mode="full").logits
+
+    def kl(mode, ratio=0.15):
+        got = engine.prefill(chunks, QUESTION, mode=mode, config=BlendConfig(ratio=ratio)).logits
+        return float(F.kl_div(got.log_softmax(-1), full.log_softmax(-1), log_target=True, reduction="sum"))
+
+    assert kl("blend", 0.5) < kl("reuse")
+    assert kl("blend", 0.5) < kl("blend", 0.05) + 1e-6
+
+
+def test_prefix_mode_reuses_only_the_first_chunk(stored):
+    _, engine, chunks = stored
+    prefix = engine.prefill(chunks, QUESTION, mode="prefix")
+    full = engine.prefill(chunks, QUESTION, mode="full")
+    # the first chunk's stored KV is exact (it was computed right after the preamble): same logits
+    assert prefix.recomputed_chunk_tokens == prefix.chunk_tokens - len(chunks[0][1])
+    torch.testing.assert_close(prefix.logits, full.logits, rtol=1e-3, atol=5e-3)
+
+
+def test_rotation_at_load_equals_computing_at_that_offset(tiny_runtime):
+    """Pre-rotary keys stored at chunk-local positions, rotated to an offset at load, give the same
+    attention scores as keys computed at that offset."""
+    model = tiny_runtime.model
+    ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(5))
+    h = model.embed(ids)
+    local = model.project(0, h, torch.arange(20))  # as stored: positions 0..19
+    offset = torch.arange(20) + 1234
+    at_offset = model.project(0, h, offset)  # computed where it will stand
+    torch.testing.assert_close(local.k, at_offset.k)  # pre-rotary keys do not depend on position
+    placed = model.rotate_keys(local.k, offset)
+    fresh = model.rotate_keys(at_offset.k, offset)
+    scores_placed = torch.einsum("qhd,khd->hqk", at_offset.q[:, ::model.cfg.group_size], placed)
+    scores_fresh = torch.einsum("qhd,khd->hqk", at_offset.q[:, ::model.cfg.group_size], fresh)
+    torch.testing.assert_close(scores_placed, scores_fresh)
+    # and the rotated cached tensor itself was not modified in place
+    torch.testing.assert_close(local.k, model.project(0, h, torch.arange(20)).k)
+
+
+def test_selected_rows_never_see_later_keys(tiny_runtime):
+    """Selected rows at positions 3 and 7 over keys 0..9: each sees keys <= its own position only.
+    A bottom-right-aligned causal mask (SDPA's is_causal with fewer queries than keys) would let the
+    row at 3 see keys 4..8 as well, and gives a different answer."""
+    model = tiny_runtime.model
+    g = torch.Generator().manual_seed(6)
+    hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
+    q = torch.randn(2, hq, hd, generator=g)
+    k = torch.randn(10, hkv, hd, generator=g)
+    v = torch.randn(10, hkv, hd, generator=g)
+    q_pos, k_pos = torch.tensor([3, 7]), torch.arange(10)
+    got = model.attend(q, q_pos, k, v, k_pos).view(2, hq, hd)
+
+    kx = k.repeat_interleave(model.cfg.group_size, dim=1)  # [10, Hq, hd]
+    vx = v.repeat_interleave(model.cfg.group_size, dim=1)
+    for r, p in enumerate(q_pos.tolist()):  # the reference: a plain softmax over keys 0..p
+        scores = torch.einsum("hd,khd->hk", q[r], kx[: p + 1]) / hd**0.5
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), vx[: p + 1])
+        torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-5)
+
+    bottom_right = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kx.transpose(0, 1)[None], vx.transpose(0, 1)[None],
+        attn_mask=torch.ones(2, 10, dtype=torch.bool).tril(diagonal=10 - 2))[0].transpose(0, 1)
+    assert not torch.allclose(bottom_right[0], got[0], atol=1e-3)
+
+
+def test_loader_overlaps_compute(tiny_runtime, stored):
+    """With a slow store, each layer's load runs while the previous layer computes (timestamps)."""
+    env, _, chunks = stored
+    engine = Engine(tiny_runtime, env, load_delay_s=0.03)
+    out = engine.prefill(chunks, QUESTION, mode="reuse")
+    loads = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "load"}
+    computes = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "compute"}
+    layers = sorted(loads)
+    assert len(layers) == tiny_runtime.model.cfg.n_layers
+    for a, b in zip(layers, layers[1:]):
+        # the load of layer b started before the compute of layer a finished
+        assert loads[b][0] < computes[a][1]
+    load_total = sum(e - s for s, e in loads.values())
+    busy = max(e for _, e in list(loads.values()) + list(computes.values())) - min(s for s, _ in loads.values())
+    compute_total = sum(e - s for s, e in computes.values())
+    assert busy < load_total + compute_total  # overlapped, not summed
+    assert busy < 1.25 * max(load_total, compute_total) + 0.02
+
+
+def test_damaged_value_is_never_used(stored, tiny_runtime):
+    env, engine, chunks = stored
+    reference = engine.prefill(chunks, QUESTION, mode="reuse").logits
+    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
+    key = table.key(chunks[1][0]).layer(2).to_bytes()
+    with env.env.begin(write=True, db=env.db("kv")) as txn:  # flip one payload byte
+        value = bytearray(txn.get(key))
+        value[-5] ^= 0x40
+        txn.put(key, bytes(value))
+    assert not verify(env).ok
+    again = engine.prefill(chunks, QUESTION, mode="reuse")
+    torch.testing.assert_close(again.logits, reference, rtol=1e-3, atol=2e-3)  # recomputed, not damaged
+    assert engine.flush_write_back() == 1  # and the store is repaired
+    assert verify(env).ok
+
+
+def test_missing_chunk_is_computed_and_written_back(stored, tiny_runtime, musique_items):
+    env, engine, chunks = stored
+    extra_ids = tiny_runtime.prompts.passage_ids("", "A passage nobody precomputed, about owls.")
+    extra = (chunk_id_for(extra_ids, tiny_runtime.local.tokenizer_fingerprint), extra_ids)
+    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
+    assert not table.has(extra[0])
+    out = engine.prefill(chunks + [extra], QUESTION, mode="blend", config=BlendConfig(ratio=1.0))
+    full = engine.prefill(chunks + [extra], QUESTION, mode="full")
+    torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=2e-4)
+    assert engine.flush_write_back() == 1 and table.has(extra[0])

@@ -59,6 +59,7 @@ class DecodeCache:
         return self.k.shape[1]
 
 
+@torch.inference_mode()
 def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Tensor, DecodeCache]:
     """Plain full prefill of ids [T]: last-position logits [V] and a cache ready for decoding."""
     positions = torch.arange(ids.shape[0], device=model.device)
@@ -68,6 +69,7 @@ def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Te
     return logits[0], DecodeCache.from_prompt(model, layers, extra)
 
 
+@torch.inference_mode()
 def decode_step(model: Transformer, cache: DecodeCache, token: int) -> torch.Tensor:
     """Feed one token at position `cache.length`; returns the next-token logits [V]."""
     if cache.length >= cache.capacity:

@@ -61,7 +61,7 @@ class _Bars:
 @app.command("index")
 def index_command(
     paths: list[str] = typer.Argument(..., help="Files, folders (walked recursively) or globs.", show_default=False),
-    store: Path | None = typer.Option(None, "--store", help="Store directory [default: $KVRAG_STORE or <home>/store]."),
+    store: Path | None = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store)."),
     model: str | None = MODEL_OPTION,
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk, as it stands in a prompt."),
     overlap: int = typer.Option(0, "--overlap", help="Tokens shared by neighbouring chunks of a document."),
@@ -106,7 +106,7 @@ def index_command(
 def search_command(
     query: str = typer.Argument(..., help="The text to search for.", show_default=False),
     k: int = typer.Option(5, "-k", "--top-k", help="How many chunks to show."),
-    store: Path | None = typer.Option(None, "--store", help="Store directory [default: $KVRAG_STORE or <home>/store]."),
+    store: Path | None = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Show the chunks retrieval finds for a query, with scores (no LLM involved).
@@ -132,7 +132,12 @@ def search_command(
              "title": h.chunk.title, "char_start": h.chunk.char_start, "char_end": h.chunk.char_end,
              "tokens": len(h.chunk.token_ids), "text": h.chunk.text} for h in hits])
         return
-    table = Table("#", "score", "chunk", "document", "text", title=f"top {len(hits)} for {query!r}")
+    table = Table(title=f"top {len(hits)} for {query!r}", expand=True)
+    table.add_column("#", justify="right")
+    table.add_column("score")
+    table.add_column("chunk", no_wrap=True)
+    table.add_column("document", max_width=28, overflow="fold")
+    table.add_column("text", ratio=1)
     for h in hits:
         snippet = " ".join(h.chunk.text.split())
         table.add_row(str(h.rank), f"{h.score:.3f}", h.chunk.chunk_id[:12], _short_doc(h.chunk),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,14 @@ def bf16_is_fast(device: str) -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
+def _dimension(path: Path) -> int:
+    """The embedding width, from the pooling config: known without loading the model."""
+    try:
+        return int(json.loads((path / "1_Pooling" / "config.json").read_text())["word_embedding_dimension"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise KvragError(f"{path} does not hold a sentence-transformers model ({exc})") from None
+
+
 class Embedder:
     """Normalised embeddings (inner product = cosine), batched, on the CPU by default.
 
@@ -51,21 +60,13 @@ class Embedder:
                  dtype: str = "auto"):
         if dtype not in ("auto", "fp32", "bf16"):
             raise KvragError(f"embedding dtype must be auto, fp32 or bf16 (got {dtype!r})")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import transformers
-        from sentence_transformers import SentenceTransformer  # heavy import, only when embedding
-
-        transformers.logging.disable_progress_bar()  # our own bars are on stderr; no stray ones
         self.path = Path(path) if path is not None else model_dir()
         self.batch_size = batch_size
-        self.model = SentenceTransformer(str(self.path), device=device, local_files_only=True)
+        self.device = device
         self.dtype = ("bf16" if bf16_is_fast(device) else "fp32") if dtype == "auto" else dtype
-        if self.dtype == "bf16":
-            import torch
-
-            self.model.to(torch.bfloat16)
-        dimension = getattr(self.model, "get_embedding_dimension", None)
-        self.dim = int(dimension() if dimension else self.model.get_sentence_embedding_dimension())
+        # The model loads at the first embed(): a re-index with nothing new never pays for it.
+        self._model = None
+        self.dim = _dimension(self.path)
         try:
             version = importlib.metadata.version(PACKAGE.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
@@ -73,6 +74,21 @@ class Embedder:
         # Vectors made by another model can't share an index: this name goes into the index. The dtype
         # is left out on purpose: bf16 and fp32 vectors of one model are interchangeable for search.
         self.fingerprint = f"{NAME}@{version}"
+
+    @property
+    def model(self):
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            import torch
+            import transformers
+            from sentence_transformers import SentenceTransformer  # heavy import, only when embedding
+
+            transformers.logging.disable_progress_bar()  # our own bars are on stderr; no stray ones
+            model = SentenceTransformer(str(self.path), device=self.device, local_files_only=True)
+            if self.dtype == "bf16":
+                model.to(torch.bfloat16)
+            self._model = model
+        return self._model
 
     def embed(self, texts: list[str], advance: Callable[[int], None] | None = None) -> np.ndarray:
         """[len(texts), dim] float32, unit norm. Texts are encoded longest first, so a batch pads little."""

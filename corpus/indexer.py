@@ -25,7 +25,7 @@ from kvrag.corpus.chunking import ChunkConfig, Chunker, PassageTokenizer
 from kvrag.corpus.documents import EMPTY, Document, ReadResult, Skipped
 from kvrag.corpus.read_json import JsonFields
 from kvrag.corpus.sources import read_path
-from kvrag.corpus.vector_index import VectorIndex, choose_factory, index_bytes, writer_lock
+from kvrag.corpus.vector_index import VectorIndex, check_factory, choose_factory, index_bytes, writer_lock
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig, chunk_id_for
 from kvrag.store.env import StoreEnv, is_store
 
@@ -105,6 +105,8 @@ def index_corpus(files: list[Path], store_dir: Path, passages: PassageTokenizer,
     store_dir = Path(store_dir).expanduser()
     config = IndexConfig(passages.fingerprint, passages.passage_format(), options.chunking.chunk_tokens,
                          options.chunking.overlap, embedder.fingerprint)
+    if options.index_factory not in (None, "auto"):
+        check_factory(options.index_factory, embedder.dim)
     if is_store(store_dir):  # refuse other chunking settings before reading anything
         with StoreEnv.open(store_dir, readonly=True) as env:
             _check_config(ChunkTable(env).read_config(), config, options, store_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrag import KvragError
-from kvrag.corpus.vector_index import VectorIndex
+from kvrag.corpus.vector_index import VectorIndex, live_generation
 from kvrag.store.chunks import ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
 
@@ -18,18 +18,23 @@ class Hit:
 
 
 class Retriever:
-    """Searches one store. The index generation is read once: a later `kvrag index` is not seen."""
+    """Searches one store. A long-lived retriever picks up a new index generation (a later
+    `kvrag index`) at its next search: the old one may name chunks that are gone."""
 
     def __init__(self, env: StoreEnv, embedder):
-        index = VectorIndex.load(env.path)
-        if index is None:
-            raise KvragError(f"the store at {env.path} has no vector index yet; run `kvrag index` first")
-        if index.embedder != embedder.fingerprint:
-            raise KvragError(f"the index was built with {index.embedder}, not {embedder.fingerprint}; "
-                             "run `kvrag index` again to re-embed")
         self.table = ChunkTable(env)
-        self.index = index
         self.embedder = embedder
+        self.path = env.path
+        self.index = self._load()
+
+    def _load(self) -> VectorIndex:
+        index = VectorIndex.load(self.path)
+        if index is None:
+            raise KvragError(f"the store at {self.path} has no vector index yet; run `kvrag index` first")
+        if index.embedder != self.embedder.fingerprint:
+            raise KvragError(f"the index was built with {index.embedder}, not {self.embedder.fingerprint}; "
+                             "run `kvrag index` again to re-embed")
+        return index
 
     def __len__(self) -> int:
         return len(self.index.ids)
@@ -42,6 +47,8 @@ class Retriever:
             raise KvragError(f"-k must be at least 1 (got {k})")
         if any(not q.strip() for q in queries):
             raise KvragError("the query is empty")
+        if live_generation(self.path) != self.index.generation:
+            self.index = self._load()
         found = self.index.search(self.embedder.embed(list(queries)), k)
         results = []
         for hits in found:

@@ -44,6 +44,23 @@ def choose_factory(n: int, override: str | None = None) -> str:
     return f"IVF{2 ** round(math.log2(4 * math.sqrt(n)))},Flat"
 
 
+def check_factory(factory: str, dim: int) -> None:
+    """Refuse a factory string faiss cannot parse before any work is done (training needs the vectors)."""
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        message = _FAISS_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+        raise KvragError(f"bad --index-factory {factory!r}: {message}") from None
+
+
+def live_generation(store_dir: Path) -> str | None:
+    """The name of the live generation (cheap: one small file), None without an index."""
+    try:
+        return json.loads((Path(store_dir) / "index" / _POINTER).read_text())["generation"]
+    except FileNotFoundError:
+        return None
+
+
 def default_nprobe(nlist: int) -> int:
     return min(nlist, max(16, nlist // 32))
 
@@ -55,6 +72,7 @@ class VectorIndex:
     index: faiss.Index
     factory: str
     embedder: str  # Embedder.fingerprint of the vectors
+    generation: str = ""  # set when loaded or saved
 
     @classmethod
     def build(cls, ids: list[str], vectors: np.ndarray, factory: str, embedder: str,
@@ -108,7 +126,7 @@ class VectorIndex:
             if ivf is not None:
                 ivf.nprobe = pointer.get("nprobe", ivf.nprobe)
             ids = [row.tobytes().hex() for row in raw_ids]
-            return cls(ids, vectors, index, pointer["factory"], pointer["embedder"])
+            return cls(ids, vectors, index, pointer["factory"], pointer["embedder"], generation)
         raise KvragError(f"the vector index in {folder} keeps changing or is damaged; run `kvrag index` again")
 
     def save(self, store_dir: Path) -> None:
@@ -124,6 +142,7 @@ class VectorIndex:
                    "count": len(self.ids), "dim": int(self.vectors.shape[1]),
                    "nprobe": ivf.nprobe if ivf is not None else None}
         _atomic_write(folder / _POINTER, lambda f: f.write(json.dumps(pointer, indent=1).encode()))
+        self.generation = generation
         for path in folder.iterdir():  # retire older generations and temp files of crashed runs
             if path.name not in (_POINTER, _LOCK) and not path.name.startswith(generation + "."):
                 path.unlink(missing_ok=True)
@@ -131,12 +150,10 @@ class VectorIndex:
 
 def index_bytes(store_dir: Path) -> int:
     """Bytes on disk of the live generation (index, id map and vectors)."""
-    folder = Path(store_dir) / "index"
-    try:
-        generation = json.loads((folder / _POINTER).read_text())["generation"]
-    except FileNotFoundError:
+    generation = live_generation(store_dir)
+    if generation is None:
         return 0
-    return sum(p.stat().st_size for p in folder.glob(f"{generation}.*"))
+    return sum(p.stat().st_size for p in (Path(store_dir) / "index").glob(f"{generation}.*"))
 
 
 @contextmanager

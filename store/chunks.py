@@ -102,6 +102,15 @@ class DocRecord:
         return cls(d["doc"], d["source"], d["title"], d["hash"], tuple(DocChunk(*c) for c in d["chunks"]))
 
 
+def _chunk_key(chunk_id: str) -> bytes | None:
+    """The LMDB key of a chunk id, None for a string that is no chunk id (a user's typo)."""
+    try:
+        key = bytes.fromhex(chunk_id)
+    except ValueError:
+        return None
+    return key if len(key) == 16 else None
+
+
 def _doc_key(doc_id: str) -> bytes:
     # Hashed: paths plus record ids can exceed LMDB's 511-byte key limit.
     return hashlib.blake2b(doc_id.encode(), digest_size=16).digest()
@@ -153,20 +162,23 @@ class ChunkTable:
 
     # -- chunks -----------------------------------------------------------------------------------
     def get(self, chunk_id: str) -> ChunkRecord | None:
-        raw = self.env.read(lambda txn: txn.get(bytes.fromhex(chunk_id), db=self._chunks))
+        key = _chunk_key(chunk_id)
+        raw = None if key is None else self.env.read(lambda txn: txn.get(key, db=self._chunks))
         return None if raw is None else ChunkRecord.from_bytes(chunk_id, raw)
 
     def get_many(self, ids: Iterable[str]) -> list[ChunkRecord]:
-        """Records in the order of `ids`; a missing id means the store is inconsistent (KvragError)."""
+        """Records in the order of `ids`, read in one transaction. An id not in the store (or not a
+        chunk id at all) is a KvragError naming it: never a silent gap in the list."""
         ids = list(ids)
 
         def fetch(txn: lmdb.Transaction) -> list[bytes | None]:
-            return [txn.get(bytes.fromhex(i), db=self._chunks) for i in ids]
+            keys = [_chunk_key(i) for i in ids]
+            return [None if k is None else txn.get(k, db=self._chunks) for k in keys]
 
         records = []
         for chunk_id, raw in zip(ids, self.env.read(fetch), strict=True):
             if raw is None:
-                raise KvragError(f"chunk {chunk_id} is missing from the store; run `kvrag index` again")
+                raise KvragError(f"chunk {chunk_id} is not in the store at {self.env.path}")
             records.append(ChunkRecord.from_bytes(chunk_id, raw))
         return records
 

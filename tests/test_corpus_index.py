@@ -269,6 +269,21 @@ def test_index_factory_is_kept_until_auto(tmp_path, passages, embedder):
     assert VectorIndex.load(store).factory == "Flat"
 
 
+def test_a_long_lived_retriever_follows_a_new_index_generation(tmp_path, passages, embedder):
+    store = tmp_path / "store"
+    run(passages, embedder, store, make_corpus(tmp_path))
+    with StoreEnv.open(store, readonly=True) as env:
+        retriever = Retriever(env, embedder)
+        assert TOPICS["cheese"] in retriever.search("smoked sheep cheese")[0].chunk.text
+        old = VectorIndex.load(store)  # as a later `kvrag index` would: a generation without the cheese
+        keep = [i for i, chunk_id in enumerate(old.ids)
+                if TOPICS["cheese"] not in ChunkTable(env).get(chunk_id).text]
+        VectorIndex.build([old.ids[i] for i in keep], old.vectors[keep], "Flat", old.embedder).save(store)
+        hits = retriever.search("smoked sheep cheese", k=10)
+    assert len(hits) == len(keep) == len(old.ids) - 1
+    assert all(TOPICS["cheese"] not in h.chunk.text for h in hits)
+
+
 @pytest.mark.skipif(not bf16_is_fast("cpu"), reason="bf16 is emulated on this CPU: the embedder uses fp32")
 def test_bf16_embeddings_agree_with_fp32(embedder):
     assert embedder.dtype == "bf16"

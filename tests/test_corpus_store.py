@@ -61,8 +61,10 @@ def test_table_put_get_iter_count_and_ids(table):
     assert table.count() == 2
     assert sorted(table.iter(), key=lambda r: r.chunk_id) == sorted([a, b], key=lambda r: r.chunk_id)
     assert table.get_doc("/d.txt") == doc_of("/d.txt", a, b)
-    with pytest.raises(KvragError, match="missing"):
-        table.get_many([a.chunk_id, "ff" * 16])
+    for bad in ("ff" * 16, "not-hex", "abcd"):  # absent, a typo, too short: one clear error, no traceback
+        assert table.get(bad) is None
+        with pytest.raises(KvragError, match=f"chunk {bad} is not in the store at "):
+            table.get_many([a.chunk_id, bad])
 
 
 def test_an_existing_chunk_is_never_rewritten(table):

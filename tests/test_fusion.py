@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,7 +144,7 @@ def test_loader_overlaps_compute(tiny_runtime, stored):
     computes = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "compute"}
     layers = sorted(loads)
     assert len(layers) == tiny_runtime.model.cfg.n_layers
-    for a, b in zip(layers, layers[1:]):
+    for a, b in pairwise(layers):
         # the load of layer b started before the compute of layer a finished
         assert loads[b][0] < computes[a][1]
     load_total = sum(e - s for s, e in loads.values())

@@ -1,0 +1,96 @@
+"""`--ratio auto`: CacheBlend's loading controller.
+
+Pick the largest recompute share whose per-layer recompute time still hides under the per-layer
+load time, never below the quality floor r* = 0.15. The profile (compute time per layer as a
+function of rows, load time per layer per token for this codec) is measured once per machine,
+model, dtype and codec and cached in the store's `meta` database.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvrag.blend.model import Transformer
+from kvrag.store.codec import decode, encode
+from kvrag.store.env import StoreEnv
+
+QUALITY_FLOOR = 0.15
+
+
+@dataclass(frozen=True)
+class LoadComputeProfile:
+    compute_base_s: float  # per layer, independent of rows
+    compute_per_row_s: float  # per layer, per computed row (at `keys` keys)
+    load_per_token_s: float  # per layer, per loaded token: read + checksum + decompress + cast
+    keys: int
+
+    def ratio(self, chunk_tokens: int, suffix_tokens: int) -> float:
+        """Largest share r with base + per_row * (r*C + S) <= load_per_token * C, floored at 0.15."""
+        if chunk_tokens == 0:
+            return 1.0
+        load = self.load_per_token_s * chunk_tokens
+        hidden_rows = (load - self.compute_base_s) / self.compute_per_row_s - suffix_tokens
+        return float(min(1.0, max(QUALITY_FLOOR, hidden_rows / chunk_tokens)))
+
+
+def _time(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_profile(model: Transformer, codec: str, keys: int = 2048) -> LoadComputeProfile:
+    c = model.cfg
+    g = torch.Generator().manual_seed(0)
+    k_all = torch.randn(keys, c.n_kv_heads, c.head_dim, generator=g).to(model.dtype)
+    v_all = torch.randn(keys, c.n_kv_heads, c.head_dim, generator=g).to(model.dtype)
+    key_pos = torch.arange(keys)
+
+    def one_layer(rows: int) -> float:
+        h = torch.randn(rows, c.hidden_size, generator=g).to(model.dtype)
+        pos = torch.arange(keys - rows, keys)
+
+        def run():
+            qkv = model.project(1, h, pos)
+            model.finish(1, h, model.attend(qkv.q, pos, k_all, v_all, key_pos))
+
+        with torch.inference_mode():
+            run()
+            return _time(run)
+
+    small, large = 32, 512
+    t_small, t_large = one_layer(small), one_layer(large)
+    per_row = max(1e-9, (t_large - t_small) / (large - small))
+    base = max(0.0, t_small - per_row * small)
+
+    tokens = 512
+    raw = encode(np.random.default_rng(0).standard_normal((tokens, c.n_kv_heads, c.head_dim)).astype(np.float32),
+                 np.random.default_rng(1).standard_normal((tokens, c.n_kv_heads, c.head_dim)).astype(np.float32),
+                 codec)
+
+    def load():
+        d = decode(raw)
+        torch.from_numpy(d.k).to(model.dtype), torch.from_numpy(d.v).to(model.dtype)
+
+    return LoadComputeProfile(base, per_row, _time(load) / tokens, keys)
+
+
+def cached_profile(env: StoreEnv | None, model: Transformer, fingerprint: str, codec: str) -> LoadComputeProfile:
+    """The profile for this model/dtype/codec/thread count, measured on first use and kept in `meta`."""
+    key = f"profile/{fingerprint}/{codec}/{str(model.dtype)}/{torch.get_num_threads()}".encode()
+    if env is not None:
+        raw = env.read(lambda txn: txn.get(key, db=env.db("meta")))
+        if raw is not None:
+            return LoadComputeProfile(**json.loads(raw))
+    profile = measure_profile(model, codec)
+    if env is not None:
+        env.write(lambda txn: txn.put(key, json.dumps(asdict(profile)).encode(), db=env.db("meta")))
+    return profile

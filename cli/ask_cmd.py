@@ -1,0 +1,200 @@
+"""`kvrag ask`: retrieve, reuse stored KV with CacheBlend fusion, stream the answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvrag import KvragError
+from kvrag.cli.app import app
+from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, print_json, stderr_console
+from kvrag.store.home import default_store_dir
+
+
+@dataclass
+class Question:
+    text: str
+    passages: list[tuple[str, str]] | None = None  # (title, text) given with the question
+    answers: list[str] | None = None
+
+
+def parse_questions(path: Path) -> list[Question]:
+    """One question per line, or JSON / JSON Lines items (`question`, optional `ctxs`, `answers`)."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KvragError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise KvragError(f"{path} is not UTF-8 text") from None
+    items: list = []
+    if path.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise KvragError(f"{path} is not valid JSON: {exc}") from None
+        items = data if isinstance(data, list) else [data]
+    elif path.suffix == ".jsonl":
+        for n, line in enumerate(raw.splitlines(), start=1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except ValueError:
+                    raise KvragError(f"{path}:{n} is not valid JSON") from None
+    else:
+        items = [line for line in raw.splitlines() if line.strip()]
+    return [_question(item, path) for item in items]
+
+
+def _question(item, where) -> Question:
+    if isinstance(item, str):
+        return Question(item)
+    if not isinstance(item, dict) or not isinstance(item.get("question"), str):
+        raise KvragError(f"{where}: each item needs a 'question' string")
+    ctxs = item.get("ctxs")
+    passages = [(c.get("title") or "", c["text"]) for c in ctxs] if ctxs else None
+    return Question(item["question"], passages, item.get("answers"))
+
+
+@app.command("ask")
+def ask_command(
+    question: str = typer.Argument(None, help="The question ('-' or nothing with piped input: read stdin)."),
+    store: Path = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store)."),
+    k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks to retrieve."),
+    chunks: str = typer.Option(None, "--chunks", help="Comma-separated chunk ids to use instead of retrieval."),
+    questions: Path = typer.Option(None, "--questions", help="File of questions: lines, JSON or JSONL items "
+                                   "(items with 'ctxs' bring their own passages)."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Answer at most N questions from --questions."),
+    mode: str = typer.Option("blend", "--mode", help="blend, full (prefill), prefix (prefix caching), reuse."),
+    ratio: str = typer.Option("0.15", "--ratio", help="Share of chunk tokens to recompute, or 'auto'."),
+    deviation: str = typer.Option("v", "--deviation", help="Select tokens by deviation of k, v or kv."),
+    check_layer: int = typer.Option(1, "--check-layer", help="Layers before it are computed in full."),
+    gradual: bool = typer.Option(False, "--gradual", help="Gradual filtering over the next layers."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Longest answer, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    seed: int = typer.Option(None, "--seed", help="Seed for sampling."),
+    codec: str = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8."),
+    show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Answer a question from your indexed documents, reusing their precomputed KV caches.
+
+    Example: kvrag ask "Who founded the company?" --show-sources
+    """
+    from kvrag.blend.decode import SamplingConfig
+    from kvrag.blend.engine import MODES
+    from kvrag.blend.fusion import BlendConfig
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.keys import codec_id
+
+    if mode not in MODES:
+        raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
+    auto = ratio == "auto"
+    try:
+        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual)
+    except ValueError:
+        raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
+    sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
+    codec_id(codec)
+    todo = _collect_questions(question, questions, limit)
+    console = stderr_console()
+    results = []
+    with StoreEnv.open(store or default_store_dir()) as env:
+        from kvrag.blend.answer import answer_question
+        from kvrag.blend.engine import Engine
+        from kvrag.blend.runtime import Runtime
+
+        runtime = Runtime.load(model, dtype, device)
+        engine = Engine(runtime, env, codec)
+        finder = _ChunkFinder(env, runtime, k, chunks)
+        for q in todo:
+            t0 = time.perf_counter()
+            chosen, sources = finder.find(q)
+            retrieve_s = time.perf_counter() - t0
+            on_text = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+            answer, _ = answer_question(engine, chosen, q.text, mode, config, sampling, on_text, auto, codec)
+            answer.timings["retrieve"] = retrieve_s
+            answer.sources = sources
+            if not as_json:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                if show_sources:
+                    _print_sources(console, sources)
+            results.append(answer.to_dict())
+    if as_json:
+        print_json(results[0] if len(results) == 1 and questions is None else results)
+
+
+def _collect_questions(question: str | None, questions: Path | None, limit: int | None) -> list[Question]:
+    if questions is not None:
+        todo = parse_questions(questions)
+    elif question is None or question == "-":
+        if question is None and sys.stdin.isatty():
+            raise KvragError("give a question, --questions FILE, or pipe questions on stdin")
+        todo = [Question(line) for line in sys.stdin.read().splitlines() if line.strip()]
+    else:
+        todo = [Question(question)]
+    if not todo or any(not q.text.strip() for q in todo):
+        raise KvragError("the question is empty")
+    return todo[:limit] if limit else todo
+
+
+class _ChunkFinder:
+    """Chunks for a question: its own passages, explicit ids, or retrieval from the index."""
+
+    def __init__(self, env, runtime, k: int, chunk_ids: str | None):
+        from kvrag.store.chunks import ChunkTable
+
+        self.env, self.runtime, self.k = env, runtime, k
+        self.table = ChunkTable(env)
+        self.explicit = [c.strip() for c in chunk_ids.split(",") if c.strip()] if chunk_ids else None
+        self._retriever = None
+
+    def find(self, q: Question) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+        from kvrag.store.chunks import chunk_id_for
+
+        if q.passages is not None:
+            out, sources = [], []
+            for title, text in q.passages:
+                ids = self.runtime.prompts.passage_ids(title, text)
+                chunk_id = chunk_id_for(ids, self.runtime.local.tokenizer_fingerprint)
+                out.append((chunk_id, ids))
+                sources.append({"chunk_id": chunk_id, "title": title, "tokens": len(ids)})
+            return out, sources
+        if self.explicit is not None:
+            records = self.table.get_many(self.explicit)  # a missing id is a one-line KvragError
+            return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
+        if self._retriever is None:
+            from kvrag.corpus.embedder import Embedder
+            from kvrag.corpus.retrieve import Retriever
+
+            if self.table.count() == 0:
+                raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
+            self._retriever = Retriever(self.env, Embedder())
+        hits = self._retriever.search(q.text, self.k)
+        return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
+                [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+
+
+def _source(record) -> dict:
+    return {"chunk_id": record.chunk_id, "doc_id": record.doc_id, "title": record.title,
+            "tokens": len(record.token_ids)}
+
+
+def _print_sources(console, sources: list[dict]) -> None:
+    table = Table(title="sources", show_lines=False)
+    for col in ("#", "chunk", "title", "tokens", "score"):
+        table.add_column(col)
+    for n, s in enumerate(sources, start=1):
+        table.add_row(str(n), s["chunk_id"][:12], s.get("title") or s.get("doc_id", ""), str(s["tokens"]),
+                      f"{s['score']:.3f}" if "score" in s else "")
+    console.print(table)

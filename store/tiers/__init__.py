@@ -1,0 +1,44 @@
+"""Memory tiers (RAGCache on a PagedAttention block pool): GPU over host memory over the store.
+
+    allocator.py       block layout, block tables, free list and reference counts (plain Python)
+    block_pool.py      one tier's preallocated KV tensor; gather/write through block tables, copy-on-write
+    knowledge_tree.py  prefix tree over chunk-id sequences, rooted at the preamble (plain Python)
+    policies.py        PGDSF, GDSF, LRU, LFU priorities (plain Python)
+    cost_profile.py    T(cached, new) grid, bilinear interpolation, JSON cache (plain Python)
+    reorder.py         cache-aware reordering of queued questions with a starvation window
+    cache.py           TieredKVCache: the facade a long-lived process uses
+    config.py          --host-cache / --gpu-cache / --cache-policy / --reorder-window and their env vars
+    workload.py        Zipf workload over MuSiQue passages and the replay simulator
+    ablation.py        `python -m kvrag.store.tiers.ablation`: hit rate and TTFT per policy x size
+
+One question's flow (`ask --questions`, `bench`):
+
+    cache = TieredKVCache.from_config(CacheConfig.from_options(host_cache, gpu_cache, policy, window,
+                                                               cuda_available=torch.cuda.is_available()),
+                                      BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, codec),
+                                      cost=profile, preamble_tokens=len(prompt.preamble))
+    with cache.acquire(chunk_ids, [len(p) for p in prompt.passages], len(prompt.suffix)) as lease:
+        prefix = as_layers(cache.gather(lease.prefix, device))    # exact KV of chunks [0, matched)
+        for i in range(lease.matched, len(chunk_ids)):           # below the first miss: blend
+            node = lease.memory_node(i)                          # stored KV in memory, or None
+            kv_i = as_layers(cache.gather([node], device)) if node else <KVTable.get_layer(...) per layer>
+        ... blended prefill over preamble + prefix + kv_i + suffix ...
+        cache.insert(lease, [chunk_kv(i) for i in range(lease.matched, len(chunk_ids))])  # as blended
+    # the lease unpins on exit; decode from the prompt's KV as before
+
+Keys are pre-rotary in the pool as in the store; rotate copies at use time (gather returns fresh tensors).
+"""
+
+from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable
+from kvrag.store.tiers.cache import CacheStats, Lease, TieredKVCache, as_layers
+from kvrag.store.tiers.config import CacheConfig, format_bytes, parse_bytes
+from kvrag.store.tiers.cost_profile import CostProfile
+from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node
+from kvrag.store.tiers.policies import POLICY_CLASSES, make_policy
+from kvrag.store.tiers.reorder import ReorderQueue, order_priority
+
+__all__ = [
+    "GPU", "HOST", "POLICY_CLASSES", "STORE", "BlockAllocator", "BlockLayout", "BlockTable", "CacheConfig",
+    "CacheStats", "CostProfile", "KnowledgeTree", "Lease", "Node", "ReorderQueue", "TieredKVCache",
+    "as_layers", "format_bytes", "make_policy", "order_priority", "parse_bytes",
+]

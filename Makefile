@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo lint clean
+.PHONY: install test test-fast demo lint clean bench-model
 
 install: $(STAMP)
 
@@ -27,6 +27,19 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+DEMO_STORE ?= .kvrag/demo-store
+DEMO_QUESTION ?= Who was the last keeper of the Skerry Point lighthouse?
+
+# The main job on the bundled corpus: index, precompute every chunk's KV, ask with blending.
+demo: $(STAMP)
+	$(BIN)/kvrag index corpus/sample --store $(DEMO_STORE)
+	$(BIN)/kvrag precompute --store $(DEMO_STORE)
+	$(BIN)/kvrag ask "$(DEMO_QUESTION)" --store $(DEMO_STORE) --show-sources
+
+# Model load times, prefill speed (ours vs transformers, fp32/bf16), bf16 fidelity on 20 prompts.
+bench-model: $(STAMP)
+	$(BIN)/kvrag model bench --items 20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

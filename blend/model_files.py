@@ -69,12 +69,25 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+# tokenizer_config.json keys that record how a tokenizer was loaded, not what it does
+_VOLATILE_TOKENIZER_KEYS = {"local_files_only", "name_or_path", "_name_or_path", "tokenizer_file", "_commit_hash",
+                            "cache_dir", "revision", "token", "trust_remote_code"}
+
+
 def _tokenizer_digest(path: Path) -> str:
     h = xxhash.xxh3_128()
     for name in TOKENIZER_FILES:
         f = path / name
-        if f.exists():
-            h.update(name.encode() + b"\0" + f.read_bytes())
+        if not f.exists():
+            continue
+        data = f.read_bytes()
+        if name == "tokenizer_config.json":
+            try:
+                cfg = {k: v for k, v in json.loads(data).items() if k not in _VOLATILE_TOKENIZER_KEYS}
+                data = json.dumps(cfg, sort_keys=True).encode()
+            except ValueError:
+                pass  # hash the bytes as they are
+        h.update(name.encode() + b"\0" + data)
     return h.hexdigest()
 
 

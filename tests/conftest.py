@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,51 @@ def musique_items() -> list[dict]:
     if not MUSIQUE.exists():
         pytest.skip(f"{MUSIQUE} is not there")
     return json.loads(MUSIQUE.read_text())
+
+
+# ---- a small indexed corpus and the CLI in a subprocess -------------------------------------------
+
+DOCS = {
+    "rivers.txt": "The Nile is the longest river in Africa. It flows north through Egypt.\n\n"
+                  "The Amazon carries more water than any other river on Earth.",
+    "lakes.md": "# Lakes\n\nLake Baikal in Siberia is the deepest lake, over 1,600 metres deep. " * 6,
+    "peaks.txt": "Mount Everest is the highest mountain above sea level, at 8,849 metres. " * 4,
+    "deserts.txt": "The Sahara is the largest hot desert. Antarctica is the largest cold desert. " * 5,
+    "seas.txt": "The Dead Sea's shore is the lowest land on Earth, about 430 metres below sea level. " * 3,
+}
+
+
+def run_kvrag(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "kvrag", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvrag {' '.join(args)} failed:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def indexed_store(tmp_path_factory, smol) -> Path:
+    """A store with the five small documents indexed (SmolLM2's tokenizer), made once per module."""
+    root = tmp_path_factory.mktemp("precompute")
+    docs = root / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    store = root / "store"
+    run_kvrag("index", str(docs), "--store", str(store))
+    return store
+
+
+@pytest.fixture
+def store_copy(indexed_store, tmp_path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(indexed_store, copy)
+    return copy
+
+
+
+
+@pytest.fixture
+def kvrag():
+    """Run the CLI in a subprocess: kvrag(*args, env=None, check=True) -> CompletedProcess."""
+    return run_kvrag

@@ -126,3 +126,16 @@ def test_dtype_choice(monkeypatch):
     assert resolve_dtype(None, cpu) == torch.float32
     with pytest.raises(KvragError, match="unknown dtype"):
         resolve_dtype("float8", cpu)
+
+
+def test_fingerprint_ignores_how_the_tokenizer_was_loaded(tiny_llama_dir, tmp_path):
+    """tokenizer_config.json records load-time flags (local_files_only); they must not change ids."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    cfg["local_files_only"] = not cfg.get("local_files_only", False)
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg, indent=3))
+    assert resolve_model(str(copy)).tokenizer_fingerprint == resolve_model(str(tiny_llama_dir)).tokenizer_fingerprint
+    cfg["eos_token"] = "<|something_else|>"
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert resolve_model(str(copy)).tokenizer_fingerprint != resolve_model(str(tiny_llama_dir)).tokenizer_fingerprint

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -21,43 +20,6 @@ from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.maintenance import verify
-
-DOCS = {
-    "rivers.txt": "The Nile is the longest river in Africa. It flows north through Egypt.\n\n"
-                  "The Amazon carries more water than any other river on Earth.",
-    "lakes.md": "# Lakes\n\nLake Baikal in Siberia is the deepest lake, over 1,600 metres deep. " * 6,
-    "peaks.txt": "Mount Everest is the highest mountain above sea level, at 8,849 metres. " * 4,
-    "deserts.txt": "The Sahara is the largest hot desert. Antarctica is the largest cold desert. " * 5,
-    "seas.txt": "The Dead Sea's shore is the lowest land on Earth, about 430 metres below sea level. " * 3,
-}
-
-
-def kvrag(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "kvrag", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kvrag {' '.join(args)} failed:\n{proc.stderr}")
-    return proc
-
-
-@pytest.fixture(scope="module")
-def indexed_store(tmp_path_factory, smol) -> Path:
-    """A store with the five small documents indexed (SmolLM2's tokenizer), made once per module."""
-    root = tmp_path_factory.mktemp("precompute")
-    docs = root / "docs"
-    docs.mkdir()
-    for name, text in DOCS.items():
-        (docs / name).write_text(text)
-    store = root / "store"
-    kvrag("index", str(docs), "--store", str(store))
-    return store
-
-
-@pytest.fixture
-def store_copy(indexed_store, tmp_path) -> Path:
-    copy = tmp_path / "store"
-    shutil.copytree(indexed_store, copy)
-    return copy
 
 
 def _hf_cache_keys_values(path: Path, ids: torch.Tensor):
@@ -127,7 +89,7 @@ def test_two_codecs_and_a_preamble_share_one_store(store_copy, tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_killed_precompute_resumes_cleanly(indexed_store, tmp_path, tiny_llama_dir):
+def test_killed_precompute_resumes_cleanly(indexed_store, tmp_path, tiny_llama_dir, kvrag):
     """kill -9 a real `kvrag precompute` at random moments; the store verifies clean each time and the
     runs together store every chunk exactly once."""
     for seed in range(3):
@@ -164,7 +126,7 @@ def test_interrupt_releases_claims(store_copy, tiny_llama_dir, monkeypatch):
         assert again.already_stored == 2 and again.computed == 3
 
 
-def test_refusals_are_one_clear_line(tmp_path, store_copy, tiny_llama_dir):
+def test_refusals_are_one_clear_line(tmp_path, store_copy, tiny_llama_dir, kvrag):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("hello")
     proc = kvrag("precompute", "--store", str(tmp_path / "junk"), check=False)
@@ -186,7 +148,7 @@ def test_refusals_are_one_clear_line(tmp_path, store_copy, tiny_llama_dir):
     assert proc.returncode == 1 and "another tokenizer" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_full_store_keeps_what_was_stored(store_copy, tiny_llama_dir):
+def test_full_store_keeps_what_was_stored(store_copy, tiny_llama_dir, kvrag):
     runtime = Runtime.load(str(tiny_llama_dir), "float32")
     with StoreEnv.open(store_copy) as env:
         precompute(env, runtime, limit=2)

@@ -105,6 +105,13 @@ def test_pgdsf_averages_cost_per_uncached_token_over_computing_requests():
     assert a.priority[HOST] == pytest.approx(cache.clocks[HOST] + 2 * a.stats.cost_per_token)
 
 
+def test_measured_cost_replaces_the_profile():
+    cache = TieredKVCache(LAYOUT, 8 * BLOCK, cost=PROFILE)
+    with cache.acquire(["a"], [8], 2) as lease:
+        (a,) = cache.insert(lease, [kv(8, 0)], cost_s=0.5)
+    assert a.stats.cost_per_token == pytest.approx(0.5 / 10)
+
+
 def test_only_leaves_are_evicted_even_at_lowest_priority():
     cache = TieredKVCache(LAYOUT, 3 * BLOCK, policy="lru", cost=PROFILE)
     ask(cache, "ab", [4, 4])

@@ -28,6 +28,7 @@ from kvrag import KvragError
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
 from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
+from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS
 from kvrag.store.tiers.workload import (
     Corpus,
     SimResult,
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
     p.add_argument("--order", choices=("rank", "drawn"), default="rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drift", type=int, default=0, help="re-rank popularity every N requests (0: stationary)")
+    p.add_argument("--forget-evicted", action="store_true",
+                   help="statistics die with their node (in-cache counts) instead of being remembered per path")
     p.add_argument("--sizes", default=SIZES)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--reorder-window", type=int, default=32)
@@ -92,11 +96,12 @@ def run(args: argparse.Namespace) -> dict:
     layout = BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "fp16")
     profile = cost_profile(local, args.profile_layers, args.refresh_profile)
 
-    spec = WorkloadSpec(args.requests, args.k, args.zipf, args.order, args.seed)
+    spec = WorkloadSpec(args.requests, args.k, args.zipf, args.order, args.seed, args.drift)
     requests = zipf_requests(ids, lengths, suffixes, spec)
     sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
     policies = [s.strip().lower() for s in args.policies.split(",")]
-    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=args.warmup, queue_depth=args.queue_depth)
+    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=args.warmup, queue_depth=args.queue_depth,
+                  remember_paths=0 if args.forget_evicted else MAX_PATH_STATS)
     results: list[SimResult] = []
     for size in sizes:
         for policy in policies:
@@ -115,7 +120,8 @@ def run(args: argparse.Namespace) -> dict:
                      "chunks_requested": len({c for r in requests for c in r.chunk_ids}),
                      "bytes_per_token": layout.bytes_per_token,
                      "all_chunks_bytes": sum(layout.blocks_for(n) for n in lengths) * layout.bytes_per_block,
-                     "queue_depth": args.queue_depth, "reorder_window": args.reorder_window},
+                     "queue_depth": args.queue_depth, "reorder_window": args.reorder_window,
+                     "statistics": "in-cache" if args.forget_evicted else "remembered per path"},
         "profile": {"meta": profile.meta, "T(0,600)": profile.time(0, 600), "T(3000,600)": profile.time(3000, 600),
                     "T(0,3000)": profile.time(0, 3000), "T(600,2400)": profile.time(600, 2400)},
         "results": [r.to_dict() for r in results],
@@ -263,7 +269,8 @@ def render(report: dict) -> str:
     w = report["workload"]
     lines = [
         f"workload: {w['n_requests']} questions ({w['warmup']} warm-up), k={w['k']}, Zipf s={w['zipf']} over "
-        f"{w['distinct_chunks']} MuSiQue passages (order: {w['order']}, seed {w['seed']}); top 3% of passages "
+        f"{w['distinct_chunks']} MuSiQue passages (order: {w['order']}, seed {w['seed']}, drift every "
+        f"{w.get('drift_every') or 'never'}; statistics {w.get('statistics', '?')}); top 3% of passages "
         f"get {w['top3pct_share']:.0%} of requests; mean chunk {w['mean_chunk_tokens']:.0f} tokens, preamble "
         f"{w['preamble_tokens']}, suffix {w['mean_suffix_tokens']:.0f}; all passages = "
         f"{format_bytes(w['all_chunks_bytes'])} of KV",

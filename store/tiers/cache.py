@@ -31,7 +31,7 @@ from kvrag.store.tiers.allocator import BlockLayout, BlockTable
 from kvrag.store.tiers.block_pool import BlockPool, Layers
 from kvrag.store.tiers.config import CacheConfig
 from kvrag.store.tiers.cost_profile import CostProfile
-from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node
+from kvrag.store.tiers.knowledge_tree import GPU, HOST, MAX_PATH_STATS, STORE, KnowledgeTree, Node
 from kvrag.store.tiers.policies import Policy, make_policy
 
 
@@ -111,13 +111,14 @@ class TieredKVCache:
     def __init__(self, layout: BlockLayout, host_bytes: int, gpu_bytes: int = 0,
                  policy: str | Policy = "pgdsf", *, cost: CostProfile | None = None,
                  preamble_tokens: int = 0, gpu_device: str | torch.device | None = None,
-                 materialize: bool = True, share_identical: bool = True, pin_host: bool = False):
+                 materialize: bool = True, share_identical: bool = True, pin_host: bool = False,
+                 remember_paths: int = MAX_PATH_STATS):
         self.layout = layout
         self.policy = make_policy(policy)
         self.cost = cost or CostProfile.linear()
         self.preamble_tokens = preamble_tokens
         self.share_identical = share_identical
-        self.tree = KnowledgeTree()
+        self.tree = KnowledgeTree(remember_paths)  # 0: statistics die with their node (in-cache counts)
         self.stats = CacheStats()
         self.pools: dict[str, BlockPool] = {}
         self.budgets = {HOST: host_bytes, GPU: gpu_bytes}
@@ -231,13 +232,15 @@ class TieredKVCache:
 
     # --- inserting -------------------------------------------------------------------------------
 
-    def insert(self, lease: Lease, kvs: Sequence[Layers] | None = None) -> list[Node]:
+    def insert(self, lease: Lease, kvs: Sequence[Layers] | None = None, *,
+               cost_s: float | None = None) -> list[Node]:
         """Cache the chunks below the lease's match, in order, as they stood in this prompt.
 
         kvs[j] is chunk (lease.matched + j)'s per-layer (K pre-rotary, V), each [T, kv_heads, head_dim];
         fewer than the remaining chunks may be given. A cache made with materialize=False takes None and
-        keeps the bookkeeping only. Returns the nodes now on the path (new or found); they stay pinned
-        until the lease is released.
+        keeps the bookkeeping only. `cost_s`, the request's measured prefill time, replaces the profile's
+        T(cached, new) in PGDSF's Cost/Size. Returns the nodes now on the path (new or found); they stay
+        pinned until the lease is released.
         """
         with self._lock:
             if lease.released or lease.insert_done:
@@ -249,7 +252,10 @@ class TieredKVCache:
                 raise ValueError(f"{count} chunks given, only {len(lease.chunk_ids) - first} below the match")
             if kvs is None and self.pools[HOST].materialized:
                 raise ValueError("this cache holds tensors: insert needs the chunks' KV")
-            per_token = self.cost.per_token(lease.cached_tokens, lease.new_tokens)
+            if cost_s is not None:
+                per_token = cost_s / max(lease.new_tokens, 1)
+            else:
+                per_token = self.cost.per_token(lease.cached_tokens, lease.new_tokens)
             parent = lease.prefix[-1] if lease.prefix else self.tree.root
             out = []
             for j in range(count):

@@ -25,6 +25,7 @@ import xxhash
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.cost_profile import CostProfile
+from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS
 from kvrag.store.tiers.reorder import ReorderQueue, order_priority
 
 ORDERS = ("rank", "drawn")
@@ -58,9 +59,10 @@ class WorkloadSpec:
     zipf: float = 1.0  # popularity exponent s
     order: str = "rank"  # "rank": best-ranked first; "drawn": in the order drawn
     seed: int = 0
+    drift_every: int = 0  # > 0: popularity is re-ranked (a new shuffle) every this many requests
 
     def __post_init__(self) -> None:
-        if self.n_requests < 1 or self.k < 1 or self.zipf < 0:
+        if self.n_requests < 1 or self.k < 1 or self.zipf < 0 or self.drift_every < 0:
             raise ValueError(f"bad workload spec {self}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
@@ -86,6 +88,8 @@ def zipf_requests(ids: Sequence[str], lengths: Sequence[int], suffix_lengths: Se
     cum = _cumulative(weights)
     out = []
     for rid in range(spec.n_requests):
+        if spec.drift_every and rid and rid % spec.drift_every == 0:
+            rng.shuffle(order)  # what was popular no longer is
         ranks: list[int] = []
         while len(ranks) < spec.k:
             r = rng.choices(range(len(ids)), cum_weights=cum)[0]
@@ -143,7 +147,7 @@ class SimResult:
 
 def simulate(requests: Sequence[Request], layout: BlockLayout, profile: CostProfile, policy: str,
              host_bytes: int, *, preamble_tokens: int = 0, reorder: bool = False, window: int = 32,
-             queue_depth: int = 1, warmup: int = 0) -> SimResult:
+             queue_depth: int = 1, warmup: int = 0, remember_paths: int = MAX_PATH_STATS) -> SimResult:
     """Replay `requests` through a bookkeeping-only cache; the first `warmup` (by arrival) are not counted.
 
     Questions wait in a closed loop of `queue_depth`: whenever one is answered the next arrives, so
@@ -151,7 +155,7 @@ def simulate(requests: Sequence[Request], layout: BlockLayout, profile: CostProf
     """
     start = time.perf_counter()
     cache = TieredKVCache(layout, host_bytes, 0, policy, cost=profile, preamble_tokens=preamble_tokens,
-                          materialize=False)
+                          materialize=False, remember_paths=remember_paths)
 
     def score(req: Request) -> float:
         return order_priority(*cache.peek(req.chunk_ids, req.lengths, req.suffix_tokens))

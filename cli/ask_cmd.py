@@ -13,7 +13,14 @@ from rich.table import Table
 
 from kvrag import KvragError
 from kvrag.cli.app import app
-from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, print_json, stderr_console
+from kvrag.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    JSON_OPTION,
+    MODEL_OPTION,
+    print_json,
+    stderr_console,
+)
 from kvrag.store.home import default_store_dir
 
 

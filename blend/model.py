@@ -101,9 +101,8 @@ class Transformer:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm computed in float32 and cast back, as transformers does."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
-        return weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_eps)  # one fused kernel
+        return weight * normed.to(x.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> hidden [T, D]."""

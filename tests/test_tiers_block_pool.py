@@ -164,3 +164,19 @@ def test_bookkeeping_only_pool():
     assert pool.num_free == 0 and not pool.materialized
     with pytest.raises(RuntimeError, match="bookkeeping only"):
         pool.gather([t])
+
+
+def test_bookkeeping_imports_without_torch():
+    """DESIGN: keys, tree, block tables and policies are plain Python, testable without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import kvrag.store.tiers as t\n"
+            "from kvrag.store.tiers import allocator, knowledge_tree, policies, cost_profile, reorder, config\n"
+            "a = t.BlockAllocator(3); a.allocate(2); a.check()\n"
+            "tree = t.KnowledgeTree(); tree.add(tree.root, 'c', 5)\n"
+            "print(len(tree), t.order_priority(1, 2))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0.5"]

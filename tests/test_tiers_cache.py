@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrag import KvragError
 from kvrag.store.tiers import GPU, HOST, STORE, BlockLayout, CostProfile, TieredKVCache, as_layers
 from kvrag.store.tiers.policies import GDSF, LFU, LRU, PGDSF, AccessStats, make_policy
 
@@ -87,7 +88,7 @@ def test_policy_formulas():
     assert LFU().priority(s, 1.0) == 3
     assert AccessStats(size=4, solo_cost=0.2).cost_per_token == 0.2  # never computed: the chunk's own cost
     assert make_policy("PGDSF").name == "pgdsf"
-    with pytest.raises(Exception, match="unknown cache policy"):
+    with pytest.raises(KvragError, match="unknown cache policy"):
         make_policy("arc")
 
 
@@ -215,6 +216,22 @@ def test_identical_blocks_are_shared_with_the_stored_kv():
     assert torch.equal(cache.gather([ba])[0, 0], blended[0][0])
 
 
+def test_put_stored_serves_a_chunk_anywhere_below_the_first_miss():
+    cache = TieredKVCache(LAYOUT, 8 * BLOCK, cost=PROFILE, preamble_tokens=10)
+    with cache.acquire(["x", "c"], [4, 8]) as lease:
+        assert lease.tiers == [STORE, STORE]
+        cache.insert(lease, [kv(4, 1.0), kv(8, 2.0)])  # the path x/c, as blended
+    c = cache.put_stored("c", kv(8, 5.0))  # c as the store holds it
+    assert c is not None and c.path == ("c",) and cache.put_stored("c", kv(8, 6.0)) is c
+    assert c.stats.cost_per_token == pytest.approx(PROFILE.per_token(10, 8))
+    with cache.acquire(["y", "c"], [4, 8]) as lease:
+        assert lease.tiers == [STORE, HOST] and lease.memory_node(1) is c
+        assert torch.equal(cache.gather([lease.memory_node(1)])[0, 0], kv(8, 5.0)[0][0])
+    with pytest.raises(ValueError, match="expected 1 layers"):
+        cache.put_stored("d", [kv(4, 0)[0], kv(4, 0)[0]])
+    cache.check()
+
+
 def test_insert_checks_shapes_and_as_layers():
     cache = TieredKVCache(LAYOUT, 8 * BLOCK, cost=PROFILE)
     with cache.acquire(["a"], [4]) as lease:
@@ -231,5 +248,5 @@ def test_insert_checks_shapes_and_as_layers():
 def test_gpu_budget_without_cuda_is_a_user_error():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here")
-    with pytest.raises(Exception, match="needs a CUDA device"):
+    with pytest.raises(KvragError, match="needs a CUDA device"):
         TieredKVCache(LAYOUT, BLOCK, BLOCK)

@@ -105,6 +105,11 @@ def run_stream(policy: str, gpu_blocks: int, host_blocks: int, slack: int, ops: 
             for i, node in enumerate(inserted, start=lease.matched):
                 assert node.path == tuple(ids[: i + 1])
                 assert torch.equal(cache.gather([node]), expected([node.path]))
+            if use_base:  # keep what came from the store in memory too
+                for i in range(lease.matched, len(ids)):
+                    if lease.tiers[i] == "store":
+                        node = cache.put_stored(ids[i], content((ids[i],)))
+                        assert node is None or torch.equal(cache.gather([node]), expected([(ids[i],)]))
             open_leases.append(lease)
             if not hold or len(open_leases) > 3:
                 cache.release(open_leases.pop(0))

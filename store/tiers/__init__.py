@@ -21,7 +21,11 @@ One question's flow (`ask --questions`, `bench`):
         prefix = as_layers(cache.gather(lease.prefix, device))    # exact KV of chunks [0, matched)
         for i in range(lease.matched, len(chunk_ids)):           # below the first miss: blend
             node = lease.memory_node(i)                          # stored KV in memory, or None
-            kv_i = as_layers(cache.gather([node], device)) if node else <KVTable.get_layer(...) per layer>
+            if node is None:
+                kv_i = <KVTable.get_layer(...) per layer>        # a store read
+                cache.put_stored(chunk_ids[i], kv_i)             # in memory next time, wherever it stands
+            else:
+                kv_i = as_layers(cache.gather([node], device))   # or cache.gather_layer(...) per layer
         ... blended prefill over preamble + prefix + kv_i + suffix ...
         cache.insert(lease, [chunk_kv(i) for i in range(lease.matched, len(chunk_ids))])  # as blended
     # the lease unpins on exit; decode from the prompt's KV as before
@@ -30,12 +34,23 @@ Keys are pre-rotary in the pool as in the store; rotate copies at use time (gath
 """
 
 from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable
-from kvrag.store.tiers.cache import CacheStats, Lease, TieredKVCache, as_layers
 from kvrag.store.tiers.config import CacheConfig, format_bytes, parse_bytes
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node
 from kvrag.store.tiers.policies import POLICY_CLASSES, make_policy
 from kvrag.store.tiers.reorder import ReorderQueue, order_priority
+
+_TORCH_NAMES = {"CacheStats", "Lease", "TieredKVCache", "as_layers"}  # from cache.py, which needs torch
+
+
+def __getattr__(name: str):
+    """Import the torch side on first use, so the bookkeeping modules import without torch."""
+    if name in _TORCH_NAMES:
+        from kvrag.store.tiers import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GPU", "HOST", "POLICY_CLASSES", "STORE", "BlockAllocator", "BlockLayout", "BlockTable", "CacheConfig",

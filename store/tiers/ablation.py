@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue-depth", type=int, default=64, help="questions waiting (saturated closed loop)")
     p.add_argument("--profile-layers", type=int, default=2)
     p.add_argument("--refresh-profile", action="store_true")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile JSON to use (measured and saved there if absent; default: in $KVRAG_HOME)")
     p.add_argument("--measure-load", action="store_true", help="time a memory hit against a store hit")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     suffixes = [len(builder.build([], q).suffix) for q in corpus.questions]
     cfg = local.config
     layout = BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "fp16")
-    profile = cost_profile(local, args.profile_layers, args.refresh_profile)
+    profile = cost_profile(local, args.profile_layers, args.refresh_profile, args.profile)
 
     spec = WorkloadSpec(args.requests, args.k, args.zipf, args.order, args.seed, args.drift)
     requests = zipf_requests(ids, lengths, suffixes, spec)
@@ -132,13 +135,15 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def cost_profile(local, layers: int, refresh: bool) -> CostProfile:
+def cost_profile(local, layers: int, refresh: bool, path: Path | None = None) -> CostProfile:
     import torch
 
     from kvrag.blend.device import resolve_device, resolve_dtype
 
     dev = resolve_device(None)
-    key = {"model": local.fingerprint, "device": str(dev), "dtype": str(resolve_dtype(None, dev)),
+    # timing depends on the model's shapes, not on its weights or tokenizer
+    shape = hashlib.blake2b(repr(local.config).encode(), digest_size=8).hexdigest()
+    key = {"model_config": shape, "device": str(dev), "dtype": str(resolve_dtype(None, dev)),
            "threads": str(os.environ.get("KVRAG_THREADS") or os.cpu_count()), "torch": torch.__version__,
            "layers_timed": str(layers), "repeats": "3", "grid": f"{CACHED_GRID}x{NEW_GRID}"}
 
@@ -153,7 +158,7 @@ def cost_profile(local, layers: int, refresh: bool) -> CostProfile:
         log(f"profile done in {time.perf_counter() - t0:.0f}s")
         return prof
 
-    return load_or_measure(key, run_measure, refresh=refresh)
+    return load_or_measure(key, run_measure, path=path, refresh=refresh)
 
 
 def prefill_timer(layers: int):

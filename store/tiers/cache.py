@@ -78,6 +78,7 @@ class Lease:
     cache: TieredKVCache | None = field(default=None, repr=False)
     released: bool = False
     insert_done: bool = False
+    tick: int = 0  # the cache's logical time when acquired
 
     @property
     def matched(self) -> int:
@@ -177,7 +178,8 @@ class TieredKVCache:
             if use_base:
                 for i in range(len(prefix), len(chunk_ids)):
                     base[i] = self.tree.base(chunk_ids[i])
-            lease = Lease(chunk_ids, lengths, suffix_tokens, self.preamble_tokens, prefix, [], base, cache=self)
+            lease = Lease(chunk_ids, lengths, suffix_tokens, self.preamble_tokens, prefix, [], base, cache=self,
+                          tick=self._tick)
             used = [n for n in prefix] + [n for n in base if n is not None]
             for node in used:
                 node.pins += 1
@@ -271,7 +273,7 @@ class TieredKVCache:
                         self.stats.not_inserted += count - j
                         break
                     lease.inserted.append(node)
-                else:  # another request put it here since this one was matched
+                elif node.stats.last_access < lease.tick:  # put here since this request was matched
                     node.stats.record_access(self._tick)
                     self._refresh(node)
                 node.pins += 1
@@ -279,6 +281,27 @@ class TieredKVCache:
                 out.append(node)
                 parent = node
             return out
+
+    def put_stored(self, chunk_id: str, layers: Layers | None, n_tokens: int | None = None) -> Node | None:
+        """Keep a chunk's stored KV (what precompute wrote: the chunk right after the preamble) as its
+        depth-1 node, so a later question finds it in memory wherever the chunk stands in its prompt.
+
+        For chunks a request read from the store; no-op (returns the node) when already cached, None
+        when there is no room. Its Cost/Size is what computing it after the preamble costs.
+        """
+        n = n_tokens if layers is None else layers[0][0].shape[0]
+        if n is None:
+            raise ValueError("put_stored needs the KV or, without tensors, n_tokens")
+        with self._lock:
+            node = self.tree.base(chunk_id)
+            if node is not None:
+                return node
+            if layers is not None:
+                self._check_layers(layers, n, chunk_id)
+            elif self.pools[HOST].materialized:
+                raise ValueError("this cache holds tensors: put_stored needs the chunk's KV")
+            return self._new_node(self.tree.root, chunk_id, n, layers, None,
+                                  self.cost.per_token(self.preamble_tokens, n))
 
     # --- state -----------------------------------------------------------------------------------
 

@@ -1,0 +1,261 @@
+"""`kvrag bench`: every method on the same questions in one run; speed and quality side by side."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+
+from kvrag import KvragError
+from kvrag.cli.app import app
+from kvrag.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    JSON_OPTION,
+    MODEL_OPTION,
+    print_json,
+    stderr_console,
+)
+
+QUICK_LIMIT = 3
+QUICK_RATIOS = "0.15"
+QUICK_ARRIVALS = 500
+QUICK_CACHE_REQUESTS = 800
+
+
+@app.command("bench")
+def bench_command(
+    dataset: Path = typer.Option(None, "--dataset", help="MuSiQue-format JSON: items with their own passages."),
+    questions: Path = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL; optional 'answers'), "
+                                   "answered over the indexed --store with retrieval."),
+    store: Path = typer.Option(None, "--store", help="Store directory (default: <home>/bench-store for --dataset, "
+                               "$KVRAG_STORE or <home>/store for --questions)."),
+    k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks retrieved per question (--questions)."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Run the first N items (with --sample: N at random)."),
+    sample: bool = typer.Option(False, "--sample", help="Take a seeded random sample of --limit items."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the method order, the sample and the workloads."),
+    methods: str = typer.Option("full,prefix,reuse,blend", "--methods",
+                                help="Comma list of full, prefix, reuse, blend (every --ratios entry), blend@R."),
+    ratios: str = typer.Option(None, "--ratios", help="Blend ratios, e.g. 0.05,0.15,0.3,auto (default; --quick: 0.15)."),
+    quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {QUICK_LIMIT} items, one ratio, short workloads."),
+    out: Path = typer.Option(None, "--out", help="Write report.json, report.md and PNG plots to this directory."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Greedy answer length, in tokens."),
+    codec: str = typer.Option("fp16", "--codec", help="Stored KV codec the loading methods read: fp16, bf16, int8."),
+    check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
+    deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
+    passage_words: int = typer.Option(None, "--passage-words", min=1, help="Cut every passage to its first N "
+                                      "words (quick experiments; not comparable with full runs)."),
+    rates: str = typer.Option(None, "--rates", help="Poisson arrival rates in questions/s (default: spread up to "
+                              "the fastest method's capacity)."),
+    ttft_limit: float = typer.Option(None, "--ttft-limit", help="TTFT limit in s for throughput (default: 3 x "
+                                     "full prefill's median TTFT)."),
+    ttft_stat: str = typer.Option("mean", "--ttft-stat", help="Which TTFT must meet the limit: mean, median, p90, p99."),
+    arrivals: int = typer.Option(None, "--arrivals", help="Simulated arrivals per rate (default 2000; --quick 500)."),
+    host_cache: str = typer.Option("4GiB", "--host-cache", help="Host tier size for the cache replay."),
+    gpu_cache: str = typer.Option("0", "--gpu-cache", help="GPU tier size for the cache replay (simulated)."),
+    cache_policy: str = typer.Option("pgdsf", "--cache-policy", help="pgdsf, gdsf, lru or lfu."),
+    cache_sizes: str = typer.Option("256MiB,1GiB,4GiB,16GiB", "--cache-sizes", help="Host sizes for hit rate vs size."),
+    cache_requests: int = typer.Option(None, "--cache-requests", help="Replayed Zipf requests (default 4000; "
+                                       "--quick 800); the first quarter warms the cache."),
+    zipf: float = typer.Option(1.0, "--zipf", help="Popularity exponent of the replayed workload."),
+    no_workloads: bool = typer.Option(False, "--sequential-only", help="Skip the Poisson and cache simulations."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Run full prefill, prefix caching, full KV reuse and blending on the same questions, and compare.
+
+    Reports TTFT (mean/median/p90/p99, ratios to full prefill per item), where TTFT went, F1/EM
+    against gold answers and fidelity to full prefill; then a Poisson-arrival throughput and memory-tier
+    hit rates, both simulated from the measured runs. Tables on stderr; --json on stdout; --out DIR
+    for report.json, report.md and plots.
+
+    Example: kvrag bench --dataset ../shared/data/musique_s.json --limit 50 --out bench-out
+    """
+    from kvrag.blend.bench.cache_sim import CacheSpec
+    from kvrag.blend.bench.methods import parse_methods
+    from kvrag.blend.bench.runner import RunConfig
+    from kvrag.blend.bench.workloads import PoissonSpec
+    from kvrag.store.tiers.config import parse_bytes
+
+    t_start = time.perf_counter()
+    if (dataset is None) == (questions is None):
+        raise KvragError("give exactly one of --dataset FILE or --questions FILE")
+    source = dataset or questions
+    if not source.exists():
+        raise KvragError(f"{source} does not exist")
+    limit = limit or (QUICK_LIMIT if quick else None)
+    chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
+    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation)
+    poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
+                          arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
+    n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)
+    cache_spec = CacheSpec(parse_bytes(host_cache, "--host-cache"), parse_bytes(gpu_cache, "--gpu-cache"),
+                           cache_policy.lower(), tuple(parse_bytes(s, "--cache-sizes") for s in cache_sizes.split(",")
+                                                       if s.strip()), requests=n_cache, warmup=n_cache // 4,
+                           zipf=zipf, seed=seed)
+    console = stderr_console()
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.home import default_store_dir, kvrag_home
+
+    store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())
+    with StoreEnv.open(store_dir, create=dataset is not None) as env:
+        from kvrag.blend.engine import Engine
+        from kvrag.blend.runtime import Runtime
+
+        with console.status("loading the model"):
+            runtime = Runtime.load(model, dtype, device)
+            engine = Engine(runtime, env, codec)
+        items, pool = _items(source, dataset is not None, env, runtime, k, limit, seed, sample, passage_words)
+        console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
+                      f"{runtime.model.dtype}, store {store_dir}")
+        from kvrag.blend.bench.runner import run_bench
+
+        with _progress(console) as on_progress:
+            bench = run_bench(engine, items, chosen, config, on_progress)
+        report = _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console,
+                         {"dataset": str(dataset) if dataset else None, "questions": str(questions) if questions else None,
+                          "store": str(store_dir), "limit": limit, "sample": sample, "seed": seed, "quick": quick,
+                          "methods": [m.name for m in chosen], "max_tokens": max_tokens, "codec": codec,
+                          "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
+                          "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
+                          "check_layer": check_layer, "deviation": deviation, "warmup": warmup,
+                          "passage_words": passage_words, "top_k": k if questions else None})
+    report["total_wall_s"] = time.perf_counter() - t_start
+    _write(report, out, as_json, console)
+
+
+def _floats(text: str | None, what: str) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KvragError(f"{what} takes comma-separated numbers, got {text!r}") from None
+
+
+def _items(source: Path, is_dataset: bool, env, runtime, k: int, limit, seed: int, sample: bool, words):
+    """The bench items, and the chunk pool (id, tokens) the cache replay draws from."""
+    from kvrag.blend.bench.items import build_items, corpus_chunks
+
+    if is_dataset:
+        items = build_items(source, runtime, limit, seed, sample, words)
+        return items, [(cid, len(ids)) for cid, ids in corpus_chunks(source, runtime, words)]
+    from kvrag.store.chunks import ChunkTable
+
+    table = ChunkTable(env)
+    retriever = None
+
+    def retrieve(question: str):
+        nonlocal retriever
+        if retriever is None:
+            from kvrag.corpus.embedder import Embedder
+            from kvrag.corpus.retrieve import Retriever
+
+            if table.count() == 0:
+                raise KvragError(f"the store at {env.path} has no indexed chunks; run `kvrag index` first")
+            retriever = Retriever(env, Embedder())
+        return [(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in retriever.search(question, k)]
+
+    items = build_items(source, runtime, limit, seed, sample, words, retrieve)
+    pool = {cid: len(ids) for item in items for cid, ids in item.chunks}
+    if table.count():
+        pool.update((r.chunk_id, len(r.token_ids)) for r in table.get_many(sorted(table.ids())))
+    return items, list(pool.items())
+
+
+@contextmanager
+def _progress(console):
+    """A progress bar per phase (setup, warm-up, runs) with the current method and an ETA."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    names = {"setup": "setup", "warmup": "warm-up", "run": "runs"}
+    with Progress(TextColumn("{task.fields[phase]:>8}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=console) as progress:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, label: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(label, total=total, phase=names.get(phase, phase))
+            progress.update(tasks[phase], description=label, completed=done, total=total)
+
+        yield update
+
+
+def _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console, cfg: dict) -> dict:
+    from kvrag.blend.bench.report import build_report, store_section
+
+    workloads = cache = None
+    if not no_workloads:
+        with console.status("simulating Poisson arrivals and the memory tiers"):
+            workloads = _poisson(bench, poisson)
+            cache = _cache(bench, runtime, config, cache_spec, pool)
+    return build_report(bench, cfg, workloads, cache, store_section(env, runtime.fingerprint, config.codec),
+                        " ".join(["kvrag", *sys.argv[1:]]))
+
+
+def _poisson(bench, spec) -> dict:
+    from kvrag.blend.bench.workloads import Service, poisson_workload
+
+    services = {m.name: [Service(r.ttft_s, r.total_s) for r in bench.by_method(m.name)] for m in bench.methods}
+    return poisson_workload(services, spec)
+
+
+def _cache(bench, runtime, config, spec, pool) -> dict:
+    from kvrag.blend.bench.cache_sim import cache_section, fit_profile
+    from kvrag.store.tiers.allocator import BlockLayout
+
+    preamble = len(runtime.prompts.preamble_ids)
+    points = []  # (cached, new, seconds) of the prefills whose cached/new split is exact
+    suffixes = {}  # per item: question + template end
+    for r in bench.runs:
+        suffix = suffixes[r.item] = r.prompt_tokens - preamble - r.chunk_tokens
+        if r.method == "full":
+            points.append((0, r.prompt_tokens, r.compute_s))
+        elif r.method == "prefix":
+            first = r.chunk_tokens - r.recomputed_chunk_tokens
+            points.append((preamble + first, r.recomputed_chunk_tokens + suffix, r.compute_s))
+        elif r.method == "reuse":
+            points.append((preamble + r.chunk_tokens, suffix, r.compute_s))
+    c = runtime.model.cfg
+    layout = BlockLayout.for_codec(c.n_layers, c.n_kv_heads, c.head_dim, config.codec)
+    k = round(statistics.median(len(item.chunks) for item in bench.items))
+    return cache_section(pool, list(suffixes.values()), k, layout, fit_profile(points), preamble, spec)
+
+
+def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
+    from kvrag.blend.bench.report import markdown, rich_tables
+
+    for table in rich_tables(report):
+        console.print(table)
+    if out is not None:
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        plots = []
+        try:
+            from kvrag.blend.bench.plots import make_plots
+
+            plots = [str(p) for p in make_plots(report, out)]
+        except ImportError:
+            console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/]")
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / "report.md").write_text(markdown(report, plots) + "\n")
+        console.print(f"wrote {out / 'report.json'}, {out / 'report.md'} and {len(plots)} plots")
+    console.print(f"bench done in {report['total_wall_s']:.0f} s")
+    if as_json:
+        print_json(report)

@@ -1,0 +1,104 @@
+"""`kvrag bench` end to end on the tiny random model over 2 MuSiQue items cut short.
+
+Checks the report's structure and that every method ran on every item; timings are measured, never
+asserted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+
+import kvrag.cli.app as appmod
+
+METHODS = ["full", "prefix", "reuse", "blend@0.15", "blend@1", "blend@auto"]
+
+
+def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module("kvrag.cli.bench_cmd"))
+    monkeypatch.setattr(sys, "argv", ["kvrag", *args])
+    try:
+        appmod.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def short_musique(tmp_path, musique_items):
+    """Two MuSiQue items, four passages each cut to 40 words."""
+    items = [{**it, "ctxs": [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:4]]}
+             for it in musique_items[:2]]
+    path = tmp_path / "musique_short.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def test_bench_runs_every_method_and_writes_the_report(monkeypatch, capsys, tmp_path, tiny_llama_dir, short_musique):
+    out_dir = tmp_path / "out"
+    code, out, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_musique), "--model", str(tiny_llama_dir),
+                         "--dtype", "float32", "--store", str(tmp_path / "store"), "--ratios", "0.15,1,auto",
+                         "--max-tokens", "4", "--arrivals", "200", "--cache-requests", "200",
+                         "--cache-sizes", "1MiB,64MiB", "--out", str(out_dir), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "kvrag-bench/1" and report["items"] == 2
+    assert set(report["machine"]["versions"]) >= {"kvrag", "python", "torch", "transformers"}
+    assert list(report["methods"]) == METHODS
+    for name, m in report["methods"].items():
+        assert m["runs"] == 2, name
+        for key in ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_ttft_ratio_to_full",
+                    "compute_share_of_ttft", "f1", "exact_match", "top1_agreement", "mean_kl",
+                    "identical_answer_share", "f1_vs_full", "mean_recomputed_tokens", "mean_bytes_loaded"):
+            assert m[key] is not None, (name, key)
+    full, reuse = report["methods"]["full"], report["methods"]["reuse"]
+    assert full["top1_agreement"] == 1.0 and full["mean_kl"] == 0.0 and full["identical_answer_share"] == 1.0
+    assert full["mean_bytes_loaded"] == 0 and reuse["mean_recomputed_tokens"] == 0 and reuse["mean_bytes_loaded"] > 0
+    assert report["methods"]["blend@1"]["recompute_share"] == 1.0
+    assert report["methods"]["blend@1"]["top1_agreement"] == 1.0  # ratio 1 is a full prefill
+    assert report["methods"]["blend@auto"]["mean_ratio_used"] >= 0.15  # never below the quality floor
+    assert report["setup"]["chunks_computed"] == report["setup"]["chunks"] == 8
+    assert report["setup"]["missing_after"] == 0  # so no timed run computed a chunk
+    for item in report["per_item"]:
+        assert sorted(item["order"]) == sorted(METHODS) and set(item["runs"]) == set(METHODS)
+    poisson = report["workloads"]["poisson"]
+    assert "simulated" in poisson["kind"] and set(poisson["methods"]) == set(METHODS)
+    assert report["cache"]["chosen"]["policy"] == "pgdsf" and len(report["cache"]["hit_rate_vs_size"]) == 8
+    assert report["store"]["bytes_per_token"] > 0
+    assert {p.name for p in out_dir.iterdir()} == {"report.json", "report.md", "ttft_vs_ratio.png",
+                                                   "quality_vs_ratio.png", "quality_vs_ttft.png",
+                                                   "hit_rate_vs_size.png"}
+    assert json.loads((out_dir / "report.json").read_text())["methods"].keys() == report["methods"].keys()
+    assert "median TTFT" in err and "| blend@auto |" in (out_dir / "report.md").read_text()
+
+    # a second run finds every chunk in the store already
+    code, out, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_musique), "--model", str(tiny_llama_dir),
+                         "--dtype", "float32", "--store", str(tmp_path / "store"), "--methods", "full,reuse",
+                         "--limit", "1", "--max-tokens", "2", "--sequential-only", "--no-warmup", "--json")
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["setup"]["chunks_computed"] == 0 and again["items"] == 1 and list(again["methods"]) == ["full", "reuse"]
+    assert again["workloads"] == {"sequential": again["workloads"]["sequential"]} and again["cache"] == {}
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "exactly one of --dataset"),
+    (("--dataset", "nope.json"), "does not exist"),
+    (("--dataset", "x.json", "--questions", "y.txt"), "exactly one of --dataset"),
+])
+def test_user_errors_are_one_line(monkeypatch, capsys, args, message):
+    code, out, err = run(monkeypatch, capsys, "bench", *args)
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_bad_options_fail_before_loading_a_model(monkeypatch, capsys, short_musique):
+    for args, message in ((("--methods", "magic"), "unknown method"), (("--ratios", "2"), "between 0 and 1"),
+                          (("--cache-policy", "fifo"), "unknown cache policy"), (("--codec", "fp8"), "codec"),
+                          (("--rates", "fast"), "--rates")):
+        code, _, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_musique), *args)
+        assert code == 1 and message in err, (args, err)

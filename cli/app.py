@@ -47,14 +47,7 @@ def _root(
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to `app`, `model_app`, `store_app`.
-    from kvrag.cli import model_cmd, precompute_cmd  # noqa: F401
-
-    for optional in ("index_cmd", "store_cmd", "ask_cmd", "bench_cmd"):
-        try:
-            __import__(f"kvrag.cli.{optional}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"kvrag.cli.{optional}":
-                raise
+    from kvrag.cli import ask_cmd, bench_cmd, index_cmd, model_cmd, precompute_cmd, store_cmd  # noqa: F401
 
 
 def main() -> None:

@@ -101,6 +101,8 @@ def bench_command(
                                                        if s.strip()), requests=n_cache, warmup=n_cache // 4,
                            zipf=zipf, seed=seed)
     console = stderr_console()
+    if not console.is_terminal:  # a log file: wide enough for the tables
+        console.width = max(console.width, 120)
     from kvrag.store.env import StoreEnv
     from kvrag.store.home import default_store_dir, kvrag_home
 

@@ -72,6 +72,14 @@ class StoreEnv:
             )
         except lmdb.Error as exc:
             raise KvragError(f"cannot open store at {path}: {exc}") from None
+        while True:
+            try:
+                return cls._check_and_mark(env, path, readonly)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # another process grew the map meanwhile: adopt its size, retry
+
+    @classmethod
+    def _check_and_mark(cls, env: lmdb.Environment, path: Path, readonly: bool) -> StoreEnv:
         if _has_foreign_data(env):  # checked before our databases are created in someone else's file
             env.close()
             raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")

@@ -163,6 +163,8 @@ def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], con
             if on_progress:
                 on_progress("warmup", method.name, n, len(methods))
             run_one(engine, items[0], method, config, short, min(WARMUP_TOKENS, config.max_tokens))
+        if on_progress:
+            on_progress("warmup", "done", len(methods), len(methods))
         bench.setup.warmup_s = time.perf_counter() - t0
     rng = random.Random(config.seed)
     total = len(items) * len(methods)

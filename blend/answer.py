@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvrag.blend.controller import cached_profile
-from kvrag.blend.decode import SamplingConfig, generate, stop_ids, stream_text
+from kvrag.blend.decode import SamplingConfig, generate, stream_text
 from kvrag.blend.engine import Engine, Prefilled
 from kvrag.blend.fusion import BlendConfig
 
@@ -53,7 +53,7 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
 
     def token_stream():
         nonlocal first_token_at
-        for token in generate(engine.model, pre.cache, pre.logits, sampling, stop_ids(engine.runtime.tokenizer)):
+        for token in generate(engine.model, pre.cache, pre.logits, sampling, engine.stop_ids):
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             tokens.append(token)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrag import KvragError
-from kvrag.blend.decode import DecodeCache, prefill
+from kvrag.blend.decode import DecodeCache, prefill, stop_ids
 from kvrag.blend.fusion import BlendConfig, fused_prefill
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
@@ -53,6 +53,7 @@ class Engine:
             _, self.preamble = extend(self.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))
         self._write_back: dict[str, tuple[Sequence[int], LayerKV]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
+        self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
 
     # ---- chunks -------------------------------------------------------------------------------
 

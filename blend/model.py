@@ -151,6 +151,13 @@ class Transformer:
             out = F.scaled_dot_product_attention(qh, kh, vh)
         elif _is_plain_causal(q_pos, k_pos):
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        elif _is_causal_tail(q_pos, k_pos):
+            # Queries are the last rows of the keys (a prefill after a cached prefix). SDPA's
+            # is_causal aligns top-left, so pad the queries with zero rows up to the keys' length,
+            # use the fast causal kernel, and drop the padding: exact, and no [R, S] mask.
+            pad = kh.shape[2] - qh.shape[2]
+            qh = F.pad(qh, (0, 0, pad, 0))
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[:, :, pad:]
         else:
             mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
@@ -188,6 +195,14 @@ class Transformer:
             h = self.finish(layer, h, attn)
             kv.append((qkv.k, qkv.v))
         return self.logits(h if all_logits else h[-1:]), kv
+
+
+def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when keys are positions 0..S-1 in order and queries are the last R of them, in order."""
+    n, r = k_pos.shape[0], q_pos.shape[0]
+    if r == 0 or r > n or int(k_pos[0]) != 0 or int(k_pos[-1]) != n - 1 or int(q_pos[0]) != n - r:
+        return False
+    return bool((q_pos[1:] - q_pos[:-1] == 1).all()) and bool((k_pos[1:] - k_pos[:-1] == 1).all())
 
 
 def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:

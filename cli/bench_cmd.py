@@ -21,10 +21,11 @@ from kvrag.cli.common import (
     stderr_console,
 )
 
-QUICK_LIMIT = 3
+QUICK_LIMIT = 2
 QUICK_RATIOS = "0.15"
 QUICK_ARRIVALS = 500
 QUICK_CACHE_REQUESTS = 800
+QUICK_MAX_TOKENS = 16
 
 
 @app.command("bench")
@@ -41,9 +42,10 @@ def bench_command(
     methods: str = typer.Option("full,prefix,reuse,blend", "--methods",
                                 help="Comma list of full, prefix, reuse, blend (every --ratios entry), blend@R."),
     ratios: str = typer.Option(None, "--ratios", help="Blend ratios, e.g. 0.05,0.15,0.3,auto (default; --quick: 0.15)."),
-    quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {QUICK_LIMIT} items, one ratio, short workloads."),
+    quick: bool = typer.Option(False, "--quick", help=f"Smoke run: {QUICK_LIMIT} items, ratio {QUICK_RATIOS}, "
+                               f"{QUICK_MAX_TOKENS}-token answers, short simulations (each overridable)."),
     out: Path = typer.Option(None, "--out", help="Write report.json, report.md and PNG plots to this directory."),
-    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Greedy answer length, in tokens."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Greedy answer length in tokens (default 32)."),
     codec: str = typer.Option("fp16", "--codec", help="Stored KV codec the loading methods read: fp16, bf16, int8."),
     check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
@@ -71,10 +73,11 @@ def bench_command(
 ) -> None:
     """Run full prefill, prefix caching, full KV reuse and blending on the same questions, and compare.
 
-    Reports TTFT (mean/median/p90/p99, ratios to full prefill per item), where TTFT went, F1/EM
-    against gold answers and fidelity to full prefill; then a Poisson-arrival throughput and memory-tier
-    hit rates, both simulated from the measured runs. Tables on stderr; --json on stdout; --out DIR
-    for report.json, report.md and plots.
+    Reports TTFT (mean/median/p90/p99, ratios to full prefill per item), where TTFT went, F1/EM against gold answers and fidelity to full prefill.
+
+    Then a Poisson-arrival throughput and memory-tier hit rates, both simulated from the measured runs.
+
+    Tables on stderr; --json on stdout; --out DIR for report.json, report.md and plots.
 
     Example: kvrag bench --dataset ../shared/data/musique_s.json --limit 50 --out bench-out
     """
@@ -91,6 +94,7 @@ def bench_command(
     if not source.exists():
         raise KvragError(f"{source} does not exist")
     limit = limit or (QUICK_LIMIT if quick else None)
+    max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
     config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation)
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
@@ -106,6 +110,7 @@ def bench_command(
     from kvrag.store.env import StoreEnv
     from kvrag.store.home import default_store_dir, kvrag_home
 
+    load_start = _warn_if_busy(console)
     store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())
     with StoreEnv.open(store_dir, create=dataset is not None) as env:
         from kvrag.blend.engine import Engine
@@ -128,9 +133,25 @@ def bench_command(
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
                           "check_layer": check_layer, "deviation": deviation, "warmup": warmup,
-                          "passage_words": passage_words, "top_k": k if questions else None})
+                          "passage_words": passage_words, "top_k": k if questions else None,
+                          "load_average_start": load_start})
     report["total_wall_s"] = time.perf_counter() - t_start
     _write(report, out, as_json, console)
+
+
+def _warn_if_busy(console) -> float | None:
+    """Timings on a shared machine measure the other jobs too; say so before spending an hour."""
+    import os
+
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    threads = int(os.environ.get("KVRAG_THREADS") or cores)
+    if load > 0.5 * cores:
+        hint = " KVRAG_THREADS=1 avoids the worst of oversubscription." if threads > 1 else ""
+        console.print(f"[yellow]warning: load average {load:.1f} on {cores} cores before the bench: timings will "
+                      f"include other jobs' work.{hint}[/]")
+    return load
 
 
 def _floats(text: str | None, what: str) -> tuple[float, ...]:

@@ -180,3 +180,18 @@ def test_missing_chunk_is_computed_and_written_back(stored, tiny_runtime, musiqu
     full = engine.prefill(chunks + [extra], QUESTION, mode="full")
     torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=2e-4)
     assert engine.flush_write_back() == 1 and table.has(extra[0])
+
+
+def test_prefill_after_a_prefix_uses_exact_causal_alignment(tiny_runtime):
+    """Queries that are the last rows of the keys (the fast padded-causal path) equal the explicit
+    absolute-position mask."""
+    model = tiny_runtime.model
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, model.cfg.n_heads, model.cfg.head_dim, generator=g)
+    k = torch.randn(12, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
+    v = torch.randn(12, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
+    q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
+    fast = model.attend(q, q_pos, k, v, k_pos)
+    shuffled = torch.tensor([11, 7, 9, 8, 10])  # same rows, not in order: takes the mask path
+    masked = model.attend(q[shuffled - 7], shuffled, k, v, k_pos)
+    torch.testing.assert_close(fast[shuffled - 7], masked, rtol=1e-5, atol=1e-5)

@@ -103,12 +103,16 @@ def make_plots(report: dict, out_dir: Path) -> list[Path]:
     curve = (report.get("cache") or {}).get("hit_rate_vs_size") or []
     if curve:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for policy in dict.fromkeys(c["policy"] for c in curve):
-            p = sorted((c["host_bytes"], c["prefix_hit_rate"]) for c in curve if c["policy"] == policy)
-            ax.plot([b / (1 << 30) for b, _ in p], [h for _, h in p], "o-", label=policy)
+        for n, policy in enumerate(dict.fromkeys(c["policy"] for c in curve)):
+            p = sorted((c["host_bytes"], c["prefix_hit_rate"], c["memory_hit_rate"]) for c in curve
+                       if c["policy"] == policy)
+            gib = [b / (1 << 30) for b, _, _ in p]
+            color = f"C{n}"
+            ax.plot(gib, [h for _, h, _ in p], "o-", color=color, label=f"{policy} prefix (exact reuse)")
+            ax.plot(gib, [m for _, _, m in p], "s--", color=color, alpha=0.6, label=f"{policy} in memory")
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="host cache (GiB)", ylabel="prefix hit rate", title="hit rate vs cache size (simulated)",
-               ylim=(0, 1))
-        ax.legend()
+        ax.set(xlabel="host cache (GiB)", ylabel="hit rate (share of chunks)",
+               title="hit rate vs cache size (simulated replay)", ylim=(0, 1))
+        ax.legend(fontsize=7, ncol=2)
         save(fig, "hit_rate_vs_size.png")
     return paths

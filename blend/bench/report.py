@@ -242,6 +242,10 @@ def markdown(report: dict, plots: Sequence[str] = ()) -> str:
     s = report["setup"]
     lines += [f"Setup (not timed in the runs): chunk KV {s['precompute_s']:.1f} s ({s['chunks_computed']} of "
               f"{s['chunks']} chunks computed), auto profile {s['profile_s']:.1f} s, warm-up {s['warmup_s']:.1f} s.", ""]
+    slow = {n: m["mean_missing_chunks_ms"] for n, m in report["methods"].items() if (m["mean_missing_chunks_ms"] or 0) > 1}
+    if slow:  # setup should have stored every chunk; say so if a timed run still computed some
+        lines += ["Chunks computed during timed runs (mean ms per run, included in TTFT): "
+                  + ", ".join(f"{n} {v:.0f}" for n, v in slow.items()), ""]
     for p in plots:
         lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})", ""]
     return "\n".join(lines)

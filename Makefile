@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo lint clean bench-model
+.PHONY: install test test-fast demo lint clean bench-model bench-quick bench-ask bench-codecs
 
 install: $(STAMP)
 
@@ -40,6 +40,20 @@ demo: $(STAMP)
 # Model load times, prefill speed (ours vs transformers, fp32/bf16), bf16 fidelity on 20 prompts.
 bench-model: $(STAMP)
 	$(BIN)/kvrag model bench --items 20
+
+# Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; hours on 2 cores).
+BENCH_LIMIT ?= 50
+bench-ask: $(STAMP)
+	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --limit $(BENCH_LIMIT) \
+	  --methods full,prefix,reuse,blend --ratios 0.05,0.15,0.3,auto --codec fp16 --max-tokens 32 --out bench-ask
+
+# A few items, one ratio: a smoke run of the whole harness (about 5 minutes).
+bench-quick: $(STAMP)
+	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --quick --out bench-quick
+
+# First-token KL of int8 against fp16 stored KV on 20 MuSiQue questions.
+bench-codecs: $(STAMP)
+	$(BIN)/python -m kvrag.blend.codec_fidelity --items 20 --codec int8
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ import torch
 
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.precompute import chunk_kv, layers_to_numpy
 from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
@@ -28,6 +29,17 @@ def first_token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float(torch.sum(p.exp() * (p - q)))
 
 
+def store_both(runtime: Runtime, reference: Engine, lossy: Engine, chunks) -> None:
+    """Compute each missing chunk's KV once and store it under both codecs (no double rounding)."""
+    missing = set(reference.table.missing([c for c, _ in chunks])) | set(lossy.table.missing([c for c, _ in chunks]))
+    with torch.inference_mode():
+        for chunk_id, ids in chunks:
+            if chunk_id in missing:
+                layers = layers_to_numpy(chunk_kv(runtime, reference.preamble, ids))
+                reference.table.put_chunk(chunk_id, ids, layers)
+                lossy.table.put_chunk(chunk_id, ids, layers)
+
+
 def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: str | None) -> dict:
     runtime = Runtime.load(model, dtype)
     with StoreEnv.open(store, create=True) as env:
@@ -38,9 +50,7 @@ def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: st
             for ctx in item["ctxs"]:
                 ids = runtime.prompts.passage_ids(ctx["title"], ctx["text"])
                 chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
-            for engine in (reference, lossy):  # compute missing KV once per codec, store it
-                engine.chunk_refs(chunks)
-                engine.flush_write_back()
+            store_both(runtime, reference, lossy, chunks)
             row = {}
             for mode, config in (("reuse", None), ("blend", BlendConfig())):
                 ref = reference.prefill(chunks, item["question"], mode, config).logits

@@ -86,7 +86,7 @@ class Engine:
             for chunk_id, (ids, kv) in self._write_back.items():
                 if chunk_id in self._repair:
                     self.table.delete_chunk(chunk_id)
-                written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv)))
+                written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec)))
         self._write_back.clear()
         self._repair.clear()
         return written

@@ -52,16 +52,18 @@ class PrecomputeSummary:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "store_overhead": self.store_overhead}
 
 
-def layers_to_numpy(kv: LayerKV) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per layer (K, V) as float32 numpy arrays [T, Hkv, hd] for the store's codec."""
-    return [(k.float().cpu().numpy(), v.float().cpu().numpy()) for k, v in zip(kv.k, kv.v, strict=True)]
+def layers_to_numpy(kv: LayerKV, codec: str = "int8") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer (K, V) as numpy arrays [T, Hkv, hd] for the store's codec: float16 for the fp16
+    codec (one cast in torch instead of two), float32 otherwise (bf16 and int8 round from it)."""
+    dtype = torch.float16 if codec == "fp16" else torch.float32
+    return [(k.to(dtype).cpu().numpy(), v.to(dtype).cpu().numpy()) for k, v in zip(kv.k, kv.v, strict=True)]
 
 
 def preamble_kv(runtime: Runtime, kv_table: KVTable) -> LayerKV:
     """The preamble's KV, computed (it is short) and stored once for `ask`."""
     ids = runtime.prompts.preamble_ids
     _, kv = extend(runtime.model, None, runtime.ids_tensor(ids))
-    kv_table.put_preamble(preamble_hash(runtime.prompts.template.preamble), ids, layers_to_numpy(kv))
+    kv_table.put_preamble(preamble_hash(runtime.prompts.template.preamble), ids, layers_to_numpy(kv, kv_table.codec))
     return kv
 
 
@@ -106,7 +108,7 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
                     t0 = time.perf_counter()
                     kv = chunk_kv(runtime, preamble, record.token_ids)
                     t1 = time.perf_counter()
-                    stored = table.put_chunk(record.chunk_id, record.token_ids, layers_to_numpy(kv))
+                    stored = table.put_chunk(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
                     summary.compute_s += t1 - t0
                     summary.store_s += time.perf_counter() - t1
                     if stored:

@@ -38,7 +38,8 @@ class LoadComputeProfile:
         return float(min(1.0, max(QUALITY_FLOOR, hidden_rows / chunk_tokens)))
 
 
-def _time(fn, repeats: int = 3) -> float:
+def best_time(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of fn, in seconds."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -64,7 +65,7 @@ def measure_profile(model: Transformer, codec: str, keys: int = 2048) -> LoadCom
 
         with torch.inference_mode():
             run()
-            return _time(run)
+            return best_time(run)
 
     small, large = 32, 512
     t_small, t_large = one_layer(small), one_layer(large)
@@ -80,7 +81,7 @@ def measure_profile(model: Transformer, codec: str, keys: int = 2048) -> LoadCom
         d = decode(raw)
         torch.from_numpy(d.k).to(model.dtype), torch.from_numpy(d.v).to(model.dtype)
 
-    return LoadComputeProfile(base, per_row, _time(load) / tokens, keys)
+    return LoadComputeProfile(base, per_row, best_time(load) / tokens, keys)
 
 
 def cached_profile(env: StoreEnv | None, model: Transformer, fingerprint: str, codec: str) -> LoadComputeProfile:

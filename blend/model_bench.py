@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kvrag.blend.controller import best_time
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import resolve_model
 from kvrag.blend.prompt import PromptBuilder
@@ -53,13 +54,6 @@ def time_cold_load() -> float:
                 os.environ["KVRAG_HOME"] = saved
 
 
-def _best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, cold: bool,
@@ -81,7 +75,7 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
             name = str(dt).removeprefix("torch.")
             log(f"prefill, ours, {name}")
             m.full_forward(ids[:256])  # warm-up
-            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / _best_of(lambda m=m: m.full_forward(ids), repeats)
+            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / best_time(lambda m=m: m.full_forward(ids), repeats)
         if with_transformers:
             from transformers import AutoModelForCausalLM
 
@@ -90,7 +84,7 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
                 log(f"prefill, transformers, {name}")
                 hf = AutoModelForCausalLM.from_pretrained(str(local.path), dtype=dt).eval()
                 hf(ids[None, :256], logits_to_keep=1)
-                seconds = _best_of(lambda hf=hf: hf(ids[None], logits_to_keep=1, use_cache=False), repeats)
+                seconds = best_time(lambda hf=hf: hf(ids[None], logits_to_keep=1, use_cache=False), repeats)
                 report.prefill_tokens_per_s[f"transformers/{name}"] = ids.shape[0] / seconds
                 del hf
 

@@ -150,3 +150,20 @@ def store_copy(indexed_store, tmp_path) -> Path:
 def kvrag():
     """Run the CLI in a subprocess: kvrag(*args, env=None, check=True) -> CompletedProcess."""
     return run_kvrag
+
+
+def run_cli_in_process(monkeypatch, capsys, module: str, *args: str) -> tuple[int, str, str]:
+    """Run `kvrag *args` in this process with only `kvrag.cli.<module>` registered: (exit code, stdout, stderr)."""
+    import importlib
+
+    import kvrag.cli.app as appmod
+
+    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module(f"kvrag.cli.{module}"))
+    monkeypatch.setattr(sys, "argv", ["kvrag", *args])
+    try:
+        appmod.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -9,25 +9,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import sys
 
 import pytest
 
-import kvrag.cli.app as appmod
+from kvrag.tests.conftest import run_cli_in_process
 
 METHODS = ["full", "prefix", "reuse", "blend@0.15", "blend@1", "blend@auto"]
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module("kvrag.cli.bench_cmd"))
-    monkeypatch.setattr(sys, "argv", ["kvrag", *args])
-    try:
-        appmod.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli_in_process(monkeypatch, capsys, "bench_cmd", *args)
 
 
 @pytest.fixture

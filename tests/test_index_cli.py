@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-import kvrag.cli.app as appmod
+from kvrag.tests.conftest import run_cli_in_process
 from kvrag.tests.corpus_samples import make_pdf
 
 CHEESE = "Brennkase is a smoked sheep cheese from the Alpine village of Obergau, aged for nine months in caves."
@@ -17,16 +16,7 @@ ROCKET = "The Kestrel-9 rocket engine burns liquid methane and oxygen and first 
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    # Only this command module: the others may need models or be missing in a partial checkout.
-    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module("kvrag.cli.index_cmd"))
-    monkeypatch.setattr(sys, "argv", ["kvrag", *args])
-    try:
-        appmod.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli_in_process(monkeypatch, capsys, "index_cmd", *args)
 
 
 @pytest.fixture

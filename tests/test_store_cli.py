@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
 
-import kvrag.cli.app as appmod
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig
 from kvrag.store.codec import HEADER_SIZE
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.manifest import check_or_record
+from kvrag.tests.conftest import run_cli_in_process
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    # Only this command module: the others may need models or be missing in a partial checkout.
-    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module("kvrag.cli.store_cmd"))
-    monkeypatch.setattr(sys, "argv", ["kvrag", *args])
-    try:
-        appmod.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli_in_process(monkeypatch, capsys, "store_cmd", *args)
 
 
 def cid(i: int) -> str:

@@ -151,10 +151,12 @@ class Transformer:
             out = F.scaled_dot_product_attention(qh, kh, vh)
         elif _is_plain_causal(q_pos, k_pos):
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        elif _is_causal_tail(q_pos, k_pos):
-            # Queries are the last rows of the keys (a prefill after a cached prefix). SDPA's
+        elif _is_causal_tail(q_pos, k_pos) and 2 * q.shape[0] >= k.shape[0]:
+            # Queries are most of the last rows of the keys (a prefill after a cached prefix). SDPA's
             # is_causal aligns top-left, so pad the queries with zero rows up to the keys' length,
-            # use the fast causal kernel, and drop the padding: exact, and no [R, S] mask.
+            # use the fast causal kernel, and drop the padding: exact, and no [R, S] mask. Only when
+            # the padding is at most the real rows: a few suffix rows over thousands of keys are
+            # cheaper through the small [R, S] mask.
             pad = kh.shape[2] - qh.shape[2]
             qh = F.pad(qh, (0, 0, pad, 0))
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[:, :, pad:]

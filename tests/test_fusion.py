@@ -188,10 +188,10 @@ def test_prefill_after_a_prefix_uses_exact_causal_alignment(tiny_runtime):
     model = tiny_runtime.model
     g = torch.Generator().manual_seed(7)
     q = torch.randn(5, model.cfg.n_heads, model.cfg.head_dim, generator=g)
-    k = torch.randn(12, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
-    v = torch.randn(12, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
-    q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
+    k = torch.randn(9, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
+    v = torch.randn(9, model.cfg.n_kv_heads, model.cfg.head_dim, generator=g)
+    q_pos, k_pos = torch.arange(4, 9), torch.arange(9)  # 5 queries, 4 padding rows: the padded path
     fast = model.attend(q, q_pos, k, v, k_pos)
-    shuffled = torch.tensor([11, 7, 9, 8, 10])  # same rows, not in order: takes the mask path
-    masked = model.attend(q[shuffled - 7], shuffled, k, v, k_pos)
-    torch.testing.assert_close(fast[shuffled - 7], masked, rtol=1e-5, atol=1e-5)
+    shuffled = torch.tensor([8, 4, 6, 5, 7])  # same rows, not in order: takes the mask path
+    masked = model.attend(q[shuffled - 4], shuffled, k, v, k_pos)
+    torch.testing.assert_close(fast[shuffled - 4], masked, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    STORE_OPTION,
     print_json,
     stderr_console,
 )
@@ -71,7 +72,7 @@ def _question(item, where) -> Question:
 @app.command("ask")
 def ask_command(
     question: str = typer.Argument(None, help="The question ('-' or nothing with piped input: read stdin)."),
-    store: Path = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store)."),
+    store: Path = STORE_OPTION,
     k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks to retrieve."),
     chunks: str = typer.Option(None, "--chunks", help="Comma-separated chunk ids to use instead of retrieval."),
     questions: Path = typer.Option(None, "--questions", help="File of questions: lines, JSON or JSONL items "

@@ -15,6 +15,7 @@ MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
                             help="Local Hugging Face model directory (default: SmolLM2-135M-Instruct).")
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
+STORE_OPTION = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 
 

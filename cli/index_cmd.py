@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvrag import KvragError
 from kvrag.cli.app import app
-from kvrag.cli.common import JSON_OPTION, MODEL_OPTION, print_json, stderr_console
+from kvrag.cli.common import JSON_OPTION, MODEL_OPTION, STORE_OPTION, print_json, stderr_console
 from kvrag.corpus.chunking import ChunkConfig, PassageTokenizer
 from kvrag.corpus.indexer import IndexOptions, IndexSummary, index_corpus
 from kvrag.corpus.read_json import JsonFields
@@ -61,7 +61,7 @@ class _Bars:
 @app.command("index")
 def index_command(
     paths: list[str] = typer.Argument(..., help="Files, folders (walked recursively) or globs.", show_default=False),
-    store: Path | None = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store)."),
+    store: Path | None = STORE_OPTION,
     model: str | None = MODEL_OPTION,
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Most LLM tokens per chunk, as it stands in a prompt."),
     overlap: int = typer.Option(0, "--overlap", help="Tokens shared by neighbouring chunks of a document."),
@@ -106,7 +106,7 @@ def index_command(
 def search_command(
     query: str = typer.Argument(..., help="The text to search for.", show_default=False),
     k: int = typer.Option(5, "-k", "--top-k", help="How many chunks to show."),
-    store: Path | None = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store)."),
+    store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Show the chunks retrieval finds for a query, with scores (no LLM involved).

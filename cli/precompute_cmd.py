@@ -21,6 +21,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    STORE_OPTION,
     print_json,
     stderr_console,
 )
@@ -29,7 +30,7 @@ from kvrag.store.home import default_store_dir
 
 @app.command("precompute")
 def precompute_command(
-    store: Path = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store)."),
+    store: Path = STORE_OPTION,
     codec: str = typer.Option("fp16", "--codec", help="fp16 (default), bf16 or int8."),
     limit: int = typer.Option(None, "--limit", min=1, help="Compute at most N chunks this run."),
     shard: str = typer.Option(None, "--shard", help="i/N: compute only this process's share (run N of them)."),

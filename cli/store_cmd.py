@@ -12,12 +12,13 @@ from rich.table import Table
 
 from kvrag import KvragError
 from kvrag.cli.app import store_app
+from kvrag.cli.common import STORE_OPTION
 from kvrag.store.env import StoreEnv
 from kvrag.store.home import default_store_dir
 from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport, gc, stats, verify
 
 _SHOWN_PROBLEMS = 20  # listed one by one on stderr; all of them are in --json
-_STORE_HELP = "Store directory (default: $KVRAG_STORE, else <home>/store)."
+
 
 
 def _open(store: Path | None) -> StoreEnv:
@@ -30,7 +31,7 @@ def _mib(n: float) -> str:
 
 @store_app.command("stats")
 def stats_command(
-    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    store: Path | None = STORE_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON on stdout."),
 ) -> None:
     """Chunks, tokens and bytes per token of the stored KV, per model and codec, with per-layer sizes.
@@ -46,7 +47,7 @@ def stats_command(
 
 @store_app.command("verify")
 def verify_command(
-    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    store: Path | None = STORE_OPTION,
     repair: bool = typer.Option(False, "--repair", help="Delete every chunk with a corrupt value; "
                                                         "the next `kvrag precompute` computes it again."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
@@ -71,7 +72,7 @@ def verify_command(
 
 @store_app.command("gc")
 def gc_command(
-    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+    store: Path | None = STORE_OPTION,
     model: str | None = typer.Option(None, "--model", help="Keep only this model fingerprint's KV; "
                                                           "drop every other model's."),
     drop_model: str | None = typer.Option(None, "--drop-model", help="Drop all KV of this model fingerprint."),

@@ -9,7 +9,9 @@ each chunk is written whole in one transaction, so an interrupted run resumes wh
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,6 +26,7 @@ from kvrag.store.kv import KVTable, Shard
 from kvrag.store.manifest import check_or_record, preamble_hash
 
 CLAIM_BATCH = 4  # chunks claimed per transaction: small, so a crash strands little work
+WRITES_IN_FLIGHT = 2  # chunks encoded/written behind the forward passes; bounds the memory held
 
 
 @dataclass
@@ -36,8 +39,9 @@ class PrecomputeSummary:
     skipped_by_others: int  # claimed or finished by a concurrent process
     tokens: int
     compute_s: float  # the forward passes alone
-    store_s: float  # encoding, compressing and writing
+    store_s: float  # what storing cost the forward loop: the numpy copy and any wait for the writer
     wall_s: float
+    writer_busy_s: float = 0.0  # encoding, compressing and committing, in the writer thread
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,7 +49,7 @@ class PrecomputeSummary:
 
     @property
     def store_overhead(self) -> float:
-        """Store time as a share of compute time (the target is under 10 %)."""
+        """Time storing held up the forward passes, as a share of their time (the target is under 10 %)."""
         return self.store_s / self.compute_s if self.compute_s else 0.0
 
     def to_dict(self) -> dict:
@@ -97,7 +101,8 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
         on_start(len(todo))
 
     summary = PrecomputeSummary(runtime.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0)
-    with torch.inference_mode():
+    writer = ChunkWriter(table)
+    with torch.inference_mode(), writer:
         preamble = preamble_kv(runtime, table)
         for i in range(0, len(todo), CLAIM_BATCH):
             batch = todo[i:i + CLAIM_BATCH]
@@ -108,18 +113,77 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
                     t0 = time.perf_counter()
                     kv = chunk_kv(runtime, preamble, record.token_ids)
                     t1 = time.perf_counter()
-                    stored = table.put_chunk(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
+                    done = writer.submit(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
                     summary.compute_s += t1 - t0
                     summary.store_s += time.perf_counter() - t1
-                    if stored:
-                        summary.computed += 1
-                        summary.tokens += len(record.token_ids)
-                    else:
-                        summary.skipped_by_others += 1
-                    if on_progress:
-                        on_progress(summary.computed, summary.tokens, len(todo))
+                    _count(summary, done, on_progress, len(todo))
             except BaseException:
-                table.release(mine)  # Ctrl-C: free what this run will not finish
+                table.release(set(mine) | set(writer.abandon()))  # Ctrl-C: free what this run will not finish
                 raise
+        t1 = time.perf_counter()
+        _count(summary, writer.drain(), on_progress, len(todo))
+        summary.store_s += time.perf_counter() - t1
+    summary.writer_busy_s = writer.busy_s
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+def _count(summary: PrecomputeSummary, done: list[tuple[int, bool]], on_progress, n_todo: int) -> None:
+    for n_tokens, stored in done:
+        if stored:
+            summary.computed += 1
+            summary.tokens += n_tokens
+        else:
+            summary.skipped_by_others += 1
+        if on_progress:
+            on_progress(summary.computed, summary.tokens, n_todo)
+
+
+class ChunkWriter:
+    """Encodes, compresses and commits chunks in one thread while the next chunk's forward runs.
+
+    zstd, xxhash and LMDB's commit release the GIL, so storing mostly hides behind the compute. At most
+    WRITES_IN_FLIGHT chunks wait; each is still one transaction, so a crash leaves whole chunks only.
+    """
+
+    def __init__(self, table: KVTable, in_flight: int = WRITES_IN_FLIGHT):
+        self.table = table
+        self.in_flight = in_flight
+        self.busy_s = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer")
+        self._pending: deque[tuple[str, int, Future]] = deque()
+
+    def submit(self, chunk_id: str, token_ids, layers) -> list[tuple[int, bool]]:
+        """Queue a chunk; returns (tokens, stored) of the chunks finished meanwhile, oldest first.
+
+        Blocks while the queue is full; raises the writer's error (a full disk, a store error)."""
+        self._pending.append((chunk_id, len(token_ids), self._pool.submit(self._put, chunk_id, token_ids, layers)))
+        done = []
+        while self._pending and (len(self._pending) > self.in_flight or self._pending[0][2].done()):
+            _, n_tokens, future = self._pending.popleft()
+            done.append((n_tokens, future.result()))
+        return done
+
+    def drain(self) -> list[tuple[int, bool]]:
+        done = [(n_tokens, future.result()) for _, n_tokens, future in self._pending]
+        self._pending.clear()
+        return done
+
+    def abandon(self) -> list[str]:
+        """Drop the queued chunks that have not started; returns their ids, whose claims the caller frees."""
+        dropped = [chunk_id for chunk_id, _, future in self._pending if future.cancel()]
+        self._pending.clear()
+        return dropped
+
+    def _put(self, chunk_id: str, token_ids, layers) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return self.table.put_chunk(chunk_id, token_ids, layers)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True)  # a started write finishes: it is one transaction either way

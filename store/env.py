@@ -7,6 +7,7 @@ resizes by other processes and "not a store" checks live in one place.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,9 @@ class StoreEnv:
         self.path = path
         self.readonly = readonly
         self.dbs = {name: env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+        # write() and read() from several threads (precompute's writer, ask's loader) take turns: LMDB
+        # may only grow the map while no transaction of this process is open.
+        self._lock = threading.RLock()
 
     @classmethod
     def open(cls, path: Path | str, *, create: bool = False, readonly: bool = False) -> StoreEnv:
@@ -101,6 +105,10 @@ class StoreEnv:
 
         `fn` must be safe to re-run: a MapFullError aborts everything it wrote.
         """
+        with self._lock:
+            return self._write(fn)
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -114,7 +122,11 @@ class StoreEnv:
                                  "nothing stored was lost") from None
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `fn(txn)` in a read transaction (readers never block the writer)."""
+        """Run `fn(txn)` in a read transaction (readers never block another process's writer)."""
+        with self._lock:
+            return self._read(fn)
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 with self.env.begin(write=False, buffers=False) as txn:

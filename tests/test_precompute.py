@@ -122,8 +122,10 @@ def test_interrupt_releases_claims(store_copy, tiny_llama_dir, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             precompute(env, runtime, on_progress=interrupt)
         # the claims of the interrupted run are gone: a new run (same pid) takes every remaining chunk
+        # (the writer may have committed one more chunk behind the interrupted forward loop)
         again = precompute(env, runtime)
-        assert again.already_stored == 2 and again.computed == 3
+        assert again.already_stored in (2, 3) and again.skipped_by_others == 0
+        assert again.already_stored + again.computed == 5
 
 
 def test_refusals_are_one_clear_line(tmp_path, store_copy, tiny_llama_dir, kvrag):

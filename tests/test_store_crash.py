@@ -118,7 +118,9 @@ def test_sigkill_mid_write_leaves_whole_chunks_and_resumes(tmp_path):
             report = verify(env)
             assert report.ok, report.problems  # no chunk is half there
             stored = {c for c, _ in KVTable(env, "model-a", "fp16").iter_chunks()}
-            assert set(committed) <= stored and len(stored) == len(committed)
+            unprinted = stored - set(committed)  # killed between the commit and its print
+            assert set(committed) <= stored and len(unprinted) <= 1
+            committed += sorted(unprinted)
     done = subprocess.run([sys.executable, "-c", _WRITER, path, str(total)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     committed += done.stdout.split()

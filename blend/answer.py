@@ -25,6 +25,7 @@ class Answer:
     bytes_loaded: int
     timings: dict[str, float] = field(default_factory=dict)  # seconds, plus decode tokens/s
     sources: list[dict] = field(default_factory=list)
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: tree, gpu, host, store or computed
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -71,5 +72,6 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
     timings["decode"] = end - decode_start
     timings["decode_tokens_per_s"] = (len(tokens) - 1) / (end - first) if len(tokens) > 1 and end > first else 0.0
     answer = Answer(question, "".join(pieces).strip(), tokens, mode, config.ratio if mode == "blend" else None,
-                    pre.prompt_tokens, pre.chunk_tokens, pre.recomputed_chunk_tokens, pre.bytes_loaded, timings)
+                    pre.prompt_tokens, pre.chunk_tokens, pre.recomputed_chunk_tokens, pre.bytes_loaded, timings,
+                    chunk_tiers=pre.chunk_tiers)
     return answer, pre

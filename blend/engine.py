@@ -1,5 +1,11 @@
 """The question-time engine: chunk KV from memory or the store, a blended (or baseline) prefill,
 then decoding. One engine serves many questions in a process; the preamble's KV is computed once.
+
+With memory tiers (`cache`, a TieredKVCache), a blend or reuse prompt first walks the knowledge tree:
+the chunks on its matched path are reused exactly (they join the preamble as an exact prefix, never
+recomputed); below the first miss, each chunk's stored KV comes from memory when a tier holds it, else
+from the store. After the answer, the chunks below the match are cached as they stood in this prompt,
+and the chunks read from the store are kept in memory for the next question.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from kvrag.blend.runtime import Runtime
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.manifest import check_or_record
+from kvrag.store.tiers.cost_profile import CostProfile
+from kvrag.store.tiers.knowledge_tree import STORE
 
 MODES = ("blend", "full", "prefix", "reuse")
 
@@ -36,11 +44,15 @@ class Prefilled:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, load, load_wait, compute, ...
     bytes_loaded: int = 0
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: "tree" (exact), "gpu"/"host", "store"
 
 
 class Engine:
-    def __init__(self, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0):
+    def __init__(self, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
+                 cache=None):
         self.runtime = runtime
+        self.cache = cache  # TieredKVCache or None: no memory tiers
+        self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
         self.model = runtime.model
         self.env = env
         self.table = None
@@ -57,14 +69,18 @@ class Engine:
 
     # ---- chunks -------------------------------------------------------------------------------
 
-    def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> tuple[list[ChunkRef], float]:
+    def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
+                   in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:
         """Refs for (chunk_id, token_ids); chunks missing from the store are computed now (and
-        written back later). Returns the refs and the seconds spent computing missing chunks."""
+        written back later). `in_memory[i]`: chunk i's stored KV already in a memory tier.
+        Returns the refs and the seconds spent computing missing chunks."""
         missing = set(self.table.missing([c for c, _ in chunks])) if self.table is not None else {c for c, _ in chunks}
         start = time.perf_counter()
         refs = []
-        for chunk_id, ids in chunks:
-            if chunk_id in missing or chunk_id in self._write_back:
+        for i, (chunk_id, ids) in enumerate(chunks):
+            if i < len(in_memory) and in_memory[i] is not None:
+                refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
+            elif chunk_id in missing or chunk_id in self._write_back:
                 kv = self._compute_chunk(chunk_id, ids)
                 refs.append(ChunkRef(chunk_id, ids, kv))
             else:
@@ -89,7 +105,75 @@ class Engine:
                 written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec)))
         self._write_back.clear()
         self._repair.clear()
+        self._fill_cache()
         return written
+
+    # ---- memory tiers -------------------------------------------------------------------------
+
+    def _exact_prefix(self, lease) -> LayerKV:
+        """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
+        if lease is None or not lease.matched:
+            return self.preamble
+        from kvrag.store.tiers.cache import as_layers
+
+        layers = as_layers(self.cache.gather(lease.prefix, self.model.device))
+        n_pre = len(self.preamble)
+        n = layers[0][0].shape[0]
+        return LayerKV([torch.cat([self.preamble.k[i].to(self.model.dtype), k.to(self.model.dtype)])
+                        for i, (k, _) in enumerate(layers)],
+                       [torch.cat([self.preamble.v[i].to(self.model.dtype), v.to(self.model.dtype)])
+                        for i, (_, v) in enumerate(layers)],
+                       torch.arange(n_pre + n, device=self.model.device))
+
+    def _memory_kv(self, lease) -> list[LayerKV | None]:
+        """Per chunk below the match: its stored KV from a memory tier, or None (read the store)."""
+        from kvrag.store.tiers.cache import as_layers
+
+        out: list[LayerKV | None] = []
+        for i in range(lease.matched, len(lease.chunk_ids)):
+            node = lease.memory_node(i)
+            if node is None:
+                out.append(None)
+                continue
+            layers = as_layers(self.cache.gather([node], self.model.device))
+            out.append(LayerKV([k for k, _ in layers], [v for _, v in layers],
+                               torch.arange(layers[0][0].shape[0])))  # positions unused: rotated on use
+        return out
+
+    def _fill_cache(self) -> None:
+        """After an answer: cache the prompts' chunks as blended, keep the stored KV of the chunks that
+        were not in memory (read from the store, or computed and now written back) for the next question,
+        and unpin."""
+        dtype = getattr(torch, self.cache.layout.dtype) if self._pending_cache else None
+        for lease, rest, rest_kv, not_in_memory, prefill_s in self._pending_cache:
+            try:
+                per_chunk, start = [], 0
+                for _, ids in rest:
+                    n = len(ids)
+                    per_chunk.append([(k[start:start + n].to("cpu", dtype), v[start:start + n].to("cpu", dtype))
+                                      for k, v in rest_kv])
+                    start += n
+                self.cache.insert(lease, per_chunk, cost_s=prefill_s)
+                self.cache.cost = CostProfile.linear(prefill_s / max(lease.new_tokens, 1))  # for put_stored
+                for chunk_id, ids in not_in_memory:
+                    stored = self._stored_layers(chunk_id, ids)
+                    if stored is not None:
+                        self.cache.put_stored(chunk_id, stored)
+            finally:
+                self.cache.release(lease)
+        self._pending_cache.clear()
+
+    def _stored_layers(self, chunk_id: str, ids: Sequence[int]):
+        """Every layer of a chunk's stored KV as torch tensors in the cache's dtype, None if unreadable."""
+        if self.table is None:
+            return None
+        try:
+            layers = [self.table.get_layer(chunk_id, layer, expect_token_ids=ids)
+                      for layer in range(self.model.cfg.n_layers)]
+        except KvragError:
+            return None  # damaged or gone: the next question reads (and repairs) it through the loader
+        dtype = getattr(torch, self.cache.layout.dtype)
+        return [(torch.from_numpy(d.k).to(dtype), torch.from_numpy(d.v).to(dtype)) for d in layers]
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -123,7 +207,26 @@ class Engine:
             elapsed = time.perf_counter() - start
             return Prefilled(logits, cache, len(ids), n_chunk, n_chunk, {"prefill": elapsed, "compute": elapsed})
 
-        refs, missing_s = self.chunk_refs(chunks)
+        lease = None
+        if self.cache is not None and mode in ("blend", "reuse"):
+            lease = self.cache.acquire([c for c, _ in chunks], [len(ids) for _, ids in chunks], len(suffix))
+        try:
+            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start)
+        except BaseException:
+            if lease is not None:
+                self.cache.release(lease)
+            raise
+
+    def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
+                            start: float) -> Prefilled:
+        rt = self.runtime
+        matched = lease.matched if lease is not None else 0
+        exact = self._exact_prefix(lease)
+        rest = list(chunks[matched:])
+        chunk_ids = [i for _, ids in rest for i in ids]
+        n_chunk = len(chunk_ids)
+        memory = self._memory_kv(lease) if lease is not None else [None] * len(rest)
+        refs, missing_s = self.chunk_refs(rest, memory)
         if mode == "blend" and config.ratio == 0:
             mode = "reuse"  # ratio 0 is full KV reuse, by definition
         if mode == "prefix":
@@ -139,8 +242,8 @@ class Engine:
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
                                  delay_s=self.load_delay_s).start()
         try:
-            fused = fused_prefill(self.model, self.preamble, rt.ids_tensor(chunk_ids + suffix), n_chunk,
-                                  loader, loaded_rows, blend_cfg, extra)
+            fused = fused_prefill(self.model, exact, rt.ids_tensor(chunk_ids + suffix), n_chunk,
+                                  loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None)
         finally:
             if loader is not None:
                 loader.close()
@@ -149,5 +252,16 @@ class Engine:
         load_s = sum(e - s for kind, _, s, e in spans if kind == "load")
         timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
                    "missing_chunks": missing_s}
-        return Prefilled(fused.logits, fused.cache, len(rt.prompts.preamble_ids) + n_chunk + len(suffix), n_chunk,
-                         int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans)
+        tiers = ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
+                                      for i, ref in enumerate(refs)]
+        if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
+            not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
+            self._pending_cache.append((lease, rest, fused.rest_kv, not_in_memory, elapsed))
+        return Prefilled(fused.logits, fused.cache, len(exact) + n_chunk + len(suffix),
+                         n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
+                         int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers)
+
+
+def ref_tier(ref: ChunkRef) -> str:
+    """Where a chunk's KV came from when no memory tier had it: the store, or computed now."""
+    return STORE if ref.in_memory is None else "computed"

@@ -74,6 +74,9 @@ class FusionResult:
     compute_s: float = 0.0
     wait_s: float = 0.0  # time spent waiting for the loader
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)  # (kind, layer, start, end)
+    # with keep_rest: per layer (K pre-rotary, V) of the chunk and suffix rows, each [C + S, Hkv, hd],
+    # as they stood in this prompt (for the memory tiers' knowledge tree)
+    rest_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _deviation(kind: str, fresh_k, fresh_v, loaded_k, loaded_v) -> torch.Tensor:
@@ -88,7 +91,7 @@ def _deviation(kind: str, fresh_k, fresh_v, loaded_k, loaded_v) -> torch.Tensor:
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
-                  extra: int) -> FusionResult:
+                  extra: int, keep_rest: bool = False) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -106,6 +109,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     cache.length = n_total
     # chunk rows computed at every layer: those not loaded (all of them in a full prefill)
     result = FusionResult(torch.empty(0), cache, torch.arange(loaded_rows, n_chunk, device=dev))
+    if keep_rest:
+        result.rest_kv = []
 
     schedule = config.selection_schedule() if config is not None else {}
     first_check = min(schedule) if schedule else None
@@ -131,9 +136,11 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             v_rest[:loaded_rows] = loaded_v
         k_rest[rows] = qkv.k
         v_rest[rows] = qkv.v
+        if keep_rest:
+            result.rest_kv.append((k_rest, v_rest))
 
         keep = torch.arange(rows.shape[0], device=dev)  # positions within `rows` that go on
-        if layer in schedule:
+        if layer in schedule and uses_loaded:
             # rows are the still-selected chunk rows (then the suffix); rank them by deviation
             n_sel = int((rows < n_chunk).sum())
             chunk_part = rows[:n_sel]

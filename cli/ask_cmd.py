@@ -89,6 +89,12 @@ def ask_command(
     seed: int = typer.Option(None, "--seed", help="Seed for sampling."),
     codec: str = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8."),
     show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
+    host_cache: str = typer.Option(None, "--host-cache", help="Memory for hot chunks' KV across questions, "
+                                   "e.g. 4GiB (default; $KVRAG_HOST_CACHE; 0 turns the tiers off)."),
+    gpu_cache: str = typer.Option(None, "--gpu-cache", help="GPU memory tier on CUDA (default 2GiB; "
+                                  "$KVRAG_GPU_CACHE)."),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="pgdsf (default), gdsf, lru or lfu "
+                                     "($KVRAG_CACHE_POLICY)."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
@@ -113,6 +119,7 @@ def ask_command(
         raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
     codec_id(codec)
+    _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
     console = stderr_console()
     results = []
@@ -122,7 +129,12 @@ def ask_command(
         from kvrag.blend.runtime import Runtime
 
         runtime = Runtime.load(model, dtype, device)
-        engine = Engine(runtime, env, codec)
+        cache = None
+        if len(todo) > 1:  # the tiers pay off from the second question of a process on
+            from kvrag.blend.memory import build_cache
+
+            cache = build_cache(runtime, codec, host_cache, gpu_cache, cache_policy)
+        engine = Engine(runtime, env, codec, cache=cache)
         finder = _ChunkFinder(env, runtime, k, chunks)
         for q in todo:
             t0 = time.perf_counter()
@@ -140,6 +152,15 @@ def ask_command(
             results.append(answer.to_dict())
     if as_json:
         print_json(results[0] if len(results) == 1 and questions is None else results)
+
+
+def _check_cache_options(host_cache: str | None, gpu_cache: str | None, policy: str | None) -> None:
+    """Refuse a bad --host-cache / --gpu-cache / --cache-policy before loading anything."""
+    import torch
+
+    from kvrag.store.tiers.config import CacheConfig
+
+    CacheConfig.from_options(host_cache, gpu_cache, policy, cuda_available=torch.cuda.is_available())
 
 
 def _collect_questions(question: str | None, questions: Path | None, limit: int | None) -> list[Question]:

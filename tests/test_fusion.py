@@ -135,6 +135,28 @@ def test_selected_rows_never_see_later_keys(tiny_runtime):
     assert not torch.allclose(bottom_right[0], got[0], atol=1e-3)
 
 
+def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatch):
+    """Many selected rows spread over the prompt go through attention in blocks that each read keys
+    only up to their last row; every row must still equal a softmax over keys 0..p, in any block."""
+    import kvrag.blend.model as model_module
+
+    monkeypatch.setattr(model_module, "BLOCK_ROWS", 16)
+    model = tiny_runtime.model
+    g = torch.Generator().manual_seed(8)
+    hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
+    q_pos = torch.randperm(600, generator=g)[:150].sort().values  # 150 rows -> 9 blocks
+    q = torch.randn(150, hq, hd, generator=g)
+    k = torch.randn(600, hkv, hd, generator=g)
+    v = torch.randn(600, hkv, hd, generator=g)
+    got = model.attend(q, q_pos, k, v, torch.arange(600)).view(150, hq, hd)
+    kx = k.repeat_interleave(model.cfg.group_size, dim=1)
+    vx = v.repeat_interleave(model.cfg.group_size, dim=1)
+    for r, p in enumerate(q_pos.tolist()):
+        scores = torch.einsum("hd,khd->hk", q[r], kx[: p + 1]) / hd**0.5
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), vx[: p + 1])
+        torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_loader_overlaps_compute(tiny_runtime, stored):
     """With a slow store, each layer's load runs while the previous layer computes (timestamps)."""
     env, _, chunks = stored
@@ -151,7 +173,9 @@ def test_loader_overlaps_compute(tiny_runtime, stored):
     busy = max(e for _, e in list(loads.values()) + list(computes.values())) - min(s for s, _ in loads.values())
     compute_total = sum(e - s for s, e in computes.values())
     assert busy < load_total + compute_total  # overlapped, not summed
-    assert busy < 1.25 * max(load_total, compute_total) + 0.02
+    # a two-stage pipeline: the longer stage's total plus filling and draining it (one span of each)
+    fill_drain = max(e - s for s, e in loads.values()) + max(e - s for s, e in computes.values())
+    assert busy < max(load_total, compute_total) + fill_drain + 0.02
 
 
 def test_damaged_value_is_never_used(stored, tiny_runtime):

@@ -1,0 +1,93 @@
+"""The engine reading through the memory tiers: exact reuse of a matched path, stored KV from memory,
+and the same logits as the engine without tiers (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.blend.engine import Engine
+from kvrag.blend.memory import build_cache
+from kvrag.blend.precompute import chunk_kv, layers_to_numpy
+from kvrag.blend.runtime import Runtime
+from kvrag.store.chunks import chunk_id_for
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import KVTable
+
+Q1 = "Who was the spouse of the performer?"
+Q2 = "When was the company founded?"
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_llama_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_dir), "float32")
+
+
+@pytest.fixture
+def setup(tmp_path, runtime, musique_items):
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    plain = Engine(runtime, env)
+    chunks = []
+    for ctx in musique_items[1]["ctxs"][:5]:
+        ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
+        chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
+    table = KVTable(env, runtime.fingerprint, "fp16")
+    with torch.inference_mode():
+        for chunk_id, ids in chunks:
+            table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(runtime, plain.preamble, ids)))
+    tiered = Engine(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", policy="pgdsf"))
+    yield plain, tiered, chunks
+    env.close()
+
+
+def _ask(engine: Engine, chunks, question: str, mode: str = "blend"):
+    out = engine.prefill(chunks, question, mode)
+    engine.flush_write_back()  # what answer_question does after decoding: fills the tiers
+    return out
+
+
+def test_a_matched_path_is_reused_exactly(setup):
+    """Chunk rows' blended KV does not depend on the question (causal), so the second question over
+    the same chunks reuses the whole path, recomputes no chunk token, and gets the logits a fresh
+    blend would give."""
+    plain, tiered, chunks = setup
+    first = _ask(tiered, chunks, Q1)
+    assert first.chunk_tiers == ["store"] * len(chunks)
+    second = _ask(tiered, chunks, Q2)
+    assert second.chunk_tiers == ["tree"] * len(chunks)
+    assert second.recomputed_chunk_tokens == 0 and second.bytes_loaded == 0
+    reference = plain.prefill(chunks, Q2, "blend")
+    torch.testing.assert_close(second.logits, reference.logits, rtol=1e-3, atol=2e-3)
+    n = reference.prompt_tokens
+    assert second.prompt_tokens == n
+    torch.testing.assert_close(second.cache.v[:, :n], reference.cache.v[:, :n], rtol=1e-3, atol=2e-3)
+    stats = tiered.cache.stats
+    assert stats.requests == 2 and stats.prefix_hits == len(chunks)
+    tiered.cache.check()
+
+
+def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
+    """After one question, every chunk's stored KV is in host memory: a prompt that starts with a chunk
+    never seen misses the tree at once, reads only that chunk from the store, takes the others' stored
+    KV from memory, and matches the engine without tiers."""
+    plain, tiered, chunks = setup
+    _ask(tiered, chunks[:4], Q1)
+    reordered = [chunks[4], *chunks[:4][::-1]]
+    out = _ask(tiered, reordered, Q2)
+    assert out.chunk_tiers == ["store"] + ["host"] * 4
+    reference = plain.prefill(reordered, Q2, "blend")
+    torch.testing.assert_close(out.logits, reference.logits, rtol=1e-3, atol=2e-3)
+    assert out.recomputed_chunk_tokens == reference.recomputed_chunk_tokens
+    # a stored chunk is an exact depth-1 path: a prompt that starts with it reuses it without recompute
+    again = _ask(tiered, [chunks[2], chunks[0]], Q1)
+    assert again.chunk_tiers == ["tree", "host"]
+    tiered.cache.check()
+
+
+def test_a_cache_too_small_for_anything_still_answers_right(setup, runtime):
+    plain, _, chunks = setup
+    tiny = Engine(runtime, plain.env, cache=build_cache(runtime, "fp16", host_cache="1KiB"))
+    for question in (Q1, Q2):
+        out = _ask(tiny, chunks, question)
+        torch.testing.assert_close(out.logits, plain.prefill(chunks, question, "blend").logits)
+    assert tiny.cache.used_bytes() == 0 and tiny.cache.stats.not_inserted > 0

@@ -41,11 +41,13 @@ demo: $(STAMP)
 bench-model: $(STAMP)
 	$(BIN)/kvrag model bench --items 20
 
-# Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; hours on 2 cores).
+# Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; about 1.5 h on
+# 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed).
 BENCH_LIMIT ?= 50
 bench-ask: $(STAMP)
 	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --limit $(BENCH_LIMIT) \
-	  --methods full,prefix,reuse,blend --ratios 0.05,0.15,0.3,auto --codec fp16 --max-tokens 32 --out bench-ask
+	  --methods full,prefix,reuse,blend --ratios 0.05,0.15,0.3,auto --codec fp16 --max-tokens 32 --out bench-ask \
+	  $(if $(BENCH_STORE),--store $(BENCH_STORE))
 
 # A few items, one ratio: a smoke run of the whole harness (about 5 minutes).
 bench-quick: $(STAMP)

@@ -209,7 +209,7 @@ def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return bool((q_pos[1:] - q_pos[:-1] == 1).all()) and bool((k_pos[1:] - k_pos[:-1] == 1).all())
 
 
-BLOCK_ROWS = 128  # scattered query rows per attention block (8 blocks measured 1.9× faster than 1 at R≈940)
+BLOCK_ROWS = 192  # scattered query rows per block: at R≈940 over 6.3k keys, 78 ms vs 356 ms as one block (bf16)
 
 
 def _attend_row_blocks(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:

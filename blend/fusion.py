@@ -129,15 +129,20 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             result.wait_s += time.perf_counter() - w0
         t0 = time.perf_counter()
         qkv = model.project(layer, h, rest_pos[rows], (rope[0][n_pre:][rows], rope[1][n_pre:][rows]))
-        k_rest = torch.empty(n_rest, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
-        v_rest = torch.empty_like(k_rest)
+        # the whole prompt's K (pre-rotary) and V for this layer, assembled in place: V straight into the
+        # decode cache; K rotated from k_all into the cache. Loaded rows arrive in the store's dtype and
+        # are cast by the copy.
+        k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
+        v_all = cache.v[layer, :n_total]  # [N, Hkv, hd]
+        k_all[:n_pre] = preamble.k[layer]
+        v_all[:n_pre] = preamble.v[layer]
         if uses_loaded:
-            k_rest[:loaded_rows] = loaded_k
-            v_rest[:loaded_rows] = loaded_v
-        k_rest[rows] = qkv.k
-        v_rest[rows] = qkv.v
-        if keep_rest:
-            result.rest_kv.append((k_rest, v_rest))
+            k_all[n_pre:n_pre + loaded_rows] = loaded_k
+            v_all[n_pre:n_pre + loaded_rows] = loaded_v
+        k_all[n_pre + rows] = qkv.k
+        v_all[n_pre + rows] = qkv.v
+        if keep_rest:  # views: the decoder only writes past n_total
+            result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
 
         keep = torch.arange(rows.shape[0], device=dev)  # positions within `rows` that go on
         if layer in schedule and uses_loaded:
@@ -151,11 +156,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])
             result.selected = chunk_part[top]
 
-        k_all = torch.cat([preamble.k[layer].to(model.dtype), k_rest])  # [N, Hkv, hd] pre-rotary
-        v_all = torch.cat([preamble.v[layer].to(model.dtype), v_rest])  # [N, Hkv, hd]
-        k_rot = model.rotate_keys(k_all, positions, rope)
-        cache.k[layer, :n_total] = k_rot
-        cache.v[layer, :n_total] = v_all
+        k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
         rows, h = rows[keep], h[keep]
         attn = model.attend(qkv.q[keep], rest_pos[rows], k_rot, v_all, positions)
         h = model.finish(layer, h, attn)

@@ -1,7 +1,9 @@
 """The layer loader: reads, checks, decodes and places chunk KV one layer ahead of the compute.
 
-On the CPU it is a thread (LMDB reads, zstd and the fp16 -> compute-dtype cast release the GIL);
-on CUDA the host tensor is pinned and copied on a side stream. A value that fails its checksum is
+On the CPU it is a thread (LMDB reads and zstd release the GIL) that decodes values straight from the
+map into one buffer per layer, left in the stored dtype: on a CPU the loader competes with the compute
+for the same cores, so it does as little as it can. On CUDA the buffer is pinned and copied on a side
+stream. A value that fails its checksum is
 never handed out: the consumer gets `CorruptChunk` naming the chunk, and recomputes it.
 """
 
@@ -12,7 +14,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvrag import KvragError
@@ -60,7 +61,8 @@ class LayerLoader:
         return self
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k pre-rotary, v) of every chunk token for layer `index`, each [C, Hkv, hd]."""
+        """(k pre-rotary, v) of every chunk token for layer `index`, each [C, Hkv, hd], in the stored
+        dtype (the consumer casts as it copies)."""
         self._ready[index].wait()
         result = self._results.pop(index)
         self._slots.release()
@@ -92,31 +94,50 @@ class LayerLoader:
             self._ready[layer].set()
 
     def _load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of every chunk token for `layer`, each [C, Hkv, hd] in the stored dtype.
+
+        Each value is decoded straight from LMDB's map into one preallocated pair of tensors; the cast to
+        the compute dtype is left to the consumer's copy into its own buffers, so the loader takes as
+        little CPU as it can from the compute it runs beside.
+        """
         start = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
-        ks, vs = [], []
+        n_rows = sum(len(ref.token_ids) for ref in self.chunks)
+        k_out = v_out = None
+        row = 0
         for ref in self.chunks:
             if ref.in_memory is not None:
-                ks.append(ref.in_memory.k[layer].to("cpu", self.dtype))
-                vs.append(ref.in_memory.v[layer].to("cpu", self.dtype))
-                continue
-            try:
-                raw = self.table.get_layer_raw(ref.chunk_id, layer, expect_token_ids=ref.token_ids)
-                decoded = raw.decode()
-            except MissingChunk:
-                raise CorruptChunk(ref.chunk_id, "missing from the store") from None
-            except CorruptValue as exc:
-                raise CorruptChunk(ref.chunk_id, str(exc)) from None
-            if decoded.positions is not None:
-                raise CorruptChunk(ref.chunk_id, "holds a reduced (Keyformer) subset, which blending cannot use yet")
-            self.bytes_read += len(raw.value)
-            ks.append(torch.from_numpy(np.ascontiguousarray(decoded.k)).to(self.dtype))
-            vs.append(torch.from_numpy(np.ascontiguousarray(decoded.v)).to(self.dtype))
-        k, v = torch.cat(ks), torch.cat(vs)  # [C, Hkv, hd]
+                k, v = ref.in_memory.k[layer], ref.in_memory.v[layer]  # [T, Hkv, hd] each
+            else:
+                decoded = self._read(ref, layer)
+                k, v = torch.from_numpy(decoded.k), torch.from_numpy(decoded.v)  # [T, Hkv, hd] each
+            if k_out is None:
+                k_out = torch.empty((n_rows, *k.shape[1:]), dtype=k.dtype)  # [C, Hkv, hd]
+                v_out = torch.empty_like(k_out)
+            if row + k.shape[0] > n_rows or k.shape[1:] != k_out.shape[1:]:
+                raise CorruptChunk(ref.chunk_id, f"holds KV of shape {tuple(k.shape)}, not one row per token")
+            k_out[row:row + k.shape[0]] = k
+            v_out[row:row + v.shape[0]] = v
+            row += k.shape[0]
+        if row != n_rows:
+            raise CorruptChunk(self.chunks[-1].chunk_id, f"the chunks' KV has {row} rows for {n_rows} tokens")
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                k = k.pin_memory().to(self.device, non_blocking=True)
-                v = v.pin_memory().to(self.device, non_blocking=True)
+                k_out = k_out.pin_memory().to(self.device, non_blocking=True)
+                v_out = v_out.pin_memory().to(self.device, non_blocking=True)
         self.spans.append(("load", layer, start, time.perf_counter()))
-        return k, v
+        return k_out, v_out
+
+    def _read(self, ref: ChunkRef, layer: int):
+        """One chunk's decoded layer from the store; CorruptChunk when it is missing or damaged."""
+        try:
+            decoded, n_bytes = self.table.read_layer(ref.chunk_id, layer, expect_token_ids=ref.token_ids)
+        except MissingChunk:
+            raise CorruptChunk(ref.chunk_id, "missing from the store") from None
+        except CorruptValue as exc:
+            raise CorruptChunk(ref.chunk_id, str(exc)) from None
+        if decoded.positions is not None:
+            raise CorruptChunk(ref.chunk_id, "holds a reduced (Keyformer) subset, which blending cannot use yet")
+        self.bytes_read += n_bytes
+        return decoded

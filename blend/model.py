@@ -19,6 +19,7 @@ transformers' own logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -128,10 +129,11 @@ class Transformer:
         return LayerQKV(q=rotary.rotate(q, cos, sin), k=k, v=v)
 
     def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Pre-rotary keys [S, Hkv, hd] rotated to absolute `positions` [S] (a new tensor)."""
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pre-rotary keys [S, Hkv, hd] rotated to absolute `positions` [S] (into `out`, else a new tensor)."""
         cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
-        return rotary.rotate(k.to(self.dtype), cos, sin)
+        return rotary.rotate(k.to(self.dtype), cos, sin, out)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_pos: torch.Tensor | None) -> torch.Tensor:
@@ -141,16 +143,15 @@ class Transformer:
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
         Returns [R, Hq * hd].
         """
-        g = self.cfg.group_size
-        if g > 1:  # grouped-query attention: each KV head serves g query heads
-            k = k[:, :, None, :].expand(-1, -1, g, -1).flatten(1, 2)  # [S, Hq, hd]
-            v = v[:, :, None, :].expand(-1, -1, g, -1).flatten(1, 2)  # [S, Hq, hd]
-        # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension.
+        # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
+        # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
+        # and its causal CPU kernel runs about 20 % faster than over expanded heads.
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        sdpa = partial(F.scaled_dot_product_attention, enable_gqa=self.cfg.group_size > 1)
         if k_pos is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh)
+            out = sdpa(qh, kh, vh)
         elif _is_plain_causal(q_pos, k_pos):
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            out = sdpa(qh, kh, vh, is_causal=True)
         elif _is_causal_tail(q_pos, k_pos) and 2 * q.shape[0] >= k.shape[0]:
             # Queries are most of the last rows of the keys (a prefill after a cached prefix). SDPA's
             # is_causal aligns top-left, so pad the queries with zero rows up to the keys' length,
@@ -159,12 +160,12 @@ class Transformer:
             # cheaper through the small [R, S] mask.
             pad = kh.shape[2] - qh.shape[2]
             qh = F.pad(qh, (0, 0, pad, 0))
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[:, :, pad:]
+            out = sdpa(qh, kh, vh, is_causal=True)[:, :, pad:]
         elif _is_sorted(q_pos) and _is_arange(k_pos):
-            out = _attend_row_blocks(qh, kh, vh, q_pos.to(self.device))
+            out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(self.device))
         else:
             mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+            out = sdpa(qh, kh, vh, attn_mask=mask)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
 
     def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -212,10 +213,10 @@ def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 BLOCK_ROWS = 192  # scattered query rows per block: at R≈940 over 6.3k keys, 78 ms vs 356 ms as one block (bf16)
 
 
-def _attend_row_blocks(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1.
 
-    qh [1, H, R, hd], kh/vh [1, H, S, hd] -> [1, H, R, hd]. A mask does not skip work, so one [R, S]
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting. A mask does not skip work, so one [R, S]
     mask pays for every key after each row's position: half the scores, on average, for rows spread
     over the prompt (CacheBlend's selected tokens). Cut into blocks of consecutive rows, each block
     only reads the keys up to its last row's position — close to causal attention's cost.
@@ -228,8 +229,7 @@ def _attend_row_blocks(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_p
         end = min(int(q_pos[stop - 1]) + 1, kh.shape[2])  # keys this block can see
         key_pos = torch.arange(end, device=q_pos.device)
         mask = key_pos[None, :] <= q_pos[start:stop, None]  # [rows, end]
-        outs.append(F.scaled_dot_product_attention(qh[:, :, start:stop], kh[:, :, :end], vh[:, :, :end],
-                                                   attn_mask=mask))
+        outs.append(sdpa(qh[:, :, start:stop], kh[:, :, :end], vh[:, :, :end], attn_mask=mask))
     return torch.cat(outs, dim=2)
 
 

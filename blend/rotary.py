@@ -38,8 +38,19 @@ def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by cos/sin [T, 1, head_dim]; returns a new tensor."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by cos/sin [T, 1, head_dim] into `out` (a new tensor by default).
+
+    Equal to x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], computed per half
+    (cos and sin repeat over the two halves) so that no rotated copy of x is made.
+    """
     half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated_half * sin
+    out = torch.empty_like(x) if out is None else out
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1)
+    o1.sub_(x2 * s)
+    torch.mul(x2, c, out=o2)
+    o2.add_(x1 * s)
+    return out

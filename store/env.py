@@ -121,15 +121,18 @@ class StoreEnv:
                 raise KvragError(f"cannot write to the store at {self.path} ({exc}; is the disk full?); "
                                  "nothing stored was lost") from None
 
-    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `fn(txn)` in a read transaction (readers never block another process's writer)."""
-        with self._lock:
-            return self._read(fn)
+    def read(self, fn: Callable[[lmdb.Transaction], T], buffers: bool = False) -> T:
+        """Run `fn(txn)` in a read transaction (readers never block another process's writer).
 
-    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        With `buffers`, values are zero-copy memoryviews into the map, valid only inside `fn`.
+        """
+        with self._lock:
+            return self._read(fn, buffers)
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T], buffers: bool = False) -> T:
         while True:
             try:
-                with self.env.begin(write=False, buffers=False) as txn:
+                with self.env.begin(write=False, buffers=buffers) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)

@@ -51,6 +51,13 @@ def test_questions_file_and_stdin(kvrag, ready_store, tiny_llama_dir, tmp_path):
                           "--max-tokens", "4").stdout)
     assert [a["question"] for a in out] == ["How deep is Lake Baikal?", "What is the Sahara?"]
 
+    # the same question twice in one process: the second reuses the first's chunks from the memory tiers
+    qfile.write_text("How deep is Lake Baikal?\nHow deep is Lake Baikal?\n")
+    out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "--questions", str(qfile), "--json",
+                          "--max-tokens", "4", "--host-cache", "64MiB").stdout)
+    assert set(out[0]["chunk_tiers"]) <= {"store", "computed"} and set(out[1]["chunk_tiers"]) == {"tree"}
+    assert out[1]["recomputed_chunk_tokens"] == 0 and out[0]["text"] == out[1]["text"]
+
     items = tmp_path / "items.json"  # MuSiQue-style items bring their own passages
     items.write_text(json.dumps([{"question": "Who?", "ctxs": [{"title": "", "text": "Ada wrote it."},
                                                                  {"title": "T", "text": "Bob read it."}]}]))
@@ -65,6 +72,8 @@ def test_questions_file_and_stdin(kvrag, ready_store, tiny_llama_dir, tmp_path):
     (("q", "--ratio", "lots"), "--ratio"),
     (("q", "--mode", "magic"), "--mode"),
     (("q", "--chunks", "deadbeef"), "not in the store"),
+    (("q", "--host-cache", "lots"), "--host-cache"),
+    (("q", "--cache-policy", "fifo"), "cache policy"),
 ])
 def test_bad_input_is_one_clear_line(kvrag, ready_store, tiny_llama_dir, args, message):
     proc = _ask(kvrag, ready_store, tiny_llama_dir, *args, check=False)

@@ -219,3 +219,24 @@ def test_prefill_after_a_prefix_uses_exact_causal_alignment(tiny_runtime):
     shuffled = torch.tensor([8, 4, 6, 5, 7])  # same rows, not in order: takes the mask path
     masked = model.attend(q[shuffled - 4], shuffled, k, v, k_pos)
     torch.testing.assert_close(fast[shuffled - 4], masked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("codec, atol", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 5e-2)])
+def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime, musique_items, codec, atol):
+    """The loader hands each codec's stored KV over in its own dtype (fp16, or float32 for bf16 and int8) and
+    the fusion casts it as it copies: full reuse from the store equals full reuse from the fp32 KV in memory,
+    within the codec's rounding."""
+    chunks = _chunks(tiny_runtime, musique_items)
+    with StoreEnv.open(tmp_path / "store", create=True) as env:
+        engine = Engine(tiny_runtime, env, codec)
+        table = KVTable(env, tiny_runtime.fingerprint, codec)
+        with torch.inference_mode():
+            for chunk_id, ids in chunks:
+                table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(tiny_runtime, engine.preamble, ids), codec))
+        from_store = engine.prefill(chunks, QUESTION, mode="reuse")
+        assert from_store.bytes_loaded > 0 and from_store.chunk_tiers == ["store"] * len(chunks)
+    # without a store every chunk is computed now and handed to the loader as fp32 KV in memory
+    exact = Engine(tiny_runtime, None).prefill(chunks, QUESTION, mode="reuse")
+    assert from_store.logits.argmax() == exact.logits.argmax()
+    torch.testing.assert_close(from_store.logits, exact.logits, rtol=0, atol=atol * exact.logits.abs().max().item())
+

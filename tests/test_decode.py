@@ -99,3 +99,19 @@ def test_stream_text_reassembles_the_answer(smol_tokenizer):
     pieces = list(stream_text(smol_tokenizer, iter(ids)))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows, keys, kv_heads, group", [(1, 1, 3, 3), (1, 517, 3, 3), (5, 64, 2, 4), (8, 300, 4, 1)])
+def test_decode_attention_equals_sdpa(dtype, tol, rows, keys, kv_heads, group):
+    """The few-rows path decoding takes (two float32 matmuls) against SDPA over expanded heads, the reference."""
+    from kvrag.blend.model import _attend_few_rows
+
+    g = torch.Generator().manual_seed(rows * 1000 + keys)
+    q = torch.randn(rows, kv_heads * group, 64, generator=g).to(dtype)  # [R, Hq, hd]
+    k = torch.randn(keys, kv_heads, 64, generator=g).to(dtype) * 3  # [S, Hkv, hd]
+    v = torch.randn(keys, kv_heads, 64, generator=g).to(dtype)
+    expand = lambda x: x.repeat_interleave(group, dim=1).transpose(0, 1)[None].float()  # noqa: E731  [1, Hq, S, hd]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), expand(k), expand(v))
+    got = _attend_few_rows(q, k, v, group)
+    torch.testing.assert_close(got.float(), ref[0].transpose(0, 1).reshape(rows, -1), rtol=tol, atol=tol)

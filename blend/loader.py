@@ -3,8 +3,8 @@
 On the CPU it is a thread (LMDB reads and zstd release the GIL) that decodes values straight from the
 map into one buffer per layer, left in the stored dtype: on a CPU the loader competes with the compute
 for the same cores, so it does as little as it can. On CUDA the buffer is pinned and copied on a side
-stream. A value that fails its checksum is
-never handed out: the consumer gets `CorruptChunk` naming the chunk, and recomputes it.
+stream. A value that fails its checksum is never handed out: the consumer gets `CorruptChunk` naming
+the chunk, and recomputes it.
 """
 
 from __future__ import annotations

@@ -143,11 +143,11 @@ class Transformer:
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
         Returns [R, Hq * hd].
         """
+        if k_pos is None and q.shape[0] <= FEW_ROWS:  # a decode step
+            return _attend_few_rows(q, k, v, self.cfg.group_size)
         # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
         # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
         # and its causal CPU kernel runs about 20 % faster than over expanded heads.
-        if k_pos is None and q.shape[0] <= FEW_ROWS:
-            return _attend_few_rows(q, k, v, self.cfg.group_size)
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         sdpa = partial(F.scaled_dot_product_attention, enable_gqa=self.cfg.group_size > 1)
         if k_pos is None:
@@ -234,8 +234,8 @@ BLOCK_ROWS = 192  # scattered query rows per block: at R≈940 over 6.3k keys, 7
 def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1.
 
-    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting. A mask does not skip work, so one [R, S]
-    mask pays for every key after each row's position: half the scores, on average, for rows spread
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting.
+    A mask does not skip work, so one [R, S] mask pays for every key after each row's position: half the scores, on average, for rows spread
     over the prompt (CacheBlend's selected tokens). Cut into blocks of consecutive rows, each block
     only reads the keys up to its last row's position — close to causal attention's cost.
     """

@@ -122,14 +122,27 @@ class KVTable:
         the layer is out of range, or the stored token ids differ from `expect_token_ids` (a hash
         collision must never hand out another chunk's KV).
         """
-        key = self.key(chunk_id)
-        rec_raw, value = self.env.read(
-            lambda txn: (txn.get(key.to_bytes(), db=self.db), txn.get(key.layer(layer).to_bytes(), db=self.db))
-        )
-        return RawLayer(*self._checked_value(chunk_id, layer, expect_token_ids, rec_raw, value))
+        return self._checked(chunk_id, layer, expect_token_ids,
+                             *self.env.read(lambda txn: self._record_and_value(txn, chunk_id, layer)))
 
-    def _checked_value(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value):
-        """(value, codec, layer shape) once the chunk's record vouches for the value; raises otherwise."""
+    def read_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None) -> tuple[DecodedKV, int]:
+        """One layer's KV decoded straight from the map (no copy of the stored bytes), and its stored size.
+
+        The same checks as `get_layer_raw`; what a loader wants when the value is decoded at once.
+        """
+        def decode_in_snapshot(txn) -> tuple[DecodedKV, int]:
+            raw = self._checked(chunk_id, layer, expect_token_ids, *self._record_and_value(txn, chunk_id, layer))
+            return raw.decode(), len(raw.value)  # decoded arrays own their memory: valid after the snapshot
+
+        return self.env.read(decode_in_snapshot, buffers=True)
+
+    def _record_and_value(self, txn, chunk_id: str, layer: int):
+        """The chunk's record and one layer's value, read in the same snapshot (either may be None)."""
+        key = self.key(chunk_id)
+        return txn.get(key.to_bytes(), db=self.db), txn.get(key.layer(layer).to_bytes(), db=self.db)
+
+    def _checked(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value) -> RawLayer:
+        """The value, once the chunk's record vouches for it; MissingChunk or CorruptValue otherwise."""
         if rec_raw is None:
             raise MissingChunk(f"no KV for chunk {chunk_id} (model {self.model_fp}, codec {self.codec})")
         rec = KVRecord.from_bytes(rec_raw)
@@ -141,20 +154,7 @@ class KVTable:
             raise CorruptValue(f"chunk {chunk_id}: layer {layer} value is missing")
         if len(value) != rec.value_sizes[layer]:
             raise CorruptValue(f"chunk {chunk_id} layer {layer}: {len(value)} bytes, record says {rec.value_sizes[layer]}")
-        return value, self.codec, rec.layer_shape(layer)
-
-    def read_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None) -> tuple[DecodedKV, int]:
-        """One layer's KV decoded straight from the map (no copy of the stored bytes), and its stored size.
-
-        The same checks as `get_layer_raw`; what a loader wants when the value is decoded at once.
-        """
-        def decode_in_snapshot(txn) -> tuple[DecodedKV, int]:
-            key = self.key(chunk_id)
-            raw = RawLayer(*self._checked_value(chunk_id, layer, expect_token_ids, txn.get(key.to_bytes(), db=self.db),
-                                                txn.get(key.layer(layer).to_bytes(), db=self.db)))
-            return raw.decode(), len(raw.value)  # decoded arrays own their memory: valid after the snapshot
-
-        return self.env.read(decode_in_snapshot, buffers=True)
+        return RawLayer(value, self.codec, rec.layer_shape(layer))
 
     def get_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None,
                   dtype: type | None = None) -> DecodedKV:

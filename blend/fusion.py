@@ -120,6 +120,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     else:
         rows = torch.arange(n_rest, device=dev)
     h = model.embed(rest_ids[rows])  # [R, D]
+    rest_rope = (rope[0][n_pre:], rope[1][n_pre:])  # cos, sin [C + S, 1, hd]
+    rows_rope = (rest_rope[0][rows], rest_rope[1][rows])  # gathered again only when the rows change
 
     for layer in range(model.cfg.n_layers):
         uses_loaded = loaded_rows > 0 and (config is None or layer >= first_check)
@@ -128,7 +130,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             loaded_k, loaded_v = source.layer(layer)  # [loaded_rows, Hkv, hd]
             result.wait_s += time.perf_counter() - w0
         t0 = time.perf_counter()
-        qkv = model.project(layer, h, rest_pos[rows], (rope[0][n_pre:][rows], rope[1][n_pre:][rows]))
+        qkv = model.project(layer, h, rest_pos[rows], rows_rope)
         # the whole prompt's K (pre-rotary) and V for this layer, assembled in place: V straight into the
         # decode cache; K rotated from k_all into the cache. Loaded rows arrive in the store's dtype and
         # are cast by the copy.
@@ -144,7 +146,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if keep_rest:  # views: the decoder only writes past n_total
             result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
 
-        keep = torch.arange(rows.shape[0], device=dev)  # positions within `rows` that go on
+        keep = None  # positions within `rows` that go on (None: all of them)
         if layer in schedule and uses_loaded:
             # rows are the still-selected chunk rows (then the suffix); rank them by deviation
             n_sel = int((rows < n_chunk).sum())
@@ -157,8 +159,11 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             result.selected = chunk_part[top]
 
         k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
-        rows, h = rows[keep], h[keep]
-        attn = model.attend(qkv.q[keep], rest_pos[rows], k_rot, v_all, positions)
+        q = qkv.q
+        if keep is not None:
+            rows, h, q = rows[keep], h[keep], q[keep]
+            rows_rope = (rest_rope[0][rows], rest_rope[1][rows])
+        attn = model.attend(q, rest_pos[rows], k_rot, v_all, positions)
         h = model.finish(layer, h, attn)
         t1 = time.perf_counter()
         result.spans.append(("compute", layer, t0, t1))

@@ -164,7 +164,10 @@ class Transformer:
             qh = F.pad(qh, (0, 0, pad, 0))
             out = sdpa(qh, kh, vh, is_causal=True)[:, :, pad:]
         elif _is_sorted(q_pos) and _is_arange(k_pos):
-            out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(self.device))
+            if qh.device.type == "cpu" and _FLASH_CPU is not None:
+                out = _attend_key_segments(qh, kh, vh, q_pos.to(self.device))
+            else:
+                out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(self.device))
         else:
             mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
             out = sdpa(qh, kh, vh, attn_mask=mask)
@@ -249,6 +252,47 @@ def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tenso
         mask = key_pos[None, :] <= q_pos[start:stop, None]  # [rows, end]
         outs.append(sdpa(qh[:, :, start:stop], kh[:, :, :end], vh[:, :, :end], attn_mask=mask))
     return torch.cat(outs, dim=2)
+
+
+SEGMENT_KEYS = 1024  # keys per segment: at R≈980 over 6.3k keys (bf16, 2 cores) 18.7 ms vs 24 ms in row blocks
+# The CPU flash kernel behind SDPA, called directly because it also returns each row's log-sum-exp (public
+# SDPA does not); with it, partial attentions over key segments merge exactly. Absent: row blocks instead.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1, by key segment.
+
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each segment of SEGMENT_KEYS keys is attended
+    by exactly the rows at or after its start: rows past its end in one unmasked call, rows inside it with a
+    small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
+    their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
+    """
+    n_rows, n_keys = qh.shape[2], min(kh.shape[2], int(q_pos[-1]) + 1)
+    acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
+    lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp
+    bounds = torch.arange(0, n_keys, SEGMENT_KEYS, device=q_pos.device)
+    first_rows = torch.searchsorted(q_pos, bounds).tolist()  # first row that sees each segment
+    last_masked = torch.searchsorted(q_pos, (bounds + SEGMENT_KEYS - 1).clamp(max=n_keys - 1)).tolist()
+    for start, r0, r1 in zip(bounds.tolist(), first_rows, last_masked, strict=True):
+        stop = min(start + SEGMENT_KEYS, n_keys)
+        ks, vs = kh[:, :, start:stop], vh[:, :, start:stop]
+        if r1 > r0:  # rows r0..r1-1 lie inside the segment: they see its keys up to their own position
+            key_pos = torch.arange(start, stop, device=q_pos.device)
+            mask = torch.zeros(r1 - r0, stop - start, dtype=qh.dtype, device=qh.device)
+            mask.masked_fill_(key_pos[None, :] > q_pos[r0:r1, None], float("-inf"))  # [rows, keys]
+            _merge(acc, lse, r0, r1, *_FLASH_CPU(qh[:, :, r0:r1], ks, vs, attn_mask=mask))
+        if r1 < n_rows:  # rows after the segment see all of it
+            _merge(acc, lse, r1, n_rows, *_FLASH_CPU(qh[:, :, r1:], ks, vs))
+    return acc.to(qh.dtype)
+
+
+def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Tensor, out_lse: torch.Tensor) -> None:
+    """Fold one segment's attention (out [1, Hq, r, hd], out_lse [1, Hq, r]) into rows r0..r1-1 of the sums."""
+    old = lse[:, :, r0:r1]
+    new = torch.logaddexp(old, out_lse)
+    acc[:, :, r0:r1].mul_(torch.exp(old - new)[..., None]).add_(out.float() * torch.exp(out_lse - new)[..., None])
+    lse[:, :, r0:r1] = new
 
 
 def _is_sorted(pos: torch.Tensor) -> bool:

@@ -135,16 +135,21 @@ def test_selected_rows_never_see_later_keys(tiny_runtime):
     assert not torch.allclose(bottom_right[0], got[0], atol=1e-3)
 
 
-def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatch):
-    """Many selected rows spread over the prompt go through attention in blocks that each read keys
-    only up to their last row; every row must still equal a softmax over keys 0..p, in any block."""
+@pytest.mark.parametrize("path", ["key segments", "row blocks"])
+def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatch, path):
+    """Many selected rows spread over the prompt go through attention in pieces (key segments merged by
+    log-sum-exp, or row blocks that each read keys up to their last row); every row must still equal a
+    softmax over keys 0..p, whichever piece it falls in."""
     import kvrag.blend.model as model_module
 
-    monkeypatch.setattr(model_module, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(model_module, "BLOCK_ROWS", 16)  # 150 rows -> 9 blocks
+    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 64)  # 600 keys -> 10 segments
+    if path == "row blocks":
+        monkeypatch.setattr(model_module, "_FLASH_CPU", None)
     model = tiny_runtime.model
     g = torch.Generator().manual_seed(8)
     hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
-    q_pos = torch.randperm(600, generator=g)[:150].sort().values  # 150 rows -> 9 blocks
+    q_pos = torch.randperm(600, generator=g)[:150].sort().values
     q = torch.randn(150, hq, hd, generator=g)
     k = torch.randn(600, hkv, hd, generator=g)
     v = torch.randn(600, hkv, hd, generator=g)

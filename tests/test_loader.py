@@ -1,0 +1,98 @@
+"""The layer loader against the store's own decoded values: wherever it decodes, whatever tier a chunk is in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
+from kvrag.blend.prefill import LayerKV
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import KVTable
+
+N_LAYERS, HKV, HD = 3, 2, 8
+
+
+@pytest.fixture
+def table(tmp_path):
+    """A store with three chunks of 5, 7 and 4 tokens of random fp16 KV."""
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    kv_table = KVTable(env, "model-fp", "fp16")
+    rng = np.random.default_rng(0)
+    chunks = []
+    for n, length in enumerate((5, 7, 4)):
+        ids = list(range(100 * n, 100 * n + length))
+        layers = [(rng.standard_normal((length, HKV, HD)).astype(np.float16),
+                   rng.standard_normal((length, HKV, HD)).astype(np.float16)) for _ in range(N_LAYERS)]
+        kv_table.put_chunk(f"chunk{n}", ids, layers)
+        chunks.append((f"chunk{n}", ids))
+    yield kv_table, chunks
+    env.close()
+
+
+def _expected(kv_table: KVTable, chunks, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store's own decode of every chunk, concatenated in prompt order: [C, Hkv, hd] each."""
+    parts = [kv_table.get_layer(cid, layer, ids) for cid, ids in chunks]
+    return (torch.from_numpy(np.concatenate([p.k for p in parts])),
+            torch.from_numpy(np.concatenate([p.v for p in parts])))
+
+
+def _load_all(loader: LayerLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader.start()
+    try:
+        return [loader.layer(layer) for layer in range(N_LAYERS)]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_every_layer_equals_the_stored_values(table, in_thread):
+    """Decoded in the loader's thread (CUDA's way) or at hand-over over a pool (the CPU's): the same bytes."""
+    kv_table, chunks = table
+    refs = [ChunkRef(cid, ids) for cid, ids in chunks]
+    loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"),
+                         decode_in_thread=in_thread)
+    for layer, (k, v) in enumerate(_load_all(loader)):
+        want_k, want_v = _expected(kv_table, chunks, layer)
+        assert k.dtype == torch.float16  # the stored dtype: the consumer's copy casts
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert {kind for kind, *_ in loader.spans} == {"load", "decode"}
+
+
+def test_chunks_in_memory_and_in_the_store_mix_exactly(table):
+    """A bf16 chunk from a memory tier first, stored fp16 ones after it: staged in float32, exact for both
+    (staged in the first chunk's bf16, the stored values would lose three mantissa bits)."""
+    kv_table, chunks = table
+    cid, ids = chunks[0]
+    g = torch.Generator().manual_seed(1)
+    memory = LayerKV([torch.randn(len(ids), HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
+                     [torch.randn(len(ids), HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
+                     torch.arange(len(ids)))
+    refs = [ChunkRef(cid, ids, memory)] + [ChunkRef(c, i) for c, i in chunks[1:]]
+    loaded = _load_all(LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu")))
+    rows = slice(0, len(ids))
+    for layer, (k, v) in enumerate(loaded):
+        want_k, want_v = _expected(kv_table, chunks, layer)
+        want_k[rows], want_v[rows] = memory.k[layer].float(), memory.v[layer].float()
+        assert k.dtype == torch.float32
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_a_damaged_value_is_refused_at_hand_over(table):
+    """The CPU path decodes in the consumer: the checksum failure must still name the chunk, never pass."""
+    kv_table, chunks = table
+    key = kv_table.key("chunk2").layer(1).to_bytes()
+    env = kv_table.env
+    with env.env.begin(write=True, db=env.db("kv")) as txn:
+        value = bytearray(txn.get(key))
+        value[-3] ^= 0x10
+        txn.put(key, bytes(value))
+    loader = LayerLoader(kv_table, [ChunkRef(cid, ids) for cid, ids in chunks], range(N_LAYERS), torch.float32,
+                         torch.device("cpu"), decode_in_thread=False).start()
+    try:
+        loader.layer(0)
+        with pytest.raises(CorruptChunk, match="chunk2"):
+            loader.layer(1)
+    finally:
+        loader.close()

@@ -49,6 +49,7 @@ def bench_command(
     codec: str = typer.Option("fp16", "--codec", help="Stored KV codec the loading methods read: fp16, bf16, int8."),
     check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
+    gradual: bool = typer.Option(False, "--gradual", help="Blend: gradual filtering over the layers after the check."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
     warm_store: bool = typer.Option(True, "--warm-store/--cold-store",
                                     help="Read each item's stored KV once before its runs (page cache warm for "
@@ -99,7 +100,7 @@ def bench_command(
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
-    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, warm_store=warm_store)
+    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store)
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)
@@ -135,7 +136,7 @@ def bench_command(
                           "methods": [m.name for m in chosen], "max_tokens": max_tokens, "codec": codec,
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
-                          "check_layer": check_layer, "deviation": deviation, "warmup": warmup,
+                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "warmup": warmup,
                           "warm_store": warm_store,
                           "passage_words": passage_words, "top_k": k if questions else None,
                           "load_average_start": load_start})

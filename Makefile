@@ -41,7 +41,7 @@ demo: $(STAMP)
 bench-model: $(STAMP)
 	$(BIN)/kvrag model bench --items 20
 
-# Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; about 1.5 h on
+# Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; 20-75 min on
 # 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed).
 BENCH_LIMIT ?= 50
 bench-ask: $(STAMP)

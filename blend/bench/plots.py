@@ -92,10 +92,16 @@ def make_plots(report: dict, out_dir: Path) -> list[Path]:
                 if m.get(key) is not None and m.get("median_ttft_ms") is not None]
     if frontier:
         fig, ax = plt.subplots(figsize=(6, 4))
+        x_span = max(x for x, _, _ in frontier) or 1.0
+        y_span = (max(y for _, y, _ in frontier) - min(y for _, y, _ in frontier)) or 1.0
+        placed: list[tuple[float, float]] = []
         for x, y, name in frontier:
             color = BASELINE_STYLE.get(name, ("tab:blue", ""))[0]
             ax.scatter([x], [y], color=color)
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            # methods on (nearly) the same point, e.g. blend@auto resolving to 0.15: stack their labels
+            near = sum(abs(x - px) < 0.03 * x_span and abs(y - py) < 0.03 * y_span for px, py in placed)
+            placed.append((x, y))
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4 - 10 * near), fontsize=8)
         ax.set(xlabel="median TTFT (ms)", ylabel=label, title="quality vs TTFT")
         ax.set_xlim(left=0)
         save(fig, "quality_vs_ttft.png")

@@ -25,7 +25,7 @@ import torch
 
 from kvrag import KvragError
 from kvrag.blend.prefill import LayerKV
-from kvrag.store.codec import CorruptValue
+from kvrag.store.codec import DECODED_DTYPES, CorruptValue
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
 
@@ -57,6 +57,9 @@ class LayerLoader:
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s = dtype, device, delay_s
         self.decode_in_thread = device.type == "cuda" if decode_in_thread is None else decode_in_thread
+        self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
+        for ref in self.chunks:
+            self._starts.append(self._starts[-1] + len(ref.token_ids))
         self._ready = {layer: threading.Event() for layer in self.layers}
         self._results: dict[int, list | tuple[torch.Tensor, torch.Tensor] | BaseException] = {}
         self._slots = threading.Semaphore(lookahead)
@@ -131,12 +134,10 @@ class LayerLoader:
         there is one) straight into one preallocated pair of arrays, in-memory chunks copied in. The dtype is
         the stored one where every chunk has it (float32 where they differ: exact for fp16, bf16 and int8);
         the cast to the compute dtype is left to the consumer's copy into its own buffers."""
-        starts = [0]
-        for ref in self.chunks:
-            starts.append(starts[-1] + len(ref.token_ids))
+        starts = self._starts
         dtypes = {_array_dtype(item) for item in fetched}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
-        shape = next(iter(item.shape[1:] if isinstance(item, RawLayer) else item[0].shape[1:] for item in fetched))
+        shape = next(item.shape[1:] if isinstance(item, RawLayer) else item[0].shape[1:] for item in fetched)
         k_out = np.empty((starts[-1], *shape), dtype=dtype)  # [C, Hkv, hd]
         v_out = np.empty_like(k_out)
 
@@ -195,5 +196,5 @@ class LayerLoader:
 def _array_dtype(item) -> np.dtype:
     """The numpy dtype that holds a chunk's KV exactly: what its codec decodes to, or its in-memory dtype."""
     if isinstance(item, RawLayer):
-        return np.dtype(np.float16 if item.codec == "fp16" else np.float32)  # bf16 and int8 decode to float32
+        return DECODED_DTYPES[item.codec]
     return np.dtype(np.float16 if item[0].dtype == torch.float16 else np.float32)

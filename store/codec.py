@@ -39,6 +39,8 @@ FLAG_SHUFFLED = 4  # 16-bit codecs: byte planes stored apart
 FLAG_K_PER_CHANNEL = 8  # int8: K scales per (head, channel) instead of per (token, head)
 SRC_DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float16): 2}
 SRC_DTYPE_NAMES = {1: "float32", 2: "float16"}
+# what `decode` returns per codec, unless asked otherwise (see the module doc)
+DECODED_DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(np.float32), "int8": np.dtype(np.float32)}
 
 # int8 K scales: per (head, channel) over the chunk's tokens, as KIVI does, because pre-rotary keys have
 # outlier channels. Measured on SmolLM2-135M (6 MuSiQue passages of ~594 tokens after the preamble, all

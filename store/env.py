@@ -121,18 +121,15 @@ class StoreEnv:
                 raise KvragError(f"cannot write to the store at {self.path} ({exc}; is the disk full?); "
                                  "nothing stored was lost") from None
 
-    def read(self, fn: Callable[[lmdb.Transaction], T], buffers: bool = False) -> T:
-        """Run `fn(txn)` in a read transaction (readers never block another process's writer).
-
-        With `buffers`, values are zero-copy memoryviews into the map, valid only inside `fn`.
-        """
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in a read transaction (readers never block another process's writer)."""
         with self._lock:
-            return self._read(fn, buffers)
+            return self._read(fn)
 
-    def _read(self, fn: Callable[[lmdb.Transaction], T], buffers: bool = False) -> T:
+    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
-                with self.env.begin(write=False, buffers=buffers) as txn:
+                with self.env.begin(write=False) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)

@@ -122,24 +122,11 @@ class KVTable:
         the layer is out of range, or the stored token ids differ from `expect_token_ids` (a hash
         collision must never hand out another chunk's KV).
         """
-        return self._checked(chunk_id, layer, expect_token_ids,
-                             *self.env.read(lambda txn: self._record_and_value(txn, chunk_id, layer)))
-
-    def read_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None) -> tuple[DecodedKV, int]:
-        """One layer's KV decoded straight from the map (no copy of the stored bytes), and its stored size.
-
-        The same checks as `get_layer_raw`; what a loader wants when the value is decoded at once.
-        """
-        def decode_in_snapshot(txn) -> tuple[DecodedKV, int]:
-            raw = self._checked(chunk_id, layer, expect_token_ids, *self._record_and_value(txn, chunk_id, layer))
-            return raw.decode(), len(raw.value)  # decoded arrays own their memory: valid after the snapshot
-
-        return self.env.read(decode_in_snapshot, buffers=True)
-
-    def _record_and_value(self, txn, chunk_id: str, layer: int):
-        """The chunk's record and one layer's value, read in the same snapshot (either may be None)."""
         key = self.key(chunk_id)
-        return txn.get(key.to_bytes(), db=self.db), txn.get(key.layer(layer).to_bytes(), db=self.db)
+        rec_raw, value = self.env.read(
+            lambda txn: (txn.get(key.to_bytes(), db=self.db), txn.get(key.layer(layer).to_bytes(), db=self.db))
+        )
+        return self._checked(chunk_id, layer, expect_token_ids, rec_raw, value)
 
     def _checked(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value) -> RawLayer:
         """The value, once the chunk's record vouches for it; MissingChunk or CorruptValue otherwise."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag import KvragError
-from kvrag.store.codec import HEADER_SIZE, CorruptValue, decode, encode, read_header
+from kvrag.store.codec import DECODED_DTYPES, HEADER_SIZE, CorruptValue, decode, encode, read_header
 
 ODD_SHAPES = [(1, 1, 2), (7, 3, 64), (33, 2, 10), (5, 5, 3)]
 
@@ -74,6 +74,7 @@ def test_positions_round_trip(codec):
     k, v = _kv((6, 2, 8))
     pos = np.array([0, 3, 4, 9, 10, 11], dtype=np.int64)
     out = decode(encode(k, v, codec, positions=pos))
+    assert out.k.dtype == out.v.dtype == DECODED_DTYPES[codec]  # what the loader stages them in
     np.testing.assert_array_equal(out.positions, pos)
     assert out.positions.dtype == np.int32
     per_head = np.arange(12, dtype=np.int32).reshape(6, 2)

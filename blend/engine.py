@@ -49,7 +49,7 @@ class Prefilled:
 
 class Engine:
     def __init__(self, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
-                 cache=None):
+                 cache=None, compress: bool = True):
         self.runtime = runtime
         self.cache = cache  # TieredKVCache or None: no memory tiers
         self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
@@ -59,7 +59,7 @@ class Engine:
         if env is not None:
             check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                             tokenizer_fp=runtime.local.tokenizer_fingerprint)
-            self.table = KVTable(env, runtime.fingerprint, codec)
+            self.table = KVTable(env, runtime.fingerprint, codec, compress)  # compress: how write-backs are stored
         self.load_delay_s = load_delay_s
         with torch.inference_mode():
             _, self.preamble = extend(self.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))

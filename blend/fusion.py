@@ -5,8 +5,9 @@ The prompt is preamble (exact KV) + chunks (loaded KV, keys before rotary) + suf
     rows   = chunk tokens + suffix tokens, at absolute positions P .. N-1
     layer < check_layer:  every row is computed (its fresh K/V replace the loaded ones)
     layer = check_layer:  every row's K/V is computed; the top `ratio` share of chunk rows by
-                          ||fresh - loaded|| (K, V or both) is selected, and from here on only the
-                          selected rows and the suffix go on through attention and the MLP
+                          ||fresh - loaded|| (K, V or both), weighted by how much the suffix's
+                          queries read each row, is selected, and from here on only the selected
+                          rows and the suffix go on through attention and the MLP
     layer > check_layer:  selected + suffix rows computed; their fresh K/V overwrite the loaded
                           ones; every other chunk token's K/V is reused as loaded
     keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change)
@@ -38,7 +39,10 @@ class BlendConfig:
     ratio: float = 0.15  # share of chunk tokens recomputed from the check layer on
     check_layer: int = 1  # layers before it are computed for every token
     deviation: str = "v"  # what ||fresh - loaded|| is measured on
-    gradual: bool = False  # re-select a smaller share at the next layers (CacheBlend's gradual filtering)
+    gradual: bool = True  # re-select a smaller share at the next layers (CacheBlend's gradual filtering)
+    # rank by deviation x (1 + how much the suffix reads the token, relative to the mean): a token's error
+    # reaches the answer through the question's attention to it (see the README's measurements)
+    weigh_by_attention: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -87,6 +91,16 @@ def _deviation(kind: str, fresh_k, fresh_v, loaded_k, loaded_v) -> torch.Tensor:
     if "v" in kind:
         dev += (fresh_v.float() - loaded_v.float()).pow(2).sum(dim=(1, 2))
     return dev
+
+
+def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int) -> torch.Tensor:
+    """How much the suffix reads each chunk token: the attention weight of the suffix queries q_suffix
+    [S, Hq, hd] over the rotated chunk keys k_chunk [C, Hkv, hd], averaged over queries and heads: [C]."""
+    s, _, hd = q_suffix.shape
+    h_kv = k_chunk.shape[1]
+    qg = q_suffix.float().view(s, h_kv, group, hd).permute(1, 0, 2, 3).reshape(h_kv, s * group, hd)
+    scores = torch.matmul(qg, k_chunk.float().permute(1, 2, 0)) * hd ** -0.5  # [Hkv, S*g, C]
+    return scores.softmax(-1).mean(dim=(0, 1))
 
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
@@ -146,19 +160,22 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if keep_rest:  # views: the decoder only writes past n_total
             result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
 
+        k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
         keep = None  # positions within `rows` that go on (None: all of them)
         if layer in schedule and uses_loaded:
             # rows are the still-selected chunk rows (then the suffix); rank them by deviation
             n_sel = int((rows < n_chunk).sum())
             chunk_part = rows[:n_sel]
-            dev_score = _deviation(config.deviation, qkv.k[:n_sel], qkv.v[:n_sel],
-                                   loaded_k[chunk_part], loaded_v[chunk_part])
+            score = _deviation(config.deviation, qkv.k[:n_sel], qkv.v[:n_sel],
+                               loaded_k[chunk_part], loaded_v[chunk_part])
+            if config.weigh_by_attention and n_sel < rows.shape[0]:
+                read = _suffix_attention(qkv.q[n_sel:], k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
+                score = score * (1 + read / read.mean())
             n_keep = min(n_sel, math.ceil(schedule[layer] * n_chunk))
-            top = torch.topk(dev_score, n_keep).indices.sort().values
+            top = torch.topk(score, n_keep).indices.sort().values
             keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])
             result.selected = chunk_part[top]
 
-        k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
         q = qkv.q
         if keep is not None:
             rows, h, q = rows[keep], h[keep], q[keep]

@@ -174,7 +174,7 @@ class LayerLoader:
     def _decode(self, ref: ChunkRef, raw: RawLayer) -> tuple[np.ndarray, np.ndarray]:
         """One chunk's stored (k, v) decoded, as arrays [T, Hkv, hd]."""
         try:
-            decoded = raw.decode()
+            decoded = raw.decode(copy=False)  # views, when uncompressed: `put` copies them into the layer buffer
         except CorruptValue as exc:
             raise CorruptChunk(ref.chunk_id, str(exc)) from None
         if decoded.positions is not None:

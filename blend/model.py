@@ -182,8 +182,20 @@ class Transformer:
         return h + F.linear(F.silu(gate) * up, w.w_down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: h [R, D] -> float32 logits [R, V]."""
-        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head).float()
+        """Final norm and LM head: h [R, D] -> float32 logits [R, V].
+
+        In bf16 every logit is rounded to 8 significant bits (steps of 0.125 near 20), so the top two
+        candidates often tie exactly and greedy decoding picks the lower token id, not the likelier token.
+        The RESCORED best candidates are therefore computed again in float32 from the float32-normalised
+        hidden state: the head of the distribution is exact, the tail keeps its bf16 rounding.
+        """
+        out = F.linear(self.rms_norm(h, self.final_norm), self.lm_head).float()  # [R, V]
+        if self.dtype != torch.float32:
+            top = out.topk(min(RESCORED, out.shape[-1]), dim=-1).indices  # [R, K]
+            x = self.final_norm.float() * F.rms_norm(h.float(), (h.shape[-1],), eps=self.cfg.rms_eps)  # [R, D]
+            exact = torch.einsum("rd,rkd->rk", x, self.lm_head[top].float())  # [R, K]
+            out.scatter_(-1, top, exact)
+        return out
 
     # ---- reference path ---------------------------------------------------------------------
 
@@ -215,6 +227,7 @@ def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return bool((q_pos[1:] - q_pos[:-1] == 1).all()) and bool((k_pos[1:] - k_pos[:-1] == 1).all())
 
 
+RESCORED = 64  # top bf16 logits computed again in float32 (see Transformer.logits)
 FEW_ROWS = 8  # decoding: this many query rows over every key go through two float32 matmuls
 
 

@@ -80,9 +80,10 @@ def chunk_kv(runtime: Runtime, preamble: LayerKV, token_ids: list[int] | tuple[i
 def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: int | None = None,
                shard: Shard | None = None,
                on_progress: Callable[[int, int, int], None] | None = None,
-               on_start: Callable[[int], None] | None = None) -> PrecomputeSummary:
+               on_start: Callable[[int], None] | None = None, compress: bool = True) -> PrecomputeSummary:
     """Compute and store the KV of every indexed chunk that has none for this model and codec.
 
+    `compress=False` stores values uncompressed (larger, but decoded with no CPU work: see store/codec.py).
     on_start(n_todo); on_progress(chunks_done, tokens_done, n_todo) after each stored chunk.
     """
     start = time.perf_counter()
@@ -92,7 +93,7 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
         raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
     check_or_record(store, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                     tokenizer_fp=runtime.local.tokenizer_fingerprint)
-    table = KVTable(store, runtime.fingerprint, codec)
+    table = KVTable(store, runtime.fingerprint, codec, compress)
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
     if limit is not None:

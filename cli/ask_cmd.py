@@ -82,7 +82,11 @@ def ask_command(
     ratio: str = typer.Option("0.15", "--ratio", help="Share of chunk tokens to recompute, or 'auto'."),
     deviation: str = typer.Option("v", "--deviation", help="Select tokens by deviation of k, v or kv."),
     check_layer: int = typer.Option(1, "--check-layer", help="Layers before it are computed in full."),
-    gradual: bool = typer.Option(False, "--gradual", help="Gradual filtering over the next layers."),
+    gradual: bool = typer.Option(True, "--gradual/--no-gradual",
+                                 help="Gradual filtering: select twice the share at the check layer, narrowing "
+                                      "to --ratio over the next two (default)."),
+    weigh: bool = typer.Option(True, "--weigh-by-attention/--no-weigh-by-attention",
+                               help="Weight each token's deviation by how much the question reads it."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
@@ -114,7 +118,7 @@ def ask_command(
         raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
     auto = ratio == "auto"
     try:
-        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual)
+        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual, weigh)
     except ValueError:
         raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)

@@ -47,9 +47,14 @@ def bench_command(
     out: Path = typer.Option(None, "--out", help="Write report.json, report.md and PNG plots to this directory."),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Greedy answer length in tokens (default 32)."),
     codec: str = typer.Option("fp16", "--codec", help="Stored KV codec the loading methods read: fp16, bf16, int8."),
+    compress: bool = typer.Option(True, "--compress/--no-compress",
+                                  help="How the setup stores chunks that have no KV yet: zstd, or as they are."),
     check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
-    gradual: bool = typer.Option(False, "--gradual", help="Blend: gradual filtering over the layers after the check."),
+    gradual: bool = typer.Option(True, "--gradual/--no-gradual",
+                                 help="Blend: gradual filtering over the two layers after the check (default)."),
+    weigh: bool = typer.Option(True, "--weigh-by-attention/--no-weigh-by-attention",
+                               help="Blend: weight each token's deviation by how much the question reads it."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
     warm_store: bool = typer.Option(True, "--warm-store/--cold-store",
                                     help="Read each item's stored KV once before its runs (page cache warm for "
@@ -100,7 +105,7 @@ def bench_command(
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
-    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store)
+    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store, weigh)
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)
@@ -122,7 +127,7 @@ def bench_command(
 
         with console.status("loading the model"):
             runtime = Runtime.load(model, dtype, device)
-            engine = Engine(runtime, env, codec)
+            engine = Engine(runtime, env, codec, compress=compress)
         items, pool = _items(source, dataset is not None, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
@@ -134,9 +139,11 @@ def bench_command(
                          {"dataset": str(dataset) if dataset else None, "questions": str(questions) if questions else None,
                           "store": str(store_dir), "limit": limit, "sample": sample, "seed": seed, "quick": quick,
                           "methods": [m.name for m in chosen], "max_tokens": max_tokens, "codec": codec,
+                          "compress": compress,
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
-                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "warmup": warmup,
+                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "weigh_by_attention": weigh,
+                          "warmup": warmup,
                           "warm_store": warm_store,
                           "passage_words": passage_words, "top_k": k if questions else None,
                           "load_average_start": load_start})

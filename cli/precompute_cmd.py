@@ -32,6 +32,9 @@ from kvrag.store.home import default_store_dir
 def precompute_command(
     store: Path = STORE_OPTION,
     codec: str = typer.Option("fp16", "--codec", help="fp16 (default), bf16 or int8."),
+    compress: bool = typer.Option(True, "--compress/--no-compress",
+                                  help="zstd-compress stored values (default), or store them as they are: about "
+                                       "half as large again, decoded with no CPU work at question time."),
     limit: int = typer.Option(None, "--limit", min=1, help="Compute at most N chunks this run."),
     shard: str = typer.Option(None, "--shard", help="i/N: compute only this process's share (run N of them)."),
     model: str = MODEL_OPTION,
@@ -76,7 +79,7 @@ def precompute_command(
             progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
 
         with progress:
-            summary = precompute(env, runtime, codec, limit, parsed_shard, on_progress, on_start)
+            summary = precompute(env, runtime, codec, limit, parsed_shard, on_progress, on_start, compress)
     if as_json:
         print_json(summary.to_dict())
         return

@@ -77,19 +77,21 @@ class RawLayer:
     codec: str
     shape: tuple[int, int, int]  # (kept tokens, kv_heads, head_dim)
 
-    def decode(self, dtype: type | None = None) -> DecodedKV:
-        return decode(self.value, expect_codec=self.codec, expect_shape=self.shape, dtype=dtype)
+    def decode(self, dtype: type | None = None, copy: bool = True) -> DecodedKV:
+        """`copy=False`: an uncompressed value decodes to read-only views of `value`."""
+        return decode(self.value, expect_codec=self.codec, expect_shape=self.shape, dtype=dtype, copy=copy)
 
 
 class KVTable:
     """The KV of one (model fingerprint, codec) in a store."""
 
-    def __init__(self, env: StoreEnv, model_fp: str, codec: str = "fp16"):
+    def __init__(self, env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True):
         codec_id(codec)
         model_prefix(model_fp)  # validates the fingerprint
         self.env = env
         self.model_fp = model_fp
         self.codec = codec
+        self.compress = compress  # how new values are written (zstd or as they are); reads take either
         self.db = env.db("kv")
 
     def key(self, chunk_id: str) -> ChunkKey:
@@ -178,7 +180,7 @@ class KVTable:
                 raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
             if k.shape[1:] != layers[0][0].shape[1:]:
                 raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
-            values.append(encode(k, v, self.codec, pos))
+            values.append(encode(k, v, self.codec, pos, compress=self.compress))
             kept.append(k.shape[0])
         _, heads, dim = layers[0][0].shape
         record = KVRecord.build(token_ids, heads, dim, kept, [len(v) for v in values]).to_bytes()

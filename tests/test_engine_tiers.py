@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvrag.blend.engine import Engine
+from kvrag.blend.fusion import BlendConfig
 from kvrag.blend.memory import build_cache
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
 from kvrag.blend.runtime import Runtime
@@ -40,14 +41,19 @@ def setup(tmp_path, runtime, musique_items):
     env.close()
 
 
+# Selection by deviation alone: the chunk rows' blended KV is then a function of the chunks only. Weighted
+# by the suffix's attention (the default), a reused path holds the KV blended for the question that cached it.
+QUESTION_FREE = BlendConfig(weigh_by_attention=False)
+
+
 def _ask(engine: Engine, chunks, question: str, mode: str = "blend"):
-    out = engine.prefill(chunks, question, mode)
+    out = engine.prefill(chunks, question, mode, QUESTION_FREE)
     engine.flush_write_back()  # what answer_question does after decoding: fills the tiers
     return out
 
 
 def test_a_matched_path_is_reused_exactly(setup):
-    """Chunk rows' blended KV does not depend on the question (causal), so the second question over
+    """Chunk rows' blended KV does not depend on the question (causal, selection by deviation), so the second question over
     the same chunks reuses the whole path, recomputes no chunk token, and gets the logits a fresh
     blend would give."""
     plain, tiered, chunks = setup
@@ -56,7 +62,7 @@ def test_a_matched_path_is_reused_exactly(setup):
     second = _ask(tiered, chunks, Q2)
     assert second.chunk_tiers == ["tree"] * len(chunks)
     assert second.recomputed_chunk_tokens == 0 and second.bytes_loaded == 0
-    reference = plain.prefill(chunks, Q2, "blend")
+    reference = plain.prefill(chunks, Q2, "blend", QUESTION_FREE)
     torch.testing.assert_close(second.logits, reference.logits, rtol=1e-3, atol=2e-3)
     n = reference.prompt_tokens
     assert second.prompt_tokens == n
@@ -75,7 +81,7 @@ def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
     reordered = [chunks[4], *chunks[:4][::-1]]
     out = _ask(tiered, reordered, Q2)
     assert out.chunk_tiers == ["store"] + ["host"] * 4
-    reference = plain.prefill(reordered, Q2, "blend")
+    reference = plain.prefill(reordered, Q2, "blend", QUESTION_FREE)
     torch.testing.assert_close(out.logits, reference.logits, rtol=1e-3, atol=2e-3)
     assert out.recomputed_chunk_tokens == reference.recomputed_chunk_tokens
     # a stored chunk is an exact depth-1 path: a prompt that starts with it reuses it without recompute
@@ -89,5 +95,5 @@ def test_a_cache_too_small_for_anything_still_answers_right(setup, runtime):
     tiny = Engine(runtime, plain.env, cache=build_cache(runtime, "fp16", host_cache="1KiB"))
     for question in (Q1, Q2):
         out = _ask(tiny, chunks, question)
-        torch.testing.assert_close(out.logits, plain.prefill(chunks, question, "blend").logits)
+        torch.testing.assert_close(out.logits, plain.prefill(chunks, question, "blend", QUESTION_FREE).logits)
     assert tiny.cache.used_bytes() == 0 and tiny.cache.stats.not_inserted > 0

@@ -245,3 +245,19 @@ def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime
     assert from_store.logits.argmax() == exact.logits.argmax()
     torch.testing.assert_close(from_store.logits, exact.logits, rtol=0, atol=atol * exact.logits.abs().max().item())
 
+
+
+def test_suffix_attention_is_the_mean_softmax_weight_per_key():
+    """Against a plain loop: each suffix query head's softmax over the chunk keys of its KV head, averaged."""
+    from kvrag.blend.fusion import _suffix_attention
+
+    g = torch.Generator().manual_seed(3)
+    s, h_kv, group, hd, c = 5, 3, 3, 16, 40
+    q = torch.randn(s, h_kv * group, hd, generator=g)
+    k = torch.randn(c, h_kv, hd, generator=g)
+    want = torch.zeros(c)
+    for row in range(s):
+        for head in range(h_kv * group):
+            want += torch.softmax(k[:, head // group] @ q[row, head] / hd ** 0.5, dim=0)
+    want /= s * h_kv * group
+    torch.testing.assert_close(_suffix_attention(q, k, group), want)

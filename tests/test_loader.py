@@ -14,9 +14,9 @@ from kvrag.store.kv import KVTable
 N_LAYERS, HKV, HD = 3, 2, 8
 
 
-@pytest.fixture
-def table(tmp_path):
-    """A store with three chunks of 5, 7 and 4 tokens of random fp16 KV."""
+@pytest.fixture(params=["zstd", "raw", "mixed"])
+def table(tmp_path, request):
+    """A store with three chunks of 5, 7 and 4 tokens of random fp16 KV: compressed, uncompressed, or both."""
     env = StoreEnv.open(tmp_path / "store", create=True)
     kv_table = KVTable(env, "model-fp", "fp16")
     rng = np.random.default_rng(0)
@@ -25,6 +25,7 @@ def table(tmp_path):
         ids = list(range(100 * n, 100 * n + length))
         layers = [(rng.standard_normal((length, HKV, HD)).astype(np.float16),
                    rng.standard_normal((length, HKV, HD)).astype(np.float16)) for _ in range(N_LAYERS)]
+        kv_table.compress = request.param == "zstd" or (request.param == "mixed" and n != 1)
         kv_table.put_chunk(f"chunk{n}", ids, layers)
         chunks.append((f"chunk{n}", ids))
     yield kv_table, chunks

@@ -94,3 +94,18 @@ def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenize
         ref = _hf(smol.path)(ids[None], logits_to_keep=1).logits[0, -1]
         ours, _ = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32).full_forward(ids)
     assert _rel_err(ours[0], ref) < 1e-4
+
+
+def test_bf16_top_logits_are_rescored_in_float32(tiny_llama_dir):
+    """In bf16 the best candidates' logits equal a float32 LM head over the same (bf16) hidden states, so
+    greedy decoding never picks between exact bf16 ties by token id; the tail keeps its bf16 rounding."""
+    model = _ours(tiny_llama_dir, torch.bfloat16)
+    h = torch.randn(4, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    normed = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), eps=model.cfg.rms_eps)
+    ref = torch.nn.functional.linear(model.final_norm.float() * normed, model.lm_head.float())  # [R, V] float32
+    got = model.logits(h)
+    top = ref.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), ref.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    tail = ref.topk(ref.shape[-1] // 2, dim=-1, largest=False).indices
+    assert not torch.equal(got.gather(-1, tail), ref.gather(-1, tail))  # only the head is rescored

@@ -70,17 +70,39 @@ def test_int8_all_zero_rows_and_relative_error():
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
-def test_positions_round_trip(codec):
+@pytest.mark.parametrize("compress", [True, False])
+def test_positions_round_trip(codec, compress):
     k, v = _kv((6, 2, 8))
     pos = np.array([0, 3, 4, 9, 10, 11], dtype=np.int64)
-    out = decode(encode(k, v, codec, positions=pos))
+    out = decode(encode(k, v, codec, positions=pos, compress=compress))
     assert out.k.dtype == out.v.dtype == DECODED_DTYPES[codec]  # what the loader stages them in
     np.testing.assert_array_equal(out.positions, pos)
     assert out.positions.dtype == np.int32
     per_head = np.arange(12, dtype=np.int32).reshape(6, 2)
-    np.testing.assert_array_equal(decode(encode(k, v, codec, positions=per_head)).positions, per_head)
+    np.testing.assert_array_equal(decode(encode(k, v, codec, positions=per_head, compress=compress)).positions,
+                                  per_head)
     with pytest.raises(ValueError):
-        encode(k, v, codec, positions=np.arange(5))
+        encode(k, v, codec, positions=np.arange(5), compress=compress)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_uncompressed_values_decode_like_compressed_ones(codec, shape):
+    """Same numbers either way; uncompressed, the payload is the raw sections (K then V in natural order),
+    and copy=False hands out read-only views of the value instead of copies."""
+    k, v = _kv(shape, seed=6, scale=20.0)
+    packed, plain = encode(k, v, codec), encode(k, v, codec, compress=False)
+    want, got = decode(packed), decode(plain)
+    np.testing.assert_array_equal(got.k, want.k)
+    np.testing.assert_array_equal(got.v, want.v)
+    assert len(plain) - HEADER_SIZE == read_header(plain).raw_len
+    assert got.k.flags.writeable  # copy=True (the default): fresh arrays, as documented
+    views = decode(plain, copy=False)
+    np.testing.assert_array_equal(views.k, want.k)
+    if codec == "fp16":  # nothing to convert: the stored bytes themselves
+        assert not views.k.flags.writeable and views.k.base is not None
+        np.testing.assert_array_equal(np.frombuffer(plain[HEADER_SIZE:], "<f2")[: k.size].reshape(shape),
+                                      k.astype(np.float16))
 
 
 def test_unpacks_as_k_v():
@@ -106,10 +128,12 @@ def test_bad_inputs_are_refused():
         encode(k, v, "fp8")
 
 
-@pytest.fixture(params=["fp16", "bf16", "int8"])
+@pytest.fixture(params=[(codec, compress) for codec in ("fp16", "bf16", "int8") for compress in (True, False)],
+                ids=lambda p: f"{p[0]}-{'zstd' if p[1] else 'raw'}")
 def value(request) -> bytes:
     k, v = _kv((9, 3, 16), seed=4)
-    return encode(k, v, request.param, positions=np.arange(9))
+    codec, compress = request.param
+    return encode(k, v, codec, positions=np.arange(9), compress=compress)
 
 
 def _flip(raw: bytes, at: int) -> bytes:
@@ -137,9 +161,10 @@ def test_every_corruption_is_caught(value):
         "flags": _flip(value, 8),
     }
     for name, raw in cases.items():
-        with pytest.raises(CorruptValue):
-            decode(raw)
-            pytest.fail(f"{name} was not caught")
+        for copy in (True, False):
+            with pytest.raises(CorruptValue):
+                decode(raw, copy=copy)
+                pytest.fail(f"{name} was not caught")
 
 
 def test_expectations_are_checked(value):

@@ -41,20 +41,22 @@ class RunConfig:
     codec: str = "fp16"  # which stored KV the loaded methods read
     check_layer: int = 1
     deviation: str = "v"
-    gradual: bool = False
+    gradual: bool = True
     # read each item's stored KV once before its runs, so every loaded method finds it in the page cache
     # (as a host-memory hit would); otherwise the first loaded method of an item pays the cold disk read
     warm_store: bool = True
+    weigh_by_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise KvragError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         codec_id(self.codec)  # a one-line error for an unknown codec
-        BlendConfig(0.15, self.check_layer, self.deviation, self.gradual)  # validates the rest
+        self.blend_config(None)  # validates the rest
 
-    def blend_config(self, method: Method) -> BlendConfig:
-        ratio = method.ratio if method.mode == "blend" and not method.auto else 0.15  # auto: resolved later
-        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual)
+    def blend_config(self, method: Method | None) -> BlendConfig:
+        blended = method is not None and method.mode == "blend" and not method.auto
+        ratio = method.ratio if blended else 0.15  # auto: resolved later
+        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.weigh_by_attention)
 
 
 @dataclass

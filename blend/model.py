@@ -102,8 +102,11 @@ class Transformer:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm computed in float32 and cast back, as transformers does."""
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_eps)  # one fused kernel
-        return weight * normed.to(x.dtype)
+        return weight * self._normed(x).to(x.dtype)
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32, before the norm's weight: [R, D]."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_eps)  # one fused kernel
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> hidden [T, D]."""
@@ -189,11 +192,11 @@ class Transformer:
         The RESCORED best candidates are therefore computed again in float32 from the float32-normalised
         hidden state: the head of the distribution is exact, the tail keeps its bf16 rounding.
         """
-        out = F.linear(self.rms_norm(h, self.final_norm), self.lm_head).float()  # [R, V]
+        normed = self._normed(h)  # [R, D] float32, shared by both heads
+        out = F.linear(self.final_norm * normed.to(h.dtype), self.lm_head).float()  # [R, V]
         if self.dtype != torch.float32:
             top = out.topk(min(RESCORED, out.shape[-1]), dim=-1).indices  # [R, K]
-            x = self.final_norm.float() * F.rms_norm(h.float(), (h.shape[-1],), eps=self.cfg.rms_eps)  # [R, D]
-            exact = torch.einsum("rd,rkd->rk", x, self.lm_head[top].float())  # [R, K]
+            exact = torch.einsum("rd,rkd->rk", self.final_norm.float() * normed, self.lm_head[top].float())  # [R, K]
             out.scatter_(-1, top, exact)
         return out
 

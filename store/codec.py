@@ -15,9 +15,10 @@ little-endian order. They take about half as much room again (23.0 vs 15.2 KB a 
 model) but decode to zero-copy views of the stored bytes: on a CPU the decode runs on the same cores as
 the blend's compute, and zstd plus the byte planes cost about 20 % of a blended prefill.
 
-Decoded arrays are fresh and writable. Their dtype, unless `dtype` asks otherwise: fp16 → float16 (the
-stored values exactly; the loader converts once to its compute dtype, so a float32 detour would only
-add a copy), bf16 → float32 (exact), int8 → float32.
+Decoded arrays are fresh and writable (unless `copy=False` lets an uncompressed value decode to views).
+Their dtype, unless `dtype` asks otherwise: fp16 → float16 (the stored values exactly; the loader
+converts once to its compute dtype, so a float32 detour would only add a copy), bf16 → float32 (exact),
+int8 → float32.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ The prompt is preamble (exact KV) + chunks (loaded KV, keys before rotary) + suf
                           rows and the suffix go on through attention and the MLP
     layer > check_layer:  selected + suffix rows computed; their fresh K/V overwrite the loaded
                           ones; every other chunk token's K/V is reused as loaded
+    last layer:           those rows' K/V only; attention and the MLP for the last row alone, whose
+                          logits are all that is read (as in every prefill here)
     keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change)
     a computed row at position p sees exactly the keys at positions <= p
 
@@ -180,6 +182,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if keep is not None:
             rows, h, q = rows[keep], h[keep], q[keep]
             rows_rope = (rest_rope[0][rows], rest_rope[1][rows])
+        out = model.rows_read_after(layer, rows.shape[0])  # the last layer: only the last row goes on
+        rows, h, q = rows[out], h[out], q[out]
         attn = model.attend(q, rest_pos[rows], k_rot, v_all, positions)
         h = model.finish(layer, h, attn)
         t1 = time.perf_counter()

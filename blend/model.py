@@ -146,8 +146,8 @@ class Transformer:
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
         Returns [R, Hq * hd].
         """
-        if k_pos is None and q.shape[0] <= FEW_ROWS:  # a decode step
-            return _attend_few_rows(q, k, v, self.cfg.group_size)
+        if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
+            return _attend_few_rows(q, k, v, self.cfg.group_size)  # a decode step, or the last row of a prefill
         # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
         # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
         # and its causal CPU kernel runs about 20 % faster than over expanded heads.
@@ -175,6 +175,12 @@ class Transformer:
             mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
             out = sdpa(qh, kh, vh, attn_mask=mask)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+    def rows_read_after(self, layer: int, n_rows: int) -> slice:
+        """Which of a prefill's n_rows need their attention and MLP output at `layer`: all of them, except at
+        the last layer, after which only the last position is read (for the next-token logits). Every row's
+        K and V at that layer are still computed: the decoder needs them, not the rows' outputs."""
+        return slice(n_rows - 1, n_rows) if layer == self.cfg.n_layers - 1 else slice(0, n_rows)
 
     def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
@@ -216,8 +222,9 @@ class Transformer:
         kv = []
         for layer in range(self.cfg.n_layers):
             qkv = self.project(layer, h, positions, rope)
-            attn = self.attend(qkv.q, positions, self.rotate_keys(qkv.k, positions, rope), qkv.v, positions)
-            h = self.finish(layer, h, attn)
+            k_rot = self.rotate_keys(qkv.k, positions, rope)
+            out = slice(None) if all_logits else self.rows_read_after(layer, h.shape[0])
+            h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, qkv.v, positions))
             kv.append((qkv.k, qkv.v))
         return self.logits(h if all_logits else h[-1:]), kv
 

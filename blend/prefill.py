@@ -44,7 +44,8 @@ def extend(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor,
         if prefix is not None:
             k_rot = torch.cat([model.rotate_keys(prefix.k[layer], prefix.positions, rope_prefix), k_rot])
             v = torch.cat([prefix.v[layer].to(model.dtype), v])
-        h = model.finish(layer, h, model.attend(qkv.q, positions, k_rot, v, key_pos))
+        out = model.rows_read_after(layer, h.shape[0])
+        h = model.finish(layer, h[out], model.attend(qkv.q[out], positions[out], k_rot, v, key_pos))
         new_k.append(qkv.k)
         new_v.append(qkv.v)
     return model.logits(h[-1:])[0], LayerKV(new_k, new_v, positions)

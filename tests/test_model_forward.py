@@ -81,6 +81,20 @@ def test_replacing_a_layers_kv_changes_only_what_it_should(tiny_llama_dir):
         torch.testing.assert_close(model.logits(h_all[-1:]), ref_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
+    """A prefill that reads only the last position's logits skips the other rows' attention and MLP at the
+    last layer: same last logits as computing every row, and the same K/V of every row at every layer."""
+    model = _ours(tiny_llama_dir)
+    ids = torch.randint(0, 49152, (96,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        every_row, kv_every = model.full_forward(ids, all_logits=True)  # [T, V]
+        last_row, kv = model.full_forward(ids)  # [1, V]
+    assert model.rows_read_after(model.cfg.n_layers - 1, 96) == slice(95, 96)
+    torch.testing.assert_close(last_row[0], every_row[-1], rtol=1e-5, atol=1e-5)
+    for (k, v), (k_ref, v_ref) in zip(kv, kv_every, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
 @pytest.mark.real_model
 def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenizer, musique_items):
     from kvrag.blend.prompt import PromptBuilder

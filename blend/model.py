@@ -226,7 +226,7 @@ class Transformer:
             out = slice(None) if all_logits else self.rows_read_after(layer, h.shape[0])
             h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, qkv.v, positions))
             kv.append((qkv.k, qkv.v))
-        return self.logits(h if all_logits else h[-1:]), kv
+        return self.logits(h), kv  # h: every row, or the last alone (rows_read_after)
 
 
 def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:

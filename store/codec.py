@@ -212,7 +212,7 @@ def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple
         k = q[0].astype(np.float32) * ks  # [T, H, D]
         v = q[1].astype(np.float32) * vs.reshape(t, h, 1)  # [T, H, D]
         return k, v, buf[2 * n + 4 * (k_scale_len + t * h) :]
-    if not head.flags & FLAG_RAW:  # compressed 16-bit values are always stored in byte planes
+    if head.flags & FLAG_SHUFFLED:  # byte planes apart (every compressed 16-bit value)
         planes = np.frombuffer(buf[: 4 * n], dtype=np.uint8).reshape(2, 2 * n)  # [low bytes; high bytes]
         bits = planes[1].astype(np.uint16)  # 10x faster than transposing the byte planes
         bits <<= 8

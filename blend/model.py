@@ -320,8 +320,8 @@ def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q
         ks, vs = kh[:, :, start:stop], vh[:, :, start:stop]
         if r1 > r0:  # rows r0..r1-1 lie inside the segment: they see its keys up to their own position
             key_pos = torch.arange(start, stop, device=q_pos.device)
-            mask = torch.zeros(r1 - r0, stop - start, dtype=qh.dtype, device=qh.device)
-            mask.masked_fill_(key_pos[None, :] > q_pos[r0:r1, None], float("-inf"))  # [rows, keys]
+            later = key_pos[None, :] > q_pos[r0:r1, None]  # [rows, keys]
+            mask = torch.zeros((), dtype=qh.dtype, device=qh.device).masked_fill(later, float("-inf"))
             _merge(acc, lse, r0, r1, *_FLASH_CPU(qh[:, :, r0:r1], ks, vs, attn_mask=mask))
         if r1 < n_rows:  # rows after the segment see all of it
             _merge(acc, lse, r1, n_rows, *_FLASH_CPU(qh[:, :, r1:], ks, vs))

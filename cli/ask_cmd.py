@@ -14,6 +14,7 @@ from rich.table import Table
 from kvrag import KvragError
 from kvrag.cli.app import app
 from kvrag.cli.common import (
+    ATTENTION_WEIGHT_OPTION,
     DEVICE_OPTION,
     DTYPE_OPTION,
     JSON_OPTION,
@@ -85,8 +86,7 @@ def ask_command(
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
                                  help="Gradual filtering: select twice the share at the check layer, narrowing "
                                       "to --ratio over the next two (default)."),
-    weigh: bool = typer.Option(True, "--weigh-by-attention/--no-weigh-by-attention",
-                               help="Weight each token's deviation by how much the question reads it."),
+    attention_weight: float = ATTENTION_WEIGHT_OPTION,
     max_tokens: int = typer.Option(32, "--max-tokens", help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
@@ -118,7 +118,8 @@ def ask_command(
         raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
     auto = ratio == "auto"
     try:
-        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual, weigh)
+        weight = {} if attention_weight is None else {"attention_weight": attention_weight}
+        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual, **weight)
     except ValueError:
         raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)

@@ -13,6 +13,7 @@ import typer
 from kvrag import KvragError
 from kvrag.cli.app import app
 from kvrag.cli.common import (
+    ATTENTION_WEIGHT_OPTION,
     DEVICE_OPTION,
     DTYPE_OPTION,
     JSON_OPTION,
@@ -53,8 +54,7 @@ def bench_command(
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
                                  help="Blend: gradual filtering over the two layers after the check (default)."),
-    weigh: bool = typer.Option(True, "--weigh-by-attention/--no-weigh-by-attention",
-                               help="Blend: weight each token's deviation by how much the question reads it."),
+    attention_weight: float = ATTENTION_WEIGHT_OPTION,
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
     warm_store: bool = typer.Option(True, "--warm-store/--cold-store",
                                     help="Read each item's stored KV once before its runs (page cache warm for "
@@ -105,7 +105,8 @@ def bench_command(
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
-    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store, weigh)
+    weight = {} if attention_weight is None else {"attention_weight": attention_weight}
+    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store, **weight)
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)
@@ -142,7 +143,7 @@ def bench_command(
                           "compress": compress,
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
-                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "weigh_by_attention": weigh,
+                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "attention_weight": config.attention_weight,
                           "warmup": warmup,
                           "warm_store": warm_store,
                           "passage_words": passage_words, "top_k": k if questions else None,

@@ -17,6 +17,9 @@ DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, f
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
 STORE_OPTION = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
+                                       help="Blend: rank tokens by deviation x (1 + W x how much the question "
+                                            "reads them / the mean); default 4, 0 ranks by deviation alone.")
 
 
 def stderr_console() -> Console:

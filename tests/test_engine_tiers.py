@@ -43,7 +43,7 @@ def setup(tmp_path, runtime, musique_items):
 
 # Selection by deviation alone: the chunk rows' blended KV is then a function of the chunks only. Weighted
 # by the suffix's attention (the default), a reused path holds the KV blended for the question that cached it.
-QUESTION_FREE = BlendConfig(weigh_by_attention=False)
+QUESTION_FREE = BlendConfig(attention_weight=0)
 
 
 def _ask(engine: Engine, chunks, question: str, mode: str = "blend"):

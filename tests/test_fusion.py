@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrag import KvragError
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import BlendConfig
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
@@ -261,3 +262,16 @@ def test_suffix_attention_is_the_mean_softmax_weight_per_key():
             want += torch.softmax(k[:, head // group] @ q[row, head] / hd ** 0.5, dim=0)
     want /= s * h_kv * group
     torch.testing.assert_close(_suffix_attention(q, k, group), want)
+
+
+def test_selection_score_weighs_deviation_by_relative_reading():
+    """Hand-computed: read [1, 3] has mean 2, so weight 4 scales the deviations by 1 + 4 * 0.5 = 3 and
+    1 + 4 * 1.5 = 7; a token the question reads more overtakes one that deviates more. Weight 0: deviation."""
+    from kvrag.blend.fusion import weigh_by_reading
+
+    deviation, read = torch.tensor([2.0, 1.0]), torch.tensor([1.0, 3.0])
+    torch.testing.assert_close(weigh_by_reading(deviation, read, 4.0), torch.tensor([6.0, 7.0]))
+    torch.testing.assert_close(weigh_by_reading(deviation, read, 0.0), deviation)
+    torch.testing.assert_close(weigh_by_reading(deviation, 10 * read, 4.0), torch.tensor([6.0, 7.0]))  # scale-free
+    with pytest.raises(KvragError, match="attention-weight"):
+        BlendConfig(attention_weight=-1)

@@ -25,7 +25,7 @@ from kvrag.blend.bench.methods import Method
 from kvrag.blend.bench.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
 from kvrag.blend.decode import SamplingConfig
 from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.fusion import ATTENTION_WEIGHT, BlendConfig
 from kvrag.store.keys import codec_id
 
 Progress = Callable[[str, str, int, int], None]  # (phase, label, done, total)
@@ -45,7 +45,7 @@ class RunConfig:
     # read each item's stored KV once before its runs, so every loaded method finds it in the page cache
     # (as a host-memory hit would); otherwise the first loaded method of an item pays the cold disk read
     warm_store: bool = True
-    weigh_by_attention: bool = True
+    attention_weight: float = ATTENTION_WEIGHT
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,7 +56,7 @@ class RunConfig:
     def blend_config(self, method: Method | None) -> BlendConfig:
         blended = method is not None and method.mode == "blend" and not method.auto
         ratio = method.ratio if blended else 0.15  # auto: resolved later
-        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.weigh_by_attention)
+        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight)
 
 
 @dataclass

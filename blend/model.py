@@ -309,23 +309,61 @@ def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q
     small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
     their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
     """
-    n_rows, n_keys = qh.shape[2], min(kh.shape[2], int(q_pos[-1]) + 1)
+    n_rows = qh.shape[2]
+    plan = _segment_plan(q_pos, min(kh.shape[2], int(q_pos[-1]) + 1), qh.dtype)
     acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
     lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp
-    bounds = torch.arange(0, n_keys, SEGMENT_KEYS, device=q_pos.device)
-    first_rows = torch.searchsorted(q_pos, bounds).tolist()  # first row that sees each segment
-    last_masked = torch.searchsorted(q_pos, (bounds + SEGMENT_KEYS - 1).clamp(max=n_keys - 1)).tolist()
-    for start, r0, r1 in zip(bounds.tolist(), first_rows, last_masked, strict=True):
-        stop = min(start + SEGMENT_KEYS, n_keys)
+    for start, stop, r0, r1, mask in plan.segments:
         ks, vs = kh[:, :, start:stop], vh[:, :, start:stop]
         if r1 > r0:  # rows r0..r1-1 lie inside the segment: they see its keys up to their own position
-            key_pos = torch.arange(start, stop, device=q_pos.device)
-            later = key_pos[None, :] > q_pos[r0:r1, None]  # [rows, keys]
-            mask = torch.zeros((), dtype=qh.dtype, device=qh.device).masked_fill(later, float("-inf"))
             _merge(acc, lse, r0, r1, *_FLASH_CPU(qh[:, :, r0:r1], ks, vs, attn_mask=mask))
         if r1 < n_rows:  # rows after the segment see all of it
             _merge(acc, lse, r1, n_rows, *_FLASH_CPU(qh[:, :, r1:], ks, vs))
     return acc.to(qh.dtype)
+
+
+@dataclass(frozen=True)
+class _SegmentPlan:
+    """How sorted query positions q_pos [R] read keys 0..n_keys-1 in segments of segment_keys: per segment
+    (start, stop, r0, r1, mask), rows r0..r1-1 lie inside it, with mask [r1 - r0, stop - start] (-inf on keys
+    past each row's position) in the compute dtype; rows r1.. lie past it and see all of it."""
+
+    q_pos: torch.Tensor
+    n_keys: int
+    segment_keys: int
+    dtype: torch.dtype
+    segments: tuple[tuple[int, int, int, int, torch.Tensor | None], ...]
+
+    def serves(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> bool:
+        return (self.n_keys == n_keys and self.segment_keys == SEGMENT_KEYS and self.dtype == dtype
+                and self.q_pos.shape == q_pos.shape and self.q_pos.device == q_pos.device
+                and torch.equal(self.q_pos, q_pos))
+
+
+# The last plan built. Every blended layer after the last selection attends the same rows, so the plan (its
+# masks above all: ≈2 ms a layer to build) is made once per prompt instead of once per layer. Immutable, so
+# a concurrent prefill at worst replaces it.
+_last_plan: _SegmentPlan | None = None
+
+
+def _segment_plan(q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
+    global _last_plan
+    plan = _last_plan
+    if plan is not None and plan.serves(q_pos, n_keys, dtype):
+        return plan
+    bounds = torch.arange(0, n_keys, SEGMENT_KEYS, device=q_pos.device)
+    first_rows = torch.searchsorted(q_pos, bounds).tolist()  # first row that sees each segment
+    last_masked = torch.searchsorted(q_pos, (bounds + SEGMENT_KEYS - 1).clamp(max=n_keys - 1)).tolist()
+    segments = []
+    for start, r0, r1 in zip(bounds.tolist(), first_rows, last_masked, strict=True):
+        stop = min(start + SEGMENT_KEYS, n_keys)
+        mask = None
+        if r1 > r0:
+            later = torch.arange(start, stop, device=q_pos.device)[None, :] > q_pos[r0:r1, None]  # [rows, keys]
+            mask = torch.zeros((), dtype=dtype, device=q_pos.device).masked_fill(later, float("-inf"))
+        segments.append((start, stop, r0, r1, mask))
+    plan = _last_plan = _SegmentPlan(q_pos.clone(), n_keys, SEGMENT_KEYS, dtype, tuple(segments))
+    return plan
 
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Tensor, out_lse: torch.Tensor) -> None:

@@ -163,6 +163,31 @@ def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatc
         torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
+    """The key-segment plan (with its masks) is kept for the next call with the same rows; a call with other
+    rows of the same count, or over other keys, must not reuse it: each result equals a plain softmax."""
+    import kvrag.blend.model as model_module
+
+    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 32)
+    model = tiny_runtime.model
+    g = torch.Generator().manual_seed(11)
+    hd, hq, hkv, group = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.group_size
+    k = torch.randn(300, hkv, hd, generator=g)
+    v = torch.randn(300, hkv, hd, generator=g)
+    q = torch.randn(40, hq, hd, generator=g)
+    def rows_ending_at(p: int) -> torch.Tensor:  # 40 sorted positions, the last at p
+        return torch.cat([torch.randperm(p, generator=g)[:39].sort().values, torch.tensor([p])])
+
+    one, other, shorter = rows_ending_at(299), rows_ending_at(299), rows_ending_at(199)  # one, other: same segments
+    for q_pos, n_keys in [(one, 300), (one, 300), (other, 300), (shorter, 200), (one, 300)]:
+        got = model.attend(q, q_pos, k[:n_keys], v[:n_keys], torch.arange(n_keys)).view(40, hq, hd)
+        for r, p in enumerate(q_pos.tolist()):
+            kx = k[: p + 1].repeat_interleave(group, dim=1)
+            vx = v[: p + 1].repeat_interleave(group, dim=1)
+            ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[r], kx) / hd**0.5).softmax(-1), vx)
+            torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_loader_overlaps_compute(tiny_runtime, stored):
     """With a slow store, each layer's load runs while the previous layer computes (timestamps)."""
     env, _, chunks = stored

@@ -31,12 +31,13 @@ def layers_for(i: int, n_tokens: int = 24, n_layers: int = 6):
              rng.standard_normal((n_tokens, 3, 64), dtype=np.float32)) for _ in range(n_layers)]
 
 
-def _worker(path: str, mode: str, index: int, out) -> None:
+def _worker(path: str, mode: str, index: int, out, start) -> None:
     """A precompute stand-in: `claims` and `shards` split the work, `race` lets both do everything."""
     ids = [cid(i) for i in range(N_CHUNKS)]
     computed, written = [], []
     with StoreEnv.open(path) as env:
         table = KVTable(env, "model-a", "fp16")
+        start.wait(timeout=30)  # both start together: a process that forks late must still find work to do
         while True:
             todo = table.missing(ids, shard=Shard(index, 2) if mode == "shards" else None)
             if not todo:
@@ -47,6 +48,7 @@ def _worker(path: str, mode: str, index: int, out) -> None:
                 continue
             for chunk_id in batch:
                 computed.append(chunk_id)
+                time.sleep(0.002)  # the forward pass: it gives the other process its turn, as a real one would
                 if table.put_chunk(chunk_id, list(range(24)), layers_for(int(chunk_id, 16))):
                     written.append(chunk_id)
     out.put((computed, written))
@@ -58,8 +60,8 @@ def test_two_processes_share_a_store(tmp_path, monkeypatch, mode):
     path = str(tmp_path / "store")
     StoreEnv.open(path, create=True).close()  # not open in this process while the workers run
     ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(path, mode, i, out)) for i in range(2)]
+    out, start = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_worker, args=(path, mode, i, out, start)) for i in range(2)]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]

@@ -175,17 +175,22 @@ def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
     k = torch.randn(300, hkv, hd, generator=g)
     v = torch.randn(300, hkv, hd, generator=g)
     q = torch.randn(40, hq, hd, generator=g)
+
     def rows_ending_at(p: int) -> torch.Tensor:  # 40 sorted positions, the last at p
         return torch.cat([torch.randperm(p, generator=g)[:39].sort().values, torch.tensor([p])])
 
     one, other, shorter = rows_ending_at(299), rows_ending_at(299), rows_ending_at(199)  # one, other: same segments
+    plans = []
     for q_pos, n_keys in [(one, 300), (one, 300), (other, 300), (shorter, 200), (one, 300)]:
         got = model.attend(q, q_pos, k[:n_keys], v[:n_keys], torch.arange(n_keys)).view(40, hq, hd)
+        plans.append(model_module._last_plan)
         for r, p in enumerate(q_pos.tolist()):
             kx = k[: p + 1].repeat_interleave(group, dim=1)
             vx = v[: p + 1].repeat_interleave(group, dim=1)
             ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[r], kx) / hd**0.5).softmax(-1), vx)
             torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-5)
+    assert plans[1] is plans[0]  # the same rows again: built once
+    assert len({id(plan) for plan in plans[1:]}) == 4  # other rows, other keys, then the first rows again: rebuilt
 
 
 def test_loader_overlaps_compute(tiny_runtime, stored):

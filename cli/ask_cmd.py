@@ -20,6 +20,7 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
+    attention_weight_override,
     print_json,
     stderr_console,
 )
@@ -118,8 +119,8 @@ def ask_command(
         raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
     auto = ratio == "auto"
     try:
-        weight = {} if attention_weight is None else {"attention_weight": attention_weight}
-        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual, **weight)
+        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual,
+                             **attention_weight_override(attention_weight))
     except ValueError:
         raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)

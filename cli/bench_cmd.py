@@ -18,6 +18,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    attention_weight_override,
     print_json,
     stderr_console,
 )
@@ -105,8 +106,8 @@ def bench_command(
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
-    weight = {} if attention_weight is None else {"attention_weight": attention_weight}
-    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store, **weight)
+    config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store,
+                       **attention_weight_override(attention_weight))
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)

@@ -22,6 +22,12 @@ ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")
 
 
+def attention_weight_override(value: float | None) -> dict[str, float]:
+    """--attention-weight as keyword arguments for BlendConfig or RunConfig: none when unset, so their own
+    default applies (the option cannot name it: the CLI starts without importing torch-bound fusion)."""
+    return {} if value is None else {"attention_weight": value}
+
+
 def stderr_console() -> Console:
     """Progress, tables and messages go to stderr so stdout stays clean for answers and JSON."""
     return Console(stderr=True)

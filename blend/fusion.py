@@ -156,7 +156,16 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             loaded_k, loaded_v = source.layer(layer)  # [loaded_rows, Hkv, hd]
             result.wait_s += time.perf_counter() - w0
         t0 = time.perf_counter()
-        qkv = model.project(layer, h, rest_pos[rows], rows_rope)
+        selecting = layer in schedule and uses_loaded
+        if selecting:  # rows are the still-selected chunk rows, then the suffix; rank the chunk rows below
+            n_sel = int((rows < n_chunk).sum())
+            # K and V of every row; queries for the suffix now and for the kept rows once they are known
+            # (most rows at the first check are dropped: their queries would be 60 % of that layer's projection)
+            new_k, new_v = model.project_kv(layer, h)  # [R, Hkv, hd] each
+            q = model.queries(layer, h[n_sel:], (rows_rope[0][n_sel:], rows_rope[1][n_sel:]))  # [S, Hq, hd]
+        else:
+            qkv = model.project(layer, h, rest_pos[rows], rows_rope)
+            new_k, new_v, q = qkv.k, qkv.v, qkv.q
         # the whole prompt's K (pre-rotary) and V for this layer, assembled in place: V straight into the
         # decode cache; K rotated from k_all into the cache. Loaded rows arrive in the store's dtype and
         # are cast by the copy.
@@ -167,31 +176,26 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if uses_loaded:
             k_all[n_pre:n_pre + loaded_rows] = loaded_k
             v_all[n_pre:n_pre + loaded_rows] = loaded_v
-        k_all[n_pre + rows] = qkv.k
-        v_all[n_pre + rows] = qkv.v
+        k_all[n_pre + rows] = new_k
+        v_all[n_pre + rows] = new_v
         if keep_rest:  # views: the decoder only writes past n_total
             result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
 
         k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
-        keep = None  # positions within `rows` that go on (None: all of them)
-        if layer in schedule and uses_loaded:
-            # rows are the still-selected chunk rows (then the suffix); rank them by deviation
-            n_sel = int((rows < n_chunk).sum())
+        if selecting:
             chunk_part = rows[:n_sel]
-            score = _deviation(config.deviation, qkv.k[:n_sel], qkv.v[:n_sel],
+            score = _deviation(config.deviation, new_k[:n_sel], new_v[:n_sel],
                                loaded_k[chunk_part], loaded_v[chunk_part])
             if config.attention_weight > 0 and n_sel < rows.shape[0]:
-                read = _suffix_attention(qkv.q[n_sel:], k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
+                read = _suffix_attention(q, k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
                 score = weigh_by_reading(score, read, config.attention_weight)
             n_keep = min(n_sel, math.ceil(schedule[layer] * n_chunk))
             top = torch.topk(score, n_keep).indices.sort().values
-            keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])
             result.selected = chunk_part[top]
-
-        q = qkv.q
-        if keep is not None:
-            rows, h, q = rows[keep], h[keep], q[keep]
+            keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])  # positions within `rows`
+            rows, h = rows[keep], h[keep]
             rows_rope = (rest_rope[0][rows], rest_rope[1][rows])
+            q = torch.cat([model.queries(layer, h[:n_keep], (rows_rope[0][:n_keep], rows_rope[1][:n_keep])), q])
         out = model.rows_read_after(layer, rows.shape[0])  # the last layer: only the last row goes on
         rows, h, q = rows[out], h[out], q[out]
         attn = model.attend(q, rest_pos[rows], k_rot, v_all, positions)

@@ -136,15 +136,19 @@ def test_selected_rows_never_see_later_keys(tiny_runtime):
     assert not torch.allclose(bottom_right[0], got[0], atol=1e-3)
 
 
-@pytest.mark.parametrize("path", ["key segments", "row blocks"])
-def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatch, path):
+@pytest.mark.parametrize("path,masked_groups", [("key segments", 1), ("key segments", 2), ("key segments", 5),
+                                                  ("row blocks", None)])
+def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatch, path, masked_groups):
     """Many selected rows spread over the prompt go through attention in pieces (key segments merged by
-    log-sum-exp, or row blocks that each read keys up to their last row); every row must still equal a
-    softmax over keys 0..p, whichever piece it falls in."""
+    log-sum-exp, the rows inside each segment in groups reading keys up to their own last row; or row blocks
+    that each read keys up to their last row); every row must still equal a softmax over keys 0..p, whichever
+    piece it falls in."""
     import kvrag.blend.model as model_module
 
     monkeypatch.setattr(model_module, "BLOCK_ROWS", 16)  # 150 rows -> 9 blocks
-    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 64)  # 600 keys -> 10 segments
+    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 64)  # 600 keys -> 10 segments, ≈15 rows inside each
+    if masked_groups is not None:
+        monkeypatch.setattr(model_module, "MASKED_GROUPS", masked_groups)
     if path == "row blocks":
         monkeypatch.setattr(model_module, "_FLASH_CPU", None)
     model = tiny_runtime.model

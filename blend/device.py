@@ -19,13 +19,33 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 @lru_cache(maxsize=1)
-def cpu_has_fast_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+        return frozenset()
+    return frozenset(flags.split())
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+@lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in _cpu_flags()
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in. bf16 on a CPU without AMX: float32. The CPU flash kernel then gains nothing
+    from bf16 (no AMX tiles to feed) and pays for converting every block: on this project's 2-core AVX512-BF16
+    machine, causal attention over 6.3k tokens took 337 ms a layer in bf16 and 316 ms in float32, a blend's
+    scattered rows 73 and 63 ms. The matmuls stay in bf16, where they are faster; inputs are cast per layer."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_amx():
+        return torch.float32
+    return dtype
 
 
 def resolve_device(choice: str | None = None) -> torch.device:

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from kvrag import KvragError
 from kvrag.blend import rotary
 from kvrag.blend.config import ModelConfig
+from kvrag.blend.device import attention_dtype
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Transformer:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -163,6 +165,7 @@ class Transformer:
         """
         if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
             return _attend_few_rows(q, k, v, self.cfg.group_size)  # a decode step, or the last row of a prefill
+        q, k, v = (x.to(self.attention_dtype) for x in (q, k, v))  # no copy unless they differ
         # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
         # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
         # and its causal CPU kernel runs about 20 % faster than over expanded heads.
@@ -189,7 +192,7 @@ class Transformer:
         else:
             mask = k_pos.to(self.device)[None, :] <= q_pos.to(self.device)[:, None]  # [R, S]
             out = sdpa(qh, kh, vh, attn_mask=mask)
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1).to(self.dtype)  # [R, Hq * hd]
 
     def rows_read_after(self, layer: int, n_rows: int) -> slice:
         """Which of a prefill's n_rows need their attention and MLP output at `layer`: all of them, except at

@@ -11,7 +11,7 @@ import torch
 from kvrag import KvragError
 from kvrag.blend import model_files
 from kvrag.blend.config import ModelConfig
-from kvrag.blend.device import resolve_dtype
+from kvrag.blend.device import attention_dtype, resolve_dtype
 from kvrag.blend.model_files import RECORD_NAME, resolve_model
 
 
@@ -126,6 +126,17 @@ def test_dtype_choice(monkeypatch):
     assert resolve_dtype(None, cpu) == torch.float32
     with pytest.raises(KvragError, match="unknown dtype"):
         resolve_dtype("float8", cpu)
+
+
+def test_attention_dtype_choice(monkeypatch):
+    """bf16 on a CPU without AMX attends in float32 (its flash kernel is faster there); otherwise the model's dtype."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr("kvrag.blend.device.cpu_has_amx", lambda: False)
+    assert attention_dtype(torch.bfloat16, cpu) == torch.float32
+    assert attention_dtype(torch.float32, cpu) == torch.float32
+    assert attention_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    monkeypatch.setattr("kvrag.blend.device.cpu_has_amx", lambda: True)
+    assert attention_dtype(torch.bfloat16, cpu) == torch.bfloat16
 
 
 def test_fingerprint_ignores_how_the_tokenizer_was_loaded(tiny_llama_dir, tmp_path):

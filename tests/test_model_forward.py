@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from kvrag.blend.model import Transformer
@@ -65,6 +66,25 @@ def test_subset_rows_equal_matching_rows_of_full_pass(tiny_llama_dir):
             attn = model.attend(sub.q, pos[rows], k_rot, full.v, pos)
             torch.testing.assert_close(model.finish(layer, h[rows], attn), h_next[rows], rtol=1e-5, atol=1e-5)
             h = h_next
+
+
+def test_bf16_model_attending_in_float32(tiny_llama_dir):
+    """A bf16 model whose attention runs in float32 (a CPU without AMX) hands back bf16 rows, and attends closer to
+    exact attention over the same bf16 inputs than bf16 attention does."""
+    model = _ours(tiny_llama_dir, torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
+    pos = torch.arange(200)
+    q, k, v = (torch.randn(200, h, hd, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    exact = F.scaled_dot_product_attention(*(x.double().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                           enable_gqa=True)[0].transpose(0, 1).reshape(200, -1)
+    errors = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model.attention_dtype = dtype
+        out = model.attend(q, pos, k, v, pos)
+        assert out.dtype == torch.bfloat16 and out.shape == (200, hq * hd)
+        errors[dtype] = (out.double() - exact).abs().mean().item()
+    assert errors[torch.float32] < errors[torch.bfloat16]
 
 
 def test_replacing_a_layers_kv_changes_only_what_it_should(tiny_llama_dir):

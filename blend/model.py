@@ -161,7 +161,7 @@ class Transformer:
 
         A query at position p sees exactly the keys at positions <= p (absolute-position mask,
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
-        Returns [R, Hq * hd].
+        Runs in `attention_dtype` (float32 for bf16 on a CPU without AMX); returns [R, Hq * hd] in the model's dtype.
         """
         if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
             return _attend_few_rows(q, k, v, self.cfg.group_size)  # a decode step, or the last row of a prefill
@@ -343,7 +343,7 @@ def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q
 class _SegmentPlan:
     """How sorted query positions q_pos [R] read keys 0..n_keys-1 in segments of segment_keys, as parts
     (r0, r1, k0, k1, mask): rows r0..r1-1 attend keys k0..k1-1, with mask [r1 - r0, k1 - k0] (-inf on keys
-    past each row's position, in the compute dtype) where some rows lie inside the keys, else None."""
+    past each row's position, in the attention dtype) where some rows lie inside the keys, else None."""
 
     q_pos: torch.Tensor
     n_keys: int

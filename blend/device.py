@@ -28,12 +28,10 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(flags.split())
 
 
-@lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
     return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
-@lru_cache(maxsize=1)
 def cpu_has_amx() -> bool:
     return "amx_bf16" in _cpu_flags()
 

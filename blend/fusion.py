@@ -161,8 +161,9 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             n_sel = int((rows < n_chunk).sum())
             # K and V of every row; queries for the suffix now and for the kept rows once they are known
             # (most rows at the first check are dropped: their queries would be 60 % of that layer's projection)
-            new_k, new_v = model.project_kv(layer, h)  # [R, Hkv, hd] each
-            q = model.queries(layer, h[n_sel:], (rows_rope[0][n_sel:], rows_rope[1][n_sel:]))  # [S, Hq, hd]
+            x = model.attention_input(layer, h)  # [R, D]
+            new_k, new_v = model.project_kv(layer, x)  # [R, Hkv, hd] each
+            q = model.queries(layer, x[n_sel:], (rows_rope[0][n_sel:], rows_rope[1][n_sel:]))  # [S, Hq, hd]
         else:
             qkv = model.project(layer, h, rest_pos[rows], rows_rope)
             new_k, new_v, q = qkv.k, qkv.v, qkv.q
@@ -195,7 +196,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])  # positions within `rows`
             rows, h = rows[keep], h[keep]
             rows_rope = (rest_rope[0][rows], rest_rope[1][rows])
-            q = torch.cat([model.queries(layer, h[:n_keep], (rows_rope[0][:n_keep], rows_rope[1][:n_keep])), q])
+            q = torch.cat([model.queries(layer, x[top], (rows_rope[0][:n_keep], rows_rope[1][:n_keep])), q])
         out = model.rows_read_after(layer, rows.shape[0])  # the last layer: only the last row goes on
         rows, h, q = rows[out], h[out], q[out]
         attn = model.attend(q, rest_pos[rows], k_rot, v_all, positions)

@@ -133,20 +133,29 @@ class Transformer:
         cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
         return LayerQKV(q=rotary.rotate(q, cos, sin), k=k, v=v)
 
-    def project_kv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`project`'s k (before rotary) and v alone, each [T, Hkv, hd]: for rows whose queries are not needed."""
-        c, w = self.cfg, self.layers[layer]
-        nq = c.n_heads * c.head_dim
-        kv = F.linear(self.rms_norm(h, w.attn_norm), w.wqkv[nq:], None if w.bqkv is None else w.bqkv[nq:])
+    def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The attention norm of rows h [T, D]: what `project_kv` and `queries` take, computed once for both."""
+        return self.rms_norm(h, self.layers[layer].attn_norm)
+
+    def project_kv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project`'s k (before rotary) and v alone, each [T, Hkv, hd], from x = attention_input(layer, h):
+        for rows whose queries are not needed."""
+        c = self.cfg
+        kv = self._qkv_columns(layer, x, slice(c.n_heads * c.head_dim, None))  # [T, 2 * Hkv * hd]
         k, v = kv.view(-1, 2, c.n_kv_heads, c.head_dim).unbind(1)  # [T, Hkv, hd] each
         return k, v
 
-    def queries(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`project`'s q alone for rows h [T, D], rotated by `rope` (their positions' cos, sin): [T, Hq, hd]."""
-        c, w = self.cfg, self.layers[layer]
-        nq = c.n_heads * c.head_dim
-        q = F.linear(self.rms_norm(h, w.attn_norm), w.wqkv[:nq], None if w.bqkv is None else w.bqkv[:nq])
+    def queries(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`project`'s q alone from x = attention_input(layer, h) [T, D], rotated by `rope` (their positions'
+        cos, sin): [T, Hq, hd]."""
+        c = self.cfg
+        q = self._qkv_columns(layer, x, slice(0, c.n_heads * c.head_dim))  # [T, Hq * hd]
         return rotary.rotate(q.view(-1, c.n_heads, c.head_dim), *rope)
+
+    def _qkv_columns(self, layer: int, x: torch.Tensor, columns: slice) -> torch.Tensor:
+        """Some output columns of the fused q/k/v projection (with their bias, if any) for rows x [T, D]."""
+        w = self.layers[layer]
+        return F.linear(x, w.wqkv[columns], None if w.bqkv is None else w.bqkv[columns])
 
     def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,

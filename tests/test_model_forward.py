@@ -59,10 +59,11 @@ def test_subset_rows_equal_matching_rows_of_full_pass(tiny_llama_dir):
             torch.testing.assert_close(sub.k, full.k[rows])
             torch.testing.assert_close(sub.v, full.v[rows])
             # a selection layer projects K/V of every row and queries of some rows apart: the same numbers
-            k_only, v_only = model.project_kv(layer, h)
+            x = model.attention_input(layer, h)
+            k_only, v_only = model.project_kv(layer, x)
             torch.testing.assert_close(k_only, full.k)
             torch.testing.assert_close(v_only, full.v)
-            torch.testing.assert_close(model.queries(layer, h[rows], model.positions_cos_sin(pos[rows])), sub.q)
+            torch.testing.assert_close(model.queries(layer, x[rows], model.positions_cos_sin(pos[rows])), sub.q)
             attn = model.attend(sub.q, pos[rows], k_rot, full.v, pos)
             torch.testing.assert_close(model.finish(layer, h[rows], attn), h_next[rows], rtol=1e-5, atol=1e-5)
             h = h_next

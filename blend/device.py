@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -29,11 +29,11 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def cpu_has_amx() -> bool:
-    return "amx_bf16" in _cpu_flags()
+    return "amx_bf16" in cpu_flags()
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

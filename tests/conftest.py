@@ -83,6 +83,13 @@ def tiny_llama_dir(tmp_path_factory, smol) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_hd64_dir(tmp_path_factory, smol) -> Path:
+    """Head dim 64 (two query heads over one KV head): the shape kvrag's AVX-512 row-attention kernel takes."""
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny"), smol, "llama", hidden_size=128, num_attention_heads=2,
+                           num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smol) -> Path:
     return _tiny_model_dir(tmp_path_factory.mktemp("tiny"), smol, "qwen2")
 

@@ -33,16 +33,37 @@ def _chunks(runtime: Runtime, items, n: int = 4, words: int = 50) -> list[tuple[
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_hd64_runtime(tiny_llama_hd64_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_hd64_dir), "float32")
+
+
+def _store(path, runtime: Runtime, musique_items):
+    """A store holding the KV of four chunks (as precompute would write them), its engine, and the chunks."""
+    env = StoreEnv.open(path, create=True)
+    engine = Engine(runtime, env)
+    chunks = _chunks(runtime, musique_items)
+    table = KVTable(env, runtime.fingerprint, "fp16")
+    with torch.inference_mode():
+        for chunk_id, ids in chunks:
+            table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids)))
+    return env, engine, chunks
+
+
 @pytest.fixture
 def stored(tmp_path, tiny_runtime, musique_items):
     """A store holding the KV of four chunks (as precompute would write them), and the chunks."""
-    env = StoreEnv.open(tmp_path / "store", create=True)
-    engine = Engine(tiny_runtime, env)
-    chunks = _chunks(tiny_runtime, musique_items)
-    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
-    with torch.inference_mode():
-        for chunk_id, ids in chunks:
-            table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(tiny_runtime, engine.preamble, ids)))
+    env, engine, chunks = _store(tmp_path / "store", tiny_runtime, musique_items)
+    yield env, engine, chunks
+    env.close()
+
+
+@pytest.fixture(params=["head dim 16", "head dim 64"])
+def any_stored(request, tmp_path, tiny_runtime, musique_items):
+    """`stored`, also for a model with head dim 64, whose attention (float32, on an AVX-512 CPU) goes through
+    kvrag's row-attention kernel instead of SDPA."""
+    runtime = tiny_runtime if request.param == "head dim 16" else request.getfixturevalue("tiny_hd64_runtime")
+    env, engine, chunks = _store(tmp_path / "store", runtime, musique_items)
     yield env, engine, chunks
     env.close()
 
@@ -50,8 +71,8 @@ def stored(tmp_path, tiny_runtime, musique_items):
 QUESTION = "Who was the spouse of the performer?"
 
 
-def test_ratio_one_reproduces_full_prefill(stored):
-    _, engine, chunks = stored
+def test_ratio_one_reproduces_full_prefill(any_stored):
+    _, engine, chunks = any_stored
     full = engine.prefill(chunks, QUESTION, mode="full")
     blended = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=1.0))
     assert blended.recomputed_chunk_tokens == blended.chunk_tokens
@@ -61,17 +82,17 @@ def test_ratio_one_reproduces_full_prefill(stored):
     torch.testing.assert_close(blended.cache.k[:, :n], full.cache.k[:, :n], rtol=1e-3, atol=1e-3)
 
 
-def test_ratio_zero_is_full_reuse(stored):
-    _, engine, chunks = stored
+def test_ratio_zero_is_full_reuse(any_stored):
+    _, engine, chunks = any_stored
     reuse = engine.prefill(chunks, QUESTION, mode="reuse")
     zero = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=0.0))
     assert zero.recomputed_chunk_tokens == reuse.recomputed_chunk_tokens == 0
     torch.testing.assert_close(zero.logits, reuse.logits)
 
 
-def test_blend_lies_between_reuse_and_full(stored):
+def test_blend_lies_between_reuse_and_full(any_stored):
     """Recomputing more tokens moves the logits towards the full prefill's."""
-    _, engine, chunks = stored
+    _, engine, chunks = any_stored
     full = engine.prefill(chunks, QUESTION, mode="full").logits
 
     def kl(mode, ratio=0.15):
@@ -82,8 +103,8 @@ def test_blend_lies_between_reuse_and_full(stored):
     assert kl("blend", 0.5) < kl("blend", 0.05) + 1e-6
 
 
-def test_prefix_mode_reuses_only_the_first_chunk(stored):
-    _, engine, chunks = stored
+def test_prefix_mode_reuses_only_the_first_chunk(any_stored):
+    _, engine, chunks = any_stored
     prefix = engine.prefill(chunks, QUESTION, mode="prefix")
     full = engine.prefill(chunks, QUESTION, mode="full")
     # the first chunk's stored KV is exact (it was computed right after the preamble): same logits

@@ -1,0 +1,309 @@
+// Causal attention of query rows at any sorted absolute positions, for x86-64 CPUs with AVX-512 (float32).
+//
+// A CacheBlend prompt recomputes a few hundred rows scattered over thousands of keys; each row at position p
+// must see exactly the keys 0..p. SDPA's CPU flash kernel either reads every key up to a call's last row (a
+// mask skips no work) or needs one call per key segment merged by log-sum-exp. This kernel walks each block
+// of rows through the key blocks its last row sees, masking only the blocks that hold some row's position:
+// no wasted keys beyond a 64-key block, one call a layer, no merging. With positions 0..R-1 it is plain causal
+// attention.
+//
+// Layouts (float32, contiguous):
+//   q    [R, Hq, D]        queries, rotated; Hq = Hkv * group, query head h reads KV head h / group
+//   pos  [R]               int64 absolute positions, non-decreasing, each < the number of keys
+//   k, v [S, Hkv, D]        rotated keys and values, float32 or bfloat16 (the decode cache's own tensors)
+//   out  [R, Hq, D]
+// and two float32 workspaces the caller allocates, which a first pass fills (in parallel, by key block):
+//   kt   [Hkv, S_pad / 64, D, 64]  keys transposed per block of 64, so 16 keys load as one vector
+//   vt   [Hkv, S_pad, D]           values per head
+// S_pad rounds S up to a multiple of 64; padded keys and values are zero (a masked key's weight is 0, but
+// 0 * NaN is not).
+// D must be a multiple of 64. Each KV head's `group` query heads are stacked as rows (row r, head j of the
+// group is virtual row r * group + j), so one pass over a key block serves every query head that reads it.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {  // bfloat16 is the top half of a float32
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+constexpr int kKeyBlock = 64;   // keys per block: four 16-lane vectors
+constexpr int kTileRows = 4;    // virtual rows per register tile (4 x 4 accumulators)
+constexpr int kBlockRows = 32;  // virtual rows per work item: they share each key block while it is in cache
+
+// exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); x <= 0 here.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+struct Problem {
+  const float* q;
+  const int64_t* pos;
+  const float* kt;
+  const float* v;  // vt
+  float* out;
+  int64_t n_rows, n_q_heads, n_kv_heads, head_dim, s_pad;
+  float scale;
+  int64_t group() const { return n_q_heads / n_kv_heads; }
+  int64_t virtual_rows() const { return n_rows * group(); }
+};
+
+// Softmax state and output sums of one work item's rows, in the running (flash) form.
+struct RowBlockState {
+  alignas(64) float acc[kBlockRows * 128];  // [rows, D] (D <= 128 here; larger D uses `wide`)
+  std::vector<float> wide;
+  float max[kBlockRows];
+  float sum[kBlockRows];
+  float* rows(int64_t d) {
+    if (d <= 128) return acc;
+    wide.resize(kBlockRows * d);
+    return wide.data();
+  }
+};
+
+// One tile of 4 virtual rows against one key block: scores, online softmax, and P @ V into the row sums.
+inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, const int64_t* rpos, int64_t k0,
+                      bool masked, float* acc, float* row_max, float* row_sum) {
+  const int64_t d = pb.head_dim, g = pb.group();
+  const float* qrow[kTileRows];
+  for (int t = 0; t < kTileRows; ++t) {
+    const int64_t r = vrow[t] / g, j = vrow[t] % g;
+    qrow[t] = pb.q + (r * pb.n_q_heads + kv_head * g + j) * d;
+  }
+  // scores [4 rows][64 keys]: 16 named accumulators (an array indexed later in loops made GCC store every
+  // accumulator to the stack on each step)
+  alignas(64) float scores[kTileRows][kKeyBlock];
+  {
+    const float* kt = pb.kt + (kv_head * pb.s_pad + k0) * d;  // this key block's [D, 64] panel
+    const float *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    for (int64_t e = 0; e < d; ++e) {
+      const float* kcol = kt + e * kKeyBlock;
+      const __m512 k0v = _mm512_load_ps(kcol), k1v = _mm512_load_ps(kcol + 16);
+      const __m512 k2v = _mm512_load_ps(kcol + 32), k3v = _mm512_load_ps(kcol + 48);
+      __m512 qv = _mm512_set1_ps(q0[e]);
+      a00 = _mm512_fmadd_ps(qv, k0v, a00); a01 = _mm512_fmadd_ps(qv, k1v, a01);
+      a02 = _mm512_fmadd_ps(qv, k2v, a02); a03 = _mm512_fmadd_ps(qv, k3v, a03);
+      qv = _mm512_set1_ps(q1[e]);
+      a10 = _mm512_fmadd_ps(qv, k0v, a10); a11 = _mm512_fmadd_ps(qv, k1v, a11);
+      a12 = _mm512_fmadd_ps(qv, k2v, a12); a13 = _mm512_fmadd_ps(qv, k3v, a13);
+      qv = _mm512_set1_ps(q2[e]);
+      a20 = _mm512_fmadd_ps(qv, k0v, a20); a21 = _mm512_fmadd_ps(qv, k1v, a21);
+      a22 = _mm512_fmadd_ps(qv, k2v, a22); a23 = _mm512_fmadd_ps(qv, k3v, a23);
+      qv = _mm512_set1_ps(q3[e]);
+      a30 = _mm512_fmadd_ps(qv, k0v, a30); a31 = _mm512_fmadd_ps(qv, k1v, a31);
+      a32 = _mm512_fmadd_ps(qv, k2v, a32); a33 = _mm512_fmadd_ps(qv, k3v, a33);
+    }
+    _mm512_store_ps(&scores[0][0], a00); _mm512_store_ps(&scores[0][16], a01);
+    _mm512_store_ps(&scores[0][32], a02); _mm512_store_ps(&scores[0][48], a03);
+    _mm512_store_ps(&scores[1][0], a10); _mm512_store_ps(&scores[1][16], a11);
+    _mm512_store_ps(&scores[1][32], a12); _mm512_store_ps(&scores[1][48], a13);
+    _mm512_store_ps(&scores[2][0], a20); _mm512_store_ps(&scores[2][16], a21);
+    _mm512_store_ps(&scores[2][32], a22); _mm512_store_ps(&scores[2][48], a23);
+    _mm512_store_ps(&scores[3][0], a30); _mm512_store_ps(&scores[3][16], a31);
+    _mm512_store_ps(&scores[3][32], a32); _mm512_store_ps(&scores[3][48], a33);
+  }
+  alignas(64) float p[kTileRows][kKeyBlock];
+  float alpha[kTileRows];
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int t = 0; t < kTileRows; ++t) {
+    __mmask16 seen[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+    if (masked) {  // key k0 + 16c + lane is seen by a row at position >= it (positions < 2^31 here)
+      const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(rpos[t] - k0));
+      for (int c = 0; c < 4; ++c)
+        seen[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)), last);
+    }
+    __m512 sv[4];
+    __m512 m = neg_inf;
+    for (int c = 0; c < 4; ++c) {
+      sv[c] = _mm512_mask_mov_ps(neg_inf, seen[c], _mm512_mul_ps(_mm512_load_ps(&scores[t][16 * c]), scale));
+      m = _mm512_max_ps(m, sv[c]);
+    }
+    const float block_max = _mm512_reduce_max_ps(m);
+    const float new_max = std::max(row_max[t], block_max);
+    if (new_max == -std::numeric_limits<float>::infinity()) {  // the row sees no key yet
+      alpha[t] = 1.0f;
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(&p[t][16 * c], _mm512_setzero_ps());
+      continue;
+    }
+    alpha[t] = std::exp(row_max[t] - new_max);  // 0 on the row's first seen block
+    row_max[t] = new_max;
+    const __m512 mv = _mm512_set1_ps(new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const __m512 e = _mm512_maskz_mov_ps(seen[c], exp_ps(_mm512_sub_ps(sv[c], mv)));
+      total = _mm512_add_ps(total, e);
+      _mm512_store_ps(&p[t][16 * c], e);
+    }
+    row_sum[t] = row_sum[t] * alpha[t] + _mm512_reduce_add_ps(total);
+  }
+  // acc[t] = acc[t] * alpha[t] + p[t] @ V[k0 : k0 + 64], in column chunks of 64 (named accumulators, as above)
+  const float* vblock = pb.v + (kv_head * pb.s_pad + k0) * d;
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    float* r0 = acc + c0;
+    float* r1 = acc + d + c0;
+    float* r2 = acc + 2 * d + c0;
+    float* r3 = acc + 3 * d + c0;
+    __m512 w = _mm512_set1_ps(alpha[0]);
+    __m512 o00 = _mm512_mul_ps(w, _mm512_loadu_ps(r0)), o01 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 16));
+    __m512 o02 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 32)), o03 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 48));
+    w = _mm512_set1_ps(alpha[1]);
+    __m512 o10 = _mm512_mul_ps(w, _mm512_loadu_ps(r1)), o11 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 16));
+    __m512 o12 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 32)), o13 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 48));
+    w = _mm512_set1_ps(alpha[2]);
+    __m512 o20 = _mm512_mul_ps(w, _mm512_loadu_ps(r2)), o21 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 16));
+    __m512 o22 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 32)), o23 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 48));
+    w = _mm512_set1_ps(alpha[3]);
+    __m512 o30 = _mm512_mul_ps(w, _mm512_loadu_ps(r3)), o31 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 16));
+    __m512 o32 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 32)), o33 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 48));
+    for (int k = 0; k < kKeyBlock; ++k) {
+      const float* vrow_k = vblock + k * d + c0;
+      const __m512 v0 = _mm512_loadu_ps(vrow_k), v1 = _mm512_loadu_ps(vrow_k + 16);
+      const __m512 v2 = _mm512_loadu_ps(vrow_k + 32), v3 = _mm512_loadu_ps(vrow_k + 48);
+      __m512 pv = _mm512_set1_ps(p[0][k]);
+      o00 = _mm512_fmadd_ps(pv, v0, o00); o01 = _mm512_fmadd_ps(pv, v1, o01);
+      o02 = _mm512_fmadd_ps(pv, v2, o02); o03 = _mm512_fmadd_ps(pv, v3, o03);
+      pv = _mm512_set1_ps(p[1][k]);
+      o10 = _mm512_fmadd_ps(pv, v0, o10); o11 = _mm512_fmadd_ps(pv, v1, o11);
+      o12 = _mm512_fmadd_ps(pv, v2, o12); o13 = _mm512_fmadd_ps(pv, v3, o13);
+      pv = _mm512_set1_ps(p[2][k]);
+      o20 = _mm512_fmadd_ps(pv, v0, o20); o21 = _mm512_fmadd_ps(pv, v1, o21);
+      o22 = _mm512_fmadd_ps(pv, v2, o22); o23 = _mm512_fmadd_ps(pv, v3, o23);
+      pv = _mm512_set1_ps(p[3][k]);
+      o30 = _mm512_fmadd_ps(pv, v0, o30); o31 = _mm512_fmadd_ps(pv, v1, o31);
+      o32 = _mm512_fmadd_ps(pv, v2, o32); o33 = _mm512_fmadd_ps(pv, v3, o33);
+    }
+    _mm512_storeu_ps(r0, o00); _mm512_storeu_ps(r0 + 16, o01); _mm512_storeu_ps(r0 + 32, o02); _mm512_storeu_ps(r0 + 48, o03);
+    _mm512_storeu_ps(r1, o10); _mm512_storeu_ps(r1 + 16, o11); _mm512_storeu_ps(r1 + 32, o12); _mm512_storeu_ps(r1 + 48, o13);
+    _mm512_storeu_ps(r2, o20); _mm512_storeu_ps(r2 + 16, o21); _mm512_storeu_ps(r2 + 32, o22); _mm512_storeu_ps(r2 + 48, o23);
+    _mm512_storeu_ps(r3, o30); _mm512_storeu_ps(r3 + 16, o31); _mm512_storeu_ps(r3 + 32, o32); _mm512_storeu_ps(r3 + 48, o33);
+  }
+}
+
+// Virtual rows v0 .. v1-1 of one KV head, through every key block their last row sees.
+void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBlockState& st) {
+  const int64_t d = pb.head_dim, g = pb.group();
+  float* acc = st.rows(d);
+  const int64_t n = v1 - v0;
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  std::fill(acc, acc + tiles * kTileRows * d, 0.0f);
+  std::fill(st.max, st.max + kBlockRows, -std::numeric_limits<float>::infinity());
+  std::fill(st.sum, st.sum + kBlockRows, 0.0f);
+  // a tile's missing rows repeat its last real row (computed, never written)
+  int64_t vrow[kBlockRows], rpos[kBlockRows];
+  for (int64_t i = 0; i < tiles * kTileRows; ++i) {
+    vrow[i] = v0 + std::min(i, n - 1);
+    rpos[i] = pb.pos[vrow[i] / g];
+  }
+  const int64_t keys = rpos[n - 1] + 1;  // the block's last row sees keys 0 .. keys-1
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t* tp = rpos + t * kTileRows;
+      if (tp[kTileRows - 1] < k0) continue;  // every row of the tile lies before this key block
+      const bool masked = tp[0] < k0 + kKeyBlock - 1;
+      tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, acc + t * kTileRows * d,
+                st.max + t * kTileRows, st.sum + t * kTileRows);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = vrow[i] / g, j = vrow[i] % g;
+    float* dst = pb.out + (r * pb.n_q_heads + kv_head * g + j) * d;
+    const float inv = 1.0f / st.sum[i];
+    for (int64_t e = 0; e < d; ++e) dst[e] = acc[i * d + e] * inv;
+  }
+}
+
+// Keys and values of key blocks b0 .. b1-1, every head, from [S, Hkv, D] (float32 or bf16) into kt and vt.
+template <typename T>
+void pack_blocks(const T* k, const T* v, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, float* kt,
+                 float* vt, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      float* panel = kt + (h * s_pad + b * kKeyBlock) * d;  // [D, 64]
+      float* vrows = vt + (h * s_pad + b * kKeyBlock) * d;  // [64, D]
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        const int64_t key = b * kKeyBlock + j;
+        if (key < n_keys) {
+          const T* krow = k + (key * n_kv_heads + h) * d;
+          const T* vrow = v + (key * n_kv_heads + h) * d;
+          for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = to_float(vrow[e]);  // contiguous: vectorised
+          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = to_float(krow[e]);
+        } else {
+          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = vrows[j * d + e] = 0.0f;
+        }
+      }
+    }
+  }
+}
+
+// Runs fn(i) for i in 0 .. n-1 on n_threads threads (the caller's included), taking items in order.
+template <typename Fn>
+void parallel_items(int64_t n, int n_threads, Fn fn) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  const int t = std::max(1, static_cast<int>(std::min<int64_t>(n_threads, n)));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < t; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+extern "C" int kvrag_row_attention(const float* q, const int64_t* pos, const void* k, const void* v, int k_is_bf16,
+                                   int64_t n_keys, float* kt, float* vt, float* out, int64_t n_rows,
+                                   int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                   int n_threads) {
+  if (head_dim % 64 || n_kv_heads <= 0 || n_q_heads % n_kv_heads) return 1;
+  if (n_rows == 0) return 0;
+  const int64_t key_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock, s_pad = key_blocks * kKeyBlock;
+  const int64_t per_item = 8;  // key blocks packed per work item
+  parallel_items((key_blocks + per_item - 1) / per_item, n_threads, [&](int64_t i) {
+    const int64_t b0 = i * per_item, b1 = std::min(b0 + per_item, key_blocks);
+    if (k_is_bf16)
+      pack_blocks(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), n_keys, n_kv_heads, head_dim,
+                  s_pad, kt, vt, b0, b1);
+    else
+      pack_blocks(static_cast<const float*>(k), static_cast<const float*>(v), n_keys, n_kv_heads, head_dim, s_pad,
+                  kt, vt, b0, b1);
+  });
+  const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, scale};
+  const int64_t blocks = (pb.virtual_rows() + kBlockRows - 1) / kBlockRows;
+  parallel_items(blocks * n_kv_heads, n_threads, [&](int64_t i) {
+    thread_local RowBlockState st;
+    // latest rows first: they see the most keys, so the threads end together
+    const int64_t b = blocks - 1 - i / n_kv_heads, h = i % n_kv_heads;
+    row_block(pb, h, b * kBlockRows, std::min((b + 1) * kBlockRows, pb.virtual_rows()), st);
+  });
+  return 0;
+}

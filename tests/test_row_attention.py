@@ -1,0 +1,84 @@
+"""kvrag's AVX-512 row-attention kernel against a float64 softmax over exactly the keys each row may see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrag.kernels import row_attention
+
+pytestmark = pytest.mark.skipif(not row_attention.available(),
+                                reason="needs an x86-64 CPU with AVX-512 and a C++ compiler")
+
+
+def _reference(q, q_pos, k, v):
+    """float64 attention of q [R, Hq, D] at q_pos over k/v [S, Hkv, D], each row over keys 0..p: [R, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    kx, vx = (x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [Hq, S, D]
+    mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]  # [R, S]
+    out = F.scaled_dot_product_attention(q.double().transpose(0, 1), kx, vx, attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _case(seed, rows, keys, n_q, n_kv, dim, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, n_q, dim, generator=g)
+    k = (torch.randn(keys, n_kv, dim, generator=g) * 2).to(dtype)  # * 2: peaked softmaxes too
+    v = torch.randn(keys, n_kv, dim, generator=g).to(dtype)
+    q_pos = torch.randperm(keys, generator=g)[:rows].sort().values
+    q_pos[0], q_pos[-1] = 0, keys - 1  # the first key alone, and every key
+    return q, q_pos, k, v
+
+
+@pytest.mark.parametrize("rows,keys,n_q,n_kv,dim", [
+    (1, 1, 1, 1, 64),  # one row, one key
+    (7, 100, 9, 3, 64),  # rows not a multiple of the 4-row tile, keys not of the 64-key block
+    (33, 65, 2, 1, 64),  # one key past a block
+    (50, 1000, 4, 4, 128),  # no grouping, head dim 128 in two column chunks
+    (300, 3000, 9, 3, 64),  # SmolLM2's heads, many row blocks
+])
+def test_scattered_rows_equal_a_softmax_over_the_keys_they_see(rows, keys, n_q, n_kv, dim):
+    q, q_pos, k, v = _case(rows + keys, rows, keys, n_q, n_kv, dim)
+    got = row_attention.row_attention(q, q_pos, k, v)
+    torch.testing.assert_close(got.double(), _reference(q, q_pos, k, v), rtol=1e-5, atol=2e-6)
+
+
+def test_causal_rows_equal_sdpa_causal():
+    q, _, k, v = _case(1, 500, 500, 6, 2, 64)
+    got = row_attention.row_attention(q, torch.arange(500), k, v)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_bf16_keys_and_values_read_as_their_float32_values():
+    q, q_pos, k, v = _case(2, 200, 1500, 9, 3, 64, torch.bfloat16)
+    got = row_attention.row_attention(q, q_pos, k, v)
+    torch.testing.assert_close(got, row_attention.row_attention(q, q_pos, k.float(), v.float()), rtol=0, atol=0)
+    torch.testing.assert_close(got.double(), _reference(q, q_pos, k, v), rtol=1e-5, atol=2e-6)
+
+
+def test_a_row_never_sees_a_later_key():
+    """Changing every key and value after a row's position leaves that row alone and changes the later rows:
+    absolute positions, not a bottom-right-aligned mask (which would show each row the last keys)."""
+    q, _, k, v = _case(3, 5, 300, 3, 1, 64)
+    q_pos = torch.tensor([10, 70, 71, 130, 200])
+    before = row_attention.row_attention(q, q_pos, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[131:], v2[131:] = torch.randn_like(k2[131:]), torch.randn_like(v2[131:])
+    after = row_attention.row_attention(q, q_pos, k2, v2)
+    torch.testing.assert_close(after[:4], before[:4], rtol=0, atol=0)
+    assert not torch.allclose(after[4], before[4], atol=1e-3)
+
+
+def test_unsupported_head_dim_is_refused_not_miscomputed():
+    q, q_pos, k, v = _case(4, 4, 10, 2, 1, 32)
+    assert not row_attention.supports(32)
+    with pytest.raises(RuntimeError, match="refused"):
+        row_attention.row_attention(q, q_pos, k, v)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("KVRAG_NATIVE", "0")
+    assert row_attention._kernel.__wrapped__() is None

@@ -171,23 +171,9 @@ def decode(
     """Check and decode a stored value; CorruptValue on any problem (never returns wrong data).
 
     `copy=False` lets an uncompressed value decode to read-only views of `raw` (no copy at all)."""
-    head = read_header(raw)
-    payload = memoryview(raw)[HEADER_SIZE:]
-    if _checksum(bytes(memoryview(raw)[:HEADER_SIZE]), payload) != head.checksum:
-        raise CorruptValue("checksum mismatch")
-    if expect_codec is not None and head.codec != expect_codec:
-        raise CorruptValue(f"value has codec {head.codec}, expected {expect_codec}")
-    if expect_shape is not None and head.shape != tuple(expect_shape):
-        raise CorruptValue(f"value has shape {head.shape}, expected {tuple(expect_shape)}")
-    if head.flags & FLAG_RAW:
-        body = payload if not copy else bytearray(payload)  # a bytearray: writable arrays
-    else:
-        try:
-            body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=head.raw_len)
-        except zstandard.ZstdError as exc:
-            raise CorruptValue(f"zstd: {exc}") from None
-        if len(body) != head.raw_len:
-            raise CorruptValue(f"payload decompressed to {len(body)} bytes, expected {head.raw_len}")
+    head, body = checked_body(raw, expect_codec=expect_codec, expect_shape=expect_shape)
+    if copy and head.flags & FLAG_RAW:
+        body = bytearray(body)  # a bytearray: writable arrays
     k, v, rest = _decode_kv(head, body)
     positions = None
     if head.has_positions:
@@ -197,6 +183,30 @@ def decode(
     if dtype is not None:
         k, v = k.astype(dtype, copy=False), v.astype(dtype, copy=False)
     return DecodedKV(k, v, positions)
+
+
+def checked_body(raw: bytes | memoryview, *, expect_codec: str | None = None,
+                 expect_shape: tuple[int, int, int] | None = None) -> tuple[ValueHeader, bytes | memoryview]:
+    """A stored value's header and its payload, decompressed (a view of `raw` when stored uncompressed), once
+    the checksum, codec and shape hold; CorruptValue otherwise. 16-bit values are in byte planes when the header
+    has FLAG_SHUFFLED, else in natural order: K's values, then V's."""
+    head = read_header(raw)
+    payload = memoryview(raw)[HEADER_SIZE:]
+    if _checksum(bytes(memoryview(raw)[:HEADER_SIZE]), payload) != head.checksum:
+        raise CorruptValue("checksum mismatch")
+    if expect_codec is not None and head.codec != expect_codec:
+        raise CorruptValue(f"value has codec {head.codec}, expected {expect_codec}")
+    if expect_shape is not None and head.shape != tuple(expect_shape):
+        raise CorruptValue(f"value has shape {head.shape}, expected {tuple(expect_shape)}")
+    if head.flags & FLAG_RAW:
+        return head, payload
+    try:
+        body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=head.raw_len)
+    except zstandard.ZstdError as exc:
+        raise CorruptValue(f"zstd: {exc}") from None
+    if len(body) != head.raw_len:
+        raise CorruptValue(f"payload decompressed to {len(body)} bytes, expected {head.raw_len}")
+    return head, body
 
 
 def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray, memoryview]:
@@ -299,4 +309,4 @@ def _checksum(header: bytes, payload: bytes | memoryview) -> int:
     return digest.intdigest()
 
 
-__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "ValueHeader", "decode", "encode", "read_header"]
+__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "ValueHeader", "checked_body", "decode", "encode", "read_header"]

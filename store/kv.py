@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from kvrag import KvragError
-from kvrag.store.codec import CorruptValue, DecodedKV, decode, encode
+from kvrag.store.codec import CorruptValue, DecodedKV, ValueHeader, checked_body, decode, encode
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (
     ChunkKey,
@@ -80,6 +80,10 @@ class RawLayer:
     def decode(self, dtype: type | None = None, copy: bool = True) -> DecodedKV:
         """`copy=False`: an uncompressed value decodes to read-only views of `value`."""
         return decode(self.value, expect_codec=self.codec, expect_shape=self.shape, dtype=dtype, copy=copy)
+
+    def body(self) -> tuple[ValueHeader, bytes | memoryview]:
+        """The checked, decompressed payload and its header, not decoded (see codec.checked_body)."""
+        return checked_body(self.value, expect_codec=self.codec, expect_shape=self.shape)
 
 
 class KVTable:

@@ -39,6 +39,14 @@ def _expected(kv_table: KVTable, chunks, layer: int) -> tuple[torch.Tensor, torc
             torch.from_numpy(np.concatenate([p.v for p in parts])))
 
 
+def _bf16_in_memory(n_tokens: int, seed: int) -> LayerKV:
+    """A chunk's KV as a memory tier holds it: random bf16, every layer."""
+    g = torch.Generator().manual_seed(seed)
+    return LayerKV([torch.randn(n_tokens, HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
+                   [torch.randn(n_tokens, HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
+                   torch.arange(n_tokens))
+
+
 def _load_all(loader: LayerLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
     loader.start()
     try:
@@ -61,15 +69,36 @@ def test_every_layer_equals_the_stored_values(table, in_thread):
     assert {kind for kind, *_ in loader.spans} == {"load", "decode"}
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_model_gets_the_stored_values_rounded_as_torch_does(table, monkeypatch, native):
+    """For a bf16 model on the CPU, fp16 values go to bf16 in the loader (one native pass where the kernel is
+    built, else numpy and a torch cast): bit for bit torch's own cast of the store's decode, memory chunks exact."""
+    from kvrag.kernels import fp16_to_bf16
+
+    if native and not fp16_to_bf16.available():
+        pytest.skip("needs kvrag's native kernels (x86-64 AVX-512 and a C++ compiler)")
+    if not native:
+        monkeypatch.setattr(fp16_to_bf16, "available", lambda: False)
+    kv_table, chunks = table
+    cid, ids = chunks[1]
+    memory = _bf16_in_memory(len(ids), seed=2)
+    refs = [ChunkRef(c, i, memory if c == cid else None) for c, i in chunks]
+    loaded = _load_all(LayerLoader(kv_table, refs, range(N_LAYERS), torch.bfloat16, torch.device("cpu")))
+    rows = slice(len(chunks[0][1]), len(chunks[0][1]) + len(ids))
+    for layer, (k, v) in enumerate(loaded):
+        want_k, want_v = _expected(kv_table, chunks, layer)
+        want_k[rows], want_v[rows] = memory.k[layer].float(), memory.v[layer].float()
+        got_k, got_v = k.to(torch.bfloat16), v.to(torch.bfloat16)  # the consumer's copy casts, if still needed
+        assert torch.equal(got_k.view(torch.int16), want_k.to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(got_v.view(torch.int16), want_v.to(torch.bfloat16).view(torch.int16))
+
+
 def test_chunks_in_memory_and_in_the_store_mix_exactly(table):
     """A bf16 chunk from a memory tier first, stored fp16 ones after it: staged in float32, exact for both
     (staged in the first chunk's bf16, the stored values would lose three mantissa bits)."""
     kv_table, chunks = table
     cid, ids = chunks[0]
-    g = torch.Generator().manual_seed(1)
-    memory = LayerKV([torch.randn(len(ids), HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
-                     [torch.randn(len(ids), HKV, HD, generator=g).bfloat16() for _ in range(N_LAYERS)],
-                     torch.arange(len(ids)))
+    memory = _bf16_in_memory(len(ids), seed=1)
     refs = [ChunkRef(cid, ids, memory)] + [ChunkRef(c, i) for c, i in chunks[1:]]
     loaded = _load_all(LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu")))
     rows = slice(0, len(ids))
@@ -80,8 +109,10 @@ def test_chunks_in_memory_and_in_the_store_mix_exactly(table):
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
-def test_a_damaged_value_is_refused_at_hand_over(table):
-    """The CPU path decodes in the consumer: the checksum failure must still name the chunk, never pass."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_damaged_value_is_refused_at_hand_over(table, dtype):
+    """The CPU path decodes in the consumer (for bf16, natively where it can): the checksum failure must still
+    name the chunk, never pass."""
     kv_table, chunks = table
     key = kv_table.key("chunk2").layer(1).to_bytes()
     env = kv_table.env
@@ -89,7 +120,7 @@ def test_a_damaged_value_is_refused_at_hand_over(table):
         value = bytearray(txn.get(key))
         value[-3] ^= 0x10
         txn.put(key, bytes(value))
-    loader = LayerLoader(kv_table, [ChunkRef(cid, ids) for cid, ids in chunks], range(N_LAYERS), torch.float32,
+    loader = LayerLoader(kv_table, [ChunkRef(cid, ids) for cid, ids in chunks], range(N_LAYERS), dtype,
                          torch.device("cpu"), decode_in_thread=False).start()
     try:
         loader.layer(0)

@@ -1,12 +1,14 @@
-"""kvrag's AVX-512 row-attention kernel against a float64 softmax over exactly the keys each row may see."""
+"""kvrag's native kernels against their torch twins: row attention against a float64 softmax over exactly the
+keys each row may see, the fp16-to-bf16 decode against torch's own cast."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrag.kernels import row_attention
+from kvrag.kernels import fp16_to_bf16, native, row_attention
 
 pytestmark = pytest.mark.skipif(not row_attention.available(),
                                 reason="needs an x86-64 CPU with AVX-512 and a C++ compiler")
@@ -81,4 +83,18 @@ def test_unsupported_head_dim_is_refused_not_miscomputed():
 
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("KVRAG_NATIVE", "0")
-    assert row_attention._kernel.__wrapped__() is None
+    assert native.library.__wrapped__() is None
+
+
+@pytest.mark.parametrize("planes", [True, False])
+@pytest.mark.parametrize("n_first,n_second", [(1000, 1000), (37, 50), (16, 0), (3, 5)])
+def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
+    """Every finite fp16 bit pattern class (subnormals, halfway cases, both signs), in byte planes or natural
+    order, split between two outputs at any offset: bit for bit torch's fp16 -> bf16 cast."""
+    bits = np.random.default_rng(n_first + n_second).integers(0, 65536, n_first + n_second, dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # stored values are finite: no inf or NaN patterns
+    want = torch.from_numpy(bits.view(np.float16).copy()).to(torch.bfloat16)
+    body = np.concatenate([bits & 0xFF, bits >> 8]).astype(np.uint8).tobytes() if planes else bits.tobytes()
+    first, second = torch.empty(n_first, dtype=torch.bfloat16), torch.empty(n_second, dtype=torch.bfloat16)
+    fp16_to_bf16.convert(body, planes, first, second)
+    assert torch.equal(torch.cat([first, second]).view(torch.int16), want.view(torch.int16))

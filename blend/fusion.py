@@ -34,6 +34,7 @@ from kvrag.blend.model import Transformer
 from kvrag.blend.prefill import LayerKV
 
 DEVIATIONS = ("k", "v", "kv")
+WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
 ATTENTION_WEIGHT = 4.0  # first 50 MuSiQue items, ratio 0.15: mean first-token KL 0.041 at 1, 0.037 at 2, 0.035 at 4
 
 
@@ -42,7 +43,7 @@ class BlendConfig:
     ratio: float = 0.15  # share of chunk tokens recomputed from the check layer on
     check_layer: int = 1  # layers before it are computed for every token
     deviation: str = "v"  # what ||fresh - loaded|| is measured on
-    gradual: bool = True  # re-select a smaller share at the next layers (CacheBlend's gradual filtering)
+    gradual: bool = True  # select 1.5x the share at the check layer, `ratio` at the next (CacheBlend's gradual filtering)
     # rank by deviation x (1 + attention_weight x how much the suffix reads the token / the mean): a token's
     # error reaches the answer through the question's attention to it; 0 ranks by deviation alone (see the
     # README's measurements for the default)
@@ -62,10 +63,11 @@ class BlendConfig:
         """Layer -> share of chunk tokens kept after that layer's check."""
         if not self.gradual or self.ratio >= 1.0:
             return {self.check_layer: self.ratio}
-        # start wider and narrow down over two more layers, ending at `ratio`
-        wide = min(1.0, self.ratio * 2)
-        mid = (wide + self.ratio) / 2
-        return {self.check_layer: wide, self.check_layer + 1: mid, self.check_layer + 2: self.ratio}
+        # start wider and narrow down to `ratio` at the next layer. First 50 MuSiQue items, ratio 0.15, attention
+        # weight 4, bf16: mean first-token KL 0.0526 with no narrowing, 0.0442 from 1.5x, 0.0420 from 2x, 0.0349
+        # from 2x over two layers (2x, 1.5x, 1x), top-1 49/50 each; every wider row at a check layer costs a
+        # blended layer's row, so 1.5x over one layer saves about one blended layer (of 30) on the 2x-1.5x schedule
+        return {self.check_layer: min(1.0, self.ratio * WIDER_AT_CHECK), self.check_layer + 1: self.ratio}
 
 
 class ChunkKVSource(Protocol):

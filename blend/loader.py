@@ -69,7 +69,8 @@ class LayerLoader:
         self.spans: list[tuple[str, int, float, float]] = []  # ("load" | "decode", layer, start, end)
         self.bytes_read = 0
         self._stream = torch.cuda.Stream() if device.type == "cuda" else None
-        self._pool = None if self.decode_in_thread else ThreadPoolExecutor(max(1, torch.get_num_threads()),
+        self._pool_threads = 1 if self.decode_in_thread else max(1, torch.get_num_threads())
+        self._pool = None if self.decode_in_thread else ThreadPoolExecutor(self._pool_threads,
                                                                            thread_name_prefix="kvrag-decode")
         self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
 
@@ -195,13 +196,21 @@ class LayerLoader:
         return k_out, v_out
 
     def _run_puts(self, put, stored: list[int]) -> None:
-        """put(i) for every stored chunk i, over the pool where there is one; raises the first failure."""
-        if self._pool is not None and len(stored) > 1:
-            for future in [self._pool.submit(put, i) for i in stored]:
-                future.result()
-        else:
-            for i in stored:
+        """put(i) for every stored chunk i, over the pool where there is one, in one run of consecutive chunks per
+        thread (a task per chunk cost more in wake-ups than it shared: 2.7 vs 1.7 ms a layer of ten chunks on two
+        threads); raises the first failure."""
+        def run(part: list[int]) -> None:
+            for i in part:
                 put(i)
+
+        n = len(stored)
+        threads = 1 if self._pool is None else min(n, self._pool_threads)
+        if threads <= 1:
+            run(stored)
+            return
+        parts = [stored[n * t // threads:n * (t + 1) // threads] for t in range(threads)]
+        for future in [self._pool.submit(run, part) for part in parts]:
+            future.result()
 
     def _check_rows(self, i: int, kv_shape, starts: list[int], shape) -> None:
         if kv_shape[0] != starts[i + 1] - starts[i] or tuple(kv_shape[1:]) != tuple(shape):

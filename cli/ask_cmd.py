@@ -85,8 +85,8 @@ def ask_command(
     deviation: str = typer.Option("v", "--deviation", help="Select tokens by deviation of k, v or kv."),
     check_layer: int = typer.Option(1, "--check-layer", help="Layers before it are computed in full."),
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
-                                 help="Gradual filtering: select twice the share at the check layer, narrowing "
-                                      "to --ratio over the next two (default)."),
+                                 help="Gradual filtering: select 1.5x the share at the check layer, narrowing "
+                                      "to --ratio at the next (default)."),
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
     max_tokens: int = typer.Option(32, "--max-tokens", help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),

@@ -54,7 +54,7 @@ def bench_command(
     check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
-                                 help="Blend: gradual filtering over the two layers after the check (default)."),
+                                 help="Blend: gradual filtering, 1.5x the share at the check layer (default)."),
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
     warm_store: bool = typer.Option(True, "--warm-store/--cold-store",

@@ -175,7 +175,8 @@ class Transformer:
         """
         if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
             return _attend_few_rows(q, k, v, self.cfg.group_size)  # a decode step, or the last row of a prefill
-        if k_pos is not None and self.uses_row_kernel() and _is_sorted(q_pos) and _is_arange(k_pos):
+        if (k_pos is not None and self.uses_row_kernel() and _is_sorted(q_pos) and _is_arange(k_pos)
+                and 0 <= int(q_pos[0]) and int(q_pos[-1]) < k_pos.shape[0]):
             # causal prefill, a prefill after a cached prefix, or a blend's scattered rows: one kernel for all
             # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
             out = row_attention.row_attention(q, q_pos.to(self.device), k, v)  # [R, Hq, hd] float32
@@ -210,11 +211,8 @@ class Transformer:
         return out[0].transpose(0, 1).reshape(q.shape[0], -1).to(self.dtype)  # [R, Hq * hd]
 
     def uses_row_kernel(self) -> bool:
-        """Whether causal attention goes through kvrag's AVX-512 row kernel: float32 attention on a CPU that has
-        it (on this project's 2-core AVX512 machine, causal attention over 6.3k tokens 265 vs 345 ms a layer
-        in SDPA's flash kernel; a blend's ≈980 scattered rows 51-61 vs 70-88 ms)."""
-        return (self.device.type == "cpu" and self.attention_dtype == torch.float32
-                and row_attention.supports(self.cfg.head_dim))
+        """Whether causal attention goes through kvrag's AVX-512 row kernel (see `row_kernel_serves`)."""
+        return row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
 
     def rows_read_after(self, layer: int, n_rows: int) -> slice:
         """Which of a prefill's n_rows need their attention and MLP output at `layer`: all of them, except at
@@ -267,6 +265,13 @@ class Transformer:
             h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, qkv.v, positions))
             kv.append((qkv.k, qkv.v))
         return self.logits(h), kv  # h: every row, or the last alone (rows_read_after)
+
+
+def row_kernel_serves(head_dim: int, attn_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prefill attention runs in kvrag's AVX-512 row kernel: float32 attention on a CPU that has it (on
+    this project's 2-core AVX512 machine, causal attention over 6.3k tokens 265 vs 345 ms a layer in SDPA's flash
+    kernel; a blend's ≈980 scattered rows 51-61 vs 70-88 ms)."""
+    return device.type == "cpu" and attn_dtype == torch.float32 and row_attention.supports(head_dim)
 
 
 def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:

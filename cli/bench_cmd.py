@@ -207,9 +207,16 @@ def _items(source: Path, is_dataset: bool, env, runtime, k: int, limit, seed: in
     return items, list(pool.items())
 
 
+PLAIN_PROGRESS_EVERY_S = 30.0  # without a terminal (nohup, CI logs): one plain line per phase change or this often
+
+
 @contextmanager
 def _progress(console):
-    """A progress bar per phase (setup, warm-up, runs) with the current method and an ETA."""
+    """A progress bar per phase (setup, warm-up, runs) with the current method and an ETA; without a terminal, a
+    plain line now and then instead (a bar there would print nothing until the end)."""
+    if not console.is_terminal:
+        yield _plain_progress(console)
+        return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -231,6 +238,22 @@ def _progress(console):
             progress.update(tasks[phase], description=label, completed=done, total=total)
 
         yield update
+
+
+def _plain_progress(console):
+    """A progress callback that prints `phase done/total label (elapsed)` when the phase changes, when it ends,
+    and at most every PLAIN_PROGRESS_EVERY_S seconds."""
+    start = time.monotonic()
+    last: dict[str, float] = {}
+
+    def update(phase: str, label: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase in last and done < total and now - last[phase] < PLAIN_PROGRESS_EVERY_S:
+            return
+        last[phase] = now
+        console.print(f"{phase} {done}/{total} {label} ({now - start:.0f} s)", highlight=False)
+
+    return update
 
 
 def _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console, cfg: dict) -> dict:

@@ -27,18 +27,25 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
 
     Example: kvrag model info --json
     """
-    from kvrag.blend.device import resolve_device, resolve_dtype
+    from kvrag.blend.device import attention_dtype, resolve_device, resolve_dtype
+    from kvrag.blend.model import row_kernel_serves
     from kvrag.blend.model_files import resolve_model
 
     local = resolve_model(model)
     dev = resolve_device(device)
+    compute_dtype = resolve_dtype(dtype, dev)
+    attn_dtype = attention_dtype(compute_dtype, dev)
+    attention = (f"kvrag row kernel (AVX-512, {str(attn_dtype).removeprefix('torch.')})"
+                 if row_kernel_serves(local.config.head_dim, attn_dtype, dev)
+                 else f"SDPA ({str(attn_dtype).removeprefix('torch.')})")
     payload = {
         "name": local.name,
         "path": str(local.path),
         "fingerprint": local.fingerprint,
         "tokenizer_fingerprint": local.tokenizer_fingerprint,
         "device": str(dev),
-        "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch."),
+        "dtype": str(compute_dtype).removeprefix("torch."),
+        "attention": attention,
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }
@@ -46,7 +53,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         print_json(payload)
         return
     table = Table(show_header=False, box=None)
-    for key in ("name", "path", "fingerprint", "device", "dtype"):
+    for key in ("name", "path", "fingerprint", "device", "dtype", "attention"):
         table.add_row(key, str(payload[key]))
     c = local.config
     table.add_row("architecture", f"{c.architecture}: {c.n_layers} layers, {c.n_heads} query heads, "

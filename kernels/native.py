@@ -1,6 +1,6 @@
 """kvrag's C++ kernels (kernels/*.cpp): one shared library, built on first use and loaded through ctypes.
 
-Built with the system's C++ compiler into the user's cache folder (plain C entry points, no Python or torch
+Built with the system's C++ compiler into `$KVRAG_HOME/kernels` (plain C entry points, no Python or torch
 headers: a couple of seconds, once per source version). ctypes releases the GIL during each call. Where the
 CPU is not x86-64 with AVX-512, there is no compiler, or `KVRAG_NATIVE=0`, `library()` is None and every
 caller keeps its torch/numpy path.
@@ -19,9 +19,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-import platformdirs
-
 from kvrag.blend.device import cpu_flags
+from kvrag.store.home import kvrag_home
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fPIC",
@@ -57,7 +56,7 @@ def _build() -> Path | None:
     digest = hashlib.sha256(" ".join(FLAGS).encode())
     for source in SOURCES:
         digest.update(source.name.encode() + source.read_bytes())
-    folder = Path(os.environ.get("KVRAG_CACHE_DIR") or platformdirs.user_cache_dir("kvrag"))
+    folder = kvrag_home() / "kernels"
     path = folder / f"kvrag-kernels-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path

@@ -65,7 +65,7 @@ struct Problem {
   const float* q;
   const int64_t* pos;
   const float* kt;
-  const float* v;  // vt
+  const float* vt;
   float* out;
   int64_t n_rows, n_q_heads, n_kv_heads, head_dim, s_pad;
   float scale;
@@ -166,7 +166,7 @@ inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, c
     row_sum[t] = row_sum[t] * alpha[t] + _mm512_reduce_add_ps(total);
   }
   // acc[t] = acc[t] * alpha[t] + p[t] @ V[k0 : k0 + 64], in column chunks of 64 (named accumulators, as above)
-  const float* vblock = pb.v + (kv_head * pb.s_pad + k0) * d;
+  const float* vblock = pb.vt + (kv_head * pb.s_pad + k0) * d;
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     float* r0 = acc + c0;
     float* r1 = acc + d + c0;

@@ -32,6 +32,8 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         raise RuntimeError("the row-attention kernel is not available here")
     s, n_kv, d = k.shape
     n_rows, n_q = q.shape[:2]
+    if n_rows and not 0 <= int(q_pos[0]) <= int(q_pos[-1]) < s:  # the kernel reads keys up to the last position
+        raise ValueError(f"query positions {int(q_pos[0])}..{int(q_pos[-1])} lie outside keys 0..{s - 1}")
     s_pad = -(-s // KEY_BLOCK) * KEY_BLOCK
     dtype = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32
     k, v = (x.to(dtype).contiguous() for x in (k, v))  # no copy for the decode cache's own tensors

@@ -98,3 +98,26 @@ def test_bad_options_fail_before_loading_a_model(monkeypatch, capsys, short_musi
                           (("--rates", "fast"), "--rates")):
         code, _, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_musique), *args)
         assert code == 1 and message in err, (args, err)
+
+
+def test_progress_without_a_terminal_prints_plain_lines(monkeypatch):
+    """Under nohup or in a CI log a progress bar shows nothing until the end: a plain line comes instead when a
+    phase starts or ends, and at most every PLAIN_PROGRESS_EVERY_S seconds in between."""
+    import io
+
+    from rich.console import Console
+
+    import kvrag.cli.bench_cmd as bench_cmd
+
+    clock = iter([0.0, 1.0, 2.0, 40.0, 41.0, 42.0])
+    monkeypatch.setattr(bench_cmd.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    with bench_cmd._progress(console) as update:  # starts the clock at 0
+        update("run", "full · item 1/3", 0, 6)  # 1 s: the phase starts
+        update("run", "blend · item 1/3", 1, 6)  # 2 s: too soon
+        update("run", "full · item 2/3", 2, 6)  # 40 s: due
+        update("setup", "chunk KV", 1, 2)  # 41 s: another phase
+        update("run", "done", 6, 6)  # 42 s: the end, however soon
+    assert out.getvalue().splitlines() == ["run 0/6 full · item 1/3 (1 s)", "run 2/6 full · item 2/3 (40 s)",
+                                           "setup 1/2 chunk KV (41 s)", "run 6/6 done (42 s)"]

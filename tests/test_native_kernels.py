@@ -81,6 +81,12 @@ def test_unsupported_head_dim_is_refused_not_miscomputed():
         row_attention.row_attention(q, q_pos, k, v)
 
 
+def test_positions_past_the_keys_are_refused():
+    q, _, k, v = _case(5, 2, 10, 2, 1, 64)
+    with pytest.raises(ValueError, match="outside keys"):
+        row_attention.row_attention(q, torch.tensor([3, 10]), k, v)
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("KVRAG_NATIVE", "0")
     assert native.library.__wrapped__() is None
@@ -98,3 +104,18 @@ def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
     first, second = torch.empty(n_first, dtype=torch.bfloat16), torch.empty(n_second, dtype=torch.bfloat16)
     fp16_to_bf16.convert(body, planes, first, second)
     assert torch.equal(torch.cat([first, second]).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("fixture,kernel", [("tiny_llama_hd64_dir", True), ("tiny_llama_dir", False)])
+def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixture, kernel):
+    """`kvrag model info` names the attention path: the row kernel for head dim 64 in float32, SDPA for head dim 16
+    (the kernel takes multiples of 64)."""
+    import json
+
+    from kvrag.tests.conftest import run_cli_in_process
+
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "info", "--json", "--model",
+                                        str(request.getfixturevalue(fixture)), "--dtype", "float32", "--device", "cpu")
+    assert code == 0, err
+    attention = json.loads(out)["attention"]
+    assert attention == ("kvrag row kernel (AVX-512, float32)" if kernel else "SDPA (float32)")

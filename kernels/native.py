@@ -35,7 +35,12 @@ def library() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or not NEEDED_CPU_FLAGS <= cpu_flags():
         return None
     path = _build()
-    return None if path is None else ctypes.CDLL(str(path))
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:  # a damaged or foreign file where the build should be: torch's paths, as without a compiler
+        return None
 
 
 def function(name: str, restype, argtypes: list):

@@ -87,6 +87,13 @@ def test_positions_past_the_keys_are_refused():
         row_attention.row_attention(q, torch.tensor([3, 10]), k, v)
 
 
+def test_a_damaged_library_file_falls_back_instead_of_crashing(monkeypatch, tmp_path):
+    damaged = tmp_path / "kvrag-kernels-0.so"
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setattr(native, "_build", lambda: damaged)
+    assert native.library.__wrapped__() is None
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("KVRAG_NATIVE", "0")
     assert native.library.__wrapped__() is None

@@ -143,7 +143,7 @@ class LayerLoader:
         starts = self._starts
         dtypes = {_array_dtype(item) for item in fetched}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
-        shape = next(item.shape[1:] if isinstance(item, RawLayer) else item[0].shape[1:] for item in fetched)
+        shape = _layer_shape(fetched)
         k_out = np.empty((starts[-1], *shape), dtype=dtype)  # [C, Hkv, hd]
         v_out = np.empty_like(k_out)
 
@@ -154,13 +154,8 @@ class LayerLoader:
             k_out[starts[i]:starts[i + 1]] = k
             v_out[starts[i]:starts[i + 1]] = v
 
-        self._run_puts(put, [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)])
-        k_all, v_all = torch.from_numpy(k_out), torch.from_numpy(v_out)
-        for i, item in enumerate(fetched):
-            if not isinstance(item, RawLayer):  # in memory: a torch copy (bf16 has no numpy dtype)
-                self._check_rows(i, item[0].shape, starts, shape)
-                k_all[starts[i]:starts[i + 1]] = item[0]
-                v_all[starts[i]:starts[i + 1]] = item[1]
+        k_all, v_all = torch.from_numpy(k_out), torch.from_numpy(v_out)  # in-memory chunks: a torch copy (bf16)
+        self._fill(put, fetched, k_all, v_all)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 k_all = k_all.pin_memory().to(self.device, non_blocking=True)
@@ -171,7 +166,7 @@ class LayerLoader:
         """`_place` for a bf16 model over fp16 stored values: each chunk's payload goes straight to bf16 rows of the
         layer's buffers in one native pass (the numpy decode and torch cast took ≈5 ms a layer of 6.3k tokens)."""
         starts = self._starts
-        shape = next(item.shape[1:] if isinstance(item, RawLayer) else item[0].shape[1:] for item in fetched)
+        shape = _layer_shape(fetched)
         k_out = torch.empty((starts[-1], *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
         v_out = torch.empty_like(k_out)
 
@@ -187,13 +182,19 @@ class LayerLoader:
             fp16_to_bf16.convert(body, bool(head.flags & FLAG_SHUFFLED), k_out[starts[i]:starts[i + 1]],
                                  v_out[starts[i]:starts[i + 1]])
 
-        self._run_puts(put, [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)])
-        for i, item in enumerate(fetched):
-            if not isinstance(item, RawLayer):  # in memory
-                self._check_rows(i, item[0].shape, starts, shape)
-                k_out[starts[i]:starts[i + 1]] = item[0]
-                v_out[starts[i]:starts[i + 1]] = item[1]
+        self._fill(put, fetched, k_out, v_out)
         return k_out, v_out
+
+    def _fill(self, put, fetched: list, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+        """put(i) for every stored chunk i (it writes chunk i's rows), then every in-memory chunk copied into its
+        rows of k_all / v_all [C, Hkv, hd]."""
+        self._run_puts(put, [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)])
+        starts, shape = self._starts, k_all.shape[1:]
+        for i, item in enumerate(fetched):
+            if not isinstance(item, RawLayer):
+                self._check_rows(i, item[0].shape, starts, shape)
+                k_all[starts[i]:starts[i + 1]] = item[0]
+                v_all[starts[i]:starts[i + 1]] = item[1]
 
     def _run_puts(self, put, stored: list[int]) -> None:
         """put(i) for every stored chunk i, over the pool where there is one, in one run of consecutive chunks per
@@ -236,6 +237,11 @@ class LayerLoader:
             raise CorruptChunk(ref.chunk_id, str(exc)) from None
         self.bytes_read += len(raw.value)
         return raw
+
+
+def _layer_shape(fetched: list) -> tuple[int, int]:
+    """(Hkv, hd) of a layer's chunks: the first chunk's, which `_check_rows` holds every other chunk to."""
+    return next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:]) for item in fetched)
 
 
 def _array_dtype(item) -> np.dtype:

@@ -35,9 +35,9 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     dev = resolve_device(device)
     compute_dtype = resolve_dtype(dtype, dev)
     attn_dtype = attention_dtype(compute_dtype, dev)
-    attention = (f"kvrag row kernel (AVX-512, {str(attn_dtype).removeprefix('torch.')})"
-                 if row_kernel_serves(local.config.head_dim, attn_dtype, dev)
-                 else f"SDPA ({str(attn_dtype).removeprefix('torch.')})")
+    attn_name = str(attn_dtype).removeprefix("torch.")
+    attention = (f"kvrag row kernel (AVX-512, {attn_name})" if row_kernel_serves(local.config.head_dim, attn_dtype, dev)
+                 else f"SDPA ({attn_name})")
     payload = {
         "name": local.name,
         "path": str(local.path),

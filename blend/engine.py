@@ -249,7 +249,7 @@ class Engine:
                 loader.close()
         elapsed = time.perf_counter() - start
         spans = fused.spans + (loader.spans if loader else [])
-        load_s = sum(e - s for kind, _, s, e in spans if kind in ("load", "decode"))
+        load_s = loader.busy_s if loader else 0.0
         timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
                    "missing_chunks": missing_s}
         tiers = ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)

@@ -55,18 +55,60 @@ def _load_all(loader: LayerLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
         loader.close()
 
 
-@pytest.mark.parametrize("in_thread", [False, True])
-def test_every_layer_equals_the_stored_values(table, in_thread):
-    """Decoded in the loader's thread (CUDA's way) or at hand-over over a pool (the CPU's): the same bytes."""
+@pytest.mark.parametrize("decode", ["thread", "hand-over", "idle"])
+def test_every_layer_equals_the_stored_values(table, decode):
+    """Decoded in the loader's thread (CUDA's way), at hand-over over a pool, or ahead by an idle-priority thread
+    with the consumer taking what is left (the CPU's ways): the same bytes."""
     kv_table, chunks = table
     refs = [ChunkRef(cid, ids) for cid, ids in chunks]
     loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"),
-                         decode_in_thread=in_thread)
+                         decode=decode)
     for layer, (k, v) in enumerate(_load_all(loader)):
         want_k, want_v = _expected(kv_table, chunks, layer)
         assert k.dtype == torch.float16  # the stored dtype: the consumer's copy casts
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    assert {kind for kind, *_ in loader.spans} == {"load", "decode"}
+    assert {kind for kind, *_ in loader.spans} - {"decode-ahead"} <= {"load", "decode"}
+    assert "load" in {kind for kind, *_ in loader.spans} and loader.busy_s > 0
+
+
+@pytest.mark.parametrize("idle_allowed", [True, False])
+def test_idle_decoding_decodes_each_chunk_once_and_never_depends_on_the_decoder(table, monkeypatch, idle_allowed):
+    """Decoder and consumer share each layer's chunks: each is decoded exactly once, and where the decoder may not
+    lower its priority (it then stops, as it would slow the compute) the consumer decodes them all itself."""
+    import os
+    import threading
+
+    if not idle_allowed:
+        def refuse(*_):
+            raise PermissionError("not allowed")
+        monkeypatch.setattr(os, "sched_setscheduler", refuse, raising=False)
+    decoded_by: dict[tuple[int, int], list[str]] = {}  # (layer, chunk) -> the threads that decoded it
+    layer_of: dict[int, int] = {}  # id of a layer's fetched list -> the layer
+    kept = []  # the fetched lists, alive so that their ids stay unique
+    original_put, original_fetch = LayerLoader._put_numpy, LayerLoader._fetch
+
+    def counting(self, fetched, i, k_out, v_out, shape):
+        decoded_by.setdefault((layer_of[id(fetched)], i), []).append(threading.current_thread().name)
+        original_put(self, fetched, i, k_out, v_out, shape)
+
+    def remembering_fetch(self, layer):
+        fetched = original_fetch(self, layer)
+        kept.append(fetched)
+        layer_of[id(fetched)] = layer
+        return fetched
+
+    monkeypatch.setattr(LayerLoader, "_put_numpy", counting)
+    monkeypatch.setattr(LayerLoader, "_fetch", remembering_fetch)
+    kv_table, chunks = table
+    loader = LayerLoader(kv_table, [ChunkRef(cid, ids) for cid, ids in chunks], range(N_LAYERS), torch.float32,
+                         torch.device("cpu"), decode="idle")
+    for layer, (k, v) in enumerate(_load_all(loader)):
+        want_k, want_v = _expected(kv_table, chunks, layer)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert sorted(decoded_by) == [(layer, i) for layer in range(N_LAYERS) for i in range(len(chunks))]
+    assert all(len(names) == 1 for names in decoded_by.values())
+    if not idle_allowed:
+        assert not any("kvrag-decoder" in names[0] for names in decoded_by.values())
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -109,10 +151,11 @@ def test_chunks_in_memory_and_in_the_store_mix_exactly(table):
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
+@pytest.mark.parametrize("decode", ["hand-over", "idle"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_damaged_value_is_refused_at_hand_over(table, dtype):
-    """The CPU path decodes in the consumer (for bf16, natively where it can): the checksum failure must still
-    name the chunk, never pass."""
+def test_a_damaged_value_is_refused_at_hand_over(table, dtype, decode):
+    """The CPU paths decode in the consumer or an idle-priority thread (for bf16, natively where it can): the
+    checksum failure must still name the chunk, never pass."""
     kv_table, chunks = table
     key = kv_table.key("chunk2").layer(1).to_bytes()
     env = kv_table.env
@@ -121,7 +164,7 @@ def test_a_damaged_value_is_refused_at_hand_over(table, dtype):
         value[-3] ^= 0x10
         txn.put(key, bytes(value))
     loader = LayerLoader(kv_table, [ChunkRef(cid, ids) for cid, ids in chunks], range(N_LAYERS), dtype,
-                         torch.device("cpu"), decode_in_thread=False).start()
+                         torch.device("cpu"), decode=decode).start()
     try:
         loader.layer(0)
         with pytest.raises(CorruptChunk, match="chunk2"):

@@ -235,7 +235,8 @@ class Engine:
             loaded_rows, blend_cfg = n_chunk, None
         else:
             loaded_rows, blend_cfg = n_chunk, config
-        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None else 0
+        exact_rows = self._exact_first_rows(rest, matched, blend_cfg)
+        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None
         if loaded_rows:
@@ -243,7 +244,8 @@ class Engine:
                                  delay_s=self.load_delay_s).start()
         try:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(chunk_ids + suffix), n_chunk,
-                                  loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None)
+                                  loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
+                                  exact_rows=exact_rows)
         finally:
             if loader is not None:
                 loader.close()
@@ -260,6 +262,17 @@ class Engine:
         return Prefilled(fused.logits, fused.cache, len(exact) + n_chunk + len(suffix),
                          n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
                          int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers)
+
+
+    def _exact_first_rows(self, rest, matched: int, config: BlendConfig | None) -> int:
+        """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
+        follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
+        after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
+        (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
+        (at 1 every chunk token is recomputed, as a full prefill)."""
+        if config is None or not config.exact_first_chunk or matched or not rest or not 0 < config.ratio < 1:
+            return 0
+        return len(rest[0][1]) if self.table is None or self.table.codec in ("fp16", "bf16") else 0
 
 
 def ref_tier(ref: ChunkRef) -> str:

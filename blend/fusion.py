@@ -15,6 +15,11 @@ The prompt is preamble (exact KV) + chunks (loaded KV, keys before rotary) + suf
     keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change)
     a computed row at position p sees exactly the keys at positions <= p
 
+The first `exact_rows` chunk rows (the first chunk, when its loaded KV is the one it has here: computed right
+after the preamble, and stored losslessly enough) are reused as loaded at every layer, as prefix caching does:
+never computed, never ranked, yet counted among the chunk tokens the ratio is a share of (their deviation is
+nil, so a ranking over every chunk row would never pick them either).
+
 Baselines use the same engine with a fixed set of computed rows: full KV reuse (suffix only) and
 prefix caching (all but the first chunk). With every chunk row selected it is a full prefill.
 """
@@ -48,6 +53,9 @@ class BlendConfig:
     # error reaches the answer through the question's attention to it; 0 ranks by deviation alone (see the
     # README's measurements for the default)
     attention_weight: float = ATTENTION_WEIGHT
+    # reuse the first chunk's KV as loaded when it is exact there (it follows the preamble), as prefix caching
+    # does, instead of computing its rows at the layers up to the check and ranking them
+    exact_first_chunk: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -119,13 +127,14 @@ def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int)
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
-                  extra: int, keep_rest: bool = False) -> FusionResult:
+                  extra: int, keep_rest: bool = False, exact_rows: int = 0) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
     0 .. loaded_rows-1 (all chunks for blend/reuse, the first chunk for prefix caching); rows beyond
     are computed at every layer. `config` None means no selection: loaded rows are reused at every
-    layer (full reuse or prefix caching); otherwise CacheBlend selection over the loaded rows.
+    layer (full reuse or prefix caching); otherwise CacheBlend selection over the loaded rows after the first
+    `exact_rows`, which are reused as loaded at every layer (see the module doc).
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -146,13 +155,13 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     if config is None:
         rows = torch.arange(loaded_rows, n_rest, device=dev)
     else:
-        rows = torch.arange(n_rest, device=dev)
+        rows = torch.arange(exact_rows, n_rest, device=dev)
     h = model.embed(rest_ids[rows])  # [R, D]
     rest_rope = (rope[0][n_pre:], rope[1][n_pre:])  # cos, sin [C + S, 1, hd]
     rows_rope = (rest_rope[0][rows], rest_rope[1][rows])  # gathered again only when the rows change
 
     for layer in range(model.cfg.n_layers):
-        uses_loaded = loaded_rows > 0 and (config is None or layer >= first_check)
+        uses_loaded = loaded_rows > 0 and (config is None or layer >= first_check or exact_rows > 0)
         if uses_loaded:  # wait for the loader first, so compute spans exclude the wait
             w0 = time.perf_counter()
             loaded_k, loaded_v = source.layer(layer)  # [loaded_rows, Hkv, hd]

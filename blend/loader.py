@@ -11,7 +11,9 @@ workers may claim, so that where it runs depends on who else wants the cores:
              whatever items are left when it asks for the layer, spread over a small pool (zstd and numpy
              release the GIL). Items 0-4 of MuSiQue, 2 cores, five pairs each in two runs: blend@0.15 2.81 vs
              2.86 s with everything decoded at hand-over. Where idle priority is unavailable, everything is
-             decoded at hand-over. The consumer waits only for items the decoder has already begun.
+             decoded at hand-over. The consumer waits only for items the decoder has already begun; when other
+             processes keep every core busy the decoder starves, and a wait for it of more than 20 ms turns it
+             off (decoding at hand-over, in new loaders too, for a minute).
 The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model on the
 CPU over fp16 values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload.
 A value that fails its checksum is never handed out: the consumer gets `CorruptChunk` naming the chunk, and
@@ -38,6 +40,11 @@ from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
 DECODE_MODES = ("thread", "hand-over", "idle")
+# The idle-priority decoder starves when other processes keep every core busy; then a consumer waiting on a chunk
+# it has begun (or on the GIL it holds) would wait for it too. A wait this long turns it off for a while.
+STARVED_WAIT_S = 0.02
+STARVED_PAUSE_S = 60.0
+_idle_paused_until = 0.0  # time.monotonic() before which new loaders decode at hand-over instead
 
 
 class CorruptChunk(KvragError):
@@ -108,7 +115,8 @@ class LayerLoader:
                  dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
                  decode: str | None = None):
         if decode is None:
-            decode = "thread" if device.type == "cuda" else "idle" if idle_priority_available() else "hand-over"
+            idle = idle_priority_available() and time.monotonic() >= _idle_paused_until
+            decode = "thread" if device.type == "cuda" else "idle" if idle else "hand-over"
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode}")
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
@@ -132,6 +140,7 @@ class LayerLoader:
         self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
         self._ahead: queue.SimpleQueue[tuple[int, _LayerWork] | None] | None = None  # read layers, to decode ahead
         self._decoder = None
+        self._decoder_off = False  # set when the decoder starved: the consumer decodes the rest
         if decode == "idle":
             self._ahead = queue.SimpleQueue()
             self._decoder = threading.Thread(target=self._decode_ahead, name="kvrag-decoder", daemon=True)
@@ -210,6 +219,8 @@ class LayerLoader:
             return  # at normal priority it would slow the compute: the consumer decodes everything
         while (item := self._ahead.get()) is not None:
             layer, work = item
+            if self._decoder_off:
+                continue
             start, cpu = time.perf_counter(), time.thread_time()
             if work.work():
                 self.ahead_cpu_s += time.thread_time() - cpu
@@ -224,7 +235,10 @@ class LayerLoader:
         did = work.work()
         for helper in helpers:
             did = helper.result() or did
+        start = time.perf_counter()
         work.done.wait()
+        if self._decoder is not None and time.perf_counter() - start > STARVED_WAIT_S:
+            self._pause_decoder()
         if work.error is not None:
             raise work.error
         starts, shape = self._starts, work.k.shape[1:]
@@ -234,6 +248,13 @@ class LayerLoader:
                 work.k[starts[i]:starts[i + 1]] = item[0]
                 work.v[starts[i]:starts[i + 1]] = item[1]
         return did
+
+    def _pause_decoder(self) -> None:
+        """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,
+        in new loaders too."""
+        global _idle_paused_until
+        self._decoder_off = True
+        _idle_paused_until = time.monotonic() + STARVED_PAUSE_S
 
     def _transfer(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On CUDA: pinned and copied to the device on the side stream; elsewhere as they are."""

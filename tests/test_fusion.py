@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from itertools import pairwise
 
 import pytest
@@ -110,6 +112,21 @@ def test_prefix_mode_reuses_only_the_first_chunk(any_stored):
     # the first chunk's stored KV is exact (it was computed right after the preamble): same logits
     assert prefix.recomputed_chunk_tokens == prefix.chunk_tokens - len(chunks[0][1])
     torch.testing.assert_close(prefix.logits, full.logits, rtol=1e-3, atol=5e-3)
+
+
+def test_blend_reuses_the_first_chunk_as_prefix_caching_does(any_stored):
+    """The first chunk follows the preamble, so its stored KV is exact: a blend keeps it as loaded at every layer
+    (bit for bit prefix caching's), still recomputing the same share of all chunk tokens elsewhere."""
+    _, engine, chunks = any_stored
+    n_pre, n_first = len(engine.preamble), len(chunks[0][1])
+    first = slice(n_pre, n_pre + n_first)
+    prefix = engine.prefill(chunks, QUESTION, mode="prefix")
+    reused = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=0.5))
+    ranked = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=0.5, exact_first_chunk=False))
+    assert reused.recomputed_chunk_tokens == ranked.recomputed_chunk_tokens == math.ceil(0.5 * reused.chunk_tokens)
+    assert torch.equal(reused.cache.k[:, first], prefix.cache.k[:, first])
+    assert torch.equal(reused.cache.v[:, first], prefix.cache.v[:, first])
+    assert not torch.equal(ranked.cache.v[:, first], prefix.cache.v[:, first])  # layer 0 computed afresh there
 
 
 def test_rotation_at_load_equals_computing_at_that_offset(tiny_runtime):

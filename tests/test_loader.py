@@ -111,6 +111,40 @@ def test_idle_decoding_decodes_each_chunk_once_and_never_depends_on_the_decoder(
         assert not any("kvrag-decoder" in names[0] for names in decoded_by.values())
 
 
+def test_a_starved_idle_decoder_is_turned_off(table, monkeypatch):
+    """A decoder that holds a chunk too long (as when other processes take every core) is paused: the load still
+    completes with the stored values, and new loaders decode at hand-over for a while."""
+    import threading
+    import time
+
+    from kvrag.blend import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_idle_paused_until", 0.0)
+    original_put = LayerLoader._put_numpy
+
+    def slow_in_the_decoder(self, *args):
+        if threading.current_thread().name == "kvrag-decoder":
+            time.sleep(5 * loader_module.STARVED_WAIT_S)
+        original_put(self, *args)
+
+    monkeypatch.setattr(LayerLoader, "_put_numpy", slow_in_the_decoder)
+    monkeypatch.setattr(LayerLoader, "_fetch", lambda self, layer, f=LayerLoader._fetch: (time.sleep(0.01), f(self, layer))[1])
+    kv_table, chunks = table
+    refs = [ChunkRef(cid, ids) for cid, ids in chunks]
+    loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"), decode="idle")
+    loader.start()
+    try:
+        time.sleep(0.05)  # the decoder has begun a chunk of layer 0
+        for layer in range(N_LAYERS):
+            k, v = loader.layer(layer)
+            want_k, want_v = _expected(kv_table, chunks, layer)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    finally:
+        loader.close()
+    assert loader._decoder_off
+    assert LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu")).decode == "hand-over"
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_bf16_model_gets_the_stored_values_rounded_as_torch_does(table, monkeypatch, native):
     """For a bf16 model on the CPU, fp16 values go to bf16 in the loader (one native pass where the kernel is

@@ -63,10 +63,10 @@ class DecodeCache:
 def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Tensor, DecodeCache]:
     """Plain full prefill of ids [T]: last-position logits [V] and a cache ready for decoding."""
     positions = torch.arange(ids.shape[0], device=model.device)
-    logits, kv = model.full_forward(ids, positions)
-    rope = model.positions_cos_sin(positions)
-    layers = [(model.rotate_keys(k, positions, rope), v) for k, v in kv]
-    return logits[0], DecodeCache.from_prompt(model, layers, extra)
+    cache = DecodeCache(model, ids.shape[0] + extra)
+    logits, _ = model.full_forward(ids, positions, into=cache)  # each layer's K and V straight into the cache
+    cache.length = ids.shape[0]
+    return logits[0], cache
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from safetensors import safe_open
 from kvrag import KvragError
 from kvrag.blend import rotary
 from kvrag.blend.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvrag.blend.decode import DecodeCache
 from kvrag.blend.device import attention_dtype
 from kvrag.kernels import row_attention
 
@@ -247,10 +251,11 @@ class Transformer:
     # ---- reference path ---------------------------------------------------------------------
 
     def full_forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                     all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+                     all_logits: bool = False, into: DecodeCache | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer (k, v).
 
-        Returned keys are before rotary ([T, Hkv, hd]), values as they are.
+        Returned keys are before rotary ([T, Hkv, hd]), values as they are. With `into` (a DecodeCache), each
+        layer's rotated keys and values are written to its first T rows instead, and no (k, v) are returned.
         """
         if positions is None:
             positions = torch.arange(ids.shape[0])
@@ -258,12 +263,18 @@ class Transformer:
         h = self.embed(ids)
         rope = self.positions_cos_sin(positions)
         kv = []
+        n = ids.shape[0]
         for layer in range(self.cfg.n_layers):
             qkv = self.project(layer, h, positions, rope)
-            k_rot = self.rotate_keys(qkv.k, positions, rope)
+            k_rot = self.rotate_keys(qkv.k, positions, rope, out=None if into is None else into.k[layer, :n])
+            v = qkv.v
+            if into is None:
+                kv.append((qkv.k, qkv.v))
+            else:
+                v = into.v[layer, :n]
+                v.copy_(qkv.v)
             out = slice(None) if all_logits else self.rows_read_after(layer, h.shape[0])
-            h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, qkv.v, positions))
-            kv.append((qkv.k, qkv.v))
+            h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, v, positions))
         return self.logits(h), kv  # h: every row, or the last alone (rows_read_after)
 
 

@@ -263,7 +263,6 @@ class Engine:
                          n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
                          int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers)
 
-
     def _exact_first_rows(self, rest, matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
         follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right

@@ -9,8 +9,8 @@ workers may claim, so that where it runs depends on who else wants the cores:
              instead of 35). So a decoder thread at idle priority (Linux SCHED_IDLE: it runs only on a core
              nothing else wants) decodes ahead in the gaps between the compute's ops, and the consumer claims
              whatever items are left when it asks for the layer, spread over a small pool (zstd and numpy
-             release the GIL). Items 0-4 of MuSiQue, 2 cores, five pairs each in two runs: blend@0.15 2.81 vs
-             2.86 s with everything decoded at hand-over. Where idle priority is unavailable, everything is
+             release the GIL). Items 0-4 of MuSiQue, 2 cores, two alternating rounds: blend@0.15 2.92 vs
+             2.96 s with everything decoded at hand-over. Where idle priority is unavailable, everything is
              decoded at hand-over. The consumer waits only for items the decoder has already begun; when other
              processes keep every core busy the decoder starves, and a wait for it of more than 20 ms turns it
              off (decoding at hand-over, in new loaders too, for a minute).

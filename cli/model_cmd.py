@@ -27,17 +27,23 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
 
     Example: kvrag model info --json
     """
+    import torch
+
     from kvrag.blend.device import attention_dtype, resolve_device, resolve_dtype
     from kvrag.blend.model import row_kernel_serves
     from kvrag.blend.model_files import resolve_model
+    from kvrag.kernels import row_attention
 
     local = resolve_model(model)
     dev = resolve_device(device)
     compute_dtype = resolve_dtype(dtype, dev)
     attn_dtype = attention_dtype(compute_dtype, dev)
     attn_name = str(attn_dtype).removeprefix("torch.")
-    attention = (f"kvrag row kernel (AVX-512, {attn_name})" if row_kernel_serves(local.config.head_dim, attn_dtype, dev)
-                 else f"SDPA ({attn_name})")
+    if row_kernel_serves(local.config.head_dim, attn_dtype, dev):
+        pairs = compute_dtype == torch.bfloat16 and row_attention.bf16_dot_available()
+        attention = f"kvrag row kernel (AVX-512, {attn_name}{', Q.K in bf16 pairs' if pairs else ''})"
+    else:
+        attention = f"SDPA ({attn_name})"
     payload = {
         "name": local.name,
         "path": str(local.path),

@@ -7,14 +7,16 @@
 // no wasted keys beyond a 64-key block, one call a layer, no merging. With positions 0..R-1 it is plain causal
 // attention.
 //
-// Layouts (float32, contiguous):
-//   q    [R, Hq, D]        queries, rotated; Hq = Hkv * group, query head h reads KV head h / group
+// Layouts (contiguous):
+//   q    [R, Hq, D]        queries, rotated, float32 or (with bfloat16 keys) bfloat16; Hq = Hkv * group, query
+//                          head h reads KV head h / group
 //   pos  [R]               int64 absolute positions, non-decreasing, each < the number of keys
 //   k, v [S, Hkv, D]        rotated keys and values, float32 or bfloat16 (the decode cache's own tensors)
-//   out  [R, Hq, D]
-// and two float32 workspaces the caller allocates, which a first pass fills (in parallel, by key block):
-//   kt   [Hkv, S_pad / 64, D, 64]  keys transposed per block of 64, so 16 keys load as one vector
-//   vt   [Hkv, S_pad, D]           values per head
+//   out  [R, Hq, D]        float32
+// and two workspaces the caller allocates, which a first pass fills (in parallel, by key block):
+//   kt   [Hkv, S_pad / 64, D, 64]  float32 keys transposed per block of 64, so 16 keys load as one vector; for
+//                                   bfloat16 queries, [Hkv, S_pad / 64, D / 2, 64] 32-bit pairs of bf16 keys
+//   vt   [Hkv, S_pad, D]           float32 values per head
 // S_pad rounds S up to a multiple of 64; padded keys and values are zero (a masked key's weight is 0, but
 // 0 * NaN is not).
 // D must be a multiple of 64. Each KV head's `group` query heads are stacked as rows (row r, head j of the
@@ -62,13 +64,14 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 struct Problem {
-  const float* q;
+  const void* q;  // float32 [R, Hq, D], or bfloat16 pairs [R, Hq, D / 2] with bf16_pairs
   const int64_t* pos;
-  const float* kt;
+  const void* kt;  // float32 [Hkv, S_pad / 64, D, 64], or bfloat16 pairs [Hkv, S_pad / 64, D / 2, 64]
   const float* vt;
   float* out;
   int64_t n_rows, n_q_heads, n_kv_heads, head_dim, s_pad;
   float scale;
+  bool bf16_pairs;  // queries and keys are bfloat16 values, taken two dimensions at a time
   int64_t group() const { return n_q_heads / n_kv_heads; }
   int64_t virtual_rows() const { return n_rows * group(); }
 };
@@ -86,49 +89,76 @@ struct RowBlockState {
   }
 };
 
+// Dot products of 4 rows' queries with one key block's 64 keys, two ways. Fp32Dot: one dimension per FMA over
+// float32 panels. Bf16PairDot (CPUs with AVX512_BF16): queries and keys that are bfloat16 values go in pairs of
+// dimensions, and vdpbf16ps multiplies both pairs and adds them in float32, twice the work per instruction. The
+// products of bfloat16 values are exact in float32, so only the order of the float32 sums differs.
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")  // for Bf16PairDot's instruction alone: the rest runs on any AVX-512 CPU
+struct Fp32Dot {
+  using Elem = float;  // one dimension
+  static constexpr int kDims = 1;
+  static __m512 load(const float* p) { return _mm512_load_ps(p); }
+  static __m512 broadcast(const float* q) { return _mm512_set1_ps(*q); }
+  static __m512 madd(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+struct Bf16PairDot {
+  using Elem = uint32_t;  // two bfloat16 dimensions
+  static constexpr int kDims = 2;
+  static __m512i load(const uint32_t* p) { return _mm512_load_si512(p); }
+  static __m512i broadcast(const uint32_t* q) { return _mm512_set1_epi32(static_cast<int32_t>(*q)); }
+  static __m512 madd(__m512 acc, __m512i q, __m512i k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
+};
+
+// scores [4 rows][64 keys] of virtual rows vrow against keys k0 .. k0+63 of one KV head. 16 named accumulators:
+// an array indexed later in loops made GCC store every accumulator to the stack on each step.
+template <class Dot>
+__attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, const int64_t* vrow, int64_t k0,
+                                          float (*scores)[kKeyBlock]) {
+  using Elem = typename Dot::Elem;
+  const int64_t steps = pb.head_dim / Dot::kDims, g = pb.group();
+  const Elem* qrow[kTileRows];
+  for (int t = 0; t < kTileRows; ++t) {
+    const int64_t r = vrow[t] / g, j = vrow[t] % g;
+    qrow[t] = static_cast<const Elem*>(pb.q) + (r * pb.n_q_heads + kv_head * g + j) * steps;
+  }
+  const Elem* panel = static_cast<const Elem*>(pb.kt) + (kv_head * pb.s_pad + k0) * steps;  // [steps, 64]
+  const Elem *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+  for (int64_t e = 0; e < steps; ++e) {
+    const Elem* kcol = panel + e * kKeyBlock;
+    const auto k0v = Dot::load(kcol), k1v = Dot::load(kcol + 16), k2v = Dot::load(kcol + 32);
+    const auto k3v = Dot::load(kcol + 48);
+    auto qv = Dot::broadcast(q0 + e);
+    a00 = Dot::madd(a00, qv, k0v); a01 = Dot::madd(a01, qv, k1v); a02 = Dot::madd(a02, qv, k2v); a03 = Dot::madd(a03, qv, k3v);
+    qv = Dot::broadcast(q1 + e);
+    a10 = Dot::madd(a10, qv, k0v); a11 = Dot::madd(a11, qv, k1v); a12 = Dot::madd(a12, qv, k2v); a13 = Dot::madd(a13, qv, k3v);
+    qv = Dot::broadcast(q2 + e);
+    a20 = Dot::madd(a20, qv, k0v); a21 = Dot::madd(a21, qv, k1v); a22 = Dot::madd(a22, qv, k2v); a23 = Dot::madd(a23, qv, k3v);
+    qv = Dot::broadcast(q3 + e);
+    a30 = Dot::madd(a30, qv, k0v); a31 = Dot::madd(a31, qv, k1v); a32 = Dot::madd(a32, qv, k2v); a33 = Dot::madd(a33, qv, k3v);
+  }
+  _mm512_store_ps(&scores[0][0], a00); _mm512_store_ps(&scores[0][16], a01);
+  _mm512_store_ps(&scores[0][32], a02); _mm512_store_ps(&scores[0][48], a03);
+  _mm512_store_ps(&scores[1][0], a10); _mm512_store_ps(&scores[1][16], a11);
+  _mm512_store_ps(&scores[1][32], a12); _mm512_store_ps(&scores[1][48], a13);
+  _mm512_store_ps(&scores[2][0], a20); _mm512_store_ps(&scores[2][16], a21);
+  _mm512_store_ps(&scores[2][32], a22); _mm512_store_ps(&scores[2][48], a23);
+  _mm512_store_ps(&scores[3][0], a30); _mm512_store_ps(&scores[3][16], a31);
+  _mm512_store_ps(&scores[3][32], a32); _mm512_store_ps(&scores[3][48], a33);
+}
+#pragma GCC pop_options
+
 // One tile of 4 virtual rows against one key block: scores, online softmax, and P @ V into the row sums.
 inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, const int64_t* rpos, int64_t k0,
                       bool masked, float* acc, float* row_max, float* row_sum) {
-  const int64_t d = pb.head_dim, g = pb.group();
-  const float* qrow[kTileRows];
-  for (int t = 0; t < kTileRows; ++t) {
-    const int64_t r = vrow[t] / g, j = vrow[t] % g;
-    qrow[t] = pb.q + (r * pb.n_q_heads + kv_head * g + j) * d;
-  }
-  // scores [4 rows][64 keys]: 16 named accumulators (an array indexed later in loops made GCC store every
-  // accumulator to the stack on each step)
+  const int64_t d = pb.head_dim;
   alignas(64) float scores[kTileRows][kKeyBlock];
-  {
-    const float* kt = pb.kt + (kv_head * pb.s_pad + k0) * d;  // this key block's [D, 64] panel
-    const float *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
-    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
-    for (int64_t e = 0; e < d; ++e) {
-      const float* kcol = kt + e * kKeyBlock;
-      const __m512 k0v = _mm512_load_ps(kcol), k1v = _mm512_load_ps(kcol + 16);
-      const __m512 k2v = _mm512_load_ps(kcol + 32), k3v = _mm512_load_ps(kcol + 48);
-      __m512 qv = _mm512_set1_ps(q0[e]);
-      a00 = _mm512_fmadd_ps(qv, k0v, a00); a01 = _mm512_fmadd_ps(qv, k1v, a01);
-      a02 = _mm512_fmadd_ps(qv, k2v, a02); a03 = _mm512_fmadd_ps(qv, k3v, a03);
-      qv = _mm512_set1_ps(q1[e]);
-      a10 = _mm512_fmadd_ps(qv, k0v, a10); a11 = _mm512_fmadd_ps(qv, k1v, a11);
-      a12 = _mm512_fmadd_ps(qv, k2v, a12); a13 = _mm512_fmadd_ps(qv, k3v, a13);
-      qv = _mm512_set1_ps(q2[e]);
-      a20 = _mm512_fmadd_ps(qv, k0v, a20); a21 = _mm512_fmadd_ps(qv, k1v, a21);
-      a22 = _mm512_fmadd_ps(qv, k2v, a22); a23 = _mm512_fmadd_ps(qv, k3v, a23);
-      qv = _mm512_set1_ps(q3[e]);
-      a30 = _mm512_fmadd_ps(qv, k0v, a30); a31 = _mm512_fmadd_ps(qv, k1v, a31);
-      a32 = _mm512_fmadd_ps(qv, k2v, a32); a33 = _mm512_fmadd_ps(qv, k3v, a33);
-    }
-    _mm512_store_ps(&scores[0][0], a00); _mm512_store_ps(&scores[0][16], a01);
-    _mm512_store_ps(&scores[0][32], a02); _mm512_store_ps(&scores[0][48], a03);
-    _mm512_store_ps(&scores[1][0], a10); _mm512_store_ps(&scores[1][16], a11);
-    _mm512_store_ps(&scores[1][32], a12); _mm512_store_ps(&scores[1][48], a13);
-    _mm512_store_ps(&scores[2][0], a20); _mm512_store_ps(&scores[2][16], a21);
-    _mm512_store_ps(&scores[2][32], a22); _mm512_store_ps(&scores[2][48], a23);
-    _mm512_store_ps(&scores[3][0], a30); _mm512_store_ps(&scores[3][16], a31);
-    _mm512_store_ps(&scores[3][32], a32); _mm512_store_ps(&scores[3][48], a33);
-  }
+  if (pb.bf16_pairs)
+    score_tile<Bf16PairDot>(pb, kv_head, vrow, k0, scores);
+  else
+    score_tile<Fp32Dot>(pb, kv_head, vrow, k0, scores);
   alignas(64) float p[kTileRows][kKeyBlock];
   float alpha[kTileRows];
   const __m512 scale = _mm512_set1_ps(pb.scale);
@@ -241,23 +271,37 @@ void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBl
   }
 }
 
-// Keys and values of key blocks b0 .. b1-1, every head, from [S, Hkv, D] (float32 or bf16) into kt and vt.
+// Keys and values of key blocks b0 .. b1-1, every head, from [S, Hkv, D] (float32 or bf16) into kt and vt. With
+// key_pairs, the bf16 keys go into kt as they are, two dimensions to a 32-bit lane ([D / 2, 64] panels).
 template <typename T>
-void pack_blocks(const T* k, const T* v, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, float* kt,
-                 float* vt, int64_t b0, int64_t b1) {
+void pack_blocks(const T* k, const T* v, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, void* kt,
+                 float* vt, bool key_pairs, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t h = 0; h < n_kv_heads; ++h) {
-      float* panel = kt + (h * s_pad + b * kKeyBlock) * d;  // [D, 64]
+      float* panel = static_cast<float*>(kt) + (h * s_pad + b * kKeyBlock) * d;  // [D, 64]
+      uint32_t* pairs = static_cast<uint32_t*>(kt) + (h * s_pad + b * kKeyBlock) * d / 2;  // [D / 2, 64]
       float* vrows = vt + (h * s_pad + b * kKeyBlock) * d;  // [64, D]
       for (int64_t j = 0; j < kKeyBlock; ++j) {
         const int64_t key = b * kKeyBlock + j;
-        if (key < n_keys) {
-          const T* krow = k + (key * n_kv_heads + h) * d;
-          const T* vrow = v + (key * n_kv_heads + h) * d;
-          for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = to_float(vrow[e]);  // contiguous: vectorised
-          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = to_float(krow[e]);
+        if (key >= n_keys) {
+          for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = 0.0f;
+          if (key_pairs)
+            for (int64_t e = 0; e < d / 2; ++e) pairs[e * kKeyBlock + j] = 0;
+          else
+            for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = 0.0f;
+          continue;
+        }
+        const T* krow = k + (key * n_kv_heads + h) * d;
+        const T* vrow = v + (key * n_kv_heads + h) * d;
+        for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = to_float(vrow[e]);  // contiguous: vectorised
+        if (key_pairs) {
+          uint32_t pair;
+          for (int64_t e = 0; e < d / 2; ++e) {
+            __builtin_memcpy(&pair, krow + 2 * e, sizeof pair);
+            pairs[e * kKeyBlock + j] = pair;
+          }
         } else {
-          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = vrows[j * d + e] = 0.0f;
+          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = to_float(krow[e]);
         }
       }
     }
@@ -280,11 +324,13 @@ void parallel_items(int64_t n, int n_threads, Fn fn) {
 
 }  // namespace
 
-extern "C" int kvrag_row_attention(const float* q, const int64_t* pos, const void* k, const void* v, int k_is_bf16,
-                                   int64_t n_keys, float* kt, float* vt, float* out, int64_t n_rows,
+// qk_bf16: q holds bfloat16 values (as k does) and the CPU has AVX512_BF16, so kt is the pair layout (see score_tile).
+extern "C" int kvrag_row_attention(const void* q, int qk_bf16, const int64_t* pos, const void* k, const void* v,
+                                   int k_is_bf16, int64_t n_keys, void* kt, float* vt, float* out, int64_t n_rows,
                                    int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                    int n_threads) {
   if (head_dim % 64 || n_kv_heads <= 0 || n_q_heads % n_kv_heads) return 1;
+  if (qk_bf16 && !k_is_bf16) return 2;
   if (n_rows == 0) return 0;
   const int64_t key_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock, s_pad = key_blocks * kKeyBlock;
   const int64_t per_item = 8;  // key blocks packed per work item
@@ -292,12 +338,12 @@ extern "C" int kvrag_row_attention(const float* q, const int64_t* pos, const voi
     const int64_t b0 = i * per_item, b1 = std::min(b0 + per_item, key_blocks);
     if (k_is_bf16)
       pack_blocks(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), n_keys, n_kv_heads, head_dim,
-                  s_pad, kt, vt, b0, b1);
+                  s_pad, kt, vt, qk_bf16, b0, b1);
     else
       pack_blocks(static_cast<const float*>(k), static_cast<const float*>(v), n_keys, n_kv_heads, head_dim, s_pad,
-                  kt, vt, b0, b1);
+                  kt, vt, false, b0, b1);
   });
-  const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, scale};
+  const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, scale, qk_bf16 != 0};
   const int64_t blocks = (pb.virtual_rows() + kBlockRows - 1) / kBlockRows;
   parallel_items(blocks * n_kv_heads, n_threads, [&](int64_t i) {
     thread_local RowBlockState st;

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import torch
 
+from kvrag.blend.device import cpu_flags
 from kvrag.kernels import native
 
 KEY_BLOCK = 64  # the kernel's keys per block: K and V are padded to a multiple of it
@@ -24,9 +25,13 @@ def supports(head_dim: int) -> bool:
     return head_dim % HEAD_DIM_MULTIPLE == 0 and available()
 
 
-def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bf16_dot: bool | None = None) -> torch.Tensor:
     """Attention of queries q [R, Hq, D] at sorted positions q_pos [R] over rotated keys k and values v
-    [S, Hkv, D] at positions 0..S-1: a row at position p sees exactly keys 0..p. float32 out, [R, Hq, D]."""
+    [S, Hkv, D] at positions 0..S-1: a row at position p sees exactly keys 0..p. float32 out, [R, Hq, D].
+
+    bf16_dot (default: where it can) takes Q K^T two dimensions per instruction with AVX512_BF16, for bfloat16
+    q and k: the products are exact, so it differs from float32 only in the order of the sums."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the row-attention kernel is not available here")
@@ -36,14 +41,21 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError(f"query positions {int(q_pos[0])}..{int(q_pos[-1])} lie outside keys 0..{s - 1}")
     s_pad = -(-s // KEY_BLOCK) * KEY_BLOCK
     dtype = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    pairs = q.dtype == dtype == torch.bfloat16 and bf16_dot_available()
+    if bf16_dot and not pairs:
+        raise ValueError("bf16_dot needs bfloat16 queries and keys and a CPU with AVX512_BF16")
+    pairs = pairs and bf16_dot is not False
     k, v = (x.to(dtype).contiguous() for x in (k, v))  # no copy for the decode cache's own tensors
-    kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d, KEY_BLOCK, dtype=torch.float32)  # workspaces the kernel fills
+    if pairs:  # workspaces the kernel fills: keys as 32-bit pairs of bf16 dimensions, values in float32
+        kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d // 2, KEY_BLOCK, dtype=torch.int32)
+    else:
+        kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d, KEY_BLOCK, dtype=torch.float32)
     vt = torch.empty(n_kv, s_pad, d, dtype=torch.float32)
-    q = q.to(torch.float32).contiguous()
+    q = q.to(torch.bfloat16 if pairs else torch.float32).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
-    rc = kernel(q.data_ptr(), pos.data_ptr(), k.data_ptr(), v.data_ptr(), int(dtype == torch.bfloat16), s,
-                kt.data_ptr(), vt.data_ptr(), out.data_ptr(), n_rows, n_q, n_kv, d, d ** -0.5,
+    out = torch.empty(q.shape, dtype=torch.float32)
+    rc = kernel(q.data_ptr(), int(pairs), pos.data_ptr(), k.data_ptr(), v.data_ptr(), int(dtype == torch.bfloat16),
+                s, kt.data_ptr(), vt.data_ptr(), out.data_ptr(), n_rows, n_q, n_kv, d, d ** -0.5,
                 torch.get_num_threads())
     if rc:
         raise RuntimeError(f"row-attention kernel refused the shapes (code {rc})")
@@ -51,7 +63,14 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
 
 
 @lru_cache(maxsize=1)
+def bf16_dot_available() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs in one instruction (AVX512_BF16: Zen 4, Cooper/Sapphire Rapids)."""
+    return available() and "avx512_bf16" in cpu_flags()
+
+
+@lru_cache(maxsize=1)
 def _kernel():
     return native.function("kvrag_row_attention", ctypes.c_int,
-                           [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                           [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64]
+                           + [ctypes.c_void_p] * 3
                            + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int])

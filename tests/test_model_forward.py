@@ -69,10 +69,12 @@ def test_subset_rows_equal_matching_rows_of_full_pass(tiny_llama_dir):
             h = h_next
 
 
-def test_bf16_model_attending_in_float32(tiny_llama_dir):
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_hd64_dir"])
+def test_bf16_model_attending_in_float32(fixture, request):
     """A bf16 model whose attention runs in float32 (a CPU without AMX) hands back bf16 rows, and attends closer to
-    exact attention over the same bf16 inputs than bf16 attention does."""
-    model = _ours(tiny_llama_dir, torch.bfloat16)
+    exact attention over the same bf16 inputs than bf16 attention does: through SDPA (head dim 16) and through the
+    row kernel (head dim 64, its bf16 pair products where the CPU has them)."""
+    model = _ours(request.getfixturevalue(fixture), torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
     pos = torch.arange(200)

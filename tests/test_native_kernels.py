@@ -61,6 +61,29 @@ def test_bf16_keys_and_values_read_as_their_float32_values():
     torch.testing.assert_close(got.double(), _reference(q, q_pos, k, v), rtol=1e-5, atol=2e-6)
 
 
+needs_bf16_dot = pytest.mark.skipif(not row_attention.bf16_dot_available(), reason="needs a CPU with AVX512_BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows,keys,n_q,n_kv,dim", [(7, 100, 9, 3, 64), (50, 1000, 4, 4, 128), (300, 3000, 9, 3, 64)])
+def test_bf16_pair_products_equal_a_softmax_over_the_keys_they_see(rows, keys, n_q, n_kv, dim):
+    """bfloat16 queries and keys through vdpbf16ps: against the float64 softmax of the same bf16 values, and
+    within float32 rounding of the kernel's float32 products (the products are exact; only sums reorder)."""
+    q, q_pos, k, v = _case(rows * keys, rows, keys, n_q, n_kv, dim, torch.bfloat16)
+    q = q.to(torch.bfloat16)
+    got = row_attention.row_attention(q, q_pos, k, v)
+    torch.testing.assert_close(got.double(), _reference(q, q_pos, k, v), rtol=1e-5, atol=2e-6)
+    fp32 = row_attention.row_attention(q, q_pos, k, v, bf16_dot=False)
+    torch.testing.assert_close(got, fp32, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got, fp32)  # the pair path ran: its sums round differently somewhere
+
+
+def test_bf16_dot_refused_for_float32_queries():
+    q, q_pos, k, v = _case(6, 4, 100, 2, 1, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16_dot needs"):
+        row_attention.row_attention(q, q_pos, k, v, bf16_dot=True)
+
+
 def test_a_row_never_sees_a_later_key():
     """Changing every key and value after a row's position leaves that row alone and changes the later rows:
     absolute positions, not a bottom-right-aligned mask (which would show each row the last keys)."""
@@ -113,16 +136,19 @@ def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
     assert torch.equal(torch.cat([first, second]).view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("fixture,kernel", [("tiny_llama_hd64_dir", True), ("tiny_llama_dir", False)])
-def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixture, kernel):
-    """`kvrag model info` names the attention path: the row kernel for head dim 64 in float32, SDPA for head dim 16
-    (the kernel takes multiples of 64)."""
+@pytest.mark.parametrize("fixture,dtype,kernel", [("tiny_llama_hd64_dir", "float32", True),
+                                                  ("tiny_llama_dir", "float32", False),
+                                                  ("tiny_llama_hd64_dir", "bfloat16", True)])
+def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixture, dtype, kernel):
+    """`kvrag model info` names the attention path: the row kernel for head dim 64 in float32 (with bf16 pair
+    products for a bf16 model where the CPU has them), SDPA for head dim 16 (the kernel takes multiples of 64)."""
     import json
 
     from kvrag.tests.conftest import run_cli_in_process
 
     code, out, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "info", "--json", "--model",
-                                        str(request.getfixturevalue(fixture)), "--dtype", "float32", "--device", "cpu")
+                                        str(request.getfixturevalue(fixture)), "--dtype", dtype, "--device", "cpu")
     assert code == 0, err
     attention = json.loads(out)["attention"]
-    assert attention == ("kvrag row kernel (AVX-512, float32)" if kernel else "SDPA (float32)")
+    pairs = ", Q.K in bf16 pairs" if dtype == "bfloat16" and row_attention.bf16_dot_available() else ""
+    assert attention == (f"kvrag row kernel (AVX-512, float32{pairs})" if kernel else "SDPA (float32)")

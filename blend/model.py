@@ -228,8 +228,16 @@ class Transformer:
         """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
         w = self.layers[layer]
         h = h + F.linear(attn, w.wo)
-        x = self.rms_norm(h, w.mlp_norm)
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
+        if h.shape[0] <= MLP_ROWS:
+            return self._mlp_residual(w, h)
+        out = torch.empty_like(h)  # [R, D]
+        for start in range(0, h.shape[0], MLP_ROWS):  # rows are independent: the same numbers as one call
+            out[start:start + MLP_ROWS] = self._mlp_residual(w, h[start:start + MLP_ROWS])
+        return out
+
+    def _mlp_residual(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """h + MLP(norm(h)) for rows h [R, D]."""
+        gate, up = F.linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
         return h + F.linear(F.silu(gate) * up, w.w_down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -294,6 +302,9 @@ def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 
 
 RESCORED = 64  # top bf16 logits computed again in float32 (see Transformer.logits)
+# MLP rows per call: the [R, 2I] intermediate of a whole prompt is tens of MB; in 1,024-row slices (6 MB in bf16)
+# blend@0.15's layer 0 ran 1.6 % faster on MuSiQue items 0-6 (full prefill unchanged), with bit-equal logits
+MLP_ROWS = 1024
 FEW_ROWS = 8  # decoding: this many query rows over every key go through two float32 matmuls
 
 

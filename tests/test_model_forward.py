@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from kvrag.blend import model as model_module
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import resolve_model
 
@@ -26,7 +27,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama3_rope_dir"])
-def test_tiny_logits_match_transformers(fixture, request):
+@pytest.mark.parametrize("mlp_rows", [None, 64])  # 64: the 300-row MLP runs in slices, as a long prompt's does
+def test_tiny_logits_match_transformers(fixture, mlp_rows, request, monkeypatch):
+    if mlp_rows:
+        monkeypatch.setattr(model_module, "MLP_ROWS", mlp_rows)
     path = request.getfixturevalue(fixture)
     ids = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -27,8 +27,6 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
 
     Example: kvrag model info --json
     """
-    import torch
-
     from kvrag.blend.device import attention_dtype, resolve_device, resolve_dtype
     from kvrag.blend.model import row_kernel_serves
     from kvrag.blend.model_files import resolve_model
@@ -40,8 +38,8 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     attn_dtype = attention_dtype(compute_dtype, dev)
     attn_name = str(attn_dtype).removeprefix("torch.")
     if row_kernel_serves(local.config.head_dim, attn_dtype, dev):
-        pairs = compute_dtype == torch.bfloat16 and row_attention.bf16_dot_available()
-        attention = f"kvrag row kernel (AVX-512, {attn_name}{', Q.K in bf16 pairs' if pairs else ''})"
+        pairs = ", Q.K in bf16 pairs" if row_attention.bf16_dot_serves(compute_dtype) else ""
+        attention = f"kvrag row kernel (AVX-512, {attn_name}{pairs})"
     else:
         attention = f"SDPA ({attn_name})"
     payload = {

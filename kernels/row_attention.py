@@ -41,10 +41,10 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError(f"query positions {int(q_pos[0])}..{int(q_pos[-1])} lie outside keys 0..{s - 1}")
     s_pad = -(-s // KEY_BLOCK) * KEY_BLOCK
     dtype = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    pairs = q.dtype == dtype == torch.bfloat16 and bf16_dot_available()
-    if bf16_dot and not pairs:
+    possible = q.dtype == dtype and bf16_dot_serves(dtype)
+    if bf16_dot and not possible:
         raise ValueError("bf16_dot needs bfloat16 queries and keys and a CPU with AVX512_BF16")
-    pairs = pairs and bf16_dot is not False
+    pairs = possible if bf16_dot is None else bf16_dot
     k, v = (x.to(dtype).contiguous() for x in (k, v))  # no copy for the decode cache's own tensors
     if pairs:  # workspaces the kernel fills: keys as 32-bit pairs of bf16 dimensions, values in float32
         kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d // 2, KEY_BLOCK, dtype=torch.int32)
@@ -66,6 +66,11 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
 def bf16_dot_available() -> bool:
     """Whether this CPU multiplies bfloat16 pairs in one instruction (AVX512_BF16: Zen 4, Cooper/Sapphire Rapids)."""
     return available() and "avx512_bf16" in cpu_flags()
+
+
+def bf16_dot_serves(dtype: torch.dtype) -> bool:
+    """Whether queries and keys of this dtype (a model's compute dtype) take Q K^T in bf16 pairs by default."""
+    return dtype == torch.bfloat16 and bf16_dot_available()
 
 
 @lru_cache(maxsize=1)

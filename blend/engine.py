@@ -240,8 +240,14 @@ class Engine:
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None
         if loaded_rows:
+            # keys rotated to their places as they load, unless the memory tiers keep this prompt's keys (before
+            # rotary) afterwards
+            rope = None
+            if lease is None:
+                n_pre, n_loaded = len(exact), sum(len(ref.token_ids) for ref in refs)
+                rope = self.model.positions_cos_sin(torch.arange(n_pre, n_pre + n_loaded))
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
-                                 delay_s=self.load_delay_s).start()
+                                 delay_s=self.load_delay_s, rope=rope).start()
         try:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(chunk_ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,

@@ -12,7 +12,8 @@ The prompt is preamble (exact KV) + chunks (loaded KV, keys before rotary) + suf
                           ones; every other chunk token's K/V is reused as loaded
     last layer:           those rows' K/V only; attention and the MLP for the last row alone, whose
                           logits are all that is read (as in every prefill here)
-    keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change)
+    keys are rotated to their absolute positions per layer (a fresh tensor; cached keys never change), by
+                          the source as it loads them where it can (`rotated`), else here
     a computed row at position p sees exactly the keys at positions <= p
 
 The first `exact_rows` chunk rows (the first chunk, when its loaded KV is the one it has here: computed right
@@ -81,8 +82,10 @@ class BlendConfig:
 class ChunkKVSource(Protocol):
     """Loaded KV of the reused chunk rows, one layer at a time (blocking until that layer is ready)."""
 
+    rotated: bool  # keys come rotated to the rows' absolute positions in the prompt, not before rotary
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k pre-rotary, v), each [R_loaded, Hkv, hd], for the rows this source covers."""
+        """(k, v), each [R_loaded, Hkv, hd], for the rows this source covers."""
         ...
 
 
@@ -146,7 +149,11 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     cache.length = n_total
     # chunk rows computed at every layer: those not loaded (all of them in a full prefill)
     result = FusionResult(torch.empty(0), cache, torch.arange(loaded_rows, n_chunk, device=dev))
+    # loaded keys already at their positions: only the preamble's and the computed rows' are rotated here
+    rotated_source = loaded_rows > 0 and getattr(source, "rotated", False)
     if keep_rest:
+        if rotated_source:
+            raise ValueError("keep_rest keeps keys before rotary: give a source that hands them out so")
         result.rest_kv = []
 
     schedule = config.selection_schedule() if config is not None else {}
@@ -178,26 +185,34 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         else:
             qkv = model.project(layer, h, rest_pos[rows], rows_rope)
             new_k, new_v, q = qkv.k, qkv.v, qkv.q
-        # the whole prompt's K (pre-rotary) and V for this layer, assembled in place: V straight into the
-        # decode cache; K rotated from k_all into the cache. Loaded rows arrive in the store's dtype and
-        # are cast by the copy.
-        k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
+        # the whole prompt's rotated K and V for this layer, assembled in place in the decode cache. Loaded rows
+        # arrive in the store's dtype and are cast by the copy.
         v_all = cache.v[layer, :n_total]  # [N, Hkv, hd]
-        k_all[:n_pre] = preamble.k[layer]
         v_all[:n_pre] = preamble.v[layer]
         if uses_loaded:
-            k_all[n_pre:n_pre + loaded_rows] = loaded_k
             v_all[n_pre:n_pre + loaded_rows] = loaded_v
-        k_all[n_pre + rows] = new_k
         v_all[n_pre + rows] = new_v
-        if keep_rest:  # views: the decoder only writes past n_total
-            result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
-
-        k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
+        if rotated_source:
+            k_rot = cache.k[layer, :n_total]  # [N, Hkv, hd]
+            model.rotate_keys(preamble.k[layer], positions[:n_pre], (rope[0][:n_pre], rope[1][:n_pre]),
+                              out=k_rot[:n_pre])
+            if uses_loaded:
+                k_rot[n_pre:n_pre + loaded_rows] = loaded_k
+            k_rot[n_pre + rows] = model.rotate_keys(new_k, rest_pos[rows], rows_rope)
+        else:  # K before rotary assembled in k_all, then rotated into the cache
+            k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
+            k_all[:n_pre] = preamble.k[layer]
+            if uses_loaded:
+                k_all[n_pre:n_pre + loaded_rows] = loaded_k
+            k_all[n_pre + rows] = new_k
+            if keep_rest:  # views: the decoder only writes past n_total
+                result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
+            k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
         if selecting:
             chunk_part = rows[:n_sel]
-            score = _deviation(config.deviation, new_k[:n_sel], new_v[:n_sel],
-                               loaded_k[chunk_part], loaded_v[chunk_part])
+            # fresh and loaded keys in the same frame (rotation is orthogonal: the distance is the same in either)
+            fresh_k = k_rot[n_pre + chunk_part] if rotated_source else new_k[:n_sel]
+            score = _deviation(config.deviation, fresh_k, new_v[:n_sel], loaded_k[chunk_part], loaded_v[chunk_part])
             if config.attention_weight > 0 and n_sel < rows.shape[0]:
                 read = _suffix_attention(q, k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
                 score = weigh_by_reading(score, read, config.attention_weight)

@@ -16,6 +16,9 @@ workers may claim, so that where it runs depends on who else wants the cores:
              off (decoding at hand-over, in new loaders too, for a minute).
 The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model on the
 CPU over fp16 values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload.
+Given the chunk rows' rotary angles (`rope`), the loader hands out keys rotated to their places in the prompt:
+that native pass rotates them on the way (the same bits as torch's rotary), elsewhere the consumer rotates the
+layer with torch as it takes it.
 A value that fails its checksum is never handed out: the consumer gets `CorruptChunk` naming the chunk, and
 recomputes it.
 """
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from kvrag import KvragError
+from kvrag.blend import rotary
 from kvrag.blend.prefill import LayerKV
 from kvrag.kernels import fp16_to_bf16
 from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue
@@ -66,8 +70,10 @@ class _LayerWork:
     """One read layer's decoding: an item per stored chunk, each done by whichever worker claims it first,
     into the layer's buffers k, v [C, Hkv, hd]."""
 
-    def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None]):
+    def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
+                 rotates: bool = False):
         self.fetched, self.k, self.v, self.put = fetched, k, v, put
+        self.rotates = rotates  # `put` writes keys rotated (and in-memory chunks are rotated as they are copied in)
         self._items = stored  # chunk indices still to claim
         self._left = len(stored)  # items not finished
         self._lock = threading.Lock()
@@ -106,6 +112,8 @@ class LayerLoader:
     """Loads layers `layers` of `chunks` (concatenated in prompt order) ahead of the consumer.
 
     At most `lookahead` layers wait read (or decoded) in memory. `delay_s` slows each layer's read (tests).
+    `rope`: cos, sin [C, 1, hd] of the chunk rows' absolute positions (model.positions_cos_sin), in the model's
+    dtype: keys are then handed out rotated to them (`rotated`), else before rotary.
     `decode` (see the module doc): "thread" (the reader decodes), "hand-over" (the consumer decodes), "idle" (a
     decoder thread at idle priority decodes ahead, the consumer the rest); None picks "thread" on CUDA, "idle"
     on a CPU where idle priority exists, else "hand-over".
@@ -113,7 +121,7 @@ class LayerLoader:
 
     def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
                  dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
-                 decode: str | None = None):
+                 decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         if decode is None:
             idle = idle_priority_available() and time.monotonic() >= _idle_paused_until
             decode = "thread" if device.type == "cuda" else "idle" if idle else "hand-over"
@@ -121,11 +129,14 @@ class LayerLoader:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode}")
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
+        self.rope = rope
+        self.rotated = rope is not None  # what `layer` hands out (read by the blend)
         self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
         for ref in self.chunks:
             self._starts.append(self._starts[-1] + len(ref.token_ids))
         self._ready = {layer: threading.Event() for layer in self.layers}
-        self._results: dict[int, _LayerWork | tuple[torch.Tensor, torch.Tensor] | BaseException] = {}
+        # a read layer, (k, v, keys rotated) once decoded and transferred (CUDA), or the failure to hand on
+        self._results: dict[int, _LayerWork | tuple[torch.Tensor, torch.Tensor, bool] | BaseException] = {}
         self._slots = threading.Semaphore(lookahead)
         self._stop = False
         # ("load" | "decode" | "decode-ahead", layer, start, end): reads, decoding by the reader or the consumer,
@@ -152,8 +163,8 @@ class LayerLoader:
         return self
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k pre-rotary, v) of every chunk token for layer `index`, each [C, Hkv, hd], in the stored
-        dtype (the consumer casts as it copies)."""
+        """(k, v) of every chunk token for layer `index`, each [C, Hkv, hd]: keys rotated when `rotated`, else
+        before rotary; in the stored dtype unless rotated here (the consumer casts as it copies)."""
         self._ready[index].wait()
         result = self._results.pop(index)
         self._slots.release()
@@ -163,10 +174,13 @@ class LayerLoader:
             start = time.perf_counter()
             if self._finish(result):
                 self.spans.append(("decode", index, start, time.perf_counter()))
-            result = result.k, result.v
+            result = result.k, result.v, result.rotates
+        k, v, rotated = result
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        return result
+        if self.rope is not None and not rotated:
+            k = rotary.rotate(k.to(self.dtype), *self.rope)
+        return k, v
 
     def close(self) -> None:
         self._stop = True
@@ -200,7 +214,7 @@ class LayerLoader:
                         start = time.perf_counter()
                         self._finish(work)
                         self.spans.append(("decode", layer, start, time.perf_counter()))
-                        self._results[layer] = self._transfer(work.k, work.v)
+                        self._results[layer] = (*self._transfer(work.k, work.v), work.rotates)
                     else:
                         self._results[layer] = work
                         if self._ahead is not None:
@@ -245,8 +259,12 @@ class LayerLoader:
         for i, item in enumerate(work.fetched):  # a torch copy here, never in a pool thread (see `_work`)
             if not isinstance(item, RawLayer):
                 self._check_rows(i, item[0].shape, starts, shape)
-                work.k[starts[i]:starts[i + 1]] = item[0]
-                work.v[starts[i]:starts[i + 1]] = item[1]
+                rows = slice(starts[i], starts[i + 1])
+                if work.rotates:
+                    rotary.rotate(item[0].to(work.k.dtype), self.rope[0][rows], self.rope[1][rows], out=work.k[rows])
+                else:
+                    work.k[rows] = item[0]
+                work.v[rows] = item[1]
         return did
 
     def _pause_decoder(self) -> None:
@@ -285,7 +303,8 @@ class LayerLoader:
                 fetched[i].codec == "fp16" for i in stored):
             k_out = torch.empty((rows, *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
             v_out = torch.empty_like(k_out)
-            return _LayerWork(fetched, stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape))
+            return _LayerWork(fetched, stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape),
+                              rotates=self.rope is not None)
         dtypes = {_array_dtype(item) for item in fetched}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
         k_np = np.empty((rows, *shape), dtype=dtype)  # [C, Hkv, hd]
@@ -303,7 +322,7 @@ class LayerLoader:
 
     def _put_bf16(self, fetched: list, i: int, k_out: torch.Tensor, v_out: torch.Tensor, shape) -> None:
         """Stored fp16 chunk i straight to bf16 rows of k_out, v_out [C, Hkv, hd] in one native pass (the numpy
-        decode and a torch cast took ≈5 ms a layer of 6.3k tokens)."""
+        decode and a torch cast took ≈5 ms a layer of 6.3k tokens), keys rotated on the way when `rope` is given."""
         ref, starts = self.chunks[i], self._starts
         try:
             head, body = fetched[i].body()
@@ -312,8 +331,11 @@ class LayerLoader:
         if head.has_positions:
             raise CorruptChunk(ref.chunk_id, "holds a reduced (Keyformer) subset, which blending cannot use yet")
         self._check_rows(i, head.shape, starts, shape)
-        fp16_to_bf16.convert(body, bool(head.flags & FLAG_SHUFFLED), k_out[starts[i]:starts[i + 1]],
-                             v_out[starts[i]:starts[i + 1]])
+        rows, planes = slice(starts[i], starts[i + 1]), bool(head.flags & FLAG_SHUFFLED)
+        if self.rope is None:
+            fp16_to_bf16.convert(body, planes, k_out[rows], v_out[rows])
+        else:
+            fp16_to_bf16.convert_rotated(body, planes, k_out[rows], v_out[rows], self.rope[0][rows], self.rope[1][rows])
 
     def _check_rows(self, i: int, kv_shape, starts: list[int], shape) -> None:
         if kv_shape[0] != starts[i + 1] - starts[i] or tuple(kv_shape[1:]) != tuple(shape):

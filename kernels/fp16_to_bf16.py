@@ -1,4 +1,5 @@
-"""Stored fp16 KV (byte planes or natural order) straight to bfloat16 tensors: fp16_to_bf16.cpp, one pass.
+"""Stored fp16 KV (byte planes or natural order) straight to bfloat16 tensors: fp16_to_bf16.cpp, one pass,
+optionally rotating the keys to their absolute positions on the way (`convert_rotated`).
 
 Where kvrag's native library is missing (kernels/native.py), `available()` is False and the loader keeps its
 numpy decode and torch cast (the same values: both round to nearest even).
@@ -34,6 +35,36 @@ def convert(body: bytes | memoryview, planes: bool, first: torch.Tensor, second:
     if data.size < 2 * count:
         raise ValueError(f"{data.size} bytes hold fewer than {count} fp16 values")
     kernel(data.ctypes.data, count, int(planes), first.numel(), first.data_ptr(), second.data_ptr())
+
+
+def convert_rotated(body: bytes | memoryview, planes: bool, k_out: torch.Tensor, v_out: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`convert` of one stored layer into k_out, v_out [T, Hkv, hd] (contiguous bfloat16), each key row t rotated
+    by cos[t], sin[t] ([T, 1, hd] bfloat16, as model.positions_cos_sin gives): the same bits as converting and then
+    rotary.rotate."""
+    kernel = _rotated_kernel()
+    if kernel is None:
+        raise RuntimeError("the fp16-to-bf16 kernel is not available here")
+    rows, heads, dim = k_out.shape
+    if k_out.dtype != torch.bfloat16 or v_out.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 \
+            or sin.dtype != torch.bfloat16:
+        raise ValueError("fp16 keys rotate into bfloat16 tensors, by bfloat16 cos and sin")
+    if not (k_out.is_contiguous() and v_out.is_contiguous()) or v_out.shape != k_out.shape:
+        raise ValueError("fp16 keys rotate into contiguous K and V tensors of one shape")
+    if cos.shape != (rows, 1, dim) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        raise ValueError(f"cos and sin must be [{rows}, 1, {dim}] with unit stride along head_dim")
+    data = np.frombuffer(body, dtype=np.uint8)
+    if data.size < 4 * k_out.numel():
+        raise ValueError(f"{data.size} bytes hold fewer than {2 * k_out.numel()} fp16 values")
+    kernel(data.ctypes.data, rows, heads, dim, int(planes), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+           k_out.data_ptr(), v_out.data_ptr())
+
+
+@lru_cache(maxsize=1)
+def _rotated_kernel():
+    return native.function("kvrag_fp16_to_bf16_rotated", None,
+                           [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])
 
 
 @lru_cache(maxsize=1)

@@ -128,6 +128,36 @@ def test_blend_reuses_the_first_chunk_as_prefix_caching_does(any_stored):
     assert not torch.equal(ranked.cache.v[:, first], prefix.cache.v[:, first])  # layer 0 computed afresh there
 
 
+@pytest.mark.parametrize("deviation", ["v", "k"])
+def test_keys_the_loader_rotates_give_the_same_blend_bit_for_bit(tmp_path, tiny_llama_hd64_dir, musique_items,
+                                                                 monkeypatch, deviation):
+    """A bf16 model over an fp16 store: keys rotated as they load (the native pass on an AVX-512 CPU) give the blend
+    exactly the logits and cache of keys loaded before rotary and rotated by the blend itself."""
+    from kvrag.blend.loader import LayerLoader
+    from kvrag.kernels import fp16_to_bf16
+
+    runtime = Runtime.load(str(tiny_llama_hd64_dir), "bfloat16")
+    env, engine, chunks = _store(tmp_path / "store", runtime, musique_items)
+    calls = []
+    if fp16_to_bf16.available():
+        convert_rotated = fp16_to_bf16.convert_rotated
+        monkeypatch.setattr(fp16_to_bf16, "convert_rotated", lambda *a: calls.append(1) or convert_rotated(*a))
+    try:
+        config = BlendConfig(ratio=0.3, deviation=deviation)
+        rotated = engine.prefill(chunks, QUESTION, mode="blend", config=config)
+        assert calls or not fp16_to_bf16.available()
+        real_init = LayerLoader.__init__
+        monkeypatch.setattr(LayerLoader, "__init__", lambda self, *a, rope=None, **kw: real_init(self, *a, **kw))
+        plain = engine.prefill(chunks, QUESTION, mode="blend", config=config)
+    finally:
+        env.close()
+    n = plain.prompt_tokens
+    assert rotated.recomputed_chunk_tokens == plain.recomputed_chunk_tokens
+    assert torch.equal(rotated.logits, plain.logits)
+    assert torch.equal(rotated.cache.k[:, :n], plain.cache.k[:, :n])
+    assert torch.equal(rotated.cache.v[:, :n], plain.cache.v[:, :n])
+
+
 def test_rotation_at_load_equals_computing_at_that_offset(tiny_runtime):
     """Pre-rotary keys stored at chunk-local positions, rotated to an offset at load, give the same
     attention scores as keys computed at that offset."""

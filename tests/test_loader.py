@@ -169,6 +169,34 @@ def test_a_bf16_model_gets_the_stored_values_rounded_as_torch_does(table, monkey
         assert torch.equal(got_v.view(torch.int16), want_v.to(torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype,native", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
+@pytest.mark.parametrize("decode", ["thread", "idle"])
+def test_keys_come_rotated_to_their_positions_given_the_angles(table, monkeypatch, dtype, native, decode):
+    """Given the rows' rotary angles, every key (stored or from memory; rotated by the native pass or by torch at
+    hand-over) is bit for bit rotary.rotate of the key it would hand out before rotary; values are untouched."""
+    from kvrag.blend import rotary
+    from kvrag.kernels import fp16_to_bf16
+
+    if native and not fp16_to_bf16.available():
+        pytest.skip("needs kvrag's native kernels (x86-64 AVX-512 and a C++ compiler)")
+    if not native:
+        monkeypatch.setattr(fp16_to_bf16, "available", lambda: False)
+    kv_table, chunks = table
+    memory = _bf16_in_memory(len(chunks[1][1]), seed=3)
+    refs = [ChunkRef(c, i, memory if n == 1 else None) for n, (c, i) in enumerate(chunks)]
+    n_rows = sum(len(i) for _, i in chunks)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD))
+    rope = rotary.cos_sin(inv_freq, torch.arange(40, 40 + n_rows), dtype)  # rows placed after a 40-token preamble
+    cpu = torch.device("cpu")
+    plain = _load_all(LayerLoader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode))
+    loader = LayerLoader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode, rope=rope)
+    assert loader.rotated
+    for (k, v), (k_plain, v_plain) in zip(_load_all(loader), plain, strict=True):
+        want = rotary.rotate(k_plain.to(dtype), *rope)
+        assert k.dtype == dtype and torch.equal(k.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(v, v_plain)
+
+
 def test_chunks_in_memory_and_in_the_store_mix_exactly(table):
     """A bf16 chunk from a memory tier first, stored fp16 ones after it: staged in float32, exact for both
     (staged in the first chunk's bf16, the stored values would lose three mantissa bits)."""

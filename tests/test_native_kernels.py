@@ -136,6 +136,26 @@ def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
     assert torch.equal(torch.cat([first, second]).view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("planes", [True, False])
+@pytest.mark.parametrize("rows,heads,dim,offset", [(50, 3, 64, 0), (7, 2, 128, 6000), (5, 1, 40, 17), (3, 4, 6, 1)])
+def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(planes, rows, heads, dim, offset):
+    """Keys rotated on the way (any head dim, vector and scalar halves; positions far from 0) are bit for bit what
+    the bf16 cast followed by rotary.rotate gives; values only convert."""
+    from kvrag.blend import rotary
+
+    g = torch.Generator().manual_seed(rows + dim)
+    kv = (torch.randn(2, rows, heads, dim, generator=g) * 3).half()  # [K|V, T, Hkv, hd]
+    bits = kv.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+    body = np.concatenate([bits & 0xFF, bits >> 8]).astype(np.uint8).tobytes() if planes else bits.tobytes()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    cos, sin = rotary.cos_sin(inv_freq, torch.arange(offset, offset + rows), torch.bfloat16)  # [T, 1, hd]
+    k_out, v_out = (torch.empty(rows, heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    fp16_to_bf16.convert_rotated(body, planes, k_out, v_out, cos, sin)
+    want_k = rotary.rotate(kv[0].to(torch.bfloat16), cos, sin)
+    assert torch.equal(k_out.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(v_out.view(torch.int16), kv[1].to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("fixture,dtype,kernel", [("tiny_llama_hd64_dir", "float32", True),
                                                   ("tiny_llama_dir", "float32", False),
                                                   ("tiny_llama_hd64_dir", "bfloat16", True)])

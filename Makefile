@@ -43,11 +43,15 @@ bench-model: $(STAMP)
 
 # Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; 20-75 min on
 # 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed);
-# BENCH_DTYPE: float32 or bfloat16 instead of this machine's auto choice.
+# BENCH_DTYPE: float32 or bfloat16 instead of this machine's auto choice. KV the run stores itself is kept
+# uncompressed (on a CPU the zstd decode shares the cores with the blend: README, "Precomputing and the store");
+# BENCH_COMPRESS=yes stores it zstd-compressed. A store's existing values are read as they were written.
 BENCH_LIMIT ?= 50
+BENCH_COMPRESS ?= no
 bench-ask: $(STAMP)
 	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --limit $(BENCH_LIMIT) \
 	  --methods full,prefix,reuse,blend --ratios 0.05,0.15,0.3,auto --codec fp16 --max-tokens 32 --out bench-ask \
+	  $(if $(filter yes,$(BENCH_COMPRESS)),--compress,--no-compress) \
 	  $(if $(BENCH_STORE),--store $(BENCH_STORE)) $(if $(BENCH_DTYPE),--dtype $(BENCH_DTYPE))
 
 # A few items, one ratio: a smoke run of the whole harness (about 5 minutes).

@@ -243,9 +243,8 @@ class Engine:
             # keys rotated to their places as they load, unless the memory tiers keep this prompt's keys (before
             # rotary) afterwards
             rope = None
-            if lease is None:
-                n_pre, n_loaded = len(exact), sum(len(ref.token_ids) for ref in refs)
-                rope = self.model.positions_cos_sin(torch.arange(n_pre, n_pre + n_loaded))
+            if lease is None:  # the loader's rows are chunk rows 0 .. loaded_rows-1, right after the exact prefix
+                rope = self.model.positions_cos_sin(torch.arange(len(exact), len(exact) + loaded_rows))
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
                                  delay_s=self.load_delay_s, rope=rope).start()
         try:

@@ -130,7 +130,6 @@ class LayerLoader:
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
         self.rope = rope
-        self.rotated = rope is not None  # what `layer` hands out (read by the blend)
         self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
         for ref in self.chunks:
             self._starts.append(self._starts[-1] + len(ref.token_ids))
@@ -193,6 +192,11 @@ class LayerLoader:
                 thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+    @property
+    def rotated(self) -> bool:
+        """Whether `layer` hands out keys rotated to their positions (read by the blend)."""
+        return self.rope is not None
 
     @property
     def busy_s(self) -> float:

@@ -16,12 +16,20 @@
 
 namespace {
 
-// 16 float32 lanes -> 16 bfloat16 (round to nearest even; the values are finite fp16, so no NaN case)
-inline __m256i to_bf16(__m512 x) {
+// 16 float32 lanes rounded to nearest even at bfloat16 precision, as float32 bit patterns whose low 16 bits are
+// garbage (the values are finite, so no NaN case)
+inline __m512i rounded_bits(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+// 16 float32 lanes -> 16 bfloat16
+inline __m256i to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(x), 16)); }
+
+// 16 float32 lanes rounded to bfloat16 precision (the float32 a bf16 tensor element reads as)
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 inline uint16_t to_bf16(float x) {
@@ -30,33 +38,20 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16);
 }
 
-inline uint16_t fp16_at(const uint8_t* body, int64_t i, int64_t count, bool planes) {
-  if (planes) return static_cast<uint16_t>(body[i] | (body[count + i] << 8));
-  uint16_t v;
-  std::memcpy(&v, body + 2 * i, sizeof v);
-  return v;
-}
-
-// 16 float32 lanes rounded to bfloat16 precision (the float32 a bf16 tensor element reads as)
-inline __m512 round_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-inline float round_bf16(float x) {
-  const uint32_t bits = static_cast<uint32_t>(to_bf16(x)) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
 inline float bf16_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+
+inline float round_bf16(float x) { return bf16_float(to_bf16(x)); }
+
+inline uint16_t fp16_at(const uint8_t* body, int64_t i, int64_t count, bool planes) {
+  if (planes) return static_cast<uint16_t>(body[i] | (body[count + i] << 8));
+  uint16_t v;
+  std::memcpy(&v, body + 2 * i, sizeof v);
+  return v;
 }
 
 // stored values i .. i+15 as float32

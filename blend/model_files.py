@@ -43,9 +43,9 @@ class LocalModel:
         return sorted(self.path.glob("*.safetensors"))
 
     def load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from kvrag.blend.tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        return load_tokenizer(self.path)
 
 
 def resolve_model(spec: str | None = None) -> LocalModel:

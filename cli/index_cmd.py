@@ -11,12 +11,18 @@ from rich.table import Table
 
 from kvrag import KvragError
 from kvrag.cli.app import app
-from kvrag.cli.common import JSON_OPTION, MODEL_OPTION, STORE_OPTION, print_json, stderr_console
+from kvrag.cli.common import (
+    JSON_OPTION,
+    MODEL_OPTION,
+    STORE_OPTION,
+    print_json,
+    resolve_store,
+    stderr_console,
+)
 from kvrag.corpus.chunking import ChunkConfig, PassageTokenizer
 from kvrag.corpus.indexer import IndexOptions, IndexSummary, index_corpus
 from kvrag.corpus.read_json import JsonFields
 from kvrag.corpus.sources import expand_paths
-from kvrag.store.home import default_store_dir
 
 _SHOWN_SKIPS = 10  # skipped inputs listed one by one; the rest are counted (all are in --json)
 
@@ -87,7 +93,7 @@ def index_command(
         fields=JsonFields(text_field, title_field, id_field),
         prune=prune, rechunk=rechunk, index_factory=index_factory,
     )
-    store_dir = (store or default_store_dir()).expanduser()
+    store_dir = resolve_store(store)
     files = expand_paths(paths, exclude=store_dir)  # a wrong path fails here, before models load
     if not files:
         raise KvragError(f"no files found in {', '.join(paths)}")
@@ -97,9 +103,10 @@ def index_command(
         embedder = load_embedder()
     with _Bars(err) as bars:
         summary = index_corpus(files, store_dir, passages, embedder, options, progress=bars)
-    _print_summary(err, summary)
-    if json_out:
+    if json_out:  # skipped inputs are listed there too
         print_json(summary.to_json())
+    else:
+        _print_summary(err, summary)
 
 
 @app.command("search")
@@ -119,7 +126,7 @@ def search_command(
 
     if k < 1:
         raise KvragError(f"-k must be at least 1 (got {k})")
-    store_dir = (store or default_store_dir()).expanduser()
+    store_dir = resolve_store(store)
     with StoreEnv.open(store_dir, readonly=True) as env:
         if VectorIndex.load(store_dir) is None:  # before the embedder takes seconds to load
             raise KvragError(f"the store at {store_dir} has no vector index yet; run `kvrag index` first")

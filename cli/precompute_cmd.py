@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -22,10 +23,11 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
+    Interrupted,
     print_json,
+    resolve_store,
     stderr_console,
 )
-from kvrag.store.home import default_store_dir
 
 
 @app.command("precompute")
@@ -44,42 +46,23 @@ def precompute_command(
 ) -> None:
     """Precompute the KV cache of every indexed chunk, so `ask` never prefills a stored passage again.
 
-    Interrupted and run again, it resumes; several processes may share one store.
+    Interrupted (Ctrl-C) and run again, it resumes; several processes may share one store.
 
     Example: kvrag precompute --store ./store --codec fp16
     """
-    from kvrag.blend.precompute import precompute
-    from kvrag.blend.runtime import Runtime
-    from kvrag.store.env import StoreEnv
+    from kvrag.blend.precompute import PrecomputeInterrupted
     from kvrag.store.keys import codec_id
     from kvrag.store.kv import Shard
 
     codec_id(codec)  # validate before loading anything
     parsed_shard = Shard.parse(shard) if shard else None
     console = stderr_console()
-    with StoreEnv.open(store or default_store_dir()) as env:
-        runtime = Runtime.load(model, dtype, device)
-        progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=console, disable=as_json and not console.is_terminal)
-        task = None
-        clock = {}
-
-        def on_start(n: int) -> None:
-            nonlocal task
-            import time
-
-            clock["t0"] = time.perf_counter()
-            task = progress.add_task("precompute", total=n, rate="")
-
-        def on_progress(done: int, tokens: int, total: int) -> None:
-            import time
-
-            rate = tokens / max(1e-9, time.perf_counter() - clock["t0"])
-            progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
-
-        with progress:
-            summary = precompute(env, runtime, codec, limit, parsed_shard, on_progress, on_start, compress)
+    try:
+        summary = _run(resolve_store(store), codec, limit, parsed_shard, compress, model, dtype, device, console,
+                       show_progress=not as_json or console.is_terminal)
+    except KeyboardInterrupt as exc:  # before the first chunk (loading the model), nothing was stored
+        stored = exc.stored if isinstance(exc, PrecomputeInterrupted) else 0
+        raise Interrupted(f"interrupted; {stored} chunks stored, run again to resume") from None
     if as_json:
         print_json(summary.to_dict())
         return
@@ -95,3 +78,31 @@ def precompute_command(
     table.add_row("store overhead", f"{summary.store_overhead:.1%} of compute time")
     table.add_row("time", f"{summary.wall_s:.1f} s")
     console.print(table)
+
+
+def _run(store_dir: Path, codec: str, limit, shard, compress: bool, model, dtype, device, console,
+         show_progress: bool):
+    """Load the model and precompute, with a progress bar on stderr."""
+    from kvrag.blend.precompute import precompute
+    from kvrag.blend.runtime import Runtime
+    from kvrag.store.env import StoreEnv
+
+    with StoreEnv.open(store_dir) as env:
+        runtime = Runtime.load(model, dtype, device)
+        progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=console, disable=not show_progress)
+        task = None
+        t0 = 0.0
+
+        def on_start(n: int) -> None:
+            nonlocal task, t0
+            t0 = time.perf_counter()
+            task = progress.add_task("precompute", total=n, rate="")
+
+        def on_progress(done: int, tokens: int, total: int) -> None:
+            rate = tokens / max(1e-9, time.perf_counter() - t0)
+            progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
+
+        with progress:
+            return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress)

@@ -1,4 +1,5 @@
-"""`kvrag store stats|verify|gc`: inspect and maintain the KV store. Tables go to stderr, --json to stdout."""
+"""`kvrag store stats|verify|gc`: inspect and maintain the KV store. Tables go to stderr; with --json, the
+result goes to stdout and stderr holds only errors."""
 
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ from rich.table import Table
 
 from kvrag import KvragError
 from kvrag.cli.app import store_app
-from kvrag.cli.common import STORE_OPTION
+from kvrag.cli.common import JSON_OPTION, STORE_OPTION, resolve_store
 from kvrag.store.env import StoreEnv
-from kvrag.store.home import default_store_dir
 from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport, gc, stats, verify
 
 _SHOWN_PROBLEMS = 20  # listed one by one on stderr; all of them are in --json
 
 
-
 def _open(store: Path | None) -> StoreEnv:
-    return StoreEnv.open((store or default_store_dir()).expanduser())
+    return StoreEnv.open(resolve_store(store))
 
 
 def _mib(n: float) -> str:
@@ -32,7 +31,7 @@ def _mib(n: float) -> str:
 @store_app.command("stats")
 def stats_command(
     store: Path | None = STORE_OPTION,
-    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON on stdout."),
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Chunks, tokens and bytes per token of the stored KV, per model and codec, with per-layer sizes.
 
@@ -40,9 +39,10 @@ def stats_command(
     """
     with _open(store) as env:
         result = stats(env)
-    _print_stats(Console(stderr=True), result)
     if json_out:
         typer.echo(json.dumps(_stats_json(result), indent=2))
+    else:
+        _print_stats(Console(stderr=True), result)
 
 
 @store_app.command("verify")
@@ -50,7 +50,7 @@ def verify_command(
     store: Path | None = STORE_OPTION,
     repair: bool = typer.Option(False, "--repair", help="Delete every chunk with a corrupt value; "
                                                         "the next `kvrag precompute` computes it again."),
-    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Read and decode every stored value, checking checksums, lengths and shapes.
 
@@ -61,9 +61,10 @@ def verify_command(
     err = Console(stderr=True)
     with _open(store) as env, err.status("verifying every stored value"):
         report = verify(env, repair=repair)
-    _print_verify(err, report)
     if json_out:
         typer.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    else:
+        _print_verify(err, report)
     if not report.ok and not repair:
         chunks = len({(p.model_fp, p.codec, p.chunk_id) for p in report.problems})
         raise KvragError(f"{len(report.problems)} problem(s) in {chunks} chunk(s); "
@@ -77,7 +78,7 @@ def gc_command(
                                                           "drop every other model's."),
     drop_model: str | None = typer.Option(None, "--drop-model", help="Drop all KV of this model fingerprint."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would go; delete nothing."),
-    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    json_out: bool = JSON_OPTION,
 ) -> None:
     """Drop KV of chunks that are no longer indexed, and of other models with --model / --drop-model.
 
@@ -96,9 +97,10 @@ def gc_command(
                                  "run `kvrag index` first, or use --model / --drop-model")
             indexed = None  # only the model-wise drop
         report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run)
-    _print_gc(Console(stderr=True), report)
     if json_out:
         typer.echo(json.dumps(asdict(report), indent=2))
+    else:
+        _print_gc(Console(stderr=True), report)
 
 
 def _stats_json(result: StoreStats) -> dict:

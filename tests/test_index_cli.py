@@ -38,7 +38,7 @@ def indexed(smol, monkeypatch, capsys, corpus, tmp_path):
     return store, json.loads(out), err
 
 
-def test_index_prints_progress_and_summary_on_stderr_and_json_on_stdout(indexed, corpus):
+def test_index_prints_progress_on_stderr_and_json_on_stdout(indexed, corpus):
     store, summary, err = indexed
     assert (summary["documents"], summary["chunks"], summary["files"]) == (2, 2, 3)
     assert summary["skipped_by_reason"] == {"binary file": 1}
@@ -46,7 +46,7 @@ def test_index_prints_progress_and_summary_on_stderr_and_json_on_stdout(indexed,
     assert summary["index_type"] == "Flat" and summary["tokens"] > 40
     for stage in ("reading", "chunking", "embedding"):
         assert stage in err
-    assert "kvrag index" in err and f"skipped {corpus / 'blob.bin'}: binary file" in err
+    assert "kvrag index" not in err and "skipped" not in err  # with --json, the summary is the JSON alone
     assert (store / "data.mdb").is_file() and (store / "index" / "current.json").is_file()
 
 
@@ -69,6 +69,9 @@ def test_reindex_reports_unchanged_documents(indexed, monkeypatch, capsys, corpu
     assert code == 0
     again = json.loads(out)
     assert (again["docs_unchanged"], again["chunks_new"], again["embedded"]) == (2, 0, 0)
+    code, out, err = run(monkeypatch, capsys, "index", str(corpus), "--store", str(store))
+    assert (code, out) == (0, "")  # without --json, the summary and the skipped inputs go to stderr
+    assert "kvrag index" in err and "unchanged 2" in err and f"skipped {corpus / 'blob.bin'}: binary file" in err
 
 
 def test_store_defaults_to_kvrag_store(smol, monkeypatch, capsys, corpus, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag.blend.precompute import precompute
+from kvrag.blend.precompute import PrecomputeInterrupted, precompute
 from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
@@ -119,13 +119,14 @@ def test_interrupt_releases_claims(store_copy, tiny_llama_dir, monkeypatch):
             raise KeyboardInterrupt
 
     with StoreEnv.open(store_copy) as env:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(PrecomputeInterrupted) as interrupted:  # a KeyboardInterrupt, with a count
             precompute(env, runtime, on_progress=interrupt)
         # the claims of the interrupted run are gone: a new run (same pid) takes every remaining chunk
         # (the writer may have committed one more chunk behind the interrupted forward loop)
         again = precompute(env, runtime)
         assert again.already_stored in (2, 3) and again.skipped_by_others == 0
         assert again.already_stored + again.computed == 5
+        assert interrupted.value.stored == again.already_stored
 
 
 def test_refusals_are_one_clear_line(tmp_path, store_copy, tiny_llama_dir, kvrag):

@@ -49,7 +49,9 @@ def test_stats_json(monkeypatch, capsys, store):
     assert (group["model_fp"], group["codec"], group["chunks"], group["tokens"]) == ("model-a", "fp16", 3, 12)
     assert len(group["layer_bytes"]) == 3 and group["bytes_per_token"] > 0
     assert data["models"] == ["model-a"]
-    assert "model-a" in err  # the table goes to stderr
+    assert err == ""  # with --json, the result is on stdout alone
+    code, out, err = run(monkeypatch, capsys, "store", "stats", "--store", str(store))
+    assert (code, out) == (0, "") and "model-a" in err  # without, the table goes to stderr
 
 
 def test_verify_fails_on_corruption_and_repair_fixes_it(monkeypatch, capsys, store):

@@ -11,6 +11,13 @@ from kvrag.blend.decode import SamplingConfig, generate, stream_text
 from kvrag.blend.engine import Engine, Prefilled
 from kvrag.blend.fusion import BlendConfig
 
+SCHEMA = "kvrag.answer/1"  # `kvrag ask --json`; README "JSON output" documents it: bump on any breaking change
+# Every answer's timings carry exactly these keys (seconds; decode_tokens_per_s a rate), 0 where a part did not
+# run (full prefill loads nothing; startup, model and embedder loads are paid by a process's first answer).
+TIMING_KEYS = ("startup", "model_load", "embedder_load", "retrieve", "prefill", "compute", "load", "load_wait",
+               "compute_missing", "ttft", "decode", "decode_tokens_per_s", "since_start")
+SOURCE_KEYS = ("chunk_id", "doc_id", "title", "tokens", "score", "tier")
+
 
 @dataclass
 class Answer:
@@ -26,9 +33,26 @@ class Answer:
     timings: dict[str, float] = field(default_factory=dict)  # seconds, plus decode tokens/s
     sources: list[dict] = field(default_factory=list)
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: tree, gpu, host, store or computed
+    finish_reason: str = "stop"  # stop (a stop token), length (max tokens or a full cache), interrupted
 
-    def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+    @property
+    def computed_chunks(self) -> list[str]:
+        """Chunks whose KV was not stored (for this model and codec): computed for this answer and stored."""
+        return [s["chunk_id"] for s, tier in zip(self.sources, self.chunk_tiers, strict=False) if tier == "computed"]
+
+    def to_json(self) -> dict:
+        """The versioned `--json` record: the same keys in every mode."""
+        sources = [{**{k: s.get(k) for k in SOURCE_KEYS}, "tier": tier}
+                   for s, tier in zip(self.sources, self.chunk_tiers or [None] * len(self.sources), strict=True)]
+        return {
+            "schema": SCHEMA, "question": self.question, "answer": self.text, "finish_reason": self.finish_reason,
+            "mode": self.mode, "ratio": self.ratio,
+            "tokens": {"prompt": self.prompt_tokens, "chunks": self.chunk_tokens,
+                       "recomputed": self.recomputed_chunk_tokens, "answer": len(self.token_ids)},
+            "token_ids": list(self.token_ids), "bytes_loaded": self.bytes_loaded,
+            "computed_chunks": self.computed_chunks, "sources": sources,
+            "timings": {k: round(float(self.timings.get(k, 0.0)), 6) for k in TIMING_KEYS},
+        }
 
 
 def resolve_ratio(engine: Engine, config: BlendConfig, auto: bool, chunk_tokens: int, suffix_tokens: int,
@@ -41,7 +65,10 @@ def resolve_ratio(engine: Engine, config: BlendConfig, auto: bool, chunk_tokens:
 
 def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
                     config: BlendConfig, sampling: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                    auto_ratio: bool = False, codec: str = "fp16") -> tuple[Answer, Prefilled]:
+                    auto_ratio: bool = False, codec: str = "fp16",
+                    interruptible: bool = False) -> tuple[Answer, Prefilled]:
+    """Prefill and decode one question. `interruptible`: Ctrl-C while decoding ends the answer where it stands
+    (finish_reason "interrupted") and the caller decides what follows; chunks computed for it are still stored."""
     start = time.perf_counter()
     if mode == "blend":
         n_chunk = sum(len(ids) for _, ids in chunks)
@@ -60,10 +87,16 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
             tokens.append(token)
             yield token
 
-    for piece in stream_text(engine.runtime.tokenizer, token_stream()):
-        pieces.append(piece)
-        if on_text:
-            on_text(piece)
+    try:
+        for piece in stream_text(engine.runtime.tokenizer, token_stream()):
+            pieces.append(piece)
+            if on_text:
+                on_text(piece)
+        finish = "length" if len(tokens) >= sampling.max_tokens else "stop"  # the cache holds max_tokens more
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        finish = "interrupted"
     end = time.perf_counter()
     engine.flush_write_back()
     first = first_token_at or end
@@ -73,5 +106,5 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
     timings["decode_tokens_per_s"] = (len(tokens) - 1) / (end - first) if len(tokens) > 1 and end > first else 0.0
     answer = Answer(question, "".join(pieces).strip(), tokens, mode, config.ratio if mode == "blend" else None,
                     pre.prompt_tokens, pre.chunk_tokens, pre.recomputed_chunk_tokens, pre.bytes_loaded, timings,
-                    chunk_tiers=pre.chunk_tiers)
+                    chunk_tiers=pre.chunk_tiers, finish_reason=finish)
     return answer, pre

@@ -258,7 +258,7 @@ class Engine:
         spans = fused.spans + (loader.spans if loader else [])
         load_s = loader.busy_s if loader else 0.0
         timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
-                   "missing_chunks": missing_s}
+                   "compute_missing": missing_s}
         tiers = ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
                                       for i, ref in enumerate(refs)]
         if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT

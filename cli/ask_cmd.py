@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from kvrag.cli.common import (
     stderr_console,
 )
 from kvrag.store.home import default_store_dir
+
+_IMPORTED_AT = time.perf_counter()
 
 
 @dataclass
@@ -75,7 +78,10 @@ def _question(item, where) -> Question:
 def ask_command(
     question: str = typer.Argument(None, help="The question ('-' or nothing with piped input: read stdin)."),
     store: Path = STORE_OPTION,
-    k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks to retrieve."),
+    k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks to retrieve, at most."),
+    relative_cutoff: float = typer.Option(0.5, "--relative-cutoff", min=0.0, max=1.0,
+                                          help="Drop retrieved chunks scoring below this share of the best "
+                                               "chunk's score (0 keeps all k)."),
     chunks: str = typer.Option(None, "--chunks", help="Comma-separated chunk ids to use instead of retrieval."),
     questions: Path = typer.Option(None, "--questions", help="File of questions: lines, JSON or JSONL items "
                                    "(items with 'ctxs' bring their own passages)."),
@@ -112,7 +118,6 @@ def ask_command(
     from kvrag.blend.decode import SamplingConfig
     from kvrag.blend.engine import MODES
     from kvrag.blend.fusion import BlendConfig
-    from kvrag.store.env import StoreEnv
     from kvrag.store.keys import codec_id
 
     if mode not in MODES:
@@ -127,37 +132,100 @@ def ask_command(
     codec_id(codec)
     _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
-    console = stderr_console()
-    results = []
-    with StoreEnv.open(store or default_store_dir()) as env:
-        from kvrag.blend.answer import answer_question
-        from kvrag.blend.engine import Engine
-        from kvrag.blend.runtime import Runtime
+    settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
+                         (model, dtype, device))
+    answers = _answer_all(store or default_store_dir(), todo, _ChunkFinder(k, chunks, relative_cutoff), settings,
+                          as_json, show_sources)
+    if as_json:  # one question named on the command line: an object; --questions or stdin: a list
+        records = [a.to_json() for a in answers]
+        print_json(records[0] if question not in (None, "-") else records)
+    if answers and answers[-1].finish_reason == "interrupted":
+        raise KeyboardInterrupt  # after the partial answer is out: the CLI exits 130
 
-        runtime = Runtime.load(model, dtype, device)
+
+@dataclass(frozen=True)
+class _Settings:
+    mode: str
+    config: object  # BlendConfig
+    sampling: object  # SamplingConfig
+    auto_ratio: bool
+    codec: str
+    cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
+    model_options: tuple  # --model, --dtype, --device
+
+
+def _answer_all(store: Path, todo: list[Question], finder: _ChunkFinder, s: _Settings, as_json: bool,
+                show_sources: bool) -> list:
+    """Load the model (retrieving the first question meanwhile), then answer each question in turn."""
+    from kvrag.blend.answer import answer_question
+    from kvrag.store.env import StoreEnv
+
+    startup_s = process_age()
+    console = stderr_console()
+    answers = []
+    with StoreEnv.open(store) as env:
+        finder.open(env)
+        engine, first, model_load_s = _load_engine(env, finder, todo[0], s, many=len(todo) > 1)
+        for n, q in enumerate(todo):
+            chosen, sources = first if n == 0 and first is not None else finder.find(q, engine.runtime)
+            on_text = None if as_json else _write
+            answer, _ = answer_question(engine, chosen, q.text, s.mode, s.config, s.sampling, on_text, s.auto_ratio,
+                                        s.codec, interruptible=True)
+            answer.sources = sources
+            answer.timings.update(retrieve=finder.retrieve_s, since_start=process_age())
+            if n == 0:
+                answer.timings.update(startup=startup_s, model_load=model_load_s,
+                                      embedder_load=finder.embedder_load_s)
+            answers.append(answer)
+            if not as_json:
+                _write(" [interrupted]\n" if answer.finish_reason == "interrupted" else "\n")
+                if show_sources:
+                    _print_sources(console, sources, answer.chunk_tiers)
+            if answer.computed_chunks and not as_json:
+                console.print(f"note: {len(answer.computed_chunks)} of {len(sources)} chunks had no stored KV for "
+                              f"this model and codec ({s.codec}): computed them and stored them now; "
+                              "`kvrag precompute` does this ahead of time", highlight=False, soft_wrap=True)
+            if answer.finish_reason == "interrupted":
+                break
+    return answers
+
+
+def _load_engine(env, finder: _ChunkFinder, first: Question, s: _Settings, many: bool):
+    """The engine over `env`, and the first question's chunks: retrieved in a thread while the model loads (the
+    embedder and the LLM load side by side; torch releases the GIL in both). Returns (engine, first's chunks or
+    None, seconds to load the model)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvrag.blend.engine import Engine
+    from kvrag.blend.runtime import Runtime
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        found = pool.submit(finder.find, first) if finder.retrieves(first) else None
+        t0 = time.perf_counter()
+        runtime = Runtime.load(*s.model_options)
         cache = None
-        if len(todo) > 1:  # the tiers pay off from the second question of a process on
+        if many:  # the tiers pay off from the second question of a process on
             from kvrag.blend.memory import build_cache
 
-            cache = build_cache(runtime, codec, host_cache, gpu_cache, cache_policy)
-        engine = Engine(runtime, env, codec, cache=cache)
-        finder = _ChunkFinder(env, runtime, k, chunks)
-        for q in todo:
-            t0 = time.perf_counter()
-            chosen, sources = finder.find(q)
-            retrieve_s = time.perf_counter() - t0
-            on_text = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-            answer, _ = answer_question(engine, chosen, q.text, mode, config, sampling, on_text, auto, codec)
-            answer.timings["retrieve"] = retrieve_s
-            answer.sources = sources
-            if not as_json:
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-                if show_sources:
-                    _print_sources(console, sources)
-            results.append(answer.to_dict())
-    if as_json:
-        print_json(results[0] if len(results) == 1 and questions is None else results)
+            cache = build_cache(runtime, s.codec, *s.cache_options)
+        engine = Engine(runtime, env, s.codec, cache=cache)
+        model_load_s = time.perf_counter() - t0
+        return engine, found.result() if found is not None else None, model_load_s
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since kvrag was imported)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
 
 
 def _check_cache_options(host_cache: str | None, gpu_cache: str | None, policy: str | None) -> None:
@@ -186,38 +254,61 @@ def _collect_questions(question: str | None, questions: Path | None, limit: int 
 class _ChunkFinder:
     """Chunks for a question: its own passages, explicit ids, or retrieval from the index."""
 
-    def __init__(self, env, runtime, k: int, chunk_ids: str | None):
+    def __init__(self, k: int, chunk_ids: str | None, relative_cutoff: float):
+        self.k, self.relative_cutoff = k, relative_cutoff
+        self.explicit = [c.strip() for c in chunk_ids.split(",") if c.strip()] if chunk_ids else None
+        self.env = self.table = self._retriever = None
+        self.embedder_load_s = self.retrieve_s = 0.0
+
+    def open(self, env) -> None:
         from kvrag.store.chunks import ChunkTable
 
-        self.env, self.runtime, self.k = env, runtime, k
-        self.table = ChunkTable(env)
-        self.explicit = [c.strip() for c in chunk_ids.split(",") if c.strip()] if chunk_ids else None
-        self._retriever = None
+        self.env, self.table = env, ChunkTable(env)
 
-    def find(self, q: Question) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    def retrieves(self, q: Question) -> bool:
+        return q.passages is None and self.explicit is None
+
+    def find(self, q: Question, runtime=None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+        t0 = time.perf_counter()
+        if q.passages is not None:
+            found = self._own_passages(q, runtime)
+        elif self.explicit is not None:
+            records = self.table.get_many(self.explicit)  # a missing id is a one-line KvragError
+            found = [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
+        else:
+            retriever = self._load_retriever()
+            t0 = time.perf_counter()
+            hits = retriever.search(q.text, self.k, self.relative_cutoff)
+            found = ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
+                     [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+        self.retrieve_s = time.perf_counter() - t0
+        return found
+
+    def _own_passages(self, q: Question, runtime) -> tuple[list[tuple[str, list[int]]], list[dict]]:
         from kvrag.store.chunks import chunk_id_for
 
-        if q.passages is not None:
-            out, sources = [], []
-            for title, text in q.passages:
-                ids = self.runtime.prompts.passage_ids(title, text)
-                chunk_id = chunk_id_for(ids, self.runtime.local.tokenizer_fingerprint)
-                out.append((chunk_id, ids))
-                sources.append({"chunk_id": chunk_id, "title": title, "tokens": len(ids)})
-            return out, sources
-        if self.explicit is not None:
-            records = self.table.get_many(self.explicit)  # a missing id is a one-line KvragError
-            return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
+        out, sources = [], []
+        for title, text in q.passages:
+            ids = runtime.prompts.passage_ids(title, text)
+            chunk_id = chunk_id_for(ids, runtime.local.tokenizer_fingerprint)
+            out.append((chunk_id, ids))
+            sources.append({"chunk_id": chunk_id, "title": title, "tokens": len(ids)})
+        return out, sources
+
+    def _load_retriever(self):
+        """The embedder and the vector index, loaded at the first retrieval (and warmed up on a query)."""
         if self._retriever is None:
             from kvrag.corpus.embedder import Embedder
             from kvrag.corpus.retrieve import Retriever
 
+            t0 = time.perf_counter()
             if self.table.count() == 0:
                 raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
-            self._retriever = Retriever(self.env, Embedder())
-        hits = self._retriever.search(q.text, self.k)
-        return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
-                [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+            embedder = Embedder()
+            embedder.embed(["warm-up"])  # loads the weights and pays torch's first-call setup here
+            self._retriever = Retriever(self.env, embedder)
+            self.embedder_load_s = time.perf_counter() - t0
+        return self._retriever
 
 
 def _source(record) -> dict:
@@ -225,11 +316,11 @@ def _source(record) -> dict:
             "tokens": len(record.token_ids)}
 
 
-def _print_sources(console, sources: list[dict]) -> None:
+def _print_sources(console, sources: list[dict], tiers: list[str]) -> None:
     table = Table(title="sources", show_lines=False)
-    for col in ("#", "chunk", "title", "tokens", "score"):
+    for col in ("#", "chunk", "title", "tokens", "score", "KV from"):
         table.add_column(col)
-    for n, s in enumerate(sources, start=1):
+    for n, (s, tier) in enumerate(zip(sources, tiers or [""] * len(sources), strict=True), start=1):
         table.add_row(str(n), s["chunk_id"][:12], s.get("title") or s.get("doc_id", ""), str(s["tokens"]),
-                      f"{s['score']:.3f}" if "score" in s else "")
+                      f"{s['score']:.3f}" if "score" in s else "", tier)
     console.print(table)

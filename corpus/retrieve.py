@@ -39,10 +39,12 @@ class Retriever:
     def __len__(self) -> int:
         return len(self.index.ids)
 
-    def search(self, query: str, k: int = 5) -> list[Hit]:
-        return self.search_batch([query], k)[0]
+    def search(self, query: str, k: int = 5, relative_cutoff: float = 0.0) -> list[Hit]:
+        return self.search_batch([query], k, relative_cutoff)[0]
 
-    def search_batch(self, queries: list[str], k: int = 5) -> list[list[Hit]]:
+    def search_batch(self, queries: list[str], k: int = 5, relative_cutoff: float = 0.0) -> list[list[Hit]]:
+        """Top-k hits per query, best first; with `relative_cutoff` r > 0, hits scoring below r x the best hit's
+        score are dropped (see `keep_close_hits`)."""
         if k < 1:
             raise KvragError(f"-k must be at least 1 (got {k})")
         if any(not q.strip() for q in queries):
@@ -52,7 +54,20 @@ class Retriever:
         found = self.index.search(self.embedder.embed(list(queries)), k)
         results = []
         for hits in found:
+            hits = keep_close_hits(hits, relative_cutoff)
             records = self.table.get_many(chunk_id for chunk_id, _ in hits)
             results.append([Hit(rank, score, record)
                             for rank, ((_, score), record) in enumerate(zip(hits, records, strict=True), start=1)])
         return results
+
+
+def keep_close_hits(hits: list[tuple[str, float]], relative_cutoff: float) -> list[tuple[str, float]]:
+    """The hits (best first) scoring at least `relative_cutoff` x the best one's score; the best is always kept.
+
+    Off-topic chunks in the prompt cost a small model its answer, and their KV costs load time; chunks far
+    below the best one are off-topic far more often than they are a second hop (docs/retrieval.md measures it).
+    """
+    if not hits or relative_cutoff <= 0 or hits[0][1] <= 0:
+        return hits
+    floor = relative_cutoff * hits[0][1]
+    return [hit for n, hit in enumerate(hits) if n == 0 or hit[1] >= floor]

@@ -23,15 +23,60 @@ def _ask(kvrag, store, model, *args, check=True):
 
 def test_ask_answers_with_sources_and_timings(kvrag, ready_store, tiny_llama_dir):
     kvrag("precompute", "--store", str(ready_store), "--model", str(tiny_llama_dir), "--dtype", "float32")
-    out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "Which lake is the deepest?", "-k", "3", "--json",
-                          "--max-tokens", "8").stdout)
+    proc = _ask(kvrag, ready_store, tiny_llama_dir, "Which lake is the deepest?", "-k", "3", "--json",
+                "--max-tokens", "8", "--relative-cutoff", "0")
+    out = json.loads(proc.stdout)
+    assert proc.stderr == ""  # --json: nothing on stderr but progress, and there is none to show here
     assert len(out["sources"]) == 3 and out["sources"][0]["score"] >= out["sources"][-1]["score"]
     assert "Baikal" in json.dumps(out["sources"][0]) or out["sources"][0]["title"]
-    for key in ("retrieve", "load", "compute", "ttft", "decode_tokens_per_s"):
-        assert key in out["timings"]
     assert out["mode"] == "blend" and out["ratio"] == 0.15
-    assert 0 < out["recomputed_chunk_tokens"] < out["chunk_tokens"]
-    assert len(out["token_ids"]) <= 8
+    assert 0 < out["tokens"]["recomputed"] < out["tokens"]["chunks"]
+    assert len(out["token_ids"]) == out["tokens"]["answer"] <= 8
+    assert out["finish_reason"] == ("length" if len(out["token_ids"]) == 8 else "stop")
+    timings = out["timings"]
+    assert timings["startup"] > 0 and timings["model_load"] > 0 and timings["embedder_load"] > 0
+    assert timings["since_start"] > timings["startup"] + timings["ttft"]
+    assert {s["tier"] for s in out["sources"]} == {"store"} and out["computed_chunks"] == []
+
+
+def test_json_has_the_same_keys_in_every_mode_and_a_list_for_many(kvrag, ready_store, tiny_llama_dir, tmp_path):
+    shapes = set()
+    for mode in ("blend", "full", "prefix", "reuse"):
+        out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "Where does the Nile flow?", "--mode", mode,
+                              "--json", "--max-tokens", "2").stdout)
+        assert out["schema"] == "kvrag.answer/1" and out["mode"] == mode
+        shapes.add((tuple(out), tuple(out["timings"]), tuple(out["tokens"]), tuple(out["sources"][0])))
+    assert len(shapes) == 1
+    qfile = tmp_path / "one.txt"
+    qfile.write_text("Where does the Nile flow?\n")
+    many = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "--questions", str(qfile), "--json",
+                           "--max-tokens", "2").stdout)
+    assert isinstance(many, list) and len(many) == 1 and tuple(many[0]) == next(iter(shapes))[0]
+
+
+def test_relative_cutoff_drops_far_off_chunks(kvrag, ready_store, tiny_llama_dir):
+    def scores(*args):
+        out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "Which lake is the deepest?", "-k", "5",
+                              "--json", "--max-tokens", "1", *args).stdout)
+        return [s["score"] for s in out["sources"]]
+
+    every = scores("--relative-cutoff", "0")
+    assert len(every) == 5
+    kept = scores("--relative-cutoff", "0.5")
+    assert kept == [s for s in every if s >= 0.5 * every[0]] and len(kept) < 5
+
+
+def test_missing_kv_is_computed_stored_and_said(kvrag, ready_store, tiny_llama_dir, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(ready_store, store)
+    args = ("Which lake is the deepest?", "-k", "2", "--relative-cutoff", "0", "--codec", "int8", "--max-tokens", "2")
+    first = _ask(kvrag, store, tiny_llama_dir, *args)
+    assert "2 of 2 chunks had no stored KV" in first.stderr and "int8" in first.stderr
+    again = json.loads(_ask(kvrag, store, tiny_llama_dir, *args, "--json").stdout)
+    assert again["computed_chunks"] == [] and {s["tier"] for s in again["sources"]} == {"store"}
+    shutil.copytree(ready_store, tmp_path / "cold")
+    cold = json.loads(_ask(kvrag, tmp_path / "cold", tiny_llama_dir, *args, "--json").stdout)
+    assert cold["computed_chunks"] == [s["chunk_id"] for s in cold["sources"]]
 
 
 def test_ratio_one_and_full_prefill_give_the_same_answer(kvrag, ready_store, tiny_llama_dir):
@@ -40,8 +85,8 @@ def test_ratio_one_and_full_prefill_give_the_same_answer(kvrag, ready_store, tin
     blend = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, *args, "--ratio", "1.0").stdout)
     reuse = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, *args, "--mode", "reuse").stdout)
     assert blend["token_ids"] == full["token_ids"]
-    assert blend["recomputed_chunk_tokens"] == blend["chunk_tokens"]
-    assert reuse["recomputed_chunk_tokens"] == 0 and reuse["bytes_loaded"] > 0
+    assert blend["tokens"]["recomputed"] == blend["tokens"]["chunks"]
+    assert reuse["tokens"]["recomputed"] == 0 and reuse["bytes_loaded"] > 0
 
 
 def test_questions_file_and_stdin(kvrag, ready_store, tiny_llama_dir, tmp_path):
@@ -55,8 +100,9 @@ def test_questions_file_and_stdin(kvrag, ready_store, tiny_llama_dir, tmp_path):
     qfile.write_text("How deep is Lake Baikal?\nHow deep is Lake Baikal?\n")
     out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "--questions", str(qfile), "--json",
                           "--max-tokens", "4", "--host-cache", "64MiB").stdout)
-    assert set(out[0]["chunk_tiers"]) <= {"store", "computed"} and set(out[1]["chunk_tiers"]) == {"tree"}
-    assert out[1]["recomputed_chunk_tokens"] == 0 and out[0]["text"] == out[1]["text"]
+    assert {s["tier"] for s in out[0]["sources"]} <= {"store", "computed"}
+    assert {s["tier"] for s in out[1]["sources"]} == {"tree"}
+    assert out[1]["tokens"]["recomputed"] == 0 and out[0]["answer"] == out[1]["answer"]
 
     items = tmp_path / "items.json"  # MuSiQue-style items bring their own passages
     items.write_text(json.dumps([{"question": "Who?", "ctxs": [{"title": "", "text": "Ada wrote it."},

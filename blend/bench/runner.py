@@ -212,7 +212,7 @@ def _record(i: int, method: Method, pos: int, answer, total_s: float, golds: lis
         item=i, method=method.name, position=pos, ratio=answer.ratio,
         ttft_s=t["ttft"], prefill_s=t.get("prefill", 0.0), compute_s=t.get("compute", 0.0),
         load_s=t.get("load", 0.0), load_wait_s=t.get("load_wait", 0.0),
-        missing_chunks_s=t.get("missing_chunks", 0.0), decode_s=t.get("decode", 0.0), total_s=total_s,
+        missing_chunks_s=t.get("compute_missing", 0.0), decode_s=t.get("decode", 0.0), total_s=total_s,
         decode_tokens_per_s=t.get("decode_tokens_per_s", 0.0), prompt_tokens=answer.prompt_tokens,
         chunk_tokens=answer.chunk_tokens, recomputed_chunk_tokens=answer.recomputed_chunk_tokens,
         bytes_loaded=answer.bytes_loaded, answer=answer.text, token_ids=list(answer.token_ids),

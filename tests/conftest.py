@@ -1,5 +1,7 @@
 """Shared fixtures: an isolated KVRAG_HOME, the real default model (converted once per session),
-and tiny random Llama/Qwen2 models built from a config, which most tests use."""
+tiny random Llama/Qwen2 models built from a config, which most tests use, and invented MuSiQue-shaped
+items (tests/invented.py). Only tests marked `benchmark_data` read the real MuSiQue file
+(KVRAG_TEST_DATA, default ../shared/data/musique_s.json); without it they skip and the rest still run."""
 
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import torch  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-MUSIQUE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
+MUSIQUE_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "benchmark_data: reads the real MuSiQue file (KVRAG_TEST_DATA); skips without it")
 
 
 @pytest.fixture(scope="session")
@@ -103,12 +109,27 @@ def tiny_llama3_rope_dir(tmp_path_factory, smol) -> Path:
 
 
 @pytest.fixture(scope="session")
-def musique_items() -> list[dict]:
+def musique_path() -> Path:
+    """The real MuSiQue file, for the tests whose point is the data set itself (mark them `benchmark_data`)."""
+    path = Path(os.environ.get("KVRAG_TEST_DATA") or MUSIQUE_DEFAULT)
+    if not path.exists():
+        pytest.skip(f"benchmark data set: {path} is not there (KVRAG_TEST_DATA names another copy)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def musique_items(musique_path) -> list[dict]:
     import json
 
-    if not MUSIQUE.exists():
-        pytest.skip(f"{MUSIQUE} is not there")
-    return json.loads(MUSIQUE.read_text())
+    return json.loads(musique_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def invented_items() -> list[dict]:
+    """40 invented MuSiQue-shaped items (5-10 passages of ≈300-500 tokens each), the same on every run."""
+    from kvrag.tests.invented import invented_items as make
+
+    return make(40, seed=0)
 
 
 # ---- a small indexed corpus and the CLI in a subprocess -------------------------------------------

@@ -297,12 +297,12 @@ def test_bf16_embeddings_agree_with_fp32(embedder):
 
 
 @pytest.mark.slow
-def test_musique_recall_at_10_over_the_first_50_questions(tmp_path, passages, embedder, musique_items):
+@pytest.mark.benchmark_data
+def test_musique_recall_at_10_over_the_first_50_questions(tmp_path, passages, embedder, musique_path, musique_items):
     """Every question finds at least one of its own passages in the top 10 (whole-passage chunks, as
     CacheBlend uses them; the default 512-token chunking is measured in the README)."""
-    musique = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
     store = tmp_path / "store"
-    summary = run(passages, embedder, store, musique, chunk_tokens=1024)
+    summary = run(passages, embedder, store, musique_path, chunk_tokens=1024)
     assert (summary.documents, summary.chunks) == (1255, 1255)
     items = musique_items[:50]
     with StoreEnv.open(store, readonly=True) as env:

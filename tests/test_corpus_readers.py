@@ -164,9 +164,9 @@ def test_musique_items_give_each_distinct_passage_once(tmp_path):
     assert [s.reason for s in result.skipped] == [why.EMPTY]
 
 
-def test_the_real_musique_file_gives_its_1255_distinct_passages(musique_items):
-    path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
-    result = read_path(path, FIELDS)
+@pytest.mark.benchmark_data
+def test_the_real_musique_file_gives_its_1255_distinct_passages(musique_path, musique_items):
+    result = read_path(musique_path, FIELDS)
     expected = {(c["title"], c["text"]) for item in musique_items for c in item["ctxs"]}
     assert len(expected) == 1255
     assert {(d.title, d.text) for d in result.documents} == expected

@@ -25,11 +25,11 @@ def runtime(tiny_llama_dir) -> Runtime:
 
 
 @pytest.fixture
-def setup(tmp_path, runtime, musique_items):
+def setup(tmp_path, runtime, invented_items):
     env = StoreEnv.open(tmp_path / "store", create=True)
     plain = Engine(runtime, env)
     chunks = []
-    for ctx in musique_items[1]["ctxs"][:5]:
+    for ctx in invented_items[1]["ctxs"][:5]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
         chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
     table = KVTable(env, runtime.fingerprint, "fp16")

@@ -26,7 +26,7 @@ def tiny_runtime(tiny_llama_dir) -> Runtime:
 
 
 def _chunks(runtime: Runtime, items, n: int = 4, words: int = 50) -> list[tuple[str, list[int]]]:
-    """n MuSiQue passages cut to `words` words, as (chunk_id, token_ids)."""
+    """n invented passages cut to `words` words, as (chunk_id, token_ids)."""
     out = []
     for ctx in items[0]["ctxs"][:n]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:words]))
@@ -39,11 +39,11 @@ def tiny_hd64_runtime(tiny_llama_hd64_dir) -> Runtime:
     return Runtime.load(str(tiny_llama_hd64_dir), "float32")
 
 
-def _store(path, runtime: Runtime, musique_items):
+def _store(path, runtime: Runtime, items):
     """A store holding the KV of four chunks (as precompute would write them), its engine, and the chunks."""
     env = StoreEnv.open(path, create=True)
     engine = Engine(runtime, env)
-    chunks = _chunks(runtime, musique_items)
+    chunks = _chunks(runtime, items)
     table = KVTable(env, runtime.fingerprint, "fp16")
     with torch.inference_mode():
         for chunk_id, ids in chunks:
@@ -52,19 +52,19 @@ def _store(path, runtime: Runtime, musique_items):
 
 
 @pytest.fixture
-def stored(tmp_path, tiny_runtime, musique_items):
+def stored(tmp_path, tiny_runtime, invented_items):
     """A store holding the KV of four chunks (as precompute would write them), and the chunks."""
-    env, engine, chunks = _store(tmp_path / "store", tiny_runtime, musique_items)
+    env, engine, chunks = _store(tmp_path / "store", tiny_runtime, invented_items)
     yield env, engine, chunks
     env.close()
 
 
 @pytest.fixture(params=["head dim 16", "head dim 64"])
-def any_stored(request, tmp_path, tiny_runtime, musique_items):
+def any_stored(request, tmp_path, tiny_runtime, invented_items):
     """`stored`, also for a model with head dim 64, whose attention (float32, on an AVX-512 CPU) goes through
     kvrag's row-attention kernel instead of SDPA."""
     runtime = tiny_runtime if request.param == "head dim 16" else request.getfixturevalue("tiny_hd64_runtime")
-    env, engine, chunks = _store(tmp_path / "store", runtime, musique_items)
+    env, engine, chunks = _store(tmp_path / "store", runtime, invented_items)
     yield env, engine, chunks
     env.close()
 
@@ -129,7 +129,7 @@ def test_blend_reuses_the_first_chunk_as_prefix_caching_does(any_stored):
 
 
 @pytest.mark.parametrize("deviation", ["v", "k"])
-def test_keys_the_loader_rotates_give_the_same_blend_bit_for_bit(tmp_path, tiny_llama_hd64_dir, musique_items,
+def test_keys_the_loader_rotates_give_the_same_blend_bit_for_bit(tmp_path, tiny_llama_hd64_dir, invented_items,
                                                                  monkeypatch, deviation):
     """A bf16 model over an fp16 store: keys rotated as they load (the native pass on an AVX-512 CPU) give the blend
     exactly the logits and cache of keys loaded before rotary and rotated by the blend itself."""
@@ -137,7 +137,7 @@ def test_keys_the_loader_rotates_give_the_same_blend_bit_for_bit(tmp_path, tiny_
     from kvrag.kernels import fp16_to_bf16
 
     runtime = Runtime.load(str(tiny_llama_hd64_dir), "bfloat16")
-    env, engine, chunks = _store(tmp_path / "store", runtime, musique_items)
+    env, engine, chunks = _store(tmp_path / "store", runtime, invented_items)
     calls = []
     if fp16_to_bf16.available():
         convert_rotated = fp16_to_bf16.convert_rotated
@@ -301,7 +301,7 @@ def test_damaged_value_is_never_used(stored, tiny_runtime):
     assert verify(env).ok
 
 
-def test_missing_chunk_is_computed_and_written_back(stored, tiny_runtime, musique_items):
+def test_missing_chunk_is_computed_and_written_back(stored, tiny_runtime):
     env, engine, chunks = stored
     extra_ids = tiny_runtime.prompts.passage_ids("", "A passage nobody precomputed, about owls.")
     extra = (chunk_id_for(extra_ids, tiny_runtime.local.tokenizer_fingerprint), extra_ids)
@@ -329,11 +329,11 @@ def test_prefill_after_a_prefix_uses_exact_causal_alignment(tiny_runtime):
 
 
 @pytest.mark.parametrize("codec, atol", [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 5e-2)])
-def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime, musique_items, codec, atol):
+def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime, invented_items, codec, atol):
     """The loader hands each codec's stored KV over in its own dtype (fp16, or float32 for bf16 and int8) and
     the fusion casts it as it copies: full reuse from the store equals full reuse from the fp32 KV in memory,
     within the codec's rounding."""
-    chunks = _chunks(tiny_runtime, musique_items)
+    chunks = _chunks(tiny_runtime, invented_items)
     with StoreEnv.open(tmp_path / "store", create=True) as env:
         engine = Engine(tiny_runtime, env, codec)
         table = KVTable(env, tiny_runtime.fingerprint, codec)

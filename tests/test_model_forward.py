@@ -128,12 +128,12 @@ def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
 
 
 @pytest.mark.real_model
-def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenizer, musique_items):
+def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenizer, invented_items):
     from kvrag.blend.prompt import PromptBuilder
 
     builder = PromptBuilder(smol_tokenizer)
-    item = musique_items[0]
-    passages = [builder.passage_ids(c["title"], c["text"]) for c in item["ctxs"][:2]]
+    item = invented_items[0]
+    passages = [builder.passage_ids(c["title"], c["text"]) for c in item["ctxs"][:3]]
     ids = torch.tensor(builder.build(passages, item["question"]).flat())
     assert ids.shape[0] > 1000
     with torch.no_grad():

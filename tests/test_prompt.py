@@ -8,9 +8,9 @@ from kvrag import KvragError
 from kvrag.blend.prompt import PromptBuilder, check_segmentation, encode, render_passage
 
 
-def test_segments_tokenize_as_the_whole_prompt_on_real_passages(smol_tokenizer, musique_items):
+def test_segments_tokenize_as_the_whole_prompt_on_long_passages(smol_tokenizer, invented_items):
     builder = PromptBuilder(smol_tokenizer)
-    for item in musique_items[:40]:
+    for item in invented_items:
         ctxs = item["ctxs"]
         passages = [builder.passage_ids(c["title"], c["text"]) for c in ctxs]
         prompt = builder.build(passages, item["question"])
@@ -21,9 +21,9 @@ def test_segments_tokenize_as_the_whole_prompt_on_real_passages(smol_tokenizer, 
         assert prompt.passage_spans()[0][0] == len(builder.preamble_ids)
 
 
-def test_passage_order_does_not_change_a_passages_ids(smol_tokenizer, musique_items):
+def test_passage_order_does_not_change_a_passages_ids(smol_tokenizer, invented_items):
     builder = PromptBuilder(smol_tokenizer)
-    ctxs = musique_items[0]["ctxs"][:4]
+    ctxs = invented_items[0]["ctxs"][:4]
     texts = [render_passage(c["title"], c["text"]) for c in ctxs]
     reordered = texts[::-1]
     whole = encode(smol_tokenizer, builder.template.full_text(reordered, "Who?"))

@@ -1,4 +1,4 @@
-"""The Zipf workload over MuSiQue passages and the replay simulator (bookkeeping only, no model)."""
+"""The Zipf workload over MuSiQue-style passages and the replay simulator (bookkeeping only, no model)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,21 @@ def synthetic(n: int = 300) -> tuple[list[str], list[int]]:
     return ids, [500 + (i * 37) % 200 for i in range(n)]
 
 
-def test_corpus_from_musique(musique_items, tmp_path):
+def test_corpus_keeps_each_distinct_passage_once_in_first_appearance_order(invented_items, tmp_path):
     import json
 
     path = tmp_path / "m.json"
-    path.write_text(json.dumps(musique_items))
+    path.write_text(json.dumps(invented_items))
     corpus = Corpus.load(path)
+    slots = [c["text"].strip() for item in invented_items for c in item["ctxs"]]
+    assert len(set(slots)) < len(slots)  # the invented items share passages, as MuSiQue's do
+    assert list(corpus.passages) == [t for n, t in enumerate(slots) if t not in slots[:n]]
+    assert corpus.questions == tuple(item["question"] for item in invented_items)
+
+
+@pytest.mark.benchmark_data
+def test_corpus_from_musique(musique_path):
+    corpus = Corpus.load(musique_path)
     assert len(corpus.passages) == 1255 and len(corpus.questions) == 150
     assert len({chunk_id(p) for p in corpus.passages}) == 1255
 

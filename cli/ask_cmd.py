@@ -21,11 +21,12 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
+    Interrupted,
     attention_weight_override,
     print_json,
+    resolve_store,
     stderr_console,
 )
-from kvrag.store.home import default_store_dir
 
 _IMPORTED_AT = time.perf_counter()
 
@@ -100,12 +101,13 @@ def ask_command(
     seed: int = typer.Option(None, "--seed", help="Seed for sampling."),
     codec: str = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8."),
     show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
-    host_cache: str = typer.Option(None, "--host-cache", help="Memory for hot chunks' KV across questions, "
-                                   "e.g. 4GiB (default; $KVRAG_HOST_CACHE; 0 turns the tiers off)."),
-    gpu_cache: str = typer.Option(None, "--gpu-cache", help="GPU memory tier on CUDA (default 2GiB; "
-                                  "$KVRAG_GPU_CACHE)."),
-    cache_policy: str = typer.Option(None, "--cache-policy", help="pgdsf (default), gdsf, lru or lfu "
-                                     "($KVRAG_CACHE_POLICY)."),
+    host_cache: str = typer.Option(None, "--host-cache", envvar="KVRAG_HOST_CACHE",
+                                   help="Memory for hot chunks' KV across questions, e.g. 4GiB (default; 0 turns "
+                                        "the tiers off)."),
+    gpu_cache: str = typer.Option(None, "--gpu-cache", envvar="KVRAG_GPU_CACHE",
+                                  help="GPU memory tier on CUDA (default 2GiB)."),
+    cache_policy: str = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
+                                     help="pgdsf (default), gdsf, lru or lfu."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
@@ -134,13 +136,13 @@ def ask_command(
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
                          (model, dtype, device))
-    answers = _answer_all(store or default_store_dir(), todo, _ChunkFinder(k, chunks, relative_cutoff), settings,
+    answers = _answer_all(resolve_store(store), todo, _ChunkFinder(k, chunks, relative_cutoff), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
         records = [a.to_json() for a in answers]
         print_json(records[0] if question not in (None, "-") else records)
-    if answers and answers[-1].finish_reason == "interrupted":
-        raise KeyboardInterrupt  # after the partial answer is out: the CLI exits 130
+    if answers and answers[-1].finish_reason == "interrupted":  # after the partial answer is out: status 130
+        raise Interrupted(f"interrupted; answered {len(answers) - 1} of {len(todo)} questions in full")
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ def _answer_all(store: Path, todo: list[Question], finder: _ChunkFinder, s: _Set
         finder.open(env)
         engine, first, model_load_s = _load_engine(env, finder, todo[0], s, many=len(todo) > 1)
         for n, q in enumerate(todo):
+            if len(todo) > 1 and not as_json:  # the answers go to stdout, each after its question on stderr
+                console.print(f"[bold]Q{n + 1}:[/] {q.text}", highlight=False, soft_wrap=True)
             chosen, sources = first if n == 0 and first is not None else finder.find(q, engine.runtime)
             on_text = None if as_json else _write
             answer, _ = answer_question(engine, chosen, q.text, s.mode, s.config, s.sampling, on_text, s.auto_ratio,

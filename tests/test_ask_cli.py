@@ -135,3 +135,23 @@ def test_no_store_and_no_index(kvrag, tmp_path, tiny_llama_dir):
     StoreEnv.open(tmp_path / "empty", create=True).close()  # a store with nothing indexed
     proc = _ask(kvrag, tmp_path / "empty", tiny_llama_dir, "q", check=False)
     assert proc.returncode == 1 and "kvrag index" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_ends_the_partial_answer_with_a_marker_and_status_130(ready_store, tiny_llama_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvrag", "ask", "Which lake is the deepest?", "--store",
+                             str(ready_store), "--model", str(tiny_llama_dir), "--dtype", "float32",
+                             "--max-tokens", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = proc.stdout.read(1)  # the answer has started streaming: decoding is under way
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    out = (first + rest).decode()
+    assert proc.returncode == 130, err
+    assert out.endswith(" [interrupted]\n") and len(out) > len(" [interrupted]\n")
+    err = err.decode()
+    assert err.splitlines()[-1] == "interrupted; answered 0 of 1 questions in full" and "Traceback" not in err

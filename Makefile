@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo lint clean bench-model bench-quick bench-ask bench-codecs
+.PHONY: install test test-fast demo lint clean bench-model bench-quick bench-ask bench-codecs bench-data
 
 install: $(STAMP)
 
@@ -37,9 +37,16 @@ demo: $(STAMP)
 	$(BIN)/kvrag precompute --store $(DEMO_STORE)
 	$(BIN)/kvrag ask "$(DEMO_QUESTION)" --store $(DEMO_STORE) --show-sources
 
+# The benchmarks read MuSiQue as the CacheBlend authors published it; it is not in the repository.
+# BENCH_DATA names another copy. Checked before anything installs or loads: one line and a non-zero exit.
+BENCH_DATA ?= ../shared/data/musique_s.json
+bench-data:
+	$(if $(wildcard $(BENCH_DATA)),,$(error $(BENCH_DATA) is missing: the benchmarks read the MuSiQue set as \
+	  CacheBlend published it (github.com/YaoJiayi/CacheBlend, inputs/musique_s.json); put it there or set BENCH_DATA=FILE))
+
 # Model load times, prefill speed (ours vs transformers, fp32/bf16), bf16 fidelity on 20 prompts.
-bench-model: $(STAMP)
-	$(BIN)/kvrag model bench --items 20
+bench-model: bench-data $(STAMP)
+	$(BIN)/kvrag model bench --items 20 --dataset $(BENCH_DATA)
 
 # Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; 20-75 min on
 # 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed);
@@ -48,19 +55,19 @@ bench-model: $(STAMP)
 # BENCH_COMPRESS=yes stores it zstd-compressed. A store's existing values are read as they were written.
 BENCH_LIMIT ?= 50
 BENCH_COMPRESS ?= no
-bench-ask: $(STAMP)
-	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --limit $(BENCH_LIMIT) \
+bench-ask: bench-data $(STAMP)
+	$(BIN)/kvrag bench --dataset $(BENCH_DATA) --limit $(BENCH_LIMIT) \
 	  --methods full,prefix,reuse,blend --ratios 0.05,0.15,0.3,auto --codec fp16 --max-tokens 32 --out bench-ask \
 	  $(if $(filter yes,$(BENCH_COMPRESS)),--compress,--no-compress) \
 	  $(if $(BENCH_STORE),--store $(BENCH_STORE)) $(if $(BENCH_DTYPE),--dtype $(BENCH_DTYPE))
 
 # A few items, one ratio: a smoke run of the whole harness (about 5 minutes).
-bench-quick: $(STAMP)
-	$(BIN)/kvrag bench --dataset ../shared/data/musique_s.json --quick --out bench-quick
+bench-quick: bench-data $(STAMP)
+	$(BIN)/kvrag bench --dataset $(BENCH_DATA) --quick --out bench-quick
 
 # First-token KL of int8 against fp16 stored KV on 20 MuSiQue questions.
-bench-codecs: $(STAMP)
-	$(BIN)/python -m kvrag.blend.codec_fidelity --items 20 --codec int8
+bench-codecs: bench-data $(STAMP)
+	$(BIN)/python -m kvrag.blend.codec_fidelity --dataset $(BENCH_DATA) --items 20 --codec int8
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from kvrag import KvragError
+from kvrag.blend.bench.items import read_dataset
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import BlendConfig
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
@@ -64,22 +67,28 @@ def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: st
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", type=Path, default=Path("../shared/data/musique_s.json"))
+    parser.add_argument("--dataset", type=Path, default=None,
+                        help="MuSiQue-format JSON (default ../shared/data/musique_s.json)")
     parser.add_argument("--items", type=int, default=20)
     parser.add_argument("--codec", default="int8")
     parser.add_argument("--store", type=Path, default=None, help="a store to reuse (default: a temporary one)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default=None)
-    args = parser.parse_args()
-    items = json.loads(args.dataset.read_text())[: args.items]
+    args = parser.parse_args(argv)
+    try:
+        items = read_dataset(args.dataset)[: args.items]
+    except KvragError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.store is not None:
         print(json.dumps(run(items, args.store, args.codec, args.model, args.dtype), indent=2))
-        return
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         print(json.dumps(run(items, Path(tmp) / "store", args.codec, args.model, args.dtype), indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

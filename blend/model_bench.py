@@ -6,10 +6,10 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from kvrag.blend.bench.items import default_dataset  # noqa: F401 (cli/model_cmd.py imports it from here)
 from kvrag.blend.controller import best_time
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import resolve_model
@@ -100,7 +100,3 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         report.bf16_top1_agreement = agree / max(1, len(kls))
         report.bf16_mean_kl = sum(kls) / max(1, len(kls))
     return report
-
-
-def default_dataset() -> Path:
-    return Path.cwd().parent / "shared" / "data" / "musique_s.json"

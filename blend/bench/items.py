@@ -17,6 +17,25 @@ from kvrag.store.chunks import chunk_id_for
 
 Chunk = tuple[str, list[int]]  # (chunk_id, token ids as spliced into the prompt)
 
+# The benchmarks' data set: not in the repository (a clone has no ../shared), so its absence is one clear line.
+DATASET_SOURCE = "the MuSiQue set as CacheBlend published it (github.com/YaoJiayi/CacheBlend, inputs/musique_s.json)"
+
+
+def default_dataset() -> Path:
+    """Where the benchmarks look for MuSiQue when no --dataset is given: ../shared/data from the project root."""
+    return Path("..") / "shared" / "data" / "musique_s.json"
+
+
+def read_dataset(path: Path | None) -> list[dict]:
+    """A MuSiQue-format file's items (each with its passages in `ctxs`), by default the benchmarks' copy."""
+    path = Path(path) if path is not None else default_dataset()
+    if not path.is_file():
+        raise KvragError(f"{path} is missing: the benchmark reads {DATASET_SOURCE}; put it there or pass --dataset FILE")
+    items = read_items(path)
+    if not all(isinstance(item.get("ctxs"), list) and item["ctxs"] for item in items):
+        raise KvragError(f"{path}: every item needs its passages in 'ctxs' (MuSiQue format)")
+    return items
+
 
 @dataclass
 class BenchItem:

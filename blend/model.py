@@ -18,7 +18,7 @@ transformers' own logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,10 +58,8 @@ class LayerQKV:
 class Transformer:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.cfg = cfg
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
+        """From a Hugging Face checkpoint's tensors (by their HF names), fused and cast for compute."""
+        self._setup(cfg, dtype, device)
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -75,7 +73,36 @@ class Transformer:
         else:
             self.lm_head = self.embed_tokens
         self.layers = [self._layer_weights(i, take, tensors) for i in range(cfg.n_layers)]
+
+    def _setup(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
         self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [hd/2]
+
+    def compute_state(self) -> dict[str, torch.Tensor]:
+        """Every weight as the forward uses it (fused, cast): what blend/prepared.py caches on disk."""
+        state = {"embed_tokens": self.embed_tokens, "final_norm": self.final_norm}
+        if self.lm_head is not self.embed_tokens:
+            state["lm_head"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            state.update({f"layers.{i}.{name}": t for name, t in vars(layer).items() if t is not None})
+        return state
+
+    @classmethod
+    def from_compute_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                           device: torch.device | str = "cpu") -> Transformer:
+        """The inverse of `compute_state`: no fusing or casting left to do."""
+        model = cls.__new__(cls)
+        model._setup(cfg, dtype, device)
+        if any(t.dtype != dtype for t in state.values()):
+            raise KvragError("prepared weights are not in the requested dtype")
+        model.embed_tokens, model.final_norm = state["embed_tokens"], state["final_norm"]
+        model.lm_head = state.get("lm_head", model.embed_tokens)
+        model.layers = [LayerWeights(**{f.name: state.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+                        for i in range(cfg.n_layers)]
+        return model
 
     def _layer_weights(self, i: int, take, tensors) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -9,6 +9,7 @@ import torch
 from kvrag.blend.device import resolve_device, resolve_dtype, set_cpu_threads
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import LocalModel, resolve_model
+from kvrag.blend.prepared import load_weights
 from kvrag.blend.prompt import PromptBuilder, check_segmentation
 
 
@@ -32,7 +33,7 @@ class Runtime:
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts)
-        weights = Transformer.from_safetensors(local.config, local.weight_files(), resolve_dtype(dtype, dev), dev)
+        weights = load_weights(local, resolve_dtype(dtype, dev), dev)
         return cls(local, weights, tokenizer, prompts)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""The model's weights in their compute layout (q/k/v and gate/up fused, in the compute dtype), kept on disk.
+
+Building that layout from a float32 checkpoint casts and concatenates every tensor: most of a cold `kvrag ask`'s
+model load. It is done once per model and dtype, and later loads read the result as it is. The file carries the
+digest of its bytes, checked at every load: a damaged or partial file is rebuilt, never used.
+
+    $KVRAG_HOME/models/prepared/<fingerprint>-<dtype>.safetensors
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import LocalModel
+from kvrag.store.home import kvrag_home
+
+_DIGEST_KEY = "kvrag.digest"  # in the safetensors metadata: xxh3-128 of the tensor bytes after the header
+
+
+def prepared_path(local: LocalModel, dtype: torch.dtype) -> Path:
+    return kvrag_home() / "models" / "prepared" / f"{local.fingerprint}-{str(dtype).removeprefix('torch.')}.safetensors"
+
+
+def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """The model for compute: from its prepared file when there is a sound one, else built and prepared."""
+    path = prepared_path(local, dtype)
+    state = _read(path)
+    if state is not None:
+        try:
+            return Transformer.from_compute_state(local.config, {k: v.to(device) for k, v in state.items()},
+                                                  dtype, device)
+        except Exception as exc:  # noqa: BLE001 - a file from another version: rebuild it
+            print(f"kvrag: prepared weights {path.name} do not fit this model ({exc}); rebuilding", file=sys.stderr)
+    model = Transformer.from_safetensors(local.config, local.weight_files(), dtype, device)
+    _write(path, model.compute_state())
+    return model
+
+
+def _read(path: Path) -> dict[str, torch.Tensor] | None:
+    """The tensors of a prepared file whose bytes match its digest; None if it is missing or damaged."""
+    from safetensors.torch import load
+
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    header_end = 8 + int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    try:
+        meta = json.loads(data[8:header_end]).get("__metadata__", {})
+        if meta.get(_DIGEST_KEY) != xxhash.xxh3_128(memoryview(data)[header_end:]).hexdigest():
+            raise ValueError("digest mismatch")
+        return load(data)
+    except Exception:  # noqa: BLE001 - any damage at all means: rebuild
+        print(f"kvrag: prepared weights {path.name} are damaged; rebuilding", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write atomically (temp file, then rename); a full disk or a read-only home only costs the next load."""
+    from safetensors.torch import save
+
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    try:
+        blank = save(cpu, metadata={_DIGEST_KEY: "0" * 32})  # the header's size does not depend on the digest
+        header_end = 8 + int.from_bytes(blank[:8], "little")
+        digest = xxhash.xxh3_128(memoryview(blank)[header_end:]).hexdigest()
+        data = save(cpu, metadata={_DIGEST_KEY: digest})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as exc:
+        print(f"kvrag: could not keep prepared weights at {path} ({exc.strerror or exc})", file=sys.stderr)

@@ -1,0 +1,51 @@
+"""Prepared weights (blend/prepared.py): the cached compute layout gives the same model, and damage is rebuilt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import resolve_model
+from kvrag.blend.prepared import load_weights, prepared_path
+
+IDS = torch.tensor([1, 503, 2077, 28, 9, 4413, 311, 17, 88, 2])
+
+
+def _logits(model: Transformer) -> torch.Tensor:
+    return model.full_forward(IDS, all_logits=True)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])  # separate and tied LM heads
+def test_prepared_weights_give_bit_equal_logits(request, model_dir, dtype):
+    local = resolve_model(str(request.getfixturevalue(model_dir)))
+    reference = _logits(Transformer.from_safetensors(local.config, local.weight_files(), dtype))
+    path = prepared_path(local, dtype)
+    path.unlink(missing_ok=True)
+    built = load_weights(local, dtype, torch.device("cpu"))  # builds and writes the file
+    assert path.is_file()
+    loaded = load_weights(local, dtype, torch.device("cpu"))  # reads it
+    assert torch.equal(_logits(built), reference) and torch.equal(_logits(loaded), reference)
+    assert (loaded.lm_head is loaded.embed_tokens) == local.config.tie_embeddings  # tied: one tensor
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_a_damaged_prepared_file_is_rebuilt_not_used(tiny_llama_dir, damage, capsys):
+    local = resolve_model(str(tiny_llama_dir))
+    reference = _logits(Transformer.from_safetensors(local.config, local.weight_files(), torch.float32))
+    load_weights(local, torch.float32, torch.device("cpu"))
+    path = prepared_path(local, torch.float32)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-1000] ^= 0x40  # one bit of one weight
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"not a safetensors file")
+    path.write_bytes(bytes(data))
+    model = load_weights(local, torch.float32, torch.device("cpu"))
+    assert torch.equal(_logits(model), reference)
+    assert "damaged; rebuilding" in capsys.readouterr().err
+    assert path.read_bytes() != bytes(data)  # rewritten sound
+    assert torch.equal(_logits(load_weights(local, torch.float32, torch.device("cpu"))), reference)

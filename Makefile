@@ -51,7 +51,7 @@ bench-model: bench-data $(STAMP)
 # Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; 20-75 min on
 # 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed);
 # BENCH_DTYPE: float32 or bfloat16 instead of this machine's auto choice. KV the run stores itself is kept
-# uncompressed (on a CPU the zstd decode shares the cores with the blend: README, "Precomputing and the store");
+# uncompressed (on a CPU the zstd decode shares the cores with the blend: docs/performance.md);
 # BENCH_COMPRESS=yes stores it zstd-compressed. A store's existing values are read as they were written.
 BENCH_LIMIT ?= 50
 BENCH_COMPRESS ?= no

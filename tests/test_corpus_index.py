@@ -300,7 +300,7 @@ def test_bf16_embeddings_agree_with_fp32(embedder):
 @pytest.mark.benchmark_data
 def test_musique_recall_at_10_over_the_first_50_questions(tmp_path, passages, embedder, musique_path, musique_items):
     """Every question finds at least one of its own passages in the top 10 (whole-passage chunks, as
-    CacheBlend uses them; the default 512-token chunking is measured in the README)."""
+    CacheBlend uses them)."""
     store = tmp_path / "store"
     summary = run(passages, embedder, store, musique_path, chunk_tokens=1024)
     assert (summary.documents, summary.chunks) == (1255, 1255)

@@ -126,6 +126,13 @@ def _hf_directory(path: Path) -> LocalModel:
     return LocalModel(path.name, path, config, _fingerprint(config, weights_digest, tok), tok)
 
 
+def _checked_digest(f: Path) -> str:
+    return _cached_digest(f) if f.stat().st_size > _HASH_EVERY_TIME else file_digest(f)
+
+
+_HASH_EVERY_TIME = 1 << 24  # bytes: files up to this size are hashed at every load
+
+
 def _cached_digest(f: Path) -> str:
     """A weights file's digest, remembered by (path, size, mtime) so big models hash once."""
     memo_file = kvrag_home() / "models" / "digests.json"
@@ -180,7 +187,9 @@ def _cached_conversion(models: Path, pointer: Path) -> LocalModel | None:
         return None
     for name, digest in record["files"].items():
         f = path / name
-        if not f.is_file() or file_digest(f) != digest:
+        # the weights (hundreds of MB) by their remembered digest: a cold `ask` reads only the prepared copy
+        # (blend/prepared.py, which checks its own bytes); the small files are hashed every time
+        if not f.is_file() or _checked_digest(f) != digest:
             print(f"kvrag: model cache {path} is damaged ({name}); converting again", file=sys.stderr)
             return None
     config = _read_config(path)

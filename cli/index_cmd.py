@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -19,10 +20,10 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
-from kvrag.corpus.chunking import ChunkConfig, PassageTokenizer
-from kvrag.corpus.indexer import IndexOptions, IndexSummary, index_corpus
-from kvrag.corpus.read_json import JsonFields
-from kvrag.corpus.sources import expand_paths
+
+if TYPE_CHECKING:  # the corpus stack (faiss, semchunk, ...) loads only when a command of this module runs
+    from kvrag.corpus.chunking import PassageTokenizer
+    from kvrag.corpus.indexer import IndexSummary
 
 _SHOWN_SKIPS = 10  # skipped inputs listed one by one; the rest are counted (all are in --json)
 
@@ -31,6 +32,7 @@ def load_passage_tokenizer(model: str | None) -> PassageTokenizer:
     """The LLM's tokenizer and the prompt's passage format (chunk token ids are spliced as is)."""
     from kvrag.blend.model_files import resolve_model
     from kvrag.blend.prompt import render_passage
+    from kvrag.corpus.chunking import PassageTokenizer
 
     local = resolve_model(model)
     return PassageTokenizer(local.load_tokenizer(), render_passage, local.tokenizer_fingerprint)
@@ -88,6 +90,11 @@ def index_command(
 
     Example: kvrag index docs/ 'notes/**/*.md' --store ./my-store
     """
+    from kvrag.corpus.chunking import ChunkConfig
+    from kvrag.corpus.indexer import IndexOptions, index_corpus
+    from kvrag.corpus.read_json import JsonFields
+    from kvrag.corpus.sources import expand_paths
+
     options = IndexOptions(
         chunking=ChunkConfig(chunk_tokens, overlap),
         fields=JsonFields(text_field, title_field, id_field),

@@ -1,3 +1,3 @@
-from kvrag.cli.app import main
+from kvrag.cli.app import run
 
-main()
+run()

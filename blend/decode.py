@@ -9,6 +9,7 @@ import torch
 
 from kvrag import KvragError
 from kvrag.blend.model import Transformer
+from kvrag.blend.row_step import RowStep
 
 STOP_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
@@ -41,6 +42,7 @@ class DecodeCache:
         self.k = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.v = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.length = 0
+        self.stepper: RowStep | None = None  # the one-row decode's buffers, made at the first decode step
 
     @classmethod
     def from_prompt(cls, model: Transformer, layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -70,8 +72,24 @@ def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Te
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, cache: DecodeCache, token: int) -> torch.Tensor:
-    """Feed one token at position `cache.length`; returns the next-token logits [V]."""
+def decode_step(model: Transformer, cache: DecodeCache, token: int, native: bool = False) -> torch.Tensor:
+    """Feed one token at position `cache.length`; returns the next-token logits [V] (float32).
+
+    native: the bf16 matrix-vector products and attention in kernels/decode.cpp where they serve (see RowStep):
+    faster, but not the reference's bits, so greedy answers can part from it at near-ties.
+    """
+    if cache.length >= cache.capacity:
+        raise KvragError("decode cache is full")
+    stepper = cache.stepper
+    if stepper is None or stepper.model is not model or stepper.wants_native != native or cache.length > stepper.synced:
+        cache.stepper = RowStep(model, cache, native)
+    return cache.stepper.step(token)
+
+
+@torch.inference_mode()
+def decode_step_reference(model: Transformer, cache: DecodeCache, token: int) -> torch.Tensor:
+    """`decode_step` through the model's general primitives, one op at a time: the reference the one-row path
+    (RowStep) is held against in tests and benchmarks."""
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")
     n = cache.length

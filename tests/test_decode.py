@@ -12,12 +12,14 @@ from kvrag.blend.decode import (
     SamplingConfig,
     choose,
     decode_step,
+    decode_step_reference,
     generate,
     prefill,
     stream_text,
 )
-from kvrag.blend.model import Transformer
+from kvrag.blend.model import RESCORED, Transformer, _attend_few_rows
 from kvrag.blend.model_files import resolve_model
+from kvrag.kernels import decode as native_decode
 
 
 def _greedy_ours(path, ids: torch.Tensor, n: int) -> list[int]:
@@ -105,8 +107,6 @@ def test_stream_text_reassembles_the_answer(smol_tokenizer):
 @pytest.mark.parametrize("rows, keys, kv_heads, group", [(1, 1, 3, 3), (1, 517, 3, 3), (5, 64, 2, 4), (8, 300, 4, 1)])
 def test_decode_attention_equals_sdpa(dtype, tol, rows, keys, kv_heads, group):
     """The few-rows path decoding takes (two float32 matmuls) against SDPA over expanded heads, the reference."""
-    from kvrag.blend.model import _attend_few_rows
-
     g = torch.Generator().manual_seed(rows * 1000 + keys)
     q = torch.randn(rows, kv_heads * group, 64, generator=g).to(dtype)  # [R, Hq, hd]
     k = torch.randn(keys, kv_heads, 64, generator=g).to(dtype) * 3  # [S, Hkv, hd]
@@ -115,3 +115,157 @@ def test_decode_attention_equals_sdpa(dtype, tol, rows, keys, kv_heads, group):
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), expand(k), expand(v))
     got = _attend_few_rows(q, k, v, group)
     torch.testing.assert_close(got.float(), ref[0].transpose(0, 1).reshape(rows, -1), rtol=tol, atol=tol)
+
+
+# ---- the one-row decode path (RowStep) against the reference step ---------------------------------------------
+
+def _load(path, dtype) -> Transformer:
+    local = resolve_model(str(path))
+    return Transformer.from_safetensors(local.config, local.weight_files(), dtype)
+
+
+def _steps(model, step, ids: torch.Tensor, feed: list[int]) -> list[torch.Tensor]:
+    """Logits [V] after the prompt ids and after each token of `feed`, through `step`."""
+    logits, cache = prefill(model, ids, extra=len(feed))
+    out = [logits]
+    for token in feed:
+        out.append(step(model, cache, token).clone())
+    return out
+
+
+def _greedy(model, step, ids: torch.Tensor, n: int) -> list[int]:
+    logits, cache = prefill(model, ids, extra=n)
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(torch.argmax(logits)))
+        logits = step(model, cache, tokens[-1])
+    return tokens
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_row_step_gives_the_reference_bits_in_float32(fixture, request):
+    """Off the native kernels (float32), the one-row step runs the reference's own ops: the same bits."""
+    model = _load(request.getfixturevalue(fixture), torch.float32)
+    ids = torch.randint(0, 49152, (37,), generator=torch.Generator().manual_seed(5))
+    feed = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    for new, ref in zip(_steps(model, decode_step, ids, feed), _steps(model, decode_step_reference, ids, feed),
+                        strict=True):
+        torch.testing.assert_close(new, ref, rtol=0, atol=0)
+
+
+def test_row_step_in_bf16_gives_the_reference_bits(tiny_llama_hd64_dir):
+    model = _load(tiny_llama_hd64_dir, torch.bfloat16)
+    ids = torch.randint(0, 49152, (90,), generator=torch.Generator().manual_seed(7))
+    feed = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    for new, ref in zip(_steps(model, decode_step, ids, feed), _steps(model, decode_step_reference, ids, feed),
+                        strict=True):
+        torch.testing.assert_close(new, ref, rtol=0, atol=0)
+
+
+def _native_step(model, cache, token):
+    return decode_step(model, cache, token, native=True)
+
+
+def test_native_row_step_stays_within_bf16_of_the_reference(tiny_llama_hd64_dir):
+    """bf16 on the native kernels (where this CPU has them): only the order of float32 sums differs, so the
+    logits stay as close to a float32 model's as the reference's own are."""
+    model, exact = _load(tiny_llama_hd64_dir, torch.bfloat16), _load(tiny_llama_hd64_dir, torch.float32)
+    ids = torch.randint(0, 49152, (90,), generator=torch.Generator().manual_seed(7))
+    feed = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    new, ref = _steps(model, _native_step, ids, feed), _steps(model, decode_step_reference, ids, feed)
+    truth = _steps(exact, decode_step_reference, ids, feed)
+    for a, b, t in zip(new, ref, truth, strict=True):
+        ref_err = (b - t).abs().max()
+        assert (a - t).abs().max() <= 1.5 * ref_err + 1e-3
+        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=4 * ref_err)
+
+
+def test_cache_rows_written_by_another_step_are_seen(tiny_llama_dir):
+    """A row fed through the reference step between two one-row steps is attended to like any other."""
+    model = _load(tiny_llama_dir, torch.float32)
+    ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(9))
+    _, mixed = prefill(model, ids, extra=3)
+    _, plain = prefill(model, ids, extra=3)
+    for step, token in zip([decode_step, decode_step_reference, decode_step], [5, 6, 7], strict=True):
+        got = step(model, mixed, token)
+        want = decode_step_reference(model, plain, token)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+PASSAGES = [
+    ("Lake Baikal in Siberia is the deepest lake on Earth, over 1,600 metres deep, and holds about a fifth of "
+     "the world's unfrozen fresh water. ", "How deep is Lake Baikal?"),
+    ("The Amazon carries more water than any other river on Earth. It rises in the Andes of Peru and reaches the "
+     "Atlantic in Brazil. ", "Where does the Amazon rise?"),
+    ("Marie Curie was born in Warsaw in 1867. She won the Nobel Prize in Physics in 1903 and in Chemistry in "
+     "1911, the first person to win it twice. ", "In which city was Marie Curie born?"),
+]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("passage, question", PASSAGES)
+def test_real_row_step_greedy_tokens_equal_the_reference(smol, smol_tokenizer, passage, question):
+    """SmolLM2 in bf16 (the demo's dtype here): the same greedy answer, token for token and logit for logit, as
+    the reference step; the native kernels' logits stay within bf16 steps of it (teacher-forced on its tokens)."""
+    from kvrag.blend.prompt import PromptBuilder
+
+    model = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.bfloat16)
+    builder = PromptBuilder(smol_tokenizer)
+    ids = torch.tensor(builder.build([builder.passage_ids("", passage * 4)], question).flat())
+    tokens = _greedy(model, decode_step_reference, ids, 40)
+    assert _greedy(model, decode_step, ids, 40) == tokens
+    ref = _steps(model, decode_step_reference, ids, tokens)
+    for new, want in zip(_steps(model, decode_step, ids, tokens), ref, strict=True):
+        torch.testing.assert_close(new, want, rtol=0, atol=0)
+    for new, want in zip(_steps(model, _native_step, ids, tokens), ref, strict=True):
+        top = want.topk(RESCORED).indices  # the head of the distribution, computed in float32 by both
+        torch.testing.assert_close(new[top], want[top], rtol=0, atol=1.0)
+
+
+# ---- kernels/decode.cpp against torch ------------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", [(1, 16), (7, 576), (960, 576), (576, 1536), (4099, 64)])
+def test_native_gemv_equals_linear_up_to_one_bf16_step(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
+    exact = w.double() @ x.double()  # [N]
+    got = native_decode.gemv(w, x, torch.empty(n, dtype=torch.bfloat16), n_threads=2)
+    ref = torch.nn.functional.linear(x[None], w)[0]
+    step = exact.abs().clamp(min=1e-6) * 2 ** -7  # one bf16 ulp (8 significant bits), or less
+    assert ((got.double() - exact).abs() <= step).all()
+    assert ((got.double() - ref.double()).abs() <= step).all()
+    wide = native_decode.gemv(w, x, torch.empty(n), n_threads=1)  # float32 out: the bf16 values, widened
+    torch.testing.assert_close(wide, got.float(), rtol=0, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("keys, n_kv, group, dim", [(1, 3, 3, 64), (15, 3, 3, 64), (333, 3, 3, 64), (2049, 2, 4, 128),
+                                                    (100, 4, 1, 16)])
+def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
+    """One row over the first `keys` cache rows, against float64 SDPA; rows past them are never read."""
+    g = torch.Generator().manual_seed(keys * 7 + dim)
+    q = torch.randn(n_kv * group, dim, generator=g).bfloat16()  # [Hq, D]
+    k = (torch.randn(keys + 9, n_kv, dim, generator=g) * 3).bfloat16()  # [S + 9, Hkv, D]
+    v = torch.randn(keys + 9, n_kv, dim, generator=g).bfloat16()
+    k[keys:], v[keys:] = float("nan"), float("nan")  # past the keys: must not leak in
+    got = native_decode.attention(q, k, v, torch.empty_like(q), keys, dim ** -0.5)
+    expand = lambda x: x[:keys].double().repeat_interleave(group, dim=1).transpose(0, 1)  # noqa: E731 [Hq, S, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], expand(k), expand(v))[:, 0]
+    torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-3)
+    few = _attend_few_rows(q[None], k[:keys], v[:keys], group)[0].view_as(q)
+    torch.testing.assert_close(got.float(), few.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@needs_native
+def test_native_kernels_refuse_shapes_they_cannot_take():
+    with pytest.raises(RuntimeError):
+        native_decode.gemv(torch.zeros(4, 17, dtype=torch.bfloat16), torch.zeros(17, dtype=torch.bfloat16),
+                           torch.empty(4, dtype=torch.bfloat16))
+    q = torch.zeros(18, 64, dtype=torch.bfloat16)  # 9 query heads a KV head: more than the kernel keeps
+    kv = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        native_decode.attention(q, kv, kv, torch.empty_like(q), 4, 0.125)

@@ -1,0 +1,128 @@
+"""One decode step for one new row: the reference step's arithmetic with its per-step overhead taken out.
+
+A decode step reads every weight once for a single row, so it runs at the memory's speed only if nothing else
+costs: here buffers are made once per cache, the rotary angles of every position the cache can hold are
+computed once, q and k rotate in one call, and the keys and values are also kept in float32 (the reference
+converts the whole cache to float32 at every layer of every step for its attention matmuls).
+
+Two arithmetics:
+- exact (default): torch's own ops on one thread, the reference's bits (its matmuls give the same bits on one
+  thread as on two, and on a shared or busy CPU, one thread's matrix-vector products do not wait at a barrier
+  for a descheduled second thread: 0.4 vs 7.8 ms for a 3072x576 bf16 product under load on 2 cores).
+- native: with a bf16 model on an AVX-512 CPU, the matrix-vector products and the attention in
+  kernels/decode.cpp, reading the cache's bf16 keys and values as they are. Only the order of float32 sums
+  differs, but a bf16 model amplifies that: greedy answers part from the reference at near-ties.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.blend import rotary
+from kvrag.blend.model import RESCORED, Transformer, _attend_few_rows
+from kvrag.kernels import decode as native_decode
+
+if TYPE_CHECKING:
+    from kvrag.blend.decode import DecodeCache
+
+DECODE_THREADS = 1  # torch threads during an exact step (see the module doc)
+
+
+class RowStep:
+    def __init__(self, model: Transformer, cache: DecodeCache, native: bool = False):
+        c = self.cfg = model.cfg
+        self.model, self.cache, self.wants_native = model, cache, native
+        self.native = native and native_decode.serves(model.dtype, model.device, c.hidden_size, c.head_dim,
+                                                      c.group_size)
+        self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity))  # [cap, 1, hd] each
+        new = partial(torch.empty, dtype=model.dtype, device=model.device)
+        self.h = new(1, c.hidden_size)  # [1, D] the residual stream
+        self.qkv = new(1, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim)  # [1, (Hq + 2 Hkv) hd]
+        self.qk = new(1, c.n_heads + c.n_kv_heads, c.head_dim)  # [1, Hq + Hkv, hd] rotated q and k
+        self.attn = new(1, c.n_heads * c.head_dim)  # [1, Hq hd]
+        self.out = new(1, c.hidden_size)  # [1, D] an attention or MLP output before the residual add
+        self.gate_up = new(1, 2 * c.intermediate_size)  # [1, 2I]
+        self.act = new(1, c.intermediate_size)  # [1, I]
+        # float32 keys and values for the exact attention: the cache's rows so far now, each new row as it comes
+        self.k32 = self.v32 = None
+        if not self.native:
+            self.k32, self.v32 = (torch.empty(x.shape, device=x.device) for x in (cache.k, cache.v))  # [L, cap, Hkv, hd]
+            self.k32[:, :cache.length], self.v32[:, :cache.length] = cache.k[:, :cache.length], cache.v[:, :cache.length]
+        self.synced = cache.length  # rows below this are in k32 and v32 (rows written elsewhere later are not)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed `token` at position cache.length: its K and V into the cache, the next-token logits [V] out."""
+        n = self.cache.length
+        with _threads(None if self.native else DECODE_THREADS):
+            self.h.copy_(self.model.embed_tokens[token])
+            for layer in range(self.cfg.n_layers):
+                self._attention(layer, n)
+                self._mlp(layer)
+            self.cache.length = self.synced = n + 1
+            return self._logits()
+
+    def _attention(self, layer: int, n: int) -> None:
+        """h += o_proj(attention of the row at position n over keys 0..n); its k and v go into the cache."""
+        c, m, w, cache = self.cfg, self.model, self.model.layers[layer], self.cache
+        nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self._linear(m.rms_norm(self.h, w.attn_norm), w.wqkv, w.bqkv, self.qkv)
+        qk = self.qkv[:, :nq + nk].view(1, -1, c.head_dim)  # [1, Hq + Hkv, hd] before rotary
+        rotary.rotate(qk, self.cos[n:n + 1], self.sin[n:n + 1], out=self.qk)
+        cache.k[layer, n] = self.qk[0, c.n_heads:]
+        cache.v[layer, n] = self.qkv[0, nq + nk:].view(c.n_kv_heads, c.head_dim)
+        q = self.qk[0, :c.n_heads]  # [Hq, hd]
+        if self.native:
+            native_decode.attention(q, cache.k[layer], cache.v[layer], self.attn.view(c.n_heads, c.head_dim), n + 1,
+                                    c.head_dim ** -0.5)
+        else:
+            self.k32[layer, n], self.v32[layer, n] = cache.k[layer, n], cache.v[layer, n]
+            self.attn.copy_(_attend_few_rows(q[None], self.k32[layer, :n + 1], self.v32[layer, :n + 1], c.group_size))
+        self.h.add_(self._linear(self.attn, w.wo, None, self.out))
+
+    def _mlp(self, layer: int) -> None:
+        """h += down(silu(gate) * up) of the MLP-normed row."""
+        w = self.model.layers[layer]
+        self._linear(self.model.rms_norm(self.h, w.mlp_norm), w.w_gate_up, None, self.gate_up)
+        gate, up = self.gate_up.chunk(2, dim=-1)  # [1, I] each
+        torch.mul(F.silu(gate), up, out=self.act)
+        self.h.add_(self._linear(self.act, w.w_down, None, self.out))
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """out [1, N] = x [1, K] @ w [N, K]^T (+ b): F.linear's numbers (or the native kernel's), into out."""
+        if self.native and b is None:
+            return native_decode.gemv(w, x[0], out[0]).view_as(out)
+        out.copy_(F.linear(x, w, b))
+        return out
+
+    def _logits(self) -> torch.Tensor:
+        """Transformer.logits of the one row: the bf16 head, then its RESCORED best again in float32."""
+        m = self.model
+        normed = m._normed(self.h)  # [1, D] float32
+        x = m.final_norm * normed.to(m.dtype)  # [1, D]
+        if self.native:  # the LM head (57 MB for SmolLM2) is worth a second thread
+            out = native_decode.gemv(m.lm_head, x[0], torch.empty(m.lm_head.shape[0]), torch.get_num_threads())
+        else:
+            out = F.linear(x, m.lm_head)[0].float()  # [V]
+        if m.dtype != torch.float32:  # the same einsum as Transformer.logits, so the same float32 sums
+            top = out.topk(min(RESCORED, out.shape[-1])).indices[None]  # [1, K]
+            exact = torch.einsum("rd,rkd->rk", m.final_norm.float() * normed, m.lm_head[top].float())  # [1, K]
+            out.scatter_(-1, top[0], exact[0])
+        return out
+
+
+@contextmanager
+def _threads(n: int | None):
+    """torch's intra-op threads set to n for the block (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -52,7 +52,7 @@ class BlendConfig:
     gradual: bool = True  # select 1.5x the share at the check layer, `ratio` at the next (CacheBlend's gradual filtering)
     # rank by deviation x (1 + attention_weight x how much the suffix reads the token / the mean): a token's
     # error reaches the answer through the question's attention to it; 0 ranks by deviation alone (see the
-    # README's measurements for the default)
+    # docs/performance.md's measurements for the default)
     attention_weight: float = ATTENTION_WEIGHT
     # reuse the first chunk's KV as loaded when it is exact there (it follows the preamble), as prefix caching
     # does, instead of computing its rows at the layers up to the check and ranking them

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvrag.blend.bench.items import default_dataset  # noqa: F401 (cli/model_cmd.py imports it from here)
 from kvrag.blend.controller import best_time
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import resolve_model

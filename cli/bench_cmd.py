@@ -87,7 +87,8 @@ def bench_command(
 
     Then a Poisson-arrival throughput and memory-tier hit rates, both simulated from the measured runs.
 
-    Tables on stderr; --json on stdout; --out DIR for report.json, report.md and plots.
+    Tables on stderr, or --json on stdout (then stderr shows only progress); --out DIR for report.json,
+    report.md and plots.
 
     Example: kvrag bench --dataset ../shared/data/musique_s.json --limit 50 --out bench-out
     """
@@ -298,10 +299,12 @@ def _cache(bench, runtime, config, spec, pool) -> dict:
 
 
 def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
+    """The tables on stderr, or with --json the report on stdout alone; --out's files either way."""
     from kvrag.blend.bench.report import markdown, rich_tables
 
-    for table in rich_tables(report):
-        console.print(table)
+    if not as_json:
+        for table in rich_tables(report):
+            console.print(table)
     if out is not None:
         import json
 
@@ -315,7 +318,9 @@ def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
             console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/]")
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         (out / "report.md").write_text(markdown(report, plots) + "\n")
-        console.print(f"wrote {out / 'report.json'}, {out / 'report.md'} and {len(plots)} plots")
-    console.print(f"bench done in {report['total_wall_s']:.0f} s")
+        if not as_json:
+            console.print(f"wrote {out / 'report.json'}, {out / 'report.md'} and {len(plots)} plots")
     if as_json:
         print_json(report)
+    else:
+        console.print(f"bench done in {report['total_wall_s']:.0f} s")

@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvrag import KvragError
 from kvrag.cli.app import model_app
 from kvrag.cli.common import (
     DEVICE_OPTION,
@@ -15,7 +14,6 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     print_json,
-    read_json_file,
     stderr_console,
 )
 
@@ -79,13 +77,12 @@ def bench(
 
     Example: kvrag model bench --items 20 --json
     """
+    from kvrag.blend.bench.items import read_dataset
     from kvrag.blend.device import set_cpu_threads
-    from kvrag.blend.model_bench import default_dataset, run_model_bench
+    from kvrag.blend.model_bench import run_model_bench
 
     set_cpu_threads()
-    data = read_json_file(dataset or default_dataset())
-    if not isinstance(data, list) or not data or "ctxs" not in data[0]:
-        raise KvragError("--dataset must be a MuSiQue-format JSON list of items with 'ctxs'")
+    data = read_dataset(dataset)
     console = stderr_console()
     report = run_model_bench(data, model, items, cold, with_transformers=transformers_baseline,
                              log=lambda msg: console.print(f"[dim]{msg}[/dim]"))

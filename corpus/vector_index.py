@@ -24,7 +24,7 @@ import numpy as np
 from kvrag import KvragError
 
 # Exact search up to this many chunks. At 100k x 384 float32 the index is 150 MiB and a query scans
-# it in a few ms on one core (see README): below the cost of the embedding and far below a prefill.
+# it in a few ms on one core (see docs/performance.md): below the cost of the embedding and far below a prefill.
 FLAT_MAX = 100_000
 _POINTER = "current.json"
 _LOCK = "lock"

@@ -29,7 +29,7 @@ def default_dataset() -> Path:
 def read_dataset(path: Path | None) -> list[dict]:
     """A MuSiQue-format file's items (each with its passages in `ctxs`), by default the benchmarks' copy."""
     path = Path(path) if path is not None else default_dataset()
-    if not path.is_file():
+    if not path.exists():
         raise KvragError(f"{path} is missing: the benchmark reads {DATASET_SOURCE}; put it there or pass --dataset FILE")
     items = read_items(path)
     if not all(isinstance(item.get("ctxs"), list) and item["ctxs"] for item in items):

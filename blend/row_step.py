@@ -6,9 +6,10 @@ computed once, q and k rotate in one call, and the keys and values are also kept
 converts the whole cache to float32 at every layer of every step for its attention matmuls).
 
 Two arithmetics:
-- exact (default): torch's own ops on one thread, the reference's bits (its matmuls give the same bits on one
-  thread as on two, and on a shared or busy CPU, one thread's matrix-vector products do not wait at a barrier
-  for a descheduled second thread: 0.4 vs 7.8 ms for a 3072x576 bf16 product under load on 2 cores).
+- exact (default): torch's own ops, the reference's bits. DECODE_THREADS = 1 runs them on one thread (the same
+  bits as on two): on a busy shared CPU its matrix-vector products then wait at no barrier for a descheduled
+  second thread (0.4 vs 7.8 ms for a 3072x576 bf16 product under load on 2 cores; 18-22 tokens/s steady vs
+  1-32), but on an idle 2-core CPU two threads are faster (32 vs 21 tokens/s), so torch's setting is kept.
 - native: with a bf16 model on an AVX-512 CPU, the matrix-vector products and the attention in
   kernels/decode.cpp, reading the cache's bf16 keys and values as they are. Only the order of float32 sums
   differs, but a bf16 model amplifies that: greedy answers part from the reference at near-ties.
@@ -30,7 +31,7 @@ from kvrag.kernels import decode as native_decode
 if TYPE_CHECKING:
     from kvrag.blend.decode import DecodeCache
 
-DECODE_THREADS = 1  # torch threads during an exact step (see the module doc)
+DECODE_THREADS: int | None = None  # torch threads during an exact step, None: as set (see the module doc)
 
 
 class RowStep:

@@ -1,0 +1,100 @@
+"""Single-stream decode speed against this machine's memory floor: `python -m kvrag.blend.decode_bench`.
+
+The floor: a decode step reads every weight and the whole KV cache once, so no step can beat
+(bytes read per token) / (memory bandwidth), measured here as a large torch copy's (read + write) bytes a second.
+The reference step (decode_step_reference), the exact one-row step and the native one (decode_step, native=True)
+decode the same tokens, interleaved round by round in one process; medians, since the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from kvrag import KvragError
+from kvrag.blend.decode import decode_step, decode_step_reference, prefill
+from kvrag.blend.model import Transformer
+
+STEPS = {
+    "reference": decode_step_reference,
+    "exact": decode_step,
+    "native": lambda model, cache, token: decode_step(model, cache, token, native=True),
+}
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 9) -> float:
+    """Bytes a second a large copy moves (read + written), median of `repeats`."""
+    src = torch.ones(mib * 2 ** 20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def bytes_per_token(model: Transformer, context: int) -> int:
+    """Weights read by one step (every layer's matrices and norms, the LM head, one embedding row) plus the KV
+    cache's keys and values over `context` positions."""
+    weights = sum(t.numel() * t.element_size() for layer in model.layers for t in vars(layer).values()
+                  if t is not None)
+    head = model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * 2
+    c = model.cfg
+    kv = 2 * c.n_layers * context * c.n_kv_heads * c.head_dim * model.embed_tokens.element_size()
+    return weights + head + model.embed_tokens[0].numel() * model.embed_tokens.element_size() + kv
+
+
+def tokens_per_s(model: Transformer, prompt: int, steps: int, rounds: int) -> dict[str, float]:
+    """Median tokens a second of each step over `steps` tokens after a `prompt`-token prefill, interleaved."""
+    ids = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(prompt))
+    _, cache = prefill(model, ids, extra=steps)
+    feed = torch.randint(0, model.cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(1)).tolist()
+    times: dict[str, list[float]] = {name: [] for name in STEPS}
+    for _ in range(rounds):
+        for name, step in STEPS.items():
+            cache.length = prompt  # the same rows rewritten: every step does the same work
+            step(model, cache, feed[0])  # warm (the one-row steps make their buffers here)
+            start = time.perf_counter()
+            for token in feed[1:]:
+                step(model, cache, token)
+            times[name].append((steps - 1) / (time.perf_counter() - start))
+            cache.length = prompt
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="300,2000", help="prompt lengths, comma-separated")
+    parser.add_argument("--steps", type=int, default=32, help="tokens decoded a round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args(argv)
+    try:
+        prompts = [int(p) for p in args.prompts.split(",")]
+        from kvrag.blend.model_files import resolve_model
+
+        local = resolve_model(args.model)
+        model = Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
+    except (KvragError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), torch threads {torch.get_num_threads()}")
+    print(f"{'prompt':>6} {'MB/token':>8} {'floor':>6} " + " ".join(f"{n:>14}" for n in STEPS)
+          + "   tokens/s (floor / speed)")
+    with torch.inference_mode():
+        for prompt in prompts:
+            floor = bandwidth / bytes_per_token(model, prompt)
+            speed = tokens_per_s(model, prompt, args.steps, args.rounds)
+            cells = " ".join(f"{speed[n]:7.1f} ({floor / speed[n]:4.1f}x)" for n in STEPS)
+            print(f"{prompt:>6} {bytes_per_token(model, prompt) / 1e6:8.1f} {floor:6.1f} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

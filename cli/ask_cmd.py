@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -27,6 +28,10 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
+
+if TYPE_CHECKING:  # torch-bound: imported when a command runs, not when the CLI starts
+    from kvrag.blend.decode import SamplingConfig
+    from kvrag.blend.fusion import BlendConfig
 
 _IMPORTED_AT = time.perf_counter()
 
@@ -148,8 +153,8 @@ def ask_command(
 @dataclass(frozen=True)
 class _Settings:
     mode: str
-    config: object  # BlendConfig
-    sampling: object  # SamplingConfig
+    config: BlendConfig
+    sampling: SamplingConfig
     auto_ratio: bool
     codec: str
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy

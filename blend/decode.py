@@ -72,11 +72,12 @@ def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Te
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, cache: DecodeCache, token: int, native: bool = False) -> torch.Tensor:
+def decode_step(model: Transformer, cache: DecodeCache, token: int, native: bool = True) -> torch.Tensor:
     """Feed one token at position `cache.length`; returns the next-token logits [V] (float32).
 
-    native: the bf16 matrix-vector products and attention in kernels/decode.cpp where they serve (see RowStep):
-    faster, but not the reference's bits, so greedy answers can part from it at near-ties.
+    native (default): the whole step in one call into kernels/decode.cpp where it serves (see RowStep), else
+    torch's ops. It is faster but not the reference's bits, so greedy answers can part from it at near-ties;
+    native=False always runs torch's ops, the reference's bits.
     """
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")

@@ -2,8 +2,10 @@
 
 The floor: a decode step reads every weight and the whole KV cache once, so no step can beat
 (bytes read per token) / (memory bandwidth), measured here as a large torch copy's (read + write) bytes a second.
-The reference step (decode_step_reference), the exact one-row step and the native one (decode_step, native=True)
-decode the same tokens, interleaved round by round in one process; medians, since the machine may be shared.
+The reference step (decode_step_reference), the exact one-row step (decode_step, native=False) and the native
+whole step (decode_step's default where it serves) decode the same tokens, interleaved round by round in one
+process; medians, since the machine may be shared. Then, on invented items (tests/invented.py), how many
+greedy answers the native step decodes token for token as the reference does.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kvrag.blend.model import Transformer
 
 STEPS = {
     "reference": decode_step_reference,
-    "exact": decode_step,
-    "native": lambda model, cache, token: decode_step(model, cache, token, native=True),
+    "exact": lambda model, cache, token: decode_step(model, cache, token, native=False),
+    "native": decode_step,
 }
 
 
@@ -67,18 +69,61 @@ def tokens_per_s(model: Transformer, prompt: int, steps: int, rounds: int) -> di
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def native_call_ms(model: Transformer, prompt: int, steps: int) -> float:
+    """Median milliseconds of the native call alone (every layer and the LM head), without the step's torch
+    work around it (embedding row, float32 rescoring): the rest of a native step is that overhead."""
+    ids = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(prompt))
+    _, cache = prefill(model, ids, extra=1)
+    decode_step(model, cache, 0)
+    step, out = cache.stepper, torch.empty(model.lm_head.shape[0])
+    if step.whole is None:
+        return float("nan")
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step.whole(prompt, step.h[0], out, torch.get_num_threads())
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def greedy(model: Transformer, step, ids: list[int], n: int) -> list[int]:
+    logits, cache = prefill(model, torch.tensor(ids), extra=n)
+    tokens = [int(logits.argmax())]
+    while len(tokens) < n:
+        tokens.append(int(step(model, cache, tokens[-1]).argmax()))
+    return tokens
+
+
+def agreement(model: Transformer, tokenizer, n_items: int, n_tokens: int) -> tuple[int, int]:
+    """(identical, items): invented items whose `n_tokens` greedy answer tokens (question over its first two
+    passages) the native step decodes exactly as the reference does."""
+    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.tests.invented import invented_items
+
+    builder, same = PromptBuilder(tokenizer), 0
+    items = invented_items(n_items, seed=1)
+    for item in items:
+        passages = [builder.passage_ids(c["title"], c["text"]) for c in item["ctxs"][:2]]
+        ids = builder.build(passages, item["question"]).flat()
+        same += greedy(model, decode_step, ids, n_tokens) == greedy(model, decode_step_reference, ids, n_tokens)
+    return same, len(items)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="300,2000", help="prompt lengths, comma-separated")
     parser.add_argument("--steps", type=int, default=32, help="tokens decoded a round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--items", type=int, default=10, help="invented items for the greedy agreement (0: none)")
+    parser.add_argument("--answer-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     try:
         prompts = [int(p) for p in args.prompts.split(",")]
         from kvrag.blend.model_files import resolve_model
 
         local = resolve_model(args.model)
+        tokenizer = local.load_tokenizer()
         model = Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
     except (KvragError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -93,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             speed = tokens_per_s(model, prompt, args.steps, args.rounds)
             cells = " ".join(f"{speed[n]:7.1f} ({floor / speed[n]:4.1f}x)" for n in STEPS)
             print(f"{prompt:>6} {bytes_per_token(model, prompt) / 1e6:8.1f} {floor:6.1f} {cells}")
+            call = native_call_ms(model, prompt, 3 * args.steps)
+            print(f"{'':>6} native step {1e3 / speed['native']:.2f} ms: the native call {call:.2f} ms "
+                  f"({bytes_per_token(model, prompt) / call / 1e6:.1f} GB/s), torch around it "
+                  f"{1e3 / speed['native'] - call:.2f} ms")
+        if args.items:
+            same, items = agreement(model, tokenizer, args.items, args.answer_tokens)
+            print(f"greedy answers of {args.answer_tokens} tokens identical to the reference's: {same} of {items} "
+                  "invented items")
     return 0
 
 

@@ -10,9 +10,11 @@ Two arithmetics:
   bits as on two): on a busy shared CPU its matrix-vector products then wait at no barrier for a descheduled
   second thread (0.4 vs 7.8 ms for a 3072x576 bf16 product under load on 2 cores; 18-22 tokens/s steady vs
   1-32), but on an idle 2-core CPU two threads are faster (32 vs 21 tokens/s), so torch's setting is kept.
-- native: with a bf16 model on an AVX-512 CPU, the matrix-vector products and the attention in
-  kernels/decode.cpp, reading the cache's bf16 keys and values as they are. Only the order of float32 sums
-  differs, but a bf16 model amplifies that: greedy answers part from the reference at near-ties.
+- native (default where it serves: a bf16 model on an x86-64 AVX-512 CPU with kvrag's kernels built, and
+  KVRAG_NATIVE not 0): the whole step, every layer and the LM head, in one call into kernels/decode.cpp on
+  torch's threads, reading the cache's bf16 keys and values as they are. Each op rounds where torch's does;
+  only the order of float32 sums differs, which a bf16 model amplifies: greedy answers part from the
+  reference at near-ties. The float32 rescoring of the best logits stays here, in torch.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ DECODE_THREADS: int | None = None  # torch threads during an exact step, None: a
 
 
 class RowStep:
-    def __init__(self, model: Transformer, cache: DecodeCache, native: bool = False):
+    def __init__(self, model: Transformer, cache: DecodeCache, native: bool = True):
         c = self.cfg = model.cfg
         self.model, self.cache, self.wants_native = model, cache, native
-        self.native = native and native_decode.serves(model.dtype, model.device, c.hidden_size, c.head_dim,
-                                                      c.group_size)
+        self.native = native and native_decode.step_serves(model)
         self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity))  # [cap, 1, hd] each
+        self.whole = native_decode.WholeStep(model, cache.k, cache.v, self.cos, self.sin) if self.native else None
         new = partial(torch.empty, dtype=model.dtype, device=model.device)
         self.h = new(1, c.hidden_size)  # [1, D] the residual stream
         self.qkv = new(1, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim)  # [1, (Hq + 2 Hkv) hd]
@@ -59,7 +61,13 @@ class RowStep:
     def step(self, token: int) -> torch.Tensor:
         """Feed `token` at position cache.length: its K and V into the cache, the next-token logits [V] out."""
         n = self.cache.length
-        with _threads(None if self.native else DECODE_THREADS):
+        if self.whole is not None:
+            self.h.copy_(self.model.embed_tokens[token])
+            out = torch.empty(self.model.lm_head.shape[0])  # [V] the head's bf16 logits, widened
+            self.whole(n, self.h[0], out, torch.get_num_threads())
+            self.cache.length = self.synced = n + 1
+            return self._rescored(out, self.model._normed(self.h))
+        with _threads(DECODE_THREADS):
             self.h.copy_(self.model.embed_tokens[token])
             for layer in range(self.cfg.n_layers):
                 self._attention(layer, n)
@@ -77,12 +85,8 @@ class RowStep:
         cache.k[layer, n] = self.qk[0, c.n_heads:]
         cache.v[layer, n] = self.qkv[0, nq + nk:].view(c.n_kv_heads, c.head_dim)
         q = self.qk[0, :c.n_heads]  # [Hq, hd]
-        if self.native:
-            native_decode.attention(q, cache.k[layer], cache.v[layer], self.attn.view(c.n_heads, c.head_dim), n + 1,
-                                    c.head_dim ** -0.5)
-        else:
-            self.k32[layer, n], self.v32[layer, n] = cache.k[layer, n], cache.v[layer, n]
-            self.attn.copy_(_attend_few_rows(q[None], self.k32[layer, :n + 1], self.v32[layer, :n + 1], c.group_size))
+        self.k32[layer, n], self.v32[layer, n] = cache.k[layer, n], cache.v[layer, n]
+        self.attn.copy_(_attend_few_rows(q[None], self.k32[layer, :n + 1], self.v32[layer, :n + 1], c.group_size))
         self.h.add_(self._linear(self.attn, w.wo, None, self.out))
 
     def _mlp(self, layer: int) -> None:
@@ -94,9 +98,7 @@ class RowStep:
         self.h.add_(self._linear(self.act, w.w_down, None, self.out))
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """out [1, N] = x [1, K] @ w [N, K]^T (+ b): F.linear's numbers (or the native kernel's), into out."""
-        if self.native and b is None:
-            return native_decode.gemv(w, x[0], out[0]).view_as(out)
+        """out [1, N] = x [1, K] @ w [N, K]^T (+ b): F.linear's numbers, into out."""
         out.copy_(F.linear(x, w, b))
         return out
 
@@ -104,11 +106,12 @@ class RowStep:
         """Transformer.logits of the one row: the bf16 head, then its RESCORED best again in float32."""
         m = self.model
         normed = m._normed(self.h)  # [1, D] float32
-        x = m.final_norm * normed.to(m.dtype)  # [1, D]
-        if self.native:  # the LM head (57 MB for SmolLM2) is worth a second thread
-            out = native_decode.gemv(m.lm_head, x[0], torch.empty(m.lm_head.shape[0]), torch.get_num_threads())
-        else:
-            out = F.linear(x, m.lm_head)[0].float()  # [V]
+        return self._rescored(F.linear(m.final_norm * normed.to(m.dtype), m.lm_head)[0].float(), normed)  # [V]
+
+    def _rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits out [V] with their RESCORED best computed again in float32 from the final row's
+        float32 norm normed [1, D] (bf16 models)."""
+        m = self.model
         if m.dtype != torch.float32:  # the same einsum as Transformer.logits, so the same float32 sums
             top = out.topk(min(RESCORED, out.shape[-1])).indices[None]  # [1, K]
             exact = torch.einsum("rd,rkd->rk", m.final_norm.float() * normed, m.lm_head[top].float())  # [1, K]

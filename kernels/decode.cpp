@@ -11,7 +11,10 @@
 
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -38,15 +41,11 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// Rows r0..r1-1 of y = W x: W [N, K] bf16 row-major, x [K] float32 (K a multiple of 16). Four rows at a time,
-// so four independent sums hide the multiply-add latency while the rows stream in order.
-void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t r1, void* y, bool f32_out) {
-  auto store = [&](int64_t r, float s) {
-    if (f32_out)
-      static_cast<float*>(y)[r] = from_bf16(to_bf16(s));  // bf16's value, widened: what .float() gives
-    else
-      static_cast<uint16_t*>(y)[r] = to_bf16(s);
-  };
+// Rows r0..r1-1 of y = W x: W [N, K] bf16 row-major, x [K] float32 (K a multiple of 16); store(r, sum) takes
+// each float32 sum. Four rows at a time, so four independent sums hide the multiply-add latency while the rows
+// (contiguous) stream in order.
+template <class Store>
+void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t r1, Store store) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     const uint16_t* row = w + r * k;
@@ -69,6 +68,8 @@ void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t
     store(r, _mm512_reduce_add_ps(a));
   }
 }
+
+inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32 holding bf16's value
 
 // exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); x <= 0 here.
 inline __m512 exp_ps(__m512 x) {
@@ -114,6 +115,52 @@ inline __m512 transpose_sum16(__m512* v) {
   return _mm512_permutexvar_ps(perm, v[0]);
 }
 
+// One KV head's `group` query rows q [group, D] (float32) over keys s0..s1-1 of k, v (that head's columns, rows
+// `row` apart), unnormalised: per query j, m[j] the largest scaled score, l[j] the sum of p = exp(score - m[j])
+// and acc [group, D] the sum of p v. No keys: m = -inf, l = 0, acc = 0, a part that adds nothing to a merge.
+void attend_part(const float* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t s0, int64_t s1,
+                 int64_t group, int64_t d, float scale, std::vector<float>& scores, float* m, float* l, float* acc) {
+  const int64_t n = std::max<int64_t>(s1 - s0, 0), s_pad = (n + 15) / 16 * 16, nv = d / 16;
+  scores.resize(s_pad);
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qv[16];
+    for (int64_t c = 0; c < nv; ++c) qv[c] = _mm512_loadu_ps(q + j * d + 16 * c);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < n; b += 16) {  // 16 keys' dot products, then one transposed sum
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        dots[i] = _mm512_setzero_ps();
+        if (b + i < n) {
+          const uint16_t* kr = k + (s0 + b + i) * row;
+          for (int64_t c = 0; c < nv; ++c) dots[i] = _mm512_fmadd_ps(qv[c], load_bf16(kr + 16 * c), dots[i]);
+        }
+      }
+      const __m512 s = _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale));
+      const __mmask16 live = n - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - b)) - 1);
+      _mm512_storeu_ps(scores.data() + b, s);
+      best = _mm512_mask_max_ps(best, live, best, s);
+    }
+    m[j] = _mm512_reduce_max_ps(best);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n; b += 16) {
+      const __mmask16 live = n - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - b)) - 1);
+      const __m512 s = _mm512_loadu_ps(scores.data() + b);
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[j]))));
+      _mm512_storeu_ps(scores.data() + b, p);
+      total = _mm512_add_ps(total, p);
+    }
+    l[j] = _mm512_reduce_add_ps(total);
+    __m512 sum[16];
+    for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {  // the value rows are hot in cache after the group's first query
+      const uint16_t* vr = v + (s0 + s) * row;
+      const __m512 p = _mm512_set1_ps(scores[s]);
+      for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_fmadd_ps(p, load_bf16(vr + 16 * c), sum[c]);
+    }
+    for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc + j * d + 16 * c, sum[c]);
+  }
+}
+
 }  // namespace
 
 // y [N] = W [N, K] x [K]: W and x bfloat16, y bfloat16 (f32_out 0) or bf16-rounded float32 (1). K % 16 == 0.
@@ -125,10 +172,18 @@ extern "C" int kvrag_decode_gemv(const uint16_t* w, const uint16_t* x, void* y, 
   xf.resize(k);
   for (int64_t e = 0; e < k; ++e) xf[e] = from_bf16(x[e]);
   const int t = std::max(1, std::min<int>(n_threads, static_cast<int>(n / 1024)));
+  const bool wide = f32_out != 0;
+  auto rows = [=, xs = xf.data()](int64_t r0, int64_t r1) {
+    gemv_rows(w, xs, k, r0, r1, [&](int64_t r, float s) {
+      if (wide)
+        static_cast<float*>(y)[r] = round_bf16(s);  // bf16's value, widened: what .float() gives
+      else
+        static_cast<uint16_t*>(y)[r] = to_bf16(s);
+    });
+  };
   std::vector<std::thread> pool;
-  for (int i = 1; i < t; ++i)
-    pool.emplace_back(gemv_rows, w, xf.data(), k, n * i / t, n * (i + 1) / t, y, f32_out != 0);
-  gemv_rows(w, xf.data(), k, 0, n / t, y, f32_out != 0);
+  for (int i = 1; i < t; ++i) pool.emplace_back(rows, n * i / t, n * (i + 1) / t);
+  rows(0, n / t);
   for (auto& th : pool) th.join();
   return 0;
 }
@@ -140,61 +195,199 @@ extern "C" int kvrag_decode_attention(const uint16_t* q, const uint16_t* k, cons
                                       int64_t n_keys, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
                                       float scale) {
   if (head_dim % 16 || head_dim > 256 || n_kv_heads <= 0 || n_q_heads % n_kv_heads || n_keys <= 0) return 1;
-  const int64_t group = n_q_heads / n_kv_heads, row = n_kv_heads * head_dim, nv = head_dim / 16;
+  const int64_t group = n_q_heads / n_kv_heads, row = n_kv_heads * head_dim;
   if (group > 8) return 2;
-  const int64_t s_pad = (n_keys + 15) / 16 * 16;
-  thread_local std::vector<float> scores;
-  scores.assign(group * s_pad, 0.0f);
+  std::vector<float> qf(n_q_heads * head_dim), acc(group * head_dim), scores;
+  for (size_t e = 0; e < qf.size(); ++e) qf[e] = from_bf16(q[e]);
+  float m[8], l[8];
   for (int64_t h = 0; h < n_kv_heads; ++h) {
-    for (int64_t j = 0; j < group; ++j) {
-      __m512 qv[16];
-      for (int64_t c = 0; c < nv; ++c) qv[c] = load_bf16(q + ((h * group + j) * head_dim) + 16 * c);
-      float* sc = scores.data() + j * s_pad;
-      __m512 best = _mm512_set1_ps(-3.0e38f);
-      for (int64_t s0 = 0; s0 < n_keys; s0 += 16) {  // 16 keys' dot products, then one transposed sum
-        __m512 acc[16];
-        for (int i = 0; i < 16; ++i) {
-          acc[i] = _mm512_setzero_ps();
-          if (s0 + i < n_keys) {
-            const uint16_t* kr = k + (s0 + i) * row + h * head_dim;
-            for (int64_t c = 0; c < nv; ++c) acc[i] = _mm512_fmadd_ps(qv[c], load_bf16(kr + 16 * c), acc[i]);
-          }
-        }
-        const __m512 s = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
-        const __mmask16 live = n_keys - s0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_keys - s0)) - 1);
-        _mm512_storeu_ps(sc + s0, s);
-        best = _mm512_mask_max_ps(best, live, best, s);
-      }
-      const float m = _mm512_reduce_max_ps(best);
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t s0 = 0; s0 < n_keys; s0 += 16) {
-        const __mmask16 live = n_keys - s0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_keys - s0)) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + s0), _mm512_set1_ps(m))));
-        _mm512_storeu_ps(sc + s0, p);
-        total = _mm512_add_ps(total, p);
-      }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      for (int64_t s = 0; s < n_keys; ++s) sc[s] *= inv;  // softmax's probabilities, as softmax() returns them
-    }
-    // out_j = sum_s p_j[s] v[s]: each value row read once for the group's query heads
-    __m512 acc[8][16];
-    for (int64_t j = 0; j < group && j < 8; ++j)
-      for (int64_t c = 0; c < nv; ++c) acc[j][c] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n_keys; ++s) {
-      const uint16_t* vr = v + s * row + h * head_dim;
-      for (int64_t c = 0; c < nv; ++c) {
-        const __m512 vv = load_bf16(vr + 16 * c);
-        for (int64_t j = 0; j < group; ++j)
-          acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * s_pad + s]), vv, acc[j][c]);
-      }
-    }
-    for (int64_t j = 0; j < group; ++j) {
-      alignas(64) float lanes[16];
-      for (int64_t c = 0; c < nv; ++c) {
-        _mm512_store_ps(lanes, acc[j][c]);
-        for (int i = 0; i < 16; ++i) out[(h * group + j) * head_dim + 16 * c + i] = to_bf16(lanes[i]);
-      }
+    attend_part(qf.data() + h * group * head_dim, k + h * head_dim, v + h * head_dim, row, 0, n_keys, group,
+                head_dim, scale, scores, m, l, acc.data());
+    for (int64_t e = 0; e < group * head_dim; ++e) out[h * group * head_dim + e] = to_bf16(acc[e] / l[e / head_dim]);
+  }
+  return 0;
+}
+
+// ---- the whole decode step: every layer of one new row in one call ---------------------------------------------
+//
+// One OpenMP parallel region a token (OpenMP is torch's own thread pool here, so no thread is made a call):
+// each matrix's rows split over the threads, a barrier after each product whose whole output the next step
+// reads. Every rounding is the torch path's (RowStep): bf16 after each linear, norm, rotary op, residual add and
+// the MLP's products; float32 sums, norms and softmax.
+
+namespace {
+
+// Mirrored field by field by kernels/decode.py's StepModel.
+struct StepModel {
+  int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab, capacity;
+  float eps, scale;
+  const uint64_t* layers;  // [L, 7] addresses: attn_norm, wqkv, bqkv (0: none), wo, mlp_norm, w_gate_up, w_down
+  uint16_t* k_cache;       // [L, cap, Hkv, hd] rotated keys
+  uint16_t* v_cache;       // [L, cap, Hkv, hd]
+  const uint16_t* cos;     // [cap, hd] (the halves repeat)
+  const uint16_t* sin;
+  const uint16_t* final_norm;  // [D]
+  const uint16_t* lm_head;     // [V, D]
+};
+
+struct Span {
+  int64_t begin, end;
+};
+
+// Thread t's share of n items, in whole units of `align` (so that the 4-row blocks stay whole).
+Span share(int64_t n, int t, int n_threads, int64_t align) {
+  const int64_t units = (n + align - 1) / align;
+  return {std::min(n, units * t / n_threads * align), std::min(n, units * (t + 1) / n_threads * align)};
+}
+
+// out [D] = bf16(w * bf16(x / rms(x))): torch's rms_norm(x.float()).to(bf16) times the weight.
+void rms_norm(const float* x, const uint16_t* w, int64_t d, float eps, float* out) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 16) sq = _mm512_fmadd_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(x + e), sq);
+  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(d) + eps);
+  for (int64_t e = 0; e < d; ++e) out[e] = round_bf16(from_bf16(w[e]) * round_bf16(x[e] * r));
+}
+
+// The rotary op of rotary.rotate on one head x [hd] (bf16 values), each product and sum rounded as torch's.
+void rotate(const float* x, const uint16_t* cos, const uint16_t* sin, int64_t hd, float* out) {
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float c = from_bf16(cos[j]), s = from_bf16(sin[j]), x1 = x[j], x2 = x[j + half];
+    out[j] = round_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
+    out[j + half] = round_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+  }
+}
+
+// The buffers every thread reads (q, the attention parts, the MLP activation) and each thread's own.
+struct Shared {
+  std::vector<float> h, q, part_m, part_l, part_acc, act;  // part_*: [T, Hq] and [T, Hq, hd]
+};
+struct Own {
+  std::vector<float> x, head, rotated, attn, gate, up, scores;
+};
+
+// q, k, v of layer `layer` for thread t's heads: k and v into the cache at `pos`, q (rotated) into s.q.
+void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, int64_t pos, Shared& s, Own& o, Span heads) {
+  const int64_t hd = m.head_dim, d = m.hidden, kv_row = m.n_kv_heads * hd;
+  const auto* wqkv = reinterpret_cast<const uint16_t*>(w[1]);
+  const auto* bias = reinterpret_cast<const uint16_t*>(w[2]);
+  const uint16_t *cos = m.cos + pos * hd, *sin = m.sin + pos * hd;
+  for (int64_t head = heads.begin; head < heads.end; ++head) {
+    gemv_rows(wqkv, o.x.data(), d, head * hd, (head + 1) * hd, [&](int64_t r, float sum) {
+      o.head[r - head * hd] = round_bf16(bias ? sum + from_bf16(bias[r]) : sum);
+    });
+    const int64_t kv = head - m.n_heads;  // a key head from 0, then a value head from n_kv_heads
+    if (kv < 0) {
+      rotate(o.head.data(), cos, sin, hd, s.q.data() + head * hd);
+    } else if (kv < m.n_kv_heads) {
+      rotate(o.head.data(), cos, sin, hd, o.rotated.data());
+      uint16_t* dst = m.k_cache + (layer * m.capacity + pos) * kv_row + kv * hd;
+      for (int64_t e = 0; e < hd; ++e) dst[e] = to_bf16(o.rotated[e]);
+    } else {
+      uint16_t* dst = m.v_cache + (layer * m.capacity + pos) * kv_row + (kv - m.n_kv_heads) * hd;
+      for (int64_t e = 0; e < hd; ++e) dst[e] = to_bf16(o.head[e]);
     }
   }
+}
+
+// Thread t's keys (its share of 0..pos) for every query head: the unnormalised parts a merge combines.
+void attention_part(const StepModel& m, int64_t layer, int64_t pos, Shared& s, Own& o, int t, int n_threads) {
+  const int64_t hd = m.head_dim, group = m.n_heads / m.n_kv_heads, kv_row = m.n_kv_heads * hd;
+  const Span keys = share(pos + 1, t, n_threads, 16);
+  const uint16_t* k = m.k_cache + layer * m.capacity * kv_row;
+  const uint16_t* v = m.v_cache + layer * m.capacity * kv_row;
+  for (int64_t h = 0; h < m.n_kv_heads; ++h) {
+    const int64_t q0 = t * m.n_heads + h * group;  // this thread's part of query head h * group
+    attend_part(s.q.data() + h * group * hd, k + h * hd, v + h * hd, kv_row, keys.begin, keys.end, group, hd,
+                m.scale, o.scores, s.part_m.data() + q0, s.part_l.data() + q0, s.part_acc.data() + q0 * hd);
+  }
+}
+
+// The threads' parts merged into one softmax's weighted values, rounded to bf16 as the torch path's output.
+void merge_parts(const StepModel& m, const Shared& s, int n_threads, float* attn) {
+  const int64_t hd = m.head_dim;
+  for (int64_t qh = 0; qh < m.n_heads; ++qh) {
+    float top = -INFINITY, total = 0.0f;
+    for (int t = 0; t < n_threads; ++t) top = std::max(top, s.part_m[t * m.n_heads + qh]);
+    float* out = attn + qh * hd;
+    std::fill(out, out + hd, 0.0f);
+    for (int t = 0; t < n_threads; ++t) {
+      const int64_t i = t * m.n_heads + qh;
+      if (s.part_l[i] == 0.0f) continue;  // no keys
+      const float f = std::exp(s.part_m[i] - top);
+      total += f * s.part_l[i];
+      for (int64_t e = 0; e < hd; ++e) out[e] += f * s.part_acc[i * hd + e];
+    }
+    for (int64_t e = 0; e < hd; ++e) out[e] = round_bf16(out[e] / total);
+  }
+}
+
+// h[r] += bf16(W x)[r] for thread t's rows, in bf16 as the torch path's residual add.
+void residual_gemv(const uint16_t* w, const float* x, int64_t k, Span rows, float* h) {
+  gemv_rows(w, x, k, rows.begin, rows.end, [&](int64_t r, float sum) { h[r] = round_bf16(h[r] + round_bf16(sum)); });
+}
+
+// act = bf16(bf16(silu(gate)) * up) for thread t's share of the intermediate rows.
+void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Span rows) {
+  const int64_t d = m.hidden, inter = m.inter;
+  gemv_rows(w, o.x.data(), d, rows.begin, rows.end, [&](int64_t r, float sum) { o.gate[r] = round_bf16(sum); });
+  gemv_rows(w, o.x.data(), d, inter + rows.begin, inter + rows.end,
+            [&](int64_t r, float sum) { o.up[r - inter] = round_bf16(sum); });
+  for (int64_t i = rows.begin; i < rows.end; i += 16) {
+    const __mmask16 live = rows.end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows.end - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(live, o.gate.data() + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, silu);
+    for (int64_t e = 0; e < 16 && i + e < rows.end; ++e) s.act[i + e] = round_bf16(round_bf16(lanes[e]) * o.up[i + e]);
+  }
+}
+
+// Every layer, then the LM head, on thread t of n_threads (all of them run this, between barriers).
+void step_thread(const StepModel& m, int64_t pos, Shared& s, float* logits, int t, int n_threads) {
+  const int64_t d = m.hidden, hd = m.head_dim, nq = m.n_heads * hd;
+  Own o;
+  o.x.resize(std::max(d, m.inter));
+  o.head.resize(hd), o.rotated.resize(hd), o.attn.resize(nq), o.gate.resize(m.inter), o.up.resize(m.inter);
+  const Span heads = share(m.n_heads + 2 * m.n_kv_heads, t, n_threads, 1), out_rows = share(d, t, n_threads, 4);
+  const Span mlp_rows = share(m.inter, t, n_threads, 16);
+  for (int64_t layer = 0; layer < m.n_layers; ++layer) {
+    const uint64_t* w = m.layers + 7 * layer;
+    rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), d, m.eps, o.x.data());  // each thread its own
+    qkv_heads(m, w, layer, pos, s, o, heads);
+#pragma omp barrier
+    attention_part(m, layer, pos, s, o, t, n_threads);
+#pragma omp barrier
+    merge_parts(m, s, n_threads, o.attn.data());
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), o.attn.data(), nq, out_rows, s.h.data());
+#pragma omp barrier
+    rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), d, m.eps, o.x.data());
+    gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, mlp_rows);
+#pragma omp barrier
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), s.act.data(), m.inter, out_rows, s.h.data());
+#pragma omp barrier
+  }
+  rms_norm(s.h.data(), m.final_norm, d, m.eps, o.x.data());
+  gemv_rows(m.lm_head, o.x.data(), d, share(m.vocab, t, n_threads, 4).begin, share(m.vocab, t, n_threads, 4).end,
+            [&](int64_t r, float sum) { logits[r] = round_bf16(sum); });
+}
+
+}  // namespace
+
+// Feeds one row through every layer at position `pos`: h [D] bf16 holds its embedding in and the last layer's
+// output out; each layer's rotated key and value go into the cache at `pos`; logits [V] float32 get the LM
+// head's bf16 values (widened). Attends to keys 0..pos. Shapes were checked by the caller (decode.py).
+extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, uint16_t* h, float* logits, int n_threads) {
+  const StepModel& m = *model;
+  if (pos < 0 || pos >= m.capacity) return 1;
+  const int threads = std::max(1, n_threads);
+  Shared s;
+  s.h.resize(m.hidden), s.q.resize(m.n_heads * m.head_dim), s.act.resize(m.inter);
+  s.part_m.resize(threads * m.n_heads), s.part_l.resize(threads * m.n_heads);
+  s.part_acc.resize(threads * m.n_heads * m.head_dim);
+  for (int64_t e = 0; e < m.hidden; ++e) s.h[e] = from_bf16(h[e]);
+#pragma omp parallel num_threads(threads)
+  step_thread(m, pos, s, logits, omp_get_thread_num(), omp_get_num_threads());
+  for (int64_t e = 0; e < m.hidden; ++e) h[e] = to_bf16(s.h[e]);
   return 0;
 }

@@ -1,19 +1,36 @@
-"""A decode step's memory-bound pieces in decode.cpp: bf16 matrix x one vector, and one row's attention over the
-bf16 decode cache. Where kvrag's native library is missing (kernels/native.py), `available()` is False and the
+"""A decode step in decode.cpp: the whole step of one new row through every layer and the LM head in one call
+(`WholeStep`), and its memory-bound pieces alone (bf16 matrix x one vector, one row's attention over the bf16
+decode cache). Where kvrag's native library is missing (kernels/native.py), `available()` is False and the
 decoder keeps torch's ops."""
 
 from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrag.kernels import native
 
+if TYPE_CHECKING:
+    from kvrag.blend.model import Transformer
+
+LAYER_TENSORS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # decode.cpp's order
+
 
 def available() -> bool:
-    return _gemv() is not None and _attention() is not None
+    return _gemv() is not None and _attention() is not None and _step() is not None
+
+
+def step_serves(model: Transformer) -> bool:
+    """Whether `WholeStep` runs this model: bf16 on a CPU with the kernels, every width a multiple of 16, and
+    every weight contiguous (the kernel reads them by address)."""
+    c = model.cfg
+    weights = [t for layer in model.layers for t in vars(layer).values() if t is not None]
+    return (serves(model.dtype, model.device, c.hidden_size, c.head_dim, c.group_size)
+            and c.intermediate_size % 16 == 0
+            and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [*weights, model.lm_head, model.final_norm]))
 
 
 def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int, group: int) -> bool:
@@ -53,3 +70,43 @@ def _gemv():
 def _attention():
     return native.function("kvrag_decode_attention", ctypes.c_int,
                            [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_float])
+
+
+class StepModel(ctypes.Structure):
+    """decode.cpp's StepModel: the shapes and addresses one whole step reads."""
+    _fields_ = ([(name, ctypes.c_int64) for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
+                                                      "inter", "vocab", "capacity")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("layers", "k_cache", "v_cache", "cos", "sin", "final_norm",
+                                                         "lm_head")])
+
+
+class WholeStep:
+    """Every layer of one new row and the LM head in one native call, writing K and V into a decode cache's
+    bf16 rows. Made once per cache (the addresses of the model's weights and of the cache are taken here)."""
+
+    def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor):
+        c = model.cfg
+        for t in (k_cache, v_cache, cos, sin):  # [L, cap, Hkv, hd] x2, [cap, 1, hd] x2
+            assert t.is_contiguous() and t.dtype == torch.bfloat16
+        addresses = [0 if t is None else t.data_ptr() for layer in model.layers
+                     for t in (getattr(layer, name) for name in LAYER_TENSORS)]
+        self.layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
+        self.keep = (model, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
+        self.shape = StepModel(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
+                               model.lm_head.shape[0], k_cache.shape[1], c.rms_eps, c.head_dim ** -0.5,
+                               self.layers.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(),
+                               sin.data_ptr(), model.final_norm.data_ptr(), model.lm_head.data_ptr())
+
+    def __call__(self, pos: int, h: torch.Tensor, logits: torch.Tensor, n_threads: int) -> None:
+        """h [D] bf16: the new row's embedding in, the last layer's output out; logits [V] float32 out (the LM
+        head's bf16 values); K and V into the cache at `pos`, attending to keys 0..pos."""
+        if _step()(ctypes.byref(self.shape), pos, h.data_ptr(), logits.data_ptr(), n_threads):
+            raise RuntimeError(f"decode step refused position {pos} (capacity {self.shape.capacity})")
+
+
+@lru_cache(maxsize=1)
+def _step():
+    return native.function("kvrag_decode_step", ctypes.c_int,
+                           [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])

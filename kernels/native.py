@@ -24,7 +24,7 @@ from kvrag.store.home import kvrag_home
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fPIC",
-         "-shared", "-pthread")
+         "-shared", "-pthread", "-fopenmp")
 NEEDED_CPU_FLAGS = frozenset({"avx512f", "avx512dq", "avx512bw", "avx512vl", "fma", "f16c"})
 
 

@@ -32,7 +32,10 @@ QUICK_MAX_TOKENS = 16
 
 @app.command("bench")
 def bench_command(
-    dataset: Path = typer.Option(None, "--dataset", help="MuSiQue-format JSON: items with their own passages."),
+    dataset: str = typer.Option(None, "--dataset", help="musique, cross-passage, sample (named sets, each with a "
+                                "tuning and a report split), or a MuSiQue-format JSON file: items with their own "
+                                "passages."),
+    split: str = typer.Option("all", "--split", help="tune, report or all: which of the data set's items run."),
     questions: Path = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL; optional 'answers'), "
                                    "answered over the indexed --store with retrieval."),
     store: Path = typer.Option(None, "--store", help="Store directory (default: <home>/bench-store for --dataset, "
@@ -101,9 +104,14 @@ def bench_command(
     t_start = time.perf_counter()
     if (dataset is None) == (questions is None):
         raise KvragError("give exactly one of --dataset FILE or --questions FILE")
-    source = dataset or questions
-    if not source.exists():
-        raise KvragError(f"{source} does not exist")
+    if questions is not None and not questions.exists():
+        raise KvragError(f"{questions} does not exist")
+    data = None
+    if dataset is not None:  # read (or generated) before any model loads: a bad name or file fails at once
+        from kvrag.blend.bench.datasets import load_dataset
+
+        data = load_dataset(dataset)
+        data.indices(split)
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
@@ -131,7 +139,7 @@ def bench_command(
         with console.status("loading the model"):
             runtime = Runtime.load(model, dtype, device)
             engine = Engine(runtime, env, codec, compress=compress)
-        items, pool = _items(source, dataset is not None, env, runtime, k, limit, seed, sample, passage_words)
+        items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
         from kvrag.blend.bench.runner import run_bench
@@ -139,7 +147,7 @@ def bench_command(
         with _progress(console) as on_progress:
             bench = run_bench(engine, items, chosen, config, on_progress)
         report = _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console,
-                         {"dataset": str(dataset) if dataset else None, "questions": str(questions) if questions else None,
+                         {"dataset": str(dataset) if dataset else None, "split": split if dataset else None, "questions": str(questions) if questions else None,
                           "store": str(store_dir), "limit": limit, "sample": sample, "seed": seed, "quick": quick,
                           "methods": [m.name for m in chosen], "max_tokens": max_tokens, "codec": codec,
                           "compress": compress,
@@ -178,13 +186,15 @@ def _floats(text: str | None, what: str) -> tuple[float, ...]:
         raise KvragError(f"{what} takes comma-separated numbers, got {text!r}") from None
 
 
-def _items(source: Path, is_dataset: bool, env, runtime, k: int, limit, seed: int, sample: bool, words):
-    """The bench items, and the chunk pool (id, tokens) the cache replay draws from."""
-    from kvrag.blend.bench.items import build_items, corpus_chunks
+def _items(data, split: str, questions: Path | None, env, runtime, k: int, limit, seed: int, sample: bool, words):
+    """The bench items (a data set's `split`, or `questions` with retrieval), and the chunk pool (id, tokens) the
+    cache replay draws from."""
+    from kvrag.blend.bench.items import build_items, corpus_chunks, read_items, select
 
-    if is_dataset:
-        items = build_items(source, runtime, limit, seed, sample, words)
-        return items, [(cid, len(ids)) for cid, ids in corpus_chunks(source, runtime, words)]
+    if data is not None:
+        chosen = select(data.indices(split), limit, seed, sample)
+        items = build_items(data.items, chosen, runtime, words, where=data.name)
+        return items, [(cid, len(ids)) for cid, ids in corpus_chunks(data.items, runtime, words)]
     from kvrag.store.chunks import ChunkTable
 
     table = ChunkTable(env)
@@ -201,7 +211,8 @@ def _items(source: Path, is_dataset: bool, env, runtime, k: int, limit, seed: in
             retriever = Retriever(env, Embedder())
         return [(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in retriever.search(question, k)]
 
-    items = build_items(source, runtime, limit, seed, sample, words, retrieve)
+    raw = read_items(questions)
+    items = build_items(raw, select(range(len(raw)), limit, seed, sample), runtime, words, retrieve, str(questions))
     pool = {cid: len(ids) for item in items for cid, ids in item.chunks}
     if table.count():
         pool.update((r.chunk_id, len(r.token_ids)) for r in table.get_many(sorted(table.ids())))

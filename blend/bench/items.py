@@ -82,9 +82,9 @@ def read_items(path: Path) -> list[dict]:
     return data
 
 
-def select(items: Sequence, limit: int | None, seed: int, sample: bool) -> list[int]:
-    """Indices of the items to run: the first `limit`, or a seeded random sample of `limit`."""
-    indices = list(range(len(items)))
+def select(indices: Sequence[int], limit: int | None, seed: int, sample: bool) -> list[int]:
+    """Of the item `indices`, the first `limit`, or a seeded random sample of `limit`."""
+    indices = list(indices)
     if sample and limit is not None and limit < len(indices):
         indices = sorted(random.Random(seed).sample(indices, limit))
     return indices[:limit] if limit is not None else indices
@@ -107,27 +107,26 @@ def passage_chunks(prompts, tokenizer_fp: str, ctxs: Sequence[dict], max_words: 
     return out
 
 
-def build_items(path: Path, runtime, limit: int | None = None, seed: int = 0, sample: bool = False,
-                max_words: int | None = None, retrieve: Callable[[str], list[Chunk]] | None = None) -> list[BenchItem]:
-    """Items of a file: each with its own passages (`ctxs`), else with `retrieve(question)`'s chunks."""
-    raw = read_items(path)
+def build_items(raw: list[dict], indices: Sequence[int], runtime, max_words: int | None = None,
+                retrieve: Callable[[str], list[Chunk]] | None = None, where: str = "the data set") -> list[BenchItem]:
+    """The items `indices` of `raw`: each with its own passages (`ctxs`), else with `retrieve(question)`'s chunks."""
     out = []
-    for i in select(raw, limit, seed, sample):
+    for i in indices:
         ctxs = raw[i].get("ctxs") or []
         if ctxs:
             chunks = passage_chunks(runtime.prompts, runtime.local.tokenizer_fingerprint, ctxs, max_words)
         elif retrieve is not None:
             chunks = retrieve(raw[i]["question"])
         else:
-            raise KvragError(f"{path}: item {i} has no 'ctxs'; use --questions with an indexed --store instead")
+            raise KvragError(f"{where}: item {i} has no 'ctxs'; use --questions with an indexed --store instead")
         out.append(BenchItem(i, raw[i]["question"], answers_of(raw[i]), chunks))
     return out
 
 
-def corpus_chunks(path: Path, runtime, max_words: int | None = None) -> list[Chunk]:
-    """Every distinct passage of a MuSiQue-format file as a chunk (the pool a cache workload draws from)."""
+def corpus_chunks(raw: list[dict], runtime, max_words: int | None = None) -> list[Chunk]:
+    """Every distinct passage of MuSiQue-format items as a chunk (the pool a cache workload draws from)."""
     seen: dict[str, list[int]] = {}
-    for item in read_items(path):
+    for item in raw:
         for cid, ids in passage_chunks(runtime.prompts, runtime.local.tokenizer_fingerprint,
                                        item.get("ctxs") or [], max_words):
             seen.setdefault(cid, ids)

@@ -3,6 +3,9 @@
     metrics.py    answer normalisation, F1 / exact match, first-token KL, percentiles, summaries
     methods.py    the methods (full, prefix, reuse, blend@ratio, blend@auto) parsed from the options
     items.py      benchmark items: a MuSiQue-format file (each item with its passages) or questions
+    datasets.py   the named sets (musique, cross-passage, sample) and their tuning / report splits
+    cross_passage.py  a generated two-hop set: invented short passages, k = 2..10, look-alike distractors
+    cold_start.py a cold `kvrag ask` per process: wall, peak memory, where the seconds go
     runner.py     setup (every chunk's KV stored before timing), warm-up, methods interleaved per item
     workloads.py  Poisson arrivals over measured service times; memory-tier hit rates by replay
     report.py     the report: per-method summaries, JSON, Markdown, rich tables

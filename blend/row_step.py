@@ -64,7 +64,7 @@ class RowStep:
         if self.whole is not None:
             self.h.copy_(self.model.embed_tokens[token])
             out = torch.empty(self.model.lm_head.shape[0])  # [V] the head's bf16 logits, widened
-            self.whole(n, self.h[0], out, torch.get_num_threads())
+            self.whole(n, self.h[0], out)
             self.cache.length = self.synced = n + 1
             return self._rescored(out, self.model._normed(self.h))
         with _threads(DECODE_THREADS):

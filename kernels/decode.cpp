@@ -11,9 +11,14 @@
 
 #include <immintrin.h>
 
+#include <linux/futex.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <thread>
@@ -44,13 +49,21 @@ inline float from_bf16(uint16_t b) {
 // Rows r0..r1-1 of y = W x: W [N, K] bf16 row-major, x [K] float32 (K a multiple of 16); store(r, sum) takes
 // each float32 sum. Four rows at a time, so four independent sums hide the multiply-add latency while the rows
 // (contiguous) stream in order.
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 4
+#endif
+
 template <class Store>
 void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t r1, Store store) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     const uint16_t* row = w + r * k;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const uint16_t* ahead = row + PREFETCH_BLOCKS * 4 * k;
     for (int64_t e = 0; e < k; e += 16) {
+      if (e % 32 == 0 && r + 4 * (PREFETCH_BLOCKS + 1) <= r1) {  // one cache line of each row, blocks ahead
+        for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
+      }
       const __m512 xv = _mm512_loadu_ps(x + e);
       a0 = _mm512_fmadd_ps(load_bf16(row + e), xv, a0);
       a1 = _mm512_fmadd_ps(load_bf16(row + k + e), xv, a1);
@@ -230,6 +243,39 @@ struct StepModel {
   const uint16_t* lm_head;     // [V, D]
 };
 
+// The threads of a step meet here after each product whose whole output the next stage reads. A waiter spins
+// a short while (an even split of a product arrives within microseconds), then sleeps on a futex: on a busy
+// CPU a descheduled partner then gets the core instead of a spinning waiter (OpenMP's own barrier spins for
+// up to milliseconds, which made a step 20-40x slower than one thread when the 2 cores had a third job).
+class Barrier {
+ public:
+  void size(int n) { n_ = n; }  // before any thread waits
+  void wait() {
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {  // the last one opens the next round
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      if (sleepers_.load(std::memory_order_acquire)) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
+      return;
+    }
+    for (const uint64_t start = __rdtsc(); __rdtsc() - start < SPIN_TICKS;) {
+      if (generation_.load(std::memory_order_acquire) != gen) return;
+      _mm_pause();
+    }
+    sleepers_.fetch_add(1, std::memory_order_acq_rel);
+    while (generation_.load(std::memory_order_acquire) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
+    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
+ private:
+  static constexpr uint64_t SPIN_TICKS = 100000;  // 30-50 microseconds at a 2-3 GHz time-stamp counter
+  void futex(int op, int value) {
+    syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
+  }
+  int n_ = 1;
+  std::atomic<int> arrived_{0}, generation_{0}, sleepers_{0};
+};
+
 struct Span {
   int64_t begin, end;
 };
@@ -260,7 +306,7 @@ void rotate(const float* x, const uint16_t* cos, const uint16_t* sin, int64_t hd
 
 // The buffers every thread reads (q, the attention parts, the MLP activation) and each thread's own.
 struct Shared {
-  std::vector<float> h, q, part_m, part_l, part_acc, act;  // part_*: [T, Hq] and [T, Hq, hd]
+  std::vector<float> h, q, part_m, part_l, part_acc, act;  // part_*: [parts, Hq] and [parts, Hq, hd]
 };
 struct Own {
   std::vector<float> x, head, rotated, attn, gate, up, scores;
@@ -290,29 +336,34 @@ void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, int64_t pos
   }
 }
 
-// Thread t's keys (its share of 0..pos) for every query head: the unnormalised parts a merge combines.
+// The keys 0..pos of each KV head are cut into KEY_PARTS fixed parts, whatever the number of threads, so that
+// a step's numbers do not depend on it: (head, part) items are shared out, and merged in one order.
+constexpr int KEY_PARTS = 2;
+
+// Thread t's (KV head, key part) items: each part's unnormalised softmax for the head's query rows.
 void attention_part(const StepModel& m, int64_t layer, int64_t pos, Shared& s, Own& o, int t, int n_threads) {
   const int64_t hd = m.head_dim, group = m.n_heads / m.n_kv_heads, kv_row = m.n_kv_heads * hd;
-  const Span keys = share(pos + 1, t, n_threads, 16);
   const uint16_t* k = m.k_cache + layer * m.capacity * kv_row;
   const uint16_t* v = m.v_cache + layer * m.capacity * kv_row;
-  for (int64_t h = 0; h < m.n_kv_heads; ++h) {
-    const int64_t q0 = t * m.n_heads + h * group;  // this thread's part of query head h * group
+  const Span items = share(m.n_kv_heads * KEY_PARTS, t, n_threads, 1);
+  for (int64_t item = items.begin; item < items.end; ++item) {
+    const int64_t h = item / KEY_PARTS, part = item % KEY_PARTS, q0 = part * m.n_heads + h * group;
+    const Span keys = share(pos + 1, static_cast<int>(part), KEY_PARTS, 16);
     attend_part(s.q.data() + h * group * hd, k + h * hd, v + h * hd, kv_row, keys.begin, keys.end, group, hd,
                 m.scale, o.scores, s.part_m.data() + q0, s.part_l.data() + q0, s.part_acc.data() + q0 * hd);
   }
 }
 
-// The threads' parts merged into one softmax's weighted values, rounded to bf16 as the torch path's output.
-void merge_parts(const StepModel& m, const Shared& s, int n_threads, float* attn) {
+// The key parts merged into one softmax's weighted values, rounded to bf16 as the torch path's output.
+void merge_parts(const StepModel& m, const Shared& s, float* attn) {
   const int64_t hd = m.head_dim;
   for (int64_t qh = 0; qh < m.n_heads; ++qh) {
     float top = -INFINITY, total = 0.0f;
-    for (int t = 0; t < n_threads; ++t) top = std::max(top, s.part_m[t * m.n_heads + qh]);
+    for (int p = 0; p < KEY_PARTS; ++p) top = std::max(top, s.part_m[p * m.n_heads + qh]);
     float* out = attn + qh * hd;
     std::fill(out, out + hd, 0.0f);
-    for (int t = 0; t < n_threads; ++t) {
-      const int64_t i = t * m.n_heads + qh;
+    for (int p = 0; p < KEY_PARTS; ++p) {
+      const int64_t i = p * m.n_heads + qh;
       if (s.part_l[i] == 0.0f) continue;  // no keys
       const float f = std::exp(s.part_m[i] - top);
       total += f * s.part_l[i];
@@ -344,7 +395,8 @@ void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Span rows
 }
 
 // Every layer, then the LM head, on thread t of n_threads (all of them run this, between barriers).
-void step_thread(const StepModel& m, int64_t pos, Shared& s, float* logits, int t, int n_threads) {
+void step_thread(const StepModel& m, int64_t pos, Shared& s, Barrier& barrier, float* logits, int t,
+                 int n_threads) {
   const int64_t d = m.hidden, hd = m.head_dim, nq = m.n_heads * hd;
   Own o;
   o.x.resize(std::max(d, m.inter));
@@ -355,17 +407,17 @@ void step_thread(const StepModel& m, int64_t pos, Shared& s, float* logits, int 
     const uint64_t* w = m.layers + 7 * layer;
     rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), d, m.eps, o.x.data());  // each thread its own
     qkv_heads(m, w, layer, pos, s, o, heads);
-#pragma omp barrier
+    barrier.wait();
     attention_part(m, layer, pos, s, o, t, n_threads);
-#pragma omp barrier
-    merge_parts(m, s, n_threads, o.attn.data());
+    barrier.wait();
+    merge_parts(m, s, o.attn.data());
     residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), o.attn.data(), nq, out_rows, s.h.data());
-#pragma omp barrier
+    barrier.wait();
     rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), d, m.eps, o.x.data());
     gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, mlp_rows);
-#pragma omp barrier
+    barrier.wait();
     residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), s.act.data(), m.inter, out_rows, s.h.data());
-#pragma omp barrier
+    barrier.wait();
   }
   rms_norm(s.h.data(), m.final_norm, d, m.eps, o.x.data());
   gemv_rows(m.lm_head, o.x.data(), d, share(m.vocab, t, n_threads, 4).begin, share(m.vocab, t, n_threads, 4).end,
@@ -383,11 +435,16 @@ extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, uint16_t* 
   const int threads = std::max(1, n_threads);
   Shared s;
   s.h.resize(m.hidden), s.q.resize(m.n_heads * m.head_dim), s.act.resize(m.inter);
-  s.part_m.resize(threads * m.n_heads), s.part_l.resize(threads * m.n_heads);
-  s.part_acc.resize(threads * m.n_heads * m.head_dim);
+  s.part_m.resize(KEY_PARTS * m.n_heads), s.part_l.resize(KEY_PARTS * m.n_heads);
+  s.part_acc.resize(KEY_PARTS * m.n_heads * m.head_dim);
   for (int64_t e = 0; e < m.hidden; ++e) s.h[e] = from_bf16(h[e]);
+  Barrier barrier;
 #pragma omp parallel num_threads(threads)
-  step_thread(m, pos, s, logits, omp_get_thread_num(), omp_get_num_threads());
+  {
+#pragma omp single
+    barrier.size(omp_get_num_threads());  // what OpenMP gave: fewer where nested or limited
+    step_thread(m, pos, s, barrier, logits, omp_get_thread_num(), omp_get_num_threads());
+  }
   for (int64_t e = 0; e < m.hidden; ++e) h[e] = to_bf16(s.h[e]);
   return 0;
 }

@@ -17,7 +17,7 @@ from kvrag.kernels import native
 if TYPE_CHECKING:
     from kvrag.blend.model import Transformer
 
-PROBE_EVERY = 32  # steps between two timings of the thread count not in use
+PROBE_EVERY = 64  # steps between two timings of the thread count not in use (1.5 % of steps)
 LAYER_TENSORS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # decode.cpp's order
 
 

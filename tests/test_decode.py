@@ -218,6 +218,41 @@ def test_native_whole_step_writes_the_reference_kv_rows(fixture, request):
         assert ((new - old).abs() <= 2 ** -5 * (old.abs() + scale)).all()
 
 
+@needs_native
+def test_native_whole_step_numbers_do_not_depend_on_the_thread_count(tiny_qwen2_dir):
+    """The step picks one thread or torch's count by speed as it goes: either gives the same bits."""
+    model = _load(tiny_qwen2_dir, torch.bfloat16)
+    ids = torch.randint(0, 49152, (70,), generator=torch.Generator().manual_seed(13))
+    results = []
+    for threads in (1, 2, 3):
+        _, cache = prefill(model, ids, extra=1)  # (inference tensors: written in inference mode below)
+        _native_step(model, cache, 9)  # builds the stepper at position 70 ...
+        cache.length = 70  # ... then rewrite that row with an explicit thread count
+        step, logits = cache.stepper, torch.empty(49152)
+        with torch.inference_mode():
+            step.h.copy_(model.embed_tokens[9])
+            step.whole(70, step.h[0], logits, threads)
+        results.append((logits, step.h.clone(), cache.k[:, 70].clone(), cache.v[:, 70].clone()))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_thread_picker_follows_the_faster_count_and_probes_the_other():
+    picker = native_decode.ThreadPicker(2)
+    timed = []
+    for _ in range(2):  # each count timed once to begin with
+        timed.append(picker.pick())
+        picker.record(timed[-1], 0.010 if timed[-1] == 2 else 0.020)
+    assert sorted(timed) == [1, 2]
+    picks = [picker.pick() for _ in range(3 * native_decode.PROBE_EVERY)]
+    assert picks.count(1) in (2, 3) and picks.count(2) == len(picks) - picks.count(1)  # one probe per round
+    for _ in range(20):  # two threads slow down (a busy CPU): one thread takes over, probes aside
+        picker.record(2, 0.090)
+    assert picker.pick() == 1 or picker.pick() == 1
+    assert native_decode.ThreadPicker(1).pick() == 1
+
+
 def test_native_off_by_environment_runs_the_reference_bits(tiny_llama_hd64_dir, monkeypatch):
     """KVRAG_NATIVE=0: decode_step's default falls back to torch's ops, the reference's bits."""
     from kvrag.kernels import native

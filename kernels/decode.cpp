@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <linux/futex.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -84,22 +86,7 @@ void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t
 
 inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32 holding bf16's value
 
-// exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); x <= 0 here.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);  // p * 2^n
-}
+using kvrag_simd::exp_ps;
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: 16 dot products finished in 15 shuffle-adds.
 inline __m512 transpose_sum16(__m512* v) {

@@ -23,6 +23,7 @@ from kvrag.blend.device import cpu_flags
 from kvrag.store.home import kvrag_home
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # not compiled on their own, but part of the build
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fPIC",
          "-shared", "-pthread", "-fopenmp")
 NEEDED_CPU_FLAGS = frozenset({"avx512f", "avx512dq", "avx512bw", "avx512vl", "fma", "f16c"})
@@ -59,7 +60,7 @@ def _build() -> Path | None:
     if compiler is None:
         return None
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     folder = kvrag_home() / "kernels"
     path = folder / f"kvrag-kernels-{digest.hexdigest()[:16]}.so"

@@ -46,11 +46,11 @@ def test_tiny_greedy_matches_generate(tiny_qwen2_dir):
 
 
 @pytest.mark.real_model
-def test_real_greedy_32_tokens_match_generate(smol, smol_tokenizer, musique_items):
+def test_real_greedy_32_tokens_match_generate(smol, smol_tokenizer, invented_items):
     from kvrag.blend.prompt import PromptBuilder
 
     builder = PromptBuilder(smol_tokenizer)
-    item = musique_items[1]
+    item = invented_items[1]
     ids = torch.tensor(builder.build([builder.passage_ids("", item["ctxs"][0]["text"])], item["question"]).flat())
     assert _greedy_ours(smol.path, ids, 32) == _greedy_hf(smol.path, ids, 32)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -14,13 +15,17 @@ from rich.table import Table
 from kvrag import KvragError
 from kvrag.cli.app import store_app
 from kvrag.cli.common import JSON_OPTION, STORE_OPTION, resolve_store
-from kvrag.store.env import StoreEnv
-from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport, gc, stats, verify
+
+if TYPE_CHECKING:  # the store's maintenance code loads when a store command runs, not with every command
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport
 
 _SHOWN_PROBLEMS = 20  # listed one by one on stderr; all of them are in --json
 
 
 def _open(store: Path | None) -> StoreEnv:
+    from kvrag.store.env import StoreEnv
+
     return StoreEnv.open(resolve_store(store))
 
 
@@ -38,6 +43,8 @@ def stats_command(
     Example: kvrag store stats --store ./my-store
     """
     with _open(store) as env:
+        from kvrag.store.maintenance import stats
+
         result = stats(env)
     if json_out:
         typer.echo(json.dumps(_stats_json(result), indent=2))
@@ -60,6 +67,8 @@ def verify_command(
     """
     err = Console(stderr=True)
     with _open(store) as env, err.status("verifying every stored value"):
+        from kvrag.store.maintenance import verify
+
         report = verify(env, repair=repair)
     if json_out:
         typer.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
@@ -96,6 +105,8 @@ def gc_command(
                 raise KvragError(f"no chunks are indexed in {env.path}, so gc would drop all KV; "
                                  "run `kvrag index` first, or use --model / --drop-model")
             indexed = None  # only the model-wise drop
+        from kvrag.store.maintenance import gc
+
         report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run)
     if json_out:
         typer.echo(json.dumps(asdict(report), indent=2))

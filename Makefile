@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo lint clean bench-cold bench-model bench-quick bench-ask bench-codecs bench-data
+.PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-model bench-quick bench-ask bench-codecs bench-data
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ demo: $(STAMP)
 	$(BIN)/kvrag precompute --store $(DEMO_STORE)
 	$(BIN)/kvrag ask "$(DEMO_QUESTION)" --store $(DEMO_STORE) --show-sources
 	$(BIN)/kvrag ask --questions corpus/demo-questions.jsonl --store $(DEMO_STORE)
+
+# Single-stream decode against this machine's memory floor (bytes read per token / read bandwidth), at 300- and
+# 2,000-token prompts: reference, exact torch and native steps interleaved; greedy agreement on invented items.
+bench-decode: $(STAMP)
+	$(BIN)/python -m kvrag.blend.decode_bench --prompts 300,2000 --steps 32 --rounds 5
 
 # A cold `kvrag ask -k 1` on the demo store, a new process each run: wall, peak memory, where the seconds go.
 bench-cold: demo

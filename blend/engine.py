@@ -10,6 +10,7 @@ and the chunks read from the store are kept in memory for the next question.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -248,9 +249,11 @@ class Engine:
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
                                  delay_s=self.load_delay_s, rope=rope).start()
         try:
+            starts = torch.tensor([0, *itertools.accumulate(len(ids) for _, ids in rest)][:-1], dtype=torch.long,
+                                  device=self.model.device)  # where each chunk begins among the chunk tokens
             fused = fused_prefill(self.model, exact, rt.ids_tensor(chunk_ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
-                                  exact_rows=exact_rows)
+                                  exact_rows=exact_rows, chunk_starts=starts)
         finally:
             if loader is not None:
                 loader.close()

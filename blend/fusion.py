@@ -57,6 +57,13 @@ class BlendConfig:
     # reuse the first chunk's KV as loaded when it is exact there (it follows the preamble), as prefix caching
     # does, instead of computing its rows at the layers up to the check and ranking them
     exact_first_chunk: bool = True
+    # recompute the first this-many tokens of every chunk after the first at the selected layers, whatever their
+    # deviation (EPIC: the attention sink at each chunk's start carries much of a loaded chunk's error)
+    chunk_start_rows: int = 0
+    # with mass m > 0, the share kept at the last check grows past `ratio` until the kept rows hold m of the
+    # selection score's total (up to max_ratio): a prompt whose deviation is spread out gets more recompute
+    deviation_mass: float = 0.0
+    max_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -67,6 +74,10 @@ class BlendConfig:
             raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
         if not 0.0 <= self.attention_weight < math.inf:
             raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
+        if self.chunk_start_rows < 0:
+            raise KvragError(f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}")
+        if not 0.0 <= self.deviation_mass < 1.0:
+            raise KvragError(f"--deviation-mass must be in [0, 1), got {self.deviation_mass}")
 
     def selection_schedule(self) -> dict[int, float]:
         """Layer -> share of chunk tokens kept after that layer's check."""
@@ -118,6 +129,26 @@ def weigh_by_reading(deviation: torch.Tensor, read: torch.Tensor, weight: float)
     return deviation * (1 + weight * read / read.mean())
 
 
+def keep_count(score: torch.Tensor, share: float, n_chunk: int, config: BlendConfig, last: bool) -> int:
+    """How many of the ranked rows (score [n]) to keep: `share` of the chunk tokens, and at the last check, with a
+    deviation mass m, as many more as it takes for the kept rows to hold m of the total score (capped)."""
+    n = score.shape[0]
+    n_keep = min(n, math.ceil(share * n_chunk))
+    if last and config.deviation_mass > 0 and n > n_keep:
+        finite = torch.nan_to_num(score.double(), posinf=0.0)  # forced rows (inf) are kept anyway
+        mass = finite.sort(descending=True).values.cumsum(0)
+        reach = int(torch.searchsorted(mass, config.deviation_mass * mass[-1])) + 1
+        n_keep = min(n, max(n_keep, min(reach, math.ceil(config.max_ratio * n_chunk))))
+    return n_keep
+
+
+def chunk_start_mask(rows: torch.Tensor, starts: torch.Tensor, n_first: int) -> torch.Tensor:
+    """Which chunk rows [R] (indices into the chunk tokens) lie among the first `n_first` of their chunk, for the
+    chunks beginning at `starts` [K] (sorted): [R] bool."""
+    owner = torch.searchsorted(starts, rows, right=True) - 1  # the chunk each row belongs to
+    return (owner >= 0) & (rows - starts[owner.clamp(min=0)] < n_first)
+
+
 def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int) -> torch.Tensor:
     """How much the suffix reads each chunk token: the attention weight of the suffix queries q_suffix
     [S, Hq, hd] over the rotated chunk keys k_chunk [C, Hkv, hd], averaged over queries and heads: [C]."""
@@ -130,14 +161,16 @@ def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int)
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
-                  extra: int, keep_rest: bool = False, exact_rows: int = 0) -> FusionResult:
+                  extra: int, keep_rest: bool = False, exact_rows: int = 0,
+                  chunk_starts: torch.Tensor | None = None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
     0 .. loaded_rows-1 (all chunks for blend/reuse, the first chunk for prefix caching); rows beyond
     are computed at every layer. `config` None means no selection: loaded rows are reused at every
     layer (full reuse or prefix caching); otherwise CacheBlend selection over the loaded rows after the first
-    `exact_rows`, which are reused as loaded at every layer (see the module doc).
+    `exact_rows`, which are reused as loaded at every layer (see the module doc). `chunk_starts` [K]: where each
+    chunk begins among the chunk tokens (for `config.chunk_start_rows`).
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -216,7 +249,10 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             if config.attention_weight > 0 and n_sel < rows.shape[0]:
                 read = _suffix_attention(q, k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
                 score = weigh_by_reading(score, read, config.attention_weight)
-            n_keep = min(n_sel, math.ceil(schedule[layer] * n_chunk))
+            if config.chunk_start_rows and chunk_starts is not None:
+                score = score.masked_fill(chunk_start_mask(chunk_part, chunk_starts, config.chunk_start_rows),
+                                          math.inf)
+            n_keep = keep_count(score, schedule[layer], n_chunk, config, layer == max(schedule))
             top = torch.topk(score, n_keep).indices.sort().values
             result.selected = chunk_part[top]
             keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])  # positions within `rows`

@@ -59,6 +59,12 @@ def bench_command(
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
                                  help="Blend: gradual filtering, 1.5x the share at the check layer (default)."),
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
+    chunk_start_rows: int = typer.Option(0, "--chunk-start-rows", min=0,
+                                         help="Blend: always recompute the first N tokens of every chunk after the "
+                                              "first."),
+    deviation_mass: float = typer.Option(0.0, "--deviation-mass", min=0.0, max=0.99,
+                                         help="Blend: recompute past --ratio until the kept rows hold this share "
+                                              "of the selection score (0: a fixed ratio)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
     warm_store: bool = typer.Option(True, "--warm-store/--cold-store",
                                     help="Read each item's stored KV once before its runs (page cache warm for "
@@ -116,6 +122,7 @@ def bench_command(
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
     config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store,
+                       chunk_start_rows=chunk_start_rows, deviation_mass=deviation_mass,
                        **attention_weight_override(attention_weight))
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
@@ -154,6 +161,7 @@ def bench_command(
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
                           "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "attention_weight": config.attention_weight,
+                          "chunk_start_rows": chunk_start_rows, "deviation_mass": deviation_mass,
                           "warmup": warmup,
                           "warm_store": warm_store,
                           "passage_words": passage_words, "top_k": k if questions else None,

@@ -376,3 +376,36 @@ def test_selection_score_weighs_deviation_by_relative_reading():
     torch.testing.assert_close(weigh_by_reading(deviation, 10 * read, 4.0), torch.tensor([6.0, 7.0]))  # scale-free
     with pytest.raises(KvragError, match="attention-weight"):
         BlendConfig(attention_weight=-1)
+
+
+def test_chunk_start_mask_and_keep_count_by_hand():
+    from kvrag.blend.fusion import chunk_start_mask, keep_count
+
+    starts = torch.tensor([0, 5, 9])  # chunks of 5, 4 and 3 tokens
+    rows = torch.arange(2, 12)  # the first chunk's first two rows are not ranked (exact)
+    assert chunk_start_mask(rows, starts, 2).tolist() == [False, False, False, True, True, False, False, True,
+                                                          True, False]
+    score = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # total 16
+    fixed = BlendConfig(ratio=0.1)
+    assert keep_count(score, 0.1, 20, fixed, last=True) == 2  # ceil(0.1 x 20 chunk tokens)
+    massed = BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.5)
+    assert keep_count(score, 0.1, 20, massed, last=True) == 4  # 8+4+2+1 = 15 >= 0.9 x 16
+    assert keep_count(score, 0.1, 20, massed, last=False) == 2  # only the last check widens
+    capped = BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.15)
+    assert keep_count(score, 0.1, 20, capped, last=True) == 3  # ceil(0.15 x 20)
+    forced = score.clone()
+    forced[5] = math.inf  # a forced row does not count towards the mass, and is kept by the ranking
+    assert keep_count(forced, 0.1, 20, massed, last=True) == 4
+
+
+def test_chunk_starts_are_recomputed_whatever_their_deviation(stored):
+    """With chunk_start_rows=2 the first two tokens of every chunk after the first are among the recomputed rows:
+    their KV at the last layer is fresh, not the stored one a full reuse keeps."""
+    _, engine, chunks = stored
+    n_pre = len(engine.preamble)
+    starts = [n_pre + sum(len(ids) for _, ids in chunks[:i]) for i in range(1, len(chunks))]
+    reuse = engine.prefill(chunks, QUESTION, mode="reuse").cache.v[-1]
+    forced = engine.prefill(chunks, QUESTION, mode="blend", config=BlendConfig(ratio=0.05, chunk_start_rows=2))
+    assert forced.recomputed_chunk_tokens == math.ceil(0.05 * forced.chunk_tokens) >= 2 * len(starts)
+    for p in starts:
+        assert not torch.equal(forced.cache.v[-1, p:p + 2], reuse[p:p + 2])

@@ -46,6 +46,8 @@ class RunConfig:
     # (as a host-memory hit would); otherwise the first loaded method of an item pays the cold disk read
     warm_store: bool = True
     attention_weight: float = ATTENTION_WEIGHT
+    chunk_start_rows: int = 0  # see BlendConfig
+    deviation_mass: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,7 +58,8 @@ class RunConfig:
     def blend_config(self, method: Method | None) -> BlendConfig:
         blended = method is not None and method.mode == "blend" and not method.auto
         ratio = method.ratio if blended else 0.15  # auto: resolved later
-        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight)
+        return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight,
+                           chunk_start_rows=self.chunk_start_rows, deviation_mass=self.deviation_mass)
 
 
 @dataclass

@@ -378,24 +378,25 @@ def test_selection_score_weighs_deviation_by_relative_reading():
         BlendConfig(attention_weight=-1)
 
 
-def test_chunk_start_mask_and_keep_count_by_hand():
-    from kvrag.blend.fusion import chunk_start_mask, keep_count
+def test_chunk_start_mask_and_prompt_ratio_by_hand():
+    from kvrag.blend.fusion import chunk_start_mask, keep_count, prompt_ratio
 
     starts = torch.tensor([0, 5, 9])  # chunks of 5, 4 and 3 tokens
     rows = torch.arange(2, 12)  # the first chunk's first two rows are not ranked (exact)
     assert chunk_start_mask(rows, starts, 2).tolist() == [False, False, False, True, True, False, False, True,
                                                           True, False]
-    score = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # total 16
-    fixed = BlendConfig(ratio=0.1)
-    assert keep_count(score, 0.1, 20, fixed, last=True) == 2  # ceil(0.1 x 20 chunk tokens)
+    score = torch.tensor([64.0, 16.0, 4.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # norms 8, 4, 2, 1, 1: total 16
+    assert prompt_ratio(score, 20, BlendConfig(ratio=0.1)) == 0.1  # no mass: the configured ratio
     massed = BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.5)
-    assert keep_count(score, 0.1, 20, massed, last=True) == 4  # 8+4+2+1 = 15 >= 0.9 x 16
-    assert keep_count(score, 0.1, 20, massed, last=False) == 2  # only the last check widens
-    capped = BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.15)
-    assert keep_count(score, 0.1, 20, capped, last=True) == 3  # ceil(0.15 x 20)
+    assert prompt_ratio(score, 20, massed) == 4 / 20  # norms 8+4+2+1 = 15 >= 0.9 x 16
+    assert prompt_ratio(score, 20, BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.15)) == 0.15  # capped
+    assert prompt_ratio(score, 20, BlendConfig(ratio=0.1, deviation_mass=0.4)) == 0.1  # 8 >= 0.4 x 16: the floor
     forced = score.clone()
-    forced[5] = math.inf  # a forced row does not count towards the mass, and is kept by the ranking
-    assert keep_count(forced, 0.1, 20, massed, last=True) == 4
+    forced[5] = math.inf  # a forced row counts for nothing in the mass
+    assert prompt_ratio(forced, 20, massed) == 4 / 20
+    # the gradual schedule (1.5x the share, then the share) scaled to the prompt's ratio
+    assert keep_count(10, 0.15, 20, massed, 0.2) == 6 and keep_count(10, 0.1, 20, massed, 0.2) == 4
+    assert keep_count(3, 0.1, 20, massed, 0.2) == 3  # never more than were ranked
 
 
 def test_chunk_starts_are_recomputed_whatever_their_deviation(stored):

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvrag.blend.controller import cached_profile
+from kvrag.blend.controller import AUTO_MASS, QUALITY_FLOOR, budget_ratio, cached_profile
 from kvrag.blend.decode import SamplingConfig, generate, stream_text
 from kvrag.blend.engine import Engine, Prefilled
 from kvrag.blend.fusion import BlendConfig
@@ -60,7 +60,8 @@ def resolve_ratio(engine: Engine, config: BlendConfig, auto: bool, chunk_tokens:
     if not auto:
         return config
     profile = cached_profile(engine.env, engine.model, engine.runtime.fingerprint, codec)
-    return replace(config, ratio=profile.ratio(chunk_tokens, suffix_tokens))
+    cap = budget_ratio(profile, engine.model.cfg.n_layers, config.check_layer, chunk_tokens, suffix_tokens)
+    return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
 
 
 def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
@@ -104,7 +105,10 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
     timings["ttft"] = first - start
     timings["decode"] = end - decode_start
     timings["decode_tokens_per_s"] = (len(tokens) - 1) / (end - first) if len(tokens) > 1 and end > first else 0.0
-    answer = Answer(question, "".join(pieces).strip(), tokens, mode, config.ratio if mode == "blend" else None,
+    ratio = config.ratio if mode == "blend" else None
+    if ratio is not None and config.deviation_mass > 0 and pre.chunk_tokens:  # chosen per prompt: what it was
+        ratio = round(pre.recomputed_chunk_tokens / pre.chunk_tokens, 4)
+    answer = Answer(question, "".join(pieces).strip(), tokens, mode, ratio,
                     pre.prompt_tokens, pre.chunk_tokens, pre.recomputed_chunk_tokens, pre.bytes_loaded, timings,
                     chunk_tiers=pre.chunk_tiers, finish_reason=finish)
     return answer, pre

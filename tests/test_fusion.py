@@ -410,3 +410,15 @@ def test_chunk_starts_are_recomputed_whatever_their_deviation(stored):
     assert forced.recomputed_chunk_tokens == math.ceil(0.05 * forced.chunk_tokens) >= 2 * len(starts)
     for p in starts:
         assert not torch.equal(forced.cache.v[-1, p:p + 2], reuse[p:p + 2])
+
+
+def test_auto_budget_by_hand():
+    """`--ratio auto`'s cap: the largest share whose predicted first token costs no more than r*'s or fits the
+    budget. Per layer 0.001 s + 0.0001 s a row, 10 layers, 1 before the check, 1,000 chunk rows, no suffix:
+    blend(r) = 0.101 + 9 x (0.001 + 0.1 r) = 0.11 + 0.9 r. r* = 0.15 costs 0.245 s; 0.5 s allows r = 0.4333."""
+    from kvrag.blend.controller import LoadComputeProfile, budget_ratio
+
+    profile = LoadComputeProfile(compute_base_s=0.001, compute_per_row_s=1e-4, load_per_token_s=0.0, keys=2048)
+    assert budget_ratio(profile, 10, 1, 1000, 0) == pytest.approx(0.39 / 0.9)
+    assert budget_ratio(profile, 10, 1, 10_000, 0) == pytest.approx(0.15)  # r* alone is past the budget
+    assert budget_ratio(profile, 10, 1, 100, 0) == 1.0  # all of it fits

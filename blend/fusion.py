@@ -133,7 +133,7 @@ def prompt_ratio(score: torch.Tensor, n_chunk: int, config: BlendConfig) -> floa
     """The share of chunk tokens this prompt recomputes, from the ranking at its first check (score [n] over every
     ranked chunk row): `ratio`, or with a deviation mass m, as many rows as it takes to hold m of the score's total
     on its norm's scale, between `ratio` and `max_ratio`. A prompt whose deviation is spread out gets more."""
-    if config.deviation_mass <= 0 or n_chunk == 0:
+    if config.deviation_mass <= 0 or n_chunk == 0 or score.numel() == 0:  # nothing ranked: one exact chunk
         return config.ratio
     # on the norm's scale: the squared score puts 88-92 % of its total in the top 15 % of rows on every
     # cross-passage prompt looked at; forced rows (inf) are kept anyway and count for nothing here

@@ -93,7 +93,8 @@ def ask_command(
                                    "(items with 'ctxs' bring their own passages)."),
     limit: int = typer.Option(None, "--limit", min=1, help="Answer at most N questions from --questions."),
     mode: str = typer.Option("blend", "--mode", help="blend, full (prefill), prefix (prefix caching), reuse."),
-    ratio: str = typer.Option("0.15", "--ratio", help="Share of chunk tokens to recompute, or 'auto'."),
+    ratio: str = typer.Option("auto", "--ratio", help="Share of chunk tokens to recompute, or 'auto': from 0.15 up, "
+                              "as much as the prompt's deviation asks within a first-token budget."),
     deviation: str = typer.Option("v", "--deviation", help="Select tokens by deviation of k, v or kv."),
     check_layer: int = typer.Option(1, "--check-layer", help="Layers before it are computed in full."),
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",

@@ -387,6 +387,7 @@ def test_chunk_start_mask_and_prompt_ratio_by_hand():
                                                           True, False]
     score = torch.tensor([64.0, 16.0, 4.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # norms 8, 4, 2, 1, 1: total 16
     assert prompt_ratio(score, 20, BlendConfig(ratio=0.1)) == 0.1  # no mass: the configured ratio
+    assert prompt_ratio(score[:0], 20, BlendConfig(ratio=0.1, deviation_mass=0.9)) == 0.1  # nothing ranked
     massed = BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.5)
     assert prompt_ratio(score, 20, massed) == 4 / 20  # norms 8+4+2+1 = 15 >= 0.9 x 16
     assert prompt_ratio(score, 20, BlendConfig(ratio=0.1, deviation_mass=0.9, max_ratio=0.15)) == 0.15  # capped

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from kvrag.blend.bench import cross_passage as cp
+from kvrag.blend.bench import cross_passage_text as words
 from kvrag.blend.bench.cross_passage import main, make_items
 from kvrag.blend.bench.items import read_dataset
 
@@ -80,7 +80,7 @@ def test_names_are_unique_across_the_set(items):
     for n, item in enumerate(items):
         for word in set(re.findall(r"[A-Z][a-z]+", " ".join(c["text"] for c in item["ctxs"]))):
             holders.setdefault(word, set()).add(n)
-    shared = {*cp.FEMALE, *cp.MALE, "Lake", *(w for p in cp.INSTITUTIONS for w in re.findall(r"[A-Z][a-z]+", p))}
+    shared = {*words.FEMALE, *words.MALE, "Lake", *(w for p in words.INSTITUTIONS for w in re.findall(r"[A-Z][a-z]+", p))}
     for n, item in enumerate(items):  # an answer's invented words turn up in no other item
         for word in item["answers"][0].split():
             if word[0].isupper() and word not in shared:
@@ -91,8 +91,8 @@ def test_names_are_unique_across_the_set(items):
 def test_names_are_invented_not_english_words(items, smol_tokenizer):
     """A common word is one SmolLM2 token (' Nurse', ' Panel'); the invented stems of topics, bridges and
     answers never are. Fixed words (first names, 'Lake', 'Shipyard', 'loom') come from the module's lists."""
-    lists = (cp.FEMALE, cp.MALE, cp.ARTEFACTS, cp.COMPANY_KINDS, cp.BOOK_NOUNS, cp.BOOK_ADJS, cp.INSTITUTIONS,
-             cp.ORCHESTRAS, cp.SHIP_ENDS, cp.YARDS)
+    lists = (words.FEMALE, words.MALE, words.ARTEFACTS, words.COMPANY_KINDS, words.BOOK_NOUNS, words.BOOK_ADJS, words.INSTITUTIONS,
+             words.ORCHESTRAS, words.SHIP_ENDS, words.YARDS)
     fixed = {w for group in lists for entry in group for w in re.findall(r"[A-Za-z]+", entry)}
     fixed |= {"The", "Lake", "Comet", "Caves", "Spring", "orchid", "Expedition", "of"}
     stems = {w for i in items for w in re.findall(r"[A-Za-z]+", f"{i['topic']} {i['bridge']} {i['answers'][0]}")

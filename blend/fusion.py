@@ -167,6 +167,63 @@ def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int)
     return scores.softmax(-1).mean(dim=(0, 1))
 
 
+def _assemble_kv(model: Transformer, cache: DecodeCache, layer: int, preamble: LayerKV, positions: torch.Tensor,
+                 rope, rows: torch.Tensor, rows_rope, new_k: torch.Tensor, new_v: torch.Tensor,
+                 loaded: tuple[torch.Tensor, torch.Tensor] | None, rotated_source: bool,
+                 rest_kv: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole prompt's rotated K and V for this layer, [N, Hkv, hd] each, assembled in place in the decode cache:
+    the preamble's, the loaded chunk rows' (cast by the copy from the store's dtype), and the computed `rows`' (indices
+    into the rows after the preamble). With `rest_kv` the rows' keys before rotary are kept there too."""
+    n_pre, n_total = len(preamble), positions.shape[0]
+    v_all = cache.v[layer, :n_total]
+    v_all[:n_pre] = preamble.v[layer]
+    if loaded is not None:
+        v_all[n_pre:n_pre + loaded[1].shape[0]] = loaded[1]
+    v_all[n_pre + rows] = new_v
+    if rotated_source:  # loaded keys come rotated: only the preamble's and the computed rows' are rotated here
+        k_rot = cache.k[layer, :n_total]
+        model.rotate_keys(preamble.k[layer], positions[:n_pre], (rope[0][:n_pre], rope[1][:n_pre]), out=k_rot[:n_pre])
+        if loaded is not None:
+            k_rot[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
+        k_rot[n_pre + rows] = model.rotate_keys(new_k, positions[n_pre:][rows], rows_rope)
+        return k_rot, v_all
+    k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=model.device)
+    k_all[:n_pre] = preamble.k[layer]
+    if loaded is not None:
+        k_all[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
+    k_all[n_pre + rows] = new_k
+    if rest_kv is not None:  # views: the decoder only writes past n_total
+        rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
+    return model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total]), v_all
+
+
+def _project(model: Transformer, layer: int, h: torch.Tensor, pos: torch.Tensor, rope, n_ranked: int | None):
+    """x (the attention input, or None), k, v and q of rows h [R, D] at positions `pos`. At a check (`n_ranked` of
+    the rows to rank, then the suffix) q is the suffix's alone: most ranked rows are dropped, and their queries
+    would be 60 % of that layer's projection; the kept ones get theirs from x once they are known."""
+    if n_ranked is None:
+        qkv = model.project(layer, h, pos, rope)
+        return None, qkv.k, qkv.v, qkv.q
+    x = model.attention_input(layer, h)  # [R, D]
+    k, v = model.project_kv(layer, x)  # [R, Hkv, hd] each
+    return x, k, v, model.queries(layer, x[n_ranked:], (rope[0][n_ranked:], rope[1][n_ranked:]))  # q [S, Hq, hd]
+
+
+def _selection_score(model: Transformer, config: BlendConfig, chunk_rows: torch.Tensor,
+                     chunk_starts: torch.Tensor | None, fresh: tuple[torch.Tensor, torch.Tensor],
+                     loaded: tuple[torch.Tensor, torch.Tensor], q_suffix: torch.Tensor,
+                     k_rows_rot: torch.Tensor) -> torch.Tensor:
+    """Each ranked chunk row's score [R]: its deviation (fresh vs loaded K/V, [R, Hkv, hd] each), weighted by how much
+    the suffix's queries read it, and infinite for the chunk starts `config.chunk_start_rows` forces in."""
+    score = _deviation(config.deviation, fresh[0], fresh[1], loaded[0], loaded[1])
+    if config.attention_weight > 0 and q_suffix.shape[0] > 0:
+        read = _suffix_attention(q_suffix, k_rows_rot, model.cfg.group_size)  # [R]
+        score = weigh_by_reading(score, read, config.attention_weight)
+    if config.chunk_start_rows and chunk_starts is not None:
+        score = score.masked_fill(chunk_start_mask(chunk_rows, chunk_starts, config.chunk_start_rows), math.inf)
+    return score
+
+
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
@@ -217,50 +274,18 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             result.wait_s += time.perf_counter() - w0
         t0 = time.perf_counter()
         selecting = layer in schedule and uses_loaded
-        if selecting:  # rows are the still-selected chunk rows, then the suffix; rank the chunk rows below
-            n_sel = int((rows < n_chunk).sum())
-            # K and V of every row; queries for the suffix now and for the kept rows once they are known
-            # (most rows at the first check are dropped: their queries would be 60 % of that layer's projection)
-            x = model.attention_input(layer, h)  # [R, D]
-            new_k, new_v = model.project_kv(layer, x)  # [R, Hkv, hd] each
-            q = model.queries(layer, x[n_sel:], (rows_rope[0][n_sel:], rows_rope[1][n_sel:]))  # [S, Hq, hd]
-        else:
-            qkv = model.project(layer, h, rest_pos[rows], rows_rope)
-            new_k, new_v, q = qkv.k, qkv.v, qkv.q
-        # the whole prompt's rotated K and V for this layer, assembled in place in the decode cache. Loaded rows
-        # arrive in the store's dtype and are cast by the copy.
-        v_all = cache.v[layer, :n_total]  # [N, Hkv, hd]
-        v_all[:n_pre] = preamble.v[layer]
-        if uses_loaded:
-            v_all[n_pre:n_pre + loaded_rows] = loaded_v
-        v_all[n_pre + rows] = new_v
-        if rotated_source:
-            k_rot = cache.k[layer, :n_total]  # [N, Hkv, hd]
-            model.rotate_keys(preamble.k[layer], positions[:n_pre], (rope[0][:n_pre], rope[1][:n_pre]),
-                              out=k_rot[:n_pre])
-            if uses_loaded:
-                k_rot[n_pre:n_pre + loaded_rows] = loaded_k
-            k_rot[n_pre + rows] = model.rotate_keys(new_k, rest_pos[rows], rows_rope)
-        else:  # K before rotary assembled in k_all, then rotated into the cache
-            k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=dev)
-            k_all[:n_pre] = preamble.k[layer]
-            if uses_loaded:
-                k_all[n_pre:n_pre + loaded_rows] = loaded_k
-            k_all[n_pre + rows] = new_k
-            if keep_rest:  # views: the decoder only writes past n_total
-                result.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
-            k_rot = model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total])  # [N, Hkv, hd]
+        # with a check at this layer, the rows are the still-selected chunk rows, then the suffix
+        n_sel = int((rows < n_chunk).sum()) if selecting else 0
+        x, new_k, new_v, q = _project(model, layer, h, rest_pos[rows], rows_rope, n_sel if selecting else None)
+        loaded = (loaded_k, loaded_v) if uses_loaded else None
+        k_rot, v_all = _assemble_kv(model, cache, layer, preamble, positions, rope, rows, rows_rope, new_k, new_v,
+                                    loaded, rotated_source, result.rest_kv)
         if selecting:
             chunk_part = rows[:n_sel]
             # fresh and loaded keys in the same frame (rotation is orthogonal: the distance is the same in either)
             fresh_k = k_rot[n_pre + chunk_part] if rotated_source else new_k[:n_sel]
-            score = _deviation(config.deviation, fresh_k, new_v[:n_sel], loaded_k[chunk_part], loaded_v[chunk_part])
-            if config.attention_weight > 0 and n_sel < rows.shape[0]:
-                read = _suffix_attention(q, k_rot[n_pre + chunk_part], model.cfg.group_size)  # [n_sel]
-                score = weigh_by_reading(score, read, config.attention_weight)
-            if config.chunk_start_rows and chunk_starts is not None:
-                score = score.masked_fill(chunk_start_mask(chunk_part, chunk_starts, config.chunk_start_rows),
-                                          math.inf)
+            score = _selection_score(model, config, chunk_part, chunk_starts, (fresh_k, new_v[:n_sel]),
+                                     (loaded_k[chunk_part], loaded_v[chunk_part]), q, k_rot[n_pre + chunk_part])
             if layer == first_check:
                 ratio_here = prompt_ratio(score, n_chunk, config)
             n_keep = keep_count(n_sel, schedule[layer], n_chunk, config, ratio_here)

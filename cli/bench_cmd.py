@@ -6,6 +6,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -108,16 +109,7 @@ def bench_command(
     from kvrag.store.tiers.config import parse_bytes
 
     t_start = time.perf_counter()
-    if (dataset is None) == (questions is None):
-        raise KvragError("give exactly one of --dataset FILE or --questions FILE")
-    if questions is not None and not questions.exists():
-        raise KvragError(f"{questions} does not exist")
-    data = None
-    if dataset is not None:  # read (or generated) before any model loads: a bad name or file fails at once
-        from kvrag.blend.bench.datasets import load_dataset
-
-        data = load_dataset(dataset)
-        data.indices(split)
+    data = _source(dataset, questions, split)
     limit = limit or (QUICK_LIMIT if quick else None)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
@@ -154,20 +146,32 @@ def bench_command(
         with _progress(console) as on_progress:
             bench = run_bench(engine, items, chosen, config, on_progress)
         report = _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console,
-                         {"dataset": str(dataset) if dataset else None, "split": split if dataset else None, "questions": str(questions) if questions else None,
-                          "store": str(store_dir), "limit": limit, "sample": sample, "seed": seed, "quick": quick,
-                          "methods": [m.name for m in chosen], "max_tokens": max_tokens, "codec": codec,
-                          "compress": compress,
+                         {**asdict(config), "dataset": str(dataset) if dataset else None,
+                          "split": split if dataset else None, "questions": str(questions) if questions else None,
+                          "store": str(store_dir), "limit": limit, "sample": sample, "quick": quick,
+                          "methods": [m.name for m in chosen], "compress": compress,
                           "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
-                          "check_layer": check_layer, "deviation": deviation, "gradual": gradual, "attention_weight": config.attention_weight,
-                          "chunk_start_rows": chunk_start_rows, "deviation_mass": deviation_mass,
-                          "warmup": warmup,
-                          "warm_store": warm_store,
                           "passage_words": passage_words, "top_k": k if questions else None,
                           "load_average_start": load_start})
     report["total_wall_s"] = time.perf_counter() - t_start
     _write(report, out, as_json, console)
+
+
+def _source(dataset: str | None, questions: Path | None, split: str):
+    """The named or given data set (None with --questions), read or generated before any model loads: a bad name,
+    file or split fails at once."""
+    if (dataset is None) == (questions is None):
+        raise KvragError("give exactly one of --dataset FILE or --questions FILE")
+    if questions is not None and not questions.exists():
+        raise KvragError(f"{questions} does not exist")
+    if dataset is None:
+        return None
+    from kvrag.blend.bench.datasets import load_dataset
+
+    data = load_dataset(dataset)
+    data.indices(split)
+    return data
 
 
 def _warn_if_busy(console) -> float | None:

@@ -22,6 +22,7 @@ from kvrag.blend.model_files import LocalModel
 from kvrag.store.home import kvrag_home
 
 _DIGEST_KEY = "kvrag.digest"  # in the safetensors metadata: xxh3-128 of the tensor bytes after the header
+_BLANK = "x" * 32  # the digest's place while the bytes are hashed (a hex digest has the same length)
 
 
 def prepared_path(local: LocalModel, dtype: torch.dtype) -> Path:
@@ -69,10 +70,10 @@ def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
 
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     try:
-        blank = save(cpu, metadata={_DIGEST_KEY: "0" * 32})  # the header's size does not depend on the digest
-        header_end = 8 + int.from_bytes(blank[:8], "little")
-        digest = xxhash.xxh3_128(memoryview(blank)[header_end:]).hexdigest()
-        data = save(cpu, metadata={_DIGEST_KEY: digest})
+        data = bytearray(save(cpu, metadata={_DIGEST_KEY: _BLANK}))  # the digest goes into this slot below
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        slot = data.index(_BLANK.encode(), 8, header_end)
+        data[slot:slot + len(_BLANK)] = xxhash.xxh3_128(memoryview(data)[header_end:]).hexdigest().encode()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)

@@ -23,12 +23,14 @@ QUESTION = "Who was the last keeper of the Skerry Point lighthouse?"
 PARTS = ("startup", "model_load", "embedder_load", "retrieve", "prefill", "decode", "decode_tokens_per_s")
 
 
-def run_once(python: list[str], store: str, args: list[str]) -> dict:
-    """One cold process: wall seconds, peak RSS (MB) and the answer's timings."""
+def run_once(store: str, args: list[str], pythonpath: str | None = None) -> dict:
+    """One cold process (another checkout first on `pythonpath`): wall seconds, peak RSS (MB), the answer's
+    timings."""
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen([*python, "-m", "kvrag", "ask", QUESTION, "--store", store, "--json", *args],
-                                stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "kvrag", "ask", QUESTION, "--store", store, "--json", *args],
+                                stdout=out, stderr=err, text=True, env=env)
         _, status, usage = os.wait4(proc.pid, 0)  # reaps it, with its own peak memory
         wall = time.perf_counter() - start
         out.seek(0), err.seek(0)
@@ -49,20 +51,14 @@ def main() -> None:
     ap.add_argument("--baseline", help="PYTHONPATH of another kvrag checkout to time against (its parent dir)")
     ap.add_argument("args", nargs="*", default=["-k", "1", "--max-tokens", "64"], help="more `kvrag ask` args")
     opts = ap.parse_args()
-    sides = {"this": ([sys.executable], None)}
+    sides = {"this": None}  # name -> PYTHONPATH for the run (None: this checkout)
     if opts.baseline:
-        sides["baseline"] = ([sys.executable], opts.baseline)
+        sides["baseline"] = opts.baseline
     rows: dict[str, list[dict]] = {name: [] for name in sides}
-    run_once([sys.executable], opts.store, opts.args)  # page cache and compiled kernels warm for both sides
+    run_once(opts.store, opts.args)  # page cache and compiled kernels warm for both sides
     for _ in range(opts.runs):
-        for name, (python, path) in sides.items():
-            env_path = os.environ.get("PYTHONPATH")
-            try:
-                if path:
-                    os.environ["PYTHONPATH"] = path
-                rows[name].append(run_once(python, opts.store, opts.args))
-            finally:
-                os.environ.pop("PYTHONPATH", None) if env_path is None else os.environ.update(PYTHONPATH=env_path)
+        for name, path in sides.items():
+            rows[name].append(run_once(opts.store, opts.args, path))
     _report(rows)
 
 

@@ -5,3 +5,12 @@ __version__ = "0.1.0"
 
 class KvragError(Exception):
     """A user-facing error: the CLI prints its message as one line on stderr and exits 1."""
+
+
+def __getattr__(name: str):
+    """`from kvrag import KVRag` without importing torch for `import kvrag` (the CLI's cold start)."""
+    if name in ("KVRag", "Generation"):
+        from kvrag import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'kvrag' has no attribute {name!r}")

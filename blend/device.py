@@ -14,26 +14,9 @@ from functools import lru_cache
 import torch
 
 from kvrag import KvragError
+from kvrag.kernels.cpu import cpu_has_amx, cpu_has_fast_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(flags.split())
-
-
-def cpu_has_fast_bf16() -> bool:
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-
-
-def cpu_has_amx() -> bool:
-    return "amx_bf16" in cpu_flags()
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

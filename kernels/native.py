@@ -19,7 +19,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from kvrag.blend.device import cpu_flags
+from kvrag.kernels.cpu import cpu_flags
 from kvrag.store.home import kvrag_home
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))

@@ -10,8 +10,8 @@ from functools import lru_cache
 
 import torch
 
-from kvrag.blend.device import cpu_flags
 from kvrag.kernels import native
+from kvrag.kernels.cpu import cpu_flags
 
 KEY_BLOCK = 64  # the kernel's keys per block: K and V are padded to a multiple of it
 HEAD_DIM_MULTIPLE = 64  # the kernel handles head dims that are multiples of this

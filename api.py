@@ -1,0 +1,197 @@
+"""kvrag's Python API: open a store and a model once, then ask, stream, or submit many questions at once.
+
+    from kvrag import KVRag
+
+    with KVRag("my-store") as rag:
+        answer = rag.ask("Who founded the company?")          # retrieval, blending, greedy decoding
+        print(answer.text, [s["title"] for s in answer.sources])
+        for piece in rag.stream("And when?"):                 # text as it is generated
+            print(piece, end="")
+        jobs = [rag.submit(q) for q in questions]              # run together, decoded in one batch
+        answers = [job.result() for job in jobs]
+
+Every request goes through one resident engine (engine/): one model, the store's stored KV, the memory tiers and
+one paged KV pool shared by all of them. Methods may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvrag import KvragError
+from kvrag.blend.answer import Answer
+from kvrag.blend.decode import SamplingConfig, stream_text
+from kvrag.blend.engine import Engine
+from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.runtime import Runtime
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.loop import EngineLoop
+from kvrag.engine.scheduler import SchedulerConfig
+from kvrag.engine.sequence import DONE, Request
+from kvrag.engine.sequence import Sequence as EngineSequence
+from kvrag.store.env import StoreEnv
+from kvrag.store.tiers.config import parse_bytes
+
+Passage = tuple[str, str]  # (title, text)
+
+
+class KVRag:
+    def __init__(self, store: str | Path, *, model: str | None = None, dtype: str | None = None,
+                 device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
+                 host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
+                 max_running: int = 32, reorder_window: int = 8, native: bool = True):
+        """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
+        sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions."""
+        from kvrag.blend.memory import build_cache
+
+        self.env = StoreEnv.open(store)
+        try:
+            self.runtime = Runtime.load(model, dtype, device)
+            cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
+            prefiller = Engine(self.runtime, self.env, codec, cache=cache)
+            config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
+                                  reorder_window), codec=codec, native=native)
+            self.engine = LLMEngine(prefiller, config)
+        except BaseException:
+            self.env.close()
+            raise
+        self.loop = EngineLoop(self.engine)
+        self._retriever = None
+        self._retriever_lock = threading.Lock()
+
+    # ---- asking ---------------------------------------------------------------------------------
+
+    def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5,
+               chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
+               mode: str = "blend", ratio: float | str = "auto", max_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None) -> Generation:
+        """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
+        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score)."""
+        if not question or not question.strip():
+            raise KvragError("the question is empty")
+        start = time.perf_counter()
+        chunks, sources = self._chunks(question, k, relative_cutoff, chunk_ids, passages)
+        retrieve_s = time.perf_counter() - start
+        auto = ratio == "auto"
+        try:
+            blend = BlendConfig(0.15 if auto else float(ratio))
+        except (TypeError, ValueError):
+            raise KvragError(f"ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
+        request = Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto,
+                          SamplingConfig(max_tokens, temperature, top_p, seed), tuple(sources))
+        return Generation(self, self.loop.submit(request), retrieve_s)
+
+    def ask(self, question: str, **options) -> Answer:
+        """Answer one question (the options of `submit`) and return when it is done."""
+        return self.submit(question, **options).result()
+
+    def stream(self, question: str, **options) -> Iterator[str]:
+        """The answer's text piece by piece as it is generated (the options of `submit`)."""
+        return iter(self.submit(question, **options))
+
+    def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5) -> list[dict]:
+        """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""
+        return self._chunks(question, k, relative_cutoff, None, None)[1]
+
+    # ---- life -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel what is still running, stop the engine and close the store."""
+        self.loop.close()
+        self.env.close()
+
+    def __enter__(self) -> KVRag:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- chunks -----------------------------------------------------------------------------------
+
+    def _chunks(self, question: str, k: int, relative_cutoff: float, chunk_ids: Sequence[str] | None,
+                passages: Sequence[Passage] | None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+        from kvrag.store.chunks import ChunkTable, chunk_id_for
+
+        if passages is not None:
+            prompts, fp = self.runtime.prompts, self.runtime.local.tokenizer_fingerprint
+            found = [(title, prompts.passage_ids(title, text)) for title, text in passages]
+            return ([(chunk_id_for(ids, fp), ids) for _, ids in found],
+                    [{"chunk_id": chunk_id_for(ids, fp), "title": title, "tokens": len(ids)} for title, ids in found])
+        if chunk_ids is not None:
+            records = ChunkTable(self.env).get_many(list(chunk_ids))  # a missing id is a KvragError
+            return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
+        hits = self._load_retriever().search(question, k, relative_cutoff)
+        return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
+                [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+
+    def _load_retriever(self):
+        with self._retriever_lock:
+            if self._retriever is None:
+                from kvrag.corpus.embedder import Embedder
+                from kvrag.corpus.retrieve import Retriever
+                from kvrag.store.chunks import ChunkTable
+
+                if ChunkTable(self.env).count() == 0:
+                    raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
+                self._retriever = Retriever(self.env, Embedder())
+            return self._retriever
+
+
+class Generation:
+    """One submitted question: iterate it for text pieces, or wait for the whole `result()`."""
+
+    def __init__(self, rag: KVRag, seq: EngineSequence, retrieve_s: float):
+        self._rag, self.seq, self._retrieve_s = rag, seq, retrieve_s
+
+    def tokens(self) -> Iterator[int]:
+        """Token ids as the engine produces them (one reader: the tokens are handed out once)."""
+        while (token := self.seq.events.get()) is not DONE:
+            yield token
+        self._raise_if_failed()
+
+    def __iter__(self) -> Iterator[str]:
+        return stream_text(self._rag.runtime.tokenizer, self.tokens())
+
+    def cancel(self) -> None:
+        """Stop generating; its memory goes back to the engine at its next step."""
+        self._rag.loop.cancel(self.seq)
+
+    @property
+    def done(self) -> bool:
+        return self.seq.done.is_set()
+
+    def result(self, timeout: float | None = None) -> Answer:
+        """The whole answer, once generated. KvragError if it failed, TimeoutError after `timeout` seconds."""
+        if not self.seq.done.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        self._raise_if_failed()
+        return self._answer()
+
+    def _raise_if_failed(self) -> None:
+        if self.seq.finish_reason == "error":
+            raise KvragError(self.seq.error or "the request failed")
+
+    def _answer(self) -> Answer:
+        seq, info = self.seq, self.seq.prefill_info
+        req = seq.request
+        text = self._rag.runtime.tokenizer.decode(seq.output, skip_special_tokens=True).strip()
+        first = seq.first_token_at or seq.finished_at
+        decoding = seq.finished_at - first
+        timings = {**info.get("timings", {}), "retrieve": self._retrieve_s, "ttft": first - seq.arrival,
+                   "decode": decoding, "queued": seq.queued_s,
+                   "decode_tokens_per_s": (len(seq.output) - 1) / decoding if len(seq.output) > 1 and decoding else 0.0}
+        ratio = info.get("ratio")
+        if ratio is not None and req.auto_ratio and info.get("chunk_tokens"):
+            ratio = round(info["recomputed_chunk_tokens"] / info["chunk_tokens"], 4)
+        return Answer(req.question, text, list(seq.output), req.mode, ratio, seq.prompt_tokens,
+                      info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0),
+                      info.get("bytes_loaded", 0), timings, list(req.sources), info.get("chunk_tiers", []),
+                      "interrupted" if seq.finish_reason == "cancelled" else seq.finish_reason)
+
+
+def _source(record) -> dict:
+    return {"chunk_id": record.chunk_id, "doc_id": record.doc_id, "title": record.title,
+            "tokens": len(record.token_ids)}

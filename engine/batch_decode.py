@@ -1,0 +1,76 @@
+"""One decode step for a batch of sequences of different lengths, reading and writing K/V through block tables.
+
+Two paths with one contract (row b's logits and K/V depend on sequence b alone, whatever else is in the batch):
+- native (a bf16 model on an AVX-512 CPU with kvrag's kernels): kernels/decode.cpp's batched step, which reads
+  each weight once for the whole batch and each sequence's K/V in place in the pool;
+- torch: the spec, and the path everywhere else. The projections and the MLP run batched; attention runs per
+  sequence over its own slots (a gather of its K/V rows: what the native step avoids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrag.blend.model import Transformer, _attend_few_rows
+from kvrag.engine.kv_pool import SequenceKV
+from kvrag.kernels import decode as native_decode
+from kvrag.store.tiers.allocator import BlockTable
+
+
+class BatchDecoder:
+    def __init__(self, model: Transformer, kv: SequenceKV, max_positions: int, native: bool = True):
+        self.model, self.kv = model, kv
+        self.cos, self.sin = model.positions_cos_sin(torch.arange(max_positions))  # [P, 1, hd] each
+        self.native = None
+        if native and native_decode.step_serves(model) and hasattr(native_decode, "BatchStep"):
+            self.native = native_decode.BatchStep(model, kv.pool.kv, self.cos, self.sin)
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int], tables: Sequence[BlockTable]) -> torch.Tensor:
+        """Feed tokens[b] at position tables[b].n_tokens - 1 (the slot `SequenceKV.grow` made for it); returns the
+        next-token logits [B, V] float32."""
+        positions = torch.tensor([t.n_tokens - 1 for t in tables], dtype=torch.long)  # [B]
+        if self.native is not None:
+            return self._native(tokens, positions, tables)
+        return self._torch(torch.tensor(list(tokens), dtype=torch.long), positions, tables)
+
+    def _native(self, tokens: Sequence[int], positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
+        m = self.model
+        width = max(len(t.blocks) for t in tables)
+        block_table = torch.zeros(len(tables), width, dtype=torch.long)  # [B, M]
+        for b, t in enumerate(tables):
+            block_table[b, :len(t.blocks)] = torch.tensor(t.blocks)
+        h = m.embed_tokens[torch.tensor(list(tokens))].contiguous()  # [B, D]
+        logits = torch.empty(len(tables), m.lm_head.shape[0])  # [B, V] the head's bf16 logits, widened
+        self.native(positions, block_table, h, logits)
+        return rescore(m, logits, m._normed(h))
+
+    def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
+        m, dev = self.model, self.model.device
+        k_all, v_all = self.kv.layer_views()  # [L, slots, Hkv, hd] each
+        rows = [self.kv.rows(t) for t in tables]  # per sequence [n_b] its slots, the new token's last
+        new_slots = torch.stack([r[-1] for r in rows])  # [B]
+        rope = (self.cos[positions], self.sin[positions])  # [B, 1, hd] each
+        h = m.embed(tokens.to(dev))  # [B, D]
+        for layer in range(m.cfg.n_layers):
+            qkv = m.project(layer, h, positions, rope)  # q [B, Hq, hd] rotated, k [B, Hkv, hd] before rotary
+            k_all[layer].index_copy_(0, new_slots, m.rotate_keys(qkv.k, positions, rope))
+            v_all[layer].index_copy_(0, new_slots, qkv.v)
+            attn = torch.cat([_attend_few_rows(qkv.q[b:b + 1], k_all[layer, r], v_all[layer, r], m.cfg.group_size)
+                              for b, r in enumerate(rows)])  # [B, Hq * hd]
+            h = m.finish(layer, h, attn)
+        return m.logits(h)
+
+
+def rescore(model: Transformer, logits: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+    """The head's logits [B, V] with each row's RESCORED best computed again in float32 from its final float32
+    norm normed [B, D], as Transformer.logits does (bf16 models)."""
+    if model.dtype == torch.float32:
+        return logits
+    from kvrag.blend.model import RESCORED
+
+    top = logits.topk(min(RESCORED, logits.shape[-1]), dim=-1).indices  # [B, K]
+    exact = torch.einsum("rd,rkd->rk", model.final_norm.float() * normed, model.lm_head[top].float())  # [B, K]
+    return logits.scatter_(-1, top, exact)

@@ -1,0 +1,101 @@
+"""The running sequences' KV: one paged block pool under a byte budget (vLLM's PagedAttention layout).
+
+    pool.kv: [n_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]  in the model's dtype
+
+Keys are stored rotated to their positions (decode reads them as they are), unlike the memory tiers' pools,
+which keep keys before rotary. The preamble's full blocks are computed once and shared by reference by every
+sequence; the block holding the preamble's tail and the first prompt tokens is each sequence's own. A shared
+block is copied before it is written (BlockPool.make_private), so a sequence never writes into another's KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.blend.decode import DecodeCache
+from kvrag.blend.model import Transformer
+from kvrag.store.tiers.allocator import BlockLayout, BlockTable, OutOfBlocks
+from kvrag.store.tiers.block_pool import BlockPool
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class SequenceKV:
+    def __init__(self, model: Transformer, budget_bytes: int, block_size: int = 16):
+        c = model.cfg
+        layout = BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, DTYPE_NAMES[model.dtype], block_size)
+        self.pool = BlockPool.for_budget(layout, budget_bytes, model.device)
+        if self.pool.num_blocks < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds fewer than 2 blocks of {block_size} tokens")
+        self.block_size = block_size
+        self.shared: list[int] = []  # the preamble's full blocks, held once here and referenced by every table
+        self.shared_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """Fresh blocks a sequence of n_tokens takes at most (fewer when it shares the preamble's)."""
+        return self.pool.layout.blocks_for(n_tokens)
+
+    def share_prefix(self, cache: DecodeCache, n_tokens: int) -> None:
+        """Keep the whole blocks of the first n_tokens of `cache` (the preamble) as every sequence's shared start."""
+        n_blocks = n_tokens // self.block_size
+        if n_blocks == 0 or self.shared:
+            return
+        table = self.pool.allocate(n_blocks * self.block_size)
+        self._copy_rows(table, cache, 0, table.n_tokens)
+        self.shared, self.shared_tokens = list(table.blocks), table.n_tokens
+
+    def admit(self, cache: DecodeCache, n_tokens: int) -> BlockTable:
+        """A table holding the first n_tokens of a prefilled cache: the shared blocks by reference where the cache
+        starts with exactly their KV (a full prefill computes the preamble in its own pass, to other bits), the
+        rest copied. OutOfBlocks (nothing taken) when the pool lacks room."""
+        shared = self.shared if n_tokens > self.shared_tokens and self._starts_shared(cache) else []
+        fresh = self.pool.allocator.allocate(self.pool.layout.blocks_for(n_tokens) - len(shared))
+        self.pool.share(shared)
+        table = BlockTable(shared + fresh, n_tokens, self.block_size)
+        self._copy_rows(table, cache, len(shared) * self.block_size, n_tokens)
+        return table
+
+    def _starts_shared(self, cache: DecodeCache) -> bool:
+        if not self.shared:
+            return False
+        k, v = self.layer_views()
+        slots = self.rows(BlockTable(self.shared, self.shared_tokens, self.block_size))  # [P]
+        n = self.shared_tokens
+        return torch.equal(k[:, slots], cache.k[:, :n]) and torch.equal(v[:, slots], cache.v[:, :n])
+
+    def grow(self, table: BlockTable) -> None:
+        """Room for one more token at position table.n_tokens: a new block when the last one is full, a private
+        copy of the last block when it is shared. OutOfBlocks when the pool has no block left."""
+        if table.n_tokens % self.block_size == 0:
+            table.blocks.extend(self.pool.allocator.allocate(1))
+        else:
+            self.pool.make_private(table, [len(table.blocks) - 1])
+        table.n_tokens += 1
+
+    def free(self, table: BlockTable) -> None:
+        self.pool.free(table)
+
+    def layer_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer as flat token slots: [L, num_blocks * block_size, Hkv, hd] each (views)."""
+        flat = self.pool.kv.flatten(2, 3)  # [L, 2, N*B, Hkv, hd]
+        return flat[:, 0], flat[:, 1]
+
+    def rows(self, table: BlockTable) -> torch.Tensor:
+        """The flat slots of a table's tokens [T]: where its K and V rows live in `layer_views`."""
+        return self.pool.slot_index([table])
+
+    def _copy_rows(self, table: BlockTable, cache: DecodeCache, start: int, stop: int) -> None:
+        """Rows start..stop-1 of every layer of a contiguous cache into the table's slots for those positions."""
+        if stop <= start:
+            return
+        k, v = self.layer_views()
+        slots = self.rows(table)[start:stop]  # [R]
+        k.index_copy_(1, slots, cache.k[:, start:stop])  # [L, R, Hkv, hd]
+        v.index_copy_(1, slots, cache.v[:, start:stop])
+
+
+__all__ = ["OutOfBlocks", "SequenceKV"]

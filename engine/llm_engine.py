@@ -1,0 +1,164 @@
+"""The resident engine: many requests at once over one model, one store and one paged KV pool.
+
+Each `step()` cancels what callers gave up on, prefills at most one waiting request (blended, full, prefix or
+reuse, through blend.engine.Engine, whose memory tiers all requests share), then runs one batched decode step of
+every running sequence. Single-threaded: callers on other threads go through engine/loop.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvrag import KvragError
+from kvrag.blend.answer import resolve_ratio
+from kvrag.blend.decode import DecodeCache, choose
+from kvrag.blend.engine import MODES, Engine
+from kvrag.engine.batch_decode import BatchDecoder
+from kvrag.engine.kv_pool import SequenceKV
+from kvrag.engine.scheduler import Scheduler, SchedulerConfig
+from kvrag.engine.sequence import DONE, Request, Sequence
+from kvrag.store.tiers.reorder import order_priority
+
+SUFFIX_GUESS = 40  # question-suffix tokens assumed by the ratio controller before the question is tokenized
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget_bytes: int = 1 << 30  # the running sequences' KV pool
+    block_size: int = 16
+    scheduler: SchedulerConfig = SchedulerConfig()
+    codec: str = "fp16"  # which stored KV blend/reuse/prefix read
+    native: bool = True  # the native batched decode step where it serves
+
+
+class LLMEngine:
+    def __init__(self, prefiller: Engine, config: EngineConfig = EngineConfig()):
+        self.prefiller, self.config = prefiller, config
+        self.model = prefiller.model
+        self.max_positions = self.model.cfg.max_positions
+        self.kv = SequenceKV(self.model, config.kv_budget_bytes, config.block_size)
+        self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
+        self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native)
+        self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> Sequence:
+        """Queue a request; KvragError (nothing queued) when it cannot run here at all."""
+        seq = self.new_sequence(request)
+        self.scheduler.add(seq)
+        return seq
+
+    def new_sequence(self, request: Request) -> Sequence:
+        """A sequence for the request, checked against the model's context and the pool (any thread may call
+        this; only the engine's thread may `add` it). KvragError when it cannot run here at all."""
+        if request.mode not in MODES:
+            raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
+        prompts = self.prefiller.runtime.prompts
+        suffix = prompts.build([], request.question).suffix
+        prompt = len(prompts.preamble_ids) + sum(len(ids) for _, ids in request.chunks) + len(suffix)
+        longest = prompt + request.sampling.max_tokens
+        if longest > self.max_positions:
+            raise KvragError(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
+                             f"model's context of {self.max_positions}")
+        if self.kv.blocks_needed(longest) + len(self.kv.shared) > self.kv.pool.num_blocks:
+            raise KvragError(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
+                             f"than the pool's {self.kv.pool.capacity_bytes} bytes hold")
+        return Sequence(next(self._ids), request, prompt)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Cancel, prefill one waiting request if there is room, decode every running sequence one token."""
+        for seq in [s for s in (*self.scheduler.waiting, *self.scheduler.running) if s.cancelled]:
+            self._finish(seq, "cancelled")
+        seq = self.scheduler.next_prefill()
+        if seq is not None:
+            self._prefill(seq)
+        ready = self.scheduler.reserve_decode()
+        if ready:
+            self._decode(ready)
+
+    def _prefill(self, seq: Sequence) -> None:
+        req = seq.request
+        if seq.prefill_started is None:
+            seq.prefill_started = time.perf_counter()
+        try:
+            config = req.blend
+            if req.mode == "blend":
+                n_chunk = sum(len(ids) for _, ids in req.chunks)
+                config = resolve_ratio(self.prefiller, config, req.auto_ratio, n_chunk, SUFFIX_GUESS,
+                                       self.config.codec)
+            chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
+            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0)
+            self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills
+        except KvragError as exc:
+            seq.error = str(exc)
+            self._finish(seq, "error")
+            return
+        seq.table = self.kv.admit(pre.cache, pre.prompt_tokens)
+        seq.length = pre.prompt_tokens
+        self.scheduler.start(seq)
+        if seq.preemptions:  # prefilled again: re-feed the tokens it had generated (seq.replay of them)
+            return
+        seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
+                            "recomputed_chunk_tokens": pre.recomputed_chunk_tokens, "bytes_loaded": pre.bytes_loaded,
+                            "chunk_tiers": pre.chunk_tiers, "ratio": config.ratio if req.mode == "blend" else None}
+        self._emit(seq, choose(pre.logits, req.sampling, seq.generator))
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs])  # [B, V]
+        for seq, row in zip(seqs, logits, strict=True):
+            seq.length += 1
+            if seq.replay:
+                seq.replay -= 1
+                continue
+            self._emit(seq, choose(row, seq.request.sampling, seq.generator))
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        """A sampled token: the end (a stop token), or one more, which may be the last allowed."""
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        if token in self.prefiller.stop_ids:
+            self._finish(seq, "stop")
+            return
+        seq.output.append(token)
+        seq.events.put(token)
+        if len(seq.output) >= seq.request.sampling.max_tokens:
+            self._finish(seq, "length")
+
+    def fail(self, seq: Sequence) -> None:
+        """End a sequence with an error (seq.error says which), wherever it stands."""
+        self._finish(seq, "error")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        seq.finished_at = time.perf_counter()
+        seq.events.put(DONE)
+        seq.done.set()
+
+    def _order_priority(self, seq: Sequence) -> float:
+        """RAGCache's order: tokens whose KV the memory tiers hold per token to compute (no tiers: all equal)."""
+        cache = self.prefiller.cache
+        if cache is None or seq.request.mode not in ("blend", "reuse"):
+            return 0.0
+        chunks = seq.request.chunks
+        cached, compute = cache.peek([c for c, _ in chunks], [len(ids) for _, ids in chunks])
+        return order_priority(cached, compute)
+
+
+def _rotated_prefix(prefiller: Engine) -> DecodeCache:
+    """The preamble's KV as a prefill leaves it in a decode cache: keys rotated to positions 0..P-1."""
+    model, pre = prefiller.model, prefiller.preamble
+    with torch.inference_mode():
+        layers = [(model.rotate_keys(k, pre.positions), v.to(model.dtype)) for k, v in zip(pre.k, pre.v, strict=True)]
+    return DecodeCache.from_prompt(model, layers, 0)

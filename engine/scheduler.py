@@ -1,0 +1,99 @@
+"""Which sequence prefills this step, and room in the pool for every running sequence's next token.
+
+Waiting requests are admitted one per step, when the pool has room for the prompt and a block per running sequence
+to spare. Among the waiting, RAGCache's cache-aware order picks the one with the most cached tokens per token to
+compute (`score`), but a request passed over `reorder_window` times goes next (window 0: first come, first served).
+Sequences preempted while running go before all others.
+
+When a running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks go back to the pool and it waits at the front of the queue to be prefilled again (recompute, as vLLM and
+nano-vllm do); it then re-feeds the tokens it had generated, so no request fails for lack of memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 32  # sequences decoding together: the batch's largest size
+    reorder_window: int = 8  # cache-aware reordering passes a request over at most this often (0: FIFO)
+
+
+class Scheduler:
+    def __init__(self, kv: SequenceKV, config: SchedulerConfig, score: Callable[[Sequence], float] | None = None):
+        self.kv, self.config = kv, config
+        self.score = score or (lambda seq: 0.0)  # higher goes first
+        self.waiting: deque[Sequence] = deque()  # in arrival order, preempted ones at the front
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def next_prefill(self) -> Sequence | None:
+        """The waiting sequence to prefill now, taken off the queue; None when none waits or the pool lacks room."""
+        if not self.waiting or len(self.running) >= self.config.max_running:
+            return None
+        chosen = self._pick()
+        spare = len(self.running)  # a block per running sequence for its next tokens, so admission never forces
+        if self.kv.blocks_needed(chosen.prompt_tokens + 1) > self.kv.num_free - spare and self.running:
+            return None  # a preemption at once; with nothing running, try anyway (the engine preempts nothing)
+        for seq in self.waiting:
+            if seq is chosen:
+                break
+            seq.passed_over += 1
+        self.waiting.remove(chosen)
+        return chosen
+
+    def _pick(self) -> Sequence:
+        first = self.waiting[0]
+        if first.preemptions or self.config.reorder_window == 0 or first.passed_over >= self.config.reorder_window:
+            return first
+        return max(self.waiting, key=lambda s: (self.score(s), -s.id))
+
+    def start(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def reserve_decode(self) -> list[Sequence]:
+        """Grow every running sequence's table by the slot its next token writes, preempting the newest sequences
+        while the pool is full. Returns the sequences that decode this step, in admission order."""
+        ready: list[Sequence] = []
+        for seq in list(self.running):
+            while seq.status is Status.RUNNING:
+                try:
+                    self.kv.grow(seq.table)
+                    ready.append(seq)
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim in ready:
+                        ready.remove(victim)
+        return ready
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give its blocks back; it is prefilled again later and re-feeds what it had generated."""
+        self.kv.free(seq.table)
+        seq.table, seq.length, seq.status = None, 0, Status.WAITING
+        seq.replay = max(0, len(seq.output) - 1)
+        seq.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back."""
+        if seq.table is not None:
+            self.kv.free(seq.table)
+            seq.table = None
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,90 @@
+"""A request and the sequence that carries it through the engine: waiting, running, finished.
+
+A sequence's KV lives in the engine's block pool (positions 0 .. length-1 through its block table). The token it
+feeds next is the last one it generated: its KV is written by the decode step that reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrag.blend.decode import SamplingConfig
+from kvrag.blend.fusion import BlendConfig
+from kvrag.store.tiers.allocator import BlockTable
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to prefill and how to sample: a question over chunks given as (chunk id, token ids), in prompt order."""
+
+    question: str
+    chunks: tuple[tuple[str, tuple[int, ...]], ...]
+    mode: str = "blend"  # blend, full, prefix or reuse (blend.engine.MODES)
+    blend: BlendConfig = field(default_factory=BlendConfig)
+    auto_ratio: bool = True  # blend: the ratio chosen per prompt (controller), blend.ratio its floor
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sources: tuple[dict, ...] = ()  # what the caller wants back with the answer (retrieval hits)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+DONE = None  # put on a sequence's event queue after its last token
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: Request, prompt_tokens: int):
+        self.id = seq_id
+        self.request = request
+        self.prompt_tokens = prompt_tokens  # preamble + chunks + question suffix
+        self.status = Status.WAITING
+        self.table: BlockTable | None = None  # its KV in the pool, while running
+        self.length = 0  # tokens whose KV is in the pool
+        self.output: list[int] = []  # generated tokens
+        self.replay = 0  # generated tokens fed again after a recompute preemption, before new ones come
+        self.finish_reason: str | None = None  # stop, length, cancelled, error
+        self.error: str | None = None
+        self.cancelled = False  # set by any thread; the engine finishes it at its next step
+        self.passed_over = 0  # admissions that went to a later request while this one waited
+        self.preemptions = 0
+        self.prefill_info: dict = {}  # the first prefill's costs: Prefilled's timings, tokens, tiers
+        self.arrival = time.perf_counter()
+        self.prefill_started: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.generator = _generator(request.sampling)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then DONE: for streaming readers
+        self.done = threading.Event()  # set once finished, for readers that wait for the whole answer
+
+    @property
+    def feed_token(self) -> int:
+        """The token the next decode step feeds: the last generated, or during replay the next one to re-feed."""
+        return self.output[len(self.output) - self.replay - 1] if self.replay else self.output[-1]
+
+    @property
+    def queued_s(self) -> float:
+        """Seconds from arrival to the start of its first prefill (so far, while it waits)."""
+        return (self.prefill_started or time.perf_counter()) - self.arrival
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.id}, {self.status.value}, length={self.length}, out={len(self.output)})"
+
+
+def _generator(sampling: SamplingConfig) -> torch.Generator | None:
+    """A per-sequence generator, so a sampled answer does not depend on what else runs beside it."""
+    if sampling.temperature == 0 or sampling.seed is None:
+        return None
+    return torch.Generator(device="cpu").manual_seed(sampling.seed)

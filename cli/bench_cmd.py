@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from kvrag import KvragError
-from kvrag.cli.app import app
+from kvrag.cli.app import bench_app
 from kvrag.cli.common import (
     ATTENTION_WEIGHT_OPTION,
     DEVICE_OPTION,
@@ -31,8 +31,9 @@ QUICK_CACHE_REQUESTS = 800
 QUICK_MAX_TOKENS = 16
 
 
-@app.command("bench")
+@bench_app.callback()
 def bench_command(
+    ctx: typer.Context,
     dataset: str = typer.Option(None, "--dataset", help="musique, cross-passage, sample (named sets, each with a "
                                 "tuning and a report split), or a MuSiQue-format JSON file: items with their own "
                                 "passages."),
@@ -102,6 +103,8 @@ def bench_command(
 
     Example: kvrag bench --dataset ../shared/data/musique_s.json --limit 50 --out bench-out
     """
+    if ctx.invoked_subcommand is not None:  # `kvrag bench <what>`: that benchmark alone
+        return
     from kvrag.blend.bench.cache_sim import CacheSpec
     from kvrag.blend.bench.methods import parse_methods
     from kvrag.blend.bench.runner import RunConfig
@@ -347,3 +350,48 @@ def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
         print_json(report)
     else:
         console.print(f"bench done in {report['total_wall_s']:.0f} s")
+
+
+@bench_app.command("engine")
+def bench_engine_command(
+    contexts: str = typer.Option("1024,6144", "--contexts", help="Context lengths in tokens, comma-separated."),
+    batches: str = typer.Option("1,4,16,32", "--batches", help="Concurrent sequences, comma-separated."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Decode steps timed per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds per point (the median is reported)."),
+    native: bool = typer.Option(True, "--native/--torch", help="The native batched step where it serves, or torch."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Aggregate decode tokens/s of the resident engine by batch size and context, against the memory floor.
+
+    Example: kvrag bench engine --contexts 1024,6144 --batches 1,4,16,32
+    """
+    from dataclasses import asdict
+
+    from kvrag.bench.engine_decode import measure, table
+    from kvrag.blend.bench.report import machine as machine_info
+    from kvrag.blend.runtime import Runtime
+
+    console = stderr_console()
+    runtime = Runtime.load(model, dtype, device)
+    points, bandwidth, path = measure(runtime, _ints(contexts, "--contexts"), _ints(batches, "--batches"), steps,
+                                      rounds, native, progress=lambda line: console.print(line, highlight=False))
+    machine = machine_info()
+    if as_json:
+        print_json({"schema": "kvrag-bench-engine/1", "machine": machine, "path": path,
+                    "read_bandwidth_bytes_per_s": bandwidth,
+                    "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
+    else:
+        console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvragError(f"{what} takes whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise KvragError(f"{what} takes positive whole numbers, got {text!r}")
+    return values

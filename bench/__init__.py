@@ -1,0 +1,1 @@
+"""kvrag's benchmarks, each a `kvrag bench <what>` subcommand."""

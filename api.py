@@ -19,10 +19,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvrag import KvragError
 from kvrag.blend.answer import Answer
+from kvrag.blend.controller import QUALITY_FLOOR
 from kvrag.blend.decode import SamplingConfig, stream_text
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import BlendConfig
@@ -42,34 +44,46 @@ class KVRag:
     def __init__(self, store: str | Path, *, model: str | None = None, dtype: str | None = None,
                  device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
                  host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
-                 max_running: int = 32, reorder_window: int = 8, native: bool = True):
+                 max_running: int = 32, reorder_window: int = 8, native: bool = True, preload_retriever: bool = True):
         """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
-        sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions."""
+        sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
+        turns them off). The retriever loads beside the model unless preload_retriever is False (then at the
+        first retrieval)."""
         from kvrag.blend.memory import build_cache
 
         self.env = StoreEnv.open(store)
+        self._retriever = None
+        self._retriever_lock = threading.Lock()
+        self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds
+        preload = threading.Thread(target=self._preload_retriever, daemon=True) if preload_retriever else None
         try:
+            if preload is not None:
+                preload.start()  # torch releases the GIL in both loads: they overlap
+            start = time.perf_counter()
             self.runtime = Runtime.load(model, dtype, device)
             cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
             prefiller = Engine(self.runtime, self.env, codec, cache=cache)
             config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
                                   reorder_window), codec=codec, native=native)
             self.engine = LLMEngine(prefiller, config)
+            self.load_timings["model_load"] = time.perf_counter() - start
         except BaseException:
+            if preload is not None:
+                preload.join()
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
-        self._retriever = None
-        self._retriever_lock = threading.Lock()
 
     # ---- asking ---------------------------------------------------------------------------------
 
     def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5,
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str = "auto", max_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None) -> Generation:
+               top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
-        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score)."""
+        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
+        `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
+        ratio."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
         start = time.perf_counter()
@@ -77,7 +91,7 @@ class KVRag:
         retrieve_s = time.perf_counter() - start
         auto = ratio == "auto"
         try:
-            blend = BlendConfig(0.15 if auto else float(ratio))
+            blend = replace(selection or BlendConfig(), ratio=QUALITY_FLOOR if auto else float(ratio))
         except (TypeError, ValueError):
             raise KvragError(f"ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
         request = Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto,
@@ -128,16 +142,27 @@ class KVRag:
                 [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
 
     def _load_retriever(self):
+        """The embedder and the vector index, loaded once (and warmed up on a query)."""
         with self._retriever_lock:
             if self._retriever is None:
                 from kvrag.corpus.embedder import Embedder
                 from kvrag.corpus.retrieve import Retriever
                 from kvrag.store.chunks import ChunkTable
 
+                start = time.perf_counter()
                 if ChunkTable(self.env).count() == 0:
                     raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
-                self._retriever = Retriever(self.env, Embedder())
+                embedder = Embedder()
+                embedder.embed(["warm-up"])  # the weights and torch's first-call setup, out of the first question
+                self._retriever = Retriever(self.env, embedder)
+                self.load_timings["embedder_load"] = time.perf_counter() - start
             return self._retriever
+
+    def _preload_retriever(self) -> None:
+        try:
+            self._load_retriever()
+        except KvragError:
+            pass  # no index: said when a question needs retrieval
 
 
 class Generation:

@@ -142,7 +142,7 @@ def ask_command(
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
                          (model, dtype, device))
-    answers = _answer_all(resolve_store(store), todo, _ChunkFinder(k, chunks, relative_cutoff), settings,
+    answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
         records = [a.to_json() for a in answers]
@@ -161,66 +161,64 @@ class _Settings:
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
     model_options: tuple  # --model, --dtype, --device
 
+    def request_options(self) -> dict:
+        """The API's options for how to answer."""
+        sp = self.sampling
+        return {"mode": self.mode, "ratio": "auto" if self.auto_ratio else self.config.ratio, "selection": self.config,
+                "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
 
-def _answer_all(store: Path, todo: list[Question], finder: _ChunkFinder, s: _Settings, as_json: bool,
+
+def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings, as_json: bool,
                 show_sources: bool) -> list:
-    """Load the model (retrieving the first question meanwhile), then answer each question in turn."""
-    from kvrag.blend.answer import answer_question
-    from kvrag.store.env import StoreEnv
+    """Open the store and load the model (the retriever beside it), then answer each question in turn."""
+    from kvrag.api import KVRag
 
     startup_s = process_age()
     console = stderr_console()
+    host_cache, gpu_cache, policy = s.cache_options
+    rag = KVRag(store, model=s.model_options[0], dtype=s.model_options[1], device=s.model_options[2], codec=s.codec,
+                host_cache=host_cache if len(todo) > 1 else "0",  # the tiers pay off from the second question on
+                gpu_cache=gpu_cache, cache_policy=policy, preload_retriever=any(map(finder.retrieves, todo)))
     answers = []
-    with StoreEnv.open(store) as env:
-        finder.open(env)
-        engine, first, model_load_s = _load_engine(env, finder, todo[0], s, many=len(todo) > 1)
+    try:
         for n, q in enumerate(todo):
             if len(todo) > 1 and not as_json:  # the answers go to stdout, each after its question on stderr
                 console.print(f"[bold]Q{n + 1}:[/] {q.text}", highlight=False, soft_wrap=True)
-            chosen, sources = first if n == 0 and first is not None else finder.find(q, engine.runtime)
-            on_text = None if as_json else _write
-            answer, _ = answer_question(engine, chosen, q.text, s.mode, s.config, s.sampling, on_text, s.auto_ratio,
-                                        s.codec, interruptible=True)
-            answer.sources = sources
-            answer.timings.update(retrieve=finder.retrieve_s, since_start=process_age())
+            answer = _stream(rag.submit(q.text, **finder.options(q), **s.request_options()), as_json)
+            answer.timings["since_start"] = process_age()
             if n == 0:
-                answer.timings.update(startup=startup_s, model_load=model_load_s,
-                                      embedder_load=finder.embedder_load_s)
+                answer.timings.update(startup=startup_s, **rag.load_timings)
             answers.append(answer)
-            if not as_json:
-                _write(" [interrupted]\n" if answer.finish_reason == "interrupted" else "\n")
-                if show_sources:
-                    _print_sources(console, sources, answer.chunk_tiers)
-            if answer.computed_chunks and not as_json:
-                console.print(f"note: {len(answer.computed_chunks)} of {len(sources)} chunks had no stored KV for "
-                              f"this model and codec ({s.codec}): computed them and stored them now; "
-                              "`kvrag precompute` does this ahead of time", highlight=False, soft_wrap=True)
+            _report(console, answer, s.codec, as_json, show_sources)
             if answer.finish_reason == "interrupted":
                 break
+    finally:
+        rag.close()
     return answers
 
 
-def _load_engine(env, finder: _ChunkFinder, first: Question, s: _Settings, many: bool):
-    """The engine over `env`, and the first question's chunks: retrieved in a thread while the model loads (the
-    embedder and the LLM load side by side; torch releases the GIL in both). Returns (engine, first's chunks or
-    None, seconds to load the model)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _stream(job, as_json: bool):
+    """The answer, its text written to stdout as it comes (unless --json); Ctrl-C ends it where it stands."""
+    try:
+        for piece in job:
+            if not as_json:
+                _write(piece)
+    except KeyboardInterrupt:
+        job.cancel()
+    return job.result()
 
-    from kvrag.blend.engine import Engine
-    from kvrag.blend.runtime import Runtime
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        found = pool.submit(finder.find, first) if finder.retrieves(first) else None
-        t0 = time.perf_counter()
-        runtime = Runtime.load(*s.model_options)
-        cache = None
-        if many:  # the tiers pay off from the second question of a process on
-            from kvrag.blend.memory import build_cache
-
-            cache = build_cache(runtime, s.codec, *s.cache_options)
-        engine = Engine(runtime, env, s.codec, cache=cache)
-        model_load_s = time.perf_counter() - t0
-        return engine, found.result() if found is not None else None, model_load_s
+def _report(console, answer, codec: str, as_json: bool, show_sources: bool) -> None:
+    """After an answer on a terminal: its end, its sources if asked, and a note on chunks computed for it."""
+    if as_json:
+        return
+    _write(" [interrupted]\n" if answer.finish_reason == "interrupted" else "\n")
+    if show_sources:
+        _print_sources(console, answer.sources, answer.chunk_tiers)
+    if answer.computed_chunks:
+        console.print(f"note: {len(answer.computed_chunks)} of {len(answer.sources)} chunks had no stored KV for "
+                      f"this model and codec ({codec}): computed them and stored them now; "
+                      "`kvrag precompute` does this ahead of time", highlight=False, soft_wrap=True)
 
 
 def _write(text: str) -> None:
@@ -261,69 +259,20 @@ def _collect_questions(question: str | None, questions: Path | None, limit: int 
     return todo[:limit] if limit else todo
 
 
-class _ChunkFinder:
-    """Chunks for a question: its own passages, explicit ids, or retrieval from the index."""
+class _Chunks:
+    """Where a question's chunks come from: its own passages, explicit ids, or retrieval."""
 
     def __init__(self, k: int, chunk_ids: str | None, relative_cutoff: float):
         self.k, self.relative_cutoff = k, relative_cutoff
         self.explicit = [c.strip() for c in chunk_ids.split(",") if c.strip()] if chunk_ids else None
-        self.env = self.table = self._retriever = None
-        self.embedder_load_s = self.retrieve_s = 0.0
-
-    def open(self, env) -> None:
-        from kvrag.store.chunks import ChunkTable
-
-        self.env, self.table = env, ChunkTable(env)
 
     def retrieves(self, q: Question) -> bool:
         return q.passages is None and self.explicit is None
 
-    def find(self, q: Question, runtime=None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
-        t0 = time.perf_counter()
-        if q.passages is not None:
-            found = self._own_passages(q, runtime)
-        elif self.explicit is not None:
-            records = self.table.get_many(self.explicit)  # a missing id is a one-line KvragError
-            found = [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
-        else:
-            retriever = self._load_retriever()
-            t0 = time.perf_counter()
-            hits = retriever.search(q.text, self.k, self.relative_cutoff)
-            found = ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
-                     [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
-        self.retrieve_s = time.perf_counter() - t0
-        return found
-
-    def _own_passages(self, q: Question, runtime) -> tuple[list[tuple[str, list[int]]], list[dict]]:
-        from kvrag.store.chunks import chunk_id_for
-
-        out, sources = [], []
-        for title, text in q.passages:
-            ids = runtime.prompts.passage_ids(title, text)
-            chunk_id = chunk_id_for(ids, runtime.local.tokenizer_fingerprint)
-            out.append((chunk_id, ids))
-            sources.append({"chunk_id": chunk_id, "title": title, "tokens": len(ids)})
-        return out, sources
-
-    def _load_retriever(self):
-        """The embedder and the vector index, loaded at the first retrieval (and warmed up on a query)."""
-        if self._retriever is None:
-            from kvrag.corpus.embedder import Embedder
-            from kvrag.corpus.retrieve import Retriever
-
-            t0 = time.perf_counter()
-            if self.table.count() == 0:
-                raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
-            embedder = Embedder()
-            embedder.embed(["warm-up"])  # loads the weights and pays torch's first-call setup here
-            self._retriever = Retriever(self.env, embedder)
-            self.embedder_load_s = time.perf_counter() - t0
-        return self._retriever
-
-
-def _source(record) -> dict:
-    return {"chunk_id": record.chunk_id, "doc_id": record.doc_id, "title": record.title,
-            "tokens": len(record.token_ids)}
+    def options(self, q: Question) -> dict:
+        """The API's chunk options for this question."""
+        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.explicit,
+                "passages": q.passages}
 
 
 def _print_sources(console, sources: list[dict], tiers: list[str]) -> None:

@@ -1,10 +1,11 @@
-// One decode step's two memory-bound pieces for x86-64 CPUs with AVX-512: a bfloat16 matrix times one vector
-// (every weight matrix of a layer, and the LM head), and one query row's attention over the bf16 decode cache.
+// A decode step's two memory-bound pieces for x86-64 CPUs with AVX-512: a bfloat16 matrix times a few vectors
+// (every weight matrix of a layer, and the LM head, for each new row of a batch), and one query row's attention
+// over bf16 keys and values read in place (a contiguous decode cache, or a paged pool through block tables).
 //
-// A decode step reads every weight once (270 MB for a 135M model) and does two multiply-adds a weight, so its
-// speed is the memory's. torch's bf16 matmul with one row reaches 5-25 GB/s here and pays a thread barrier per
-// call; these stream each matrix row by row on the calling thread (or split the rows over threads for the LM
-// head), and the attention reads the cache's bf16 keys and values as they are, without a float32 copy.
+// A decode step reads every weight once (270 MB for a 135M model) and does two multiply-adds a weight and row,
+// so with few rows its speed is the memory's. torch's bf16 matmul with one row reaches 5-25 GB/s here and pays
+// a thread barrier per call; these stream each matrix row by row, split over the threads, and a batch's rows
+// share each weight read; the attention reads bf16 keys and values as they are, without a float32 copy.
 //
 // Numerics: bf16 inputs widen exactly to float32, products and sums are float32 (as torch's kernels), outputs
 // round to nearest even. Only the order of the sums differs from torch.
@@ -48,40 +49,57 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// Rows r0..r1-1 of y = W x: W [N, K] bf16 row-major, x [K] float32 (K a multiple of 16); store(r, sum) takes
-// each float32 sum. Four rows at a time, so four independent sums hide the multiply-add latency while the rows
-// (contiguous) stream in order.
+// Rows r0..r1-1 of y_b = W x_b for n inputs: W [N, K] bf16 row-major, x [n, K] float32 (K a multiple of 16);
+// store(b, r, sum) takes each float32 sum. Four rows at a time, so independent sums hide the multiply-add
+// latency while the rows (contiguous) stream in order, and each 4-row block meets every input while it is in
+// L1: a batch reads each weight from memory once. Row r's sum for input b runs over K in one order whatever n
+// is, so a row's result does not depend on the batch it came in.
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 4
 #endif
 
+// R rows from r times NI inputs from b0: R * NI independent sums, each over K in order. `ahead` (or null):
+// the rows PREFETCH_BLOCKS blocks on, a cache line of each fetched into L2 every 32 columns.
+template <int R, int NI, class Store>
+inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, int64_t b0, const uint16_t* ahead,
+                     Store& store) {
+  __m512 acc[R][NI];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NI; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < k; e += 16) {
+    if (ahead && e % 32 == 0) {
+      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
+    }
+    __m512 wv[R];  // widened once, used by every input of the tile
+    for (int i = 0; i < R; ++i) wv[i] = load_bf16(w + (r + i) * k + e);
+    for (int j = 0; j < NI; ++j) {
+      const __m512 xv = _mm512_loadu_ps(x + (b0 + j) * k + e);
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int j = 0; j < NI; ++j)
+    for (int i = 0; i < R; ++i) store(b0 + j, r + i, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+// Rows r..r+R-1 against all n inputs, four at a time (16 sums and 4 weight vectors fit the 32 registers).
+template <int R, class Store>
+inline void dot_rows(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t r, const uint16_t* ahead,
+                     Store& store) {
+  int64_t b = 0;
+  for (; b + 4 <= n; b += 4, ahead = nullptr) dot_tile<R, 4>(w, x, k, r, b, ahead, store);  // prefetch once
+  if (n - b == 3) dot_tile<R, 3>(w, x, k, r, b, ahead, store);
+  if (n - b == 2) dot_tile<R, 2>(w, x, k, r, b, ahead, store);
+  if (n - b == 1) dot_tile<R, 1>(w, x, k, r, b, ahead, store);
+}
+
 template <class Store>
-void gemv_rows(const uint16_t* w, const float* x, int64_t k, int64_t r0, int64_t r1, Store store) {
+void gemv_rows(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t r0, int64_t r1, Store store) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    const uint16_t* row = w + r * k;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const uint16_t* ahead = row + PREFETCH_BLOCKS * 4 * k;
-    for (int64_t e = 0; e < k; e += 16) {
-      if (e % 32 == 0 && r + 4 * (PREFETCH_BLOCKS + 1) <= r1) {  // one cache line of each row, blocks ahead
-        for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
-      }
-      const __m512 xv = _mm512_loadu_ps(x + e);
-      a0 = _mm512_fmadd_ps(load_bf16(row + e), xv, a0);
-      a1 = _mm512_fmadd_ps(load_bf16(row + k + e), xv, a1);
-      a2 = _mm512_fmadd_ps(load_bf16(row + 2 * k + e), xv, a2);
-      a3 = _mm512_fmadd_ps(load_bf16(row + 3 * k + e), xv, a3);
-    }
-    store(r, _mm512_reduce_add_ps(a0));
-    store(r + 1, _mm512_reduce_add_ps(a1));
-    store(r + 2, _mm512_reduce_add_ps(a2));
-    store(r + 3, _mm512_reduce_add_ps(a3));
+    const bool far = r + 4 * (PREFETCH_BLOCKS + 1) <= r1;
+    dot_rows<4>(w, x, n, k, r, far ? w + (r + 4 * PREFETCH_BLOCKS) * k : nullptr, store);
   }
-  for (; r < r1; ++r) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t e = 0; e < k; e += 16) a = _mm512_fmadd_ps(load_bf16(w + r * k + e), _mm512_loadu_ps(x + e), a);
-    store(r, _mm512_reduce_add_ps(a));
-  }
+  for (; r < r1; ++r) dot_rows<1>(w, x, n, k, r, nullptr, store);
 }
 
 inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32 holding bf16's value
@@ -115,10 +133,10 @@ inline __m512 transpose_sum16(__m512* v) {
   return _mm512_permutexvar_ps(perm, v[0]);
 }
 
-// One KV head's `group` query rows q [group, D] (float32) over keys s0..s1-1 of k, v (that head's columns, rows
-// `row` apart), unnormalised: per query j, m[j] the largest scaled score, l[j] the sum of p = exp(score - m[j])
+// One KV head's `group` query rows q [group, D] (float32) over keys s0..s1-1 of k, v (that head's columns; key
+// s's row at k + at[s] and v + at[s], so a paged cache reads in place), unnormalised: per query j, m[j] the largest scaled score, l[j] the sum of p = exp(score - m[j])
 // and acc [group, D] the sum of p v. No keys: m = -inf, l = 0, acc = 0, a part that adds nothing to a merge.
-void attend_part(const float* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t s0, int64_t s1,
+void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int64_t* at, int64_t s0, int64_t s1,
                  int64_t group, int64_t d, float scale, std::vector<float>& scores, float* m, float* l, float* acc) {
   const int64_t n = std::max<int64_t>(s1 - s0, 0), s_pad = (n + 15) / 16 * 16, nv = d / 16;
   scores.resize(s_pad);
@@ -131,7 +149,7 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, int64_t r
       for (int i = 0; i < 16; ++i) {
         dots[i] = _mm512_setzero_ps();
         if (b + i < n) {
-          const uint16_t* kr = k + (s0 + b + i) * row;
+          const uint16_t* kr = k + at[s0 + b + i];
           for (int64_t c = 0; c < nv; ++c) dots[i] = _mm512_fmadd_ps(qv[c], load_bf16(kr + 16 * c), dots[i]);
         }
       }
@@ -153,7 +171,7 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, int64_t r
     __m512 sum[16];
     for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < n; ++s) {  // the value rows are hot in cache after the group's first query
-      const uint16_t* vr = v + (s0 + s) * row;
+      const uint16_t* vr = v + at[s0 + s];
       const __m512 p = _mm512_set1_ps(scores[s]);
       for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_fmadd_ps(p, load_bf16(vr + 16 * c), sum[c]);
     }
@@ -174,7 +192,7 @@ extern "C" int kvrag_decode_gemv(const uint16_t* w, const uint16_t* x, void* y, 
   const int t = std::max(1, std::min<int>(n_threads, static_cast<int>(n / 1024)));
   const bool wide = f32_out != 0;
   auto rows = [=, xs = xf.data()](int64_t r0, int64_t r1) {
-    gemv_rows(w, xs, k, r0, r1, [&](int64_t r, float s) {
+    gemv_rows(w, xs, 1, k, r0, r1, [&](int64_t, int64_t r, float s) {
       if (wide)
         static_cast<float*>(y)[r] = round_bf16(s);  // bf16's value, widened: what .float() gives
       else
@@ -199,32 +217,40 @@ extern "C" int kvrag_decode_attention(const uint16_t* q, const uint16_t* k, cons
   if (group > 8) return 2;
   std::vector<float> qf(n_q_heads * head_dim), acc(group * head_dim), scores;
   for (size_t e = 0; e < qf.size(); ++e) qf[e] = from_bf16(q[e]);
+  std::vector<int64_t> at(n_keys);  // key s's row
+  for (int64_t s = 0; s < n_keys; ++s) at[s] = s * row;
   float m[8], l[8];
   for (int64_t h = 0; h < n_kv_heads; ++h) {
-    attend_part(qf.data() + h * group * head_dim, k + h * head_dim, v + h * head_dim, row, 0, n_keys, group,
+    attend_part(qf.data() + h * group * head_dim, k + h * head_dim, v + h * head_dim, at.data(), 0, n_keys, group,
                 head_dim, scale, scores, m, l, acc.data());
     for (int64_t e = 0; e < group * head_dim; ++e) out[h * group * head_dim + e] = to_bf16(acc[e] / l[e / head_dim]);
   }
   return 0;
 }
 
-// ---- the whole decode step: every layer of one new row in one call ---------------------------------------------
+// ---- the whole decode step: every layer of a batch of new rows in one call -------------------------------------
 //
-// One OpenMP parallel region a token (OpenMP is torch's own thread pool here, so no thread is made a call):
-// each matrix's rows split over the threads, a barrier after each product whose whole output the next step
-// reads. Every rounding is the torch path's (RowStep): bf16 after each linear, norm, rotary op, residual add and
-// the MLP's products; float32 sums, norms and softmax.
+// Row b is one sequence's new token at its own position; its keys and values are addressed through its block
+// table, so a paged pool and a contiguous cache (one block) are both read in place. One OpenMP parallel region
+// a step (OpenMP is torch's own thread pool here, so no thread is made a call): each matrix's rows split over
+// the threads, every row block against all B inputs, a barrier after each product whose whole output the next
+// step reads. Every rounding is the torch path's (RowStep): bf16 after each linear, norm, rotary op, residual
+// add and the MLP's products; float32 sums, norms and softmax. Each row's numbers are those of the same row
+// stepped alone, whatever B and the thread count: its sums run in one order and its keys split in fixed parts.
 
 namespace {
 
 // Mirrored field by field by kernels/decode.py's StepModel.
 struct StepModel {
-  int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab, capacity;
+  int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab;
+  // key (layer l, block b, slot s) at k_base + l * layer_stride + b * block_stride + s * Hkv * hd (v_base alike)
+  int64_t n_blocks, block_size, layer_stride, block_stride;
+  int64_t max_pos;  // rows of cos and sin
   float eps, scale;
   const uint64_t* layers;  // [L, 7] addresses: attn_norm, wqkv, bqkv (0: none), wo, mlp_norm, w_gate_up, w_down
-  uint16_t* k_cache;       // [L, cap, Hkv, hd] rotated keys
-  uint16_t* v_cache;       // [L, cap, Hkv, hd]
-  const uint16_t* cos;     // [cap, hd] (the halves repeat)
+  uint16_t* k_base;        // rotated keys
+  uint16_t* v_base;
+  const uint16_t* cos;  // [max_pos, hd] (the halves repeat)
   const uint16_t* sin;
   const uint16_t* final_norm;  // [D]
   const uint16_t* lm_head;     // [V, D]
@@ -281,6 +307,10 @@ void rms_norm(const float* x, const uint16_t* w, int64_t d, float eps, float* ou
   for (int64_t e = 0; e < d; ++e) out[e] = round_bf16(from_bf16(w[e]) * round_bf16(x[e] * r));
 }
 
+void rms_norm_rows(const float* x, const uint16_t* w, int64_t n, int64_t d, float eps, float* out) {
+  for (int64_t b = 0; b < n; ++b) rms_norm(x + b * d, w, d, eps, out + b * d);
+}
+
 // The rotary op of rotary.rotate on one head x [hd] (bf16 values), each product and sum rounded as torch's.
 void rotate(const float* x, const uint16_t* cos, const uint16_t* sin, int64_t hd, float* out) {
   const int64_t half = hd / 2;
@@ -291,66 +321,96 @@ void rotate(const float* x, const uint16_t* cos, const uint16_t* sin, int64_t hd
   }
 }
 
-// The buffers every thread reads (q, the attention parts, the MLP activation) and each thread's own.
+// The keys 0..pos of each (row, KV head) are cut into KEY_PARTS fixed parts, whatever the batch and the number
+// of threads, so that a row's numbers do not depend on them: the items are shared out, and merged in one order.
+constexpr int KEY_PARTS = 2;
+
+// The buffers every thread reads (the batch's plan, q, the attention parts, the MLP activation) and each
+// thread's own. Rows are the batch's B new tokens.
 struct Shared {
-  std::vector<float> h, q, part_m, part_l, part_acc, act;  // part_*: [parts, Hq] and [parts, Hq, hd]
+  int64_t rows;
+  const int64_t* pos;                       // [B]
+  std::vector<int64_t> key_at, key_first;   // row b's key s at key_at[key_first[b] + s] (elements into a layer)
+  std::vector<int64_t> order;               // the rows, most keys first: the attention items' order
+  std::vector<std::atomic<int64_t>> taken;  // [L] attention items taken so far, a counter per layer
+  std::vector<float> h, q, part_m, part_l, part_acc, act;  // [B, D], [B, Hq hd]; [B, parts, Hq (, hd)]; [B, I]
 };
 struct Own {
-  std::vector<float> x, head, rotated, attn, gate, up, scores;
+  std::vector<float> x, head, rotated, attn, gate, up, scores;  // x [B, D], head [B, hd], attn [B, Hq hd]
 };
 
-// q, k, v of layer `layer` for thread t's heads: k and v into the cache at `pos`, q (rotated) into s.q.
-void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, int64_t pos, Shared& s, Own& o, Span heads) {
-  const int64_t hd = m.head_dim, d = m.hidden, kv_row = m.n_kv_heads * hd;
+// Every key's place (block from the row's table, slot in it), and the rows longest first so that the
+// attention items taken last are short.
+void plan(const StepModel& m, const int64_t* tables, int64_t max_blocks, Shared& s) {
+  const int64_t row = m.n_kv_heads * m.head_dim, bs = m.block_size;
+  s.key_first.assign(s.rows + 1, 0);
+  for (int64_t b = 0; b < s.rows; ++b) s.key_first[b + 1] = s.key_first[b] + s.pos[b] + 1;
+  s.key_at.resize(s.key_first[s.rows]);
+  for (int64_t b = 0; b < s.rows; ++b) {
+    int64_t* at = s.key_at.data() + s.key_first[b];
+    for (int64_t p0 = 0; p0 <= s.pos[b]; p0 += bs) {
+      const int64_t block = tables[b * max_blocks + p0 / bs] * m.block_stride;
+      for (int64_t p = p0; p < std::min(p0 + bs, s.pos[b] + 1); ++p) at[p] = block + (p - p0) * row;
+    }
+  }
+  s.order.resize(s.rows);
+  for (int64_t b = 0; b < s.rows; ++b) s.order[b] = b;
+  std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) { return s.pos[a] > s.pos[b]; });
+}
+
+// q, k, v of layer `layer` for thread t's heads, every row: k and v into the cache at each row's position,
+// q (rotated) into s.q.
+void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, Own& o, Span heads) {
+  const int64_t hd = m.head_dim, d = m.hidden, nq = m.n_heads * hd;
   const auto* wqkv = reinterpret_cast<const uint16_t*>(w[1]);
   const auto* bias = reinterpret_cast<const uint16_t*>(w[2]);
-  const uint16_t *cos = m.cos + pos * hd, *sin = m.sin + pos * hd;
+  uint16_t *k = m.k_base + layer * m.layer_stride, *v = m.v_base + layer * m.layer_stride;
   for (int64_t head = heads.begin; head < heads.end; ++head) {
-    gemv_rows(wqkv, o.x.data(), d, head * hd, (head + 1) * hd, [&](int64_t r, float sum) {
-      o.head[r - head * hd] = round_bf16(bias ? sum + from_bf16(bias[r]) : sum);
+    gemv_rows(wqkv, o.x.data(), s.rows, d, head * hd, (head + 1) * hd, [&](int64_t b, int64_t r, float sum) {
+      o.head[b * hd + r - head * hd] = round_bf16(bias ? sum + from_bf16(bias[r]) : sum);
     });
     const int64_t kv = head - m.n_heads;  // a key head from 0, then a value head from n_kv_heads
-    if (kv < 0) {
-      rotate(o.head.data(), cos, sin, hd, s.q.data() + head * hd);
-    } else if (kv < m.n_kv_heads) {
-      rotate(o.head.data(), cos, sin, hd, o.rotated.data());
-      uint16_t* dst = m.k_cache + (layer * m.capacity + pos) * kv_row + kv * hd;
-      for (int64_t e = 0; e < hd; ++e) dst[e] = to_bf16(o.rotated[e]);
-    } else {
-      uint16_t* dst = m.v_cache + (layer * m.capacity + pos) * kv_row + (kv - m.n_kv_heads) * hd;
-      for (int64_t e = 0; e < hd; ++e) dst[e] = to_bf16(o.head[e]);
+    for (int64_t b = 0; b < s.rows; ++b) {
+      const int64_t p = s.pos[b], at = s.key_at[s.key_first[b] + p];
+      const float* x = o.head.data() + b * hd;
+      if (kv < 0) {
+        rotate(x, m.cos + p * hd, m.sin + p * hd, hd, s.q.data() + b * nq + head * hd);
+      } else if (kv < m.n_kv_heads) {
+        rotate(x, m.cos + p * hd, m.sin + p * hd, hd, o.rotated.data());
+        for (int64_t e = 0; e < hd; ++e) k[at + kv * hd + e] = to_bf16(o.rotated[e]);
+      } else {
+        for (int64_t e = 0; e < hd; ++e) v[at + (kv - m.n_kv_heads) * hd + e] = to_bf16(x[e]);
+      }
     }
   }
 }
 
-// The keys 0..pos of each KV head are cut into KEY_PARTS fixed parts, whatever the number of threads, so that
-// a step's numbers do not depend on it: (head, part) items are shared out, and merged in one order.
-constexpr int KEY_PARTS = 2;
-
-// Thread t's (KV head, key part) items: each part's unnormalised softmax for the head's query rows.
-void attention_part(const StepModel& m, int64_t layer, int64_t pos, Shared& s, Own& o, int t, int n_threads) {
-  const int64_t hd = m.head_dim, group = m.n_heads / m.n_kv_heads, kv_row = m.n_kv_heads * hd;
-  const uint16_t* k = m.k_cache + layer * m.capacity * kv_row;
-  const uint16_t* v = m.v_cache + layer * m.capacity * kv_row;
-  const Span items = share(m.n_kv_heads * KEY_PARTS, t, n_threads, 1);
-  for (int64_t item = items.begin; item < items.end; ++item) {
-    const int64_t h = item / KEY_PARTS, part = item % KEY_PARTS, q0 = part * m.n_heads + h * group;
-    const Span keys = share(pos + 1, static_cast<int>(part), KEY_PARTS, 16);
-    attend_part(s.q.data() + h * group * hd, k + h * hd, v + h * hd, kv_row, keys.begin, keys.end, group, hd,
-                m.scale, o.scores, s.part_m.data() + q0, s.part_l.data() + q0, s.part_acc.data() + q0 * hd);
+// (row, KV head, key part) items, taken one at a time by whichever thread is free (rows differ in length):
+// each part's unnormalised softmax for the head's query rows.
+void attention_items(const StepModel& m, int64_t layer, Shared& s, Own& o) {
+  const int64_t hd = m.head_dim, group = m.n_heads / m.n_kv_heads, nq = m.n_heads * hd;
+  const int64_t per_row = m.n_kv_heads * KEY_PARTS, n_items = s.rows * per_row;
+  const uint16_t *k = m.k_base + layer * m.layer_stride, *v = m.v_base + layer * m.layer_stride;
+  for (int64_t item; (item = s.taken[layer].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+    const int64_t b = s.order[item / per_row], h = item % per_row / KEY_PARTS, part = item % KEY_PARTS;
+    const int64_t q0 = (b * KEY_PARTS + part) * m.n_heads + h * group;
+    const Span keys = share(s.pos[b] + 1, static_cast<int>(part), KEY_PARTS, 16);
+    attend_part(s.q.data() + b * nq + h * group * hd, k + h * hd, v + h * hd, s.key_at.data() + s.key_first[b],
+                keys.begin, keys.end, group, hd, m.scale, o.scores, s.part_m.data() + q0, s.part_l.data() + q0,
+                s.part_acc.data() + q0 * hd);
   }
 }
 
-// The key parts merged into one softmax's weighted values, rounded to bf16 as the torch path's output.
-void merge_parts(const StepModel& m, const Shared& s, float* attn) {
-  const int64_t hd = m.head_dim;
+// Row b's key parts merged into one softmax's weighted values, rounded to bf16 as the torch path's output.
+void merge_parts(const StepModel& m, const Shared& s, int64_t b, float* attn) {
+  const int64_t hd = m.head_dim, first = b * KEY_PARTS * m.n_heads;
   for (int64_t qh = 0; qh < m.n_heads; ++qh) {
     float top = -INFINITY, total = 0.0f;
-    for (int p = 0; p < KEY_PARTS; ++p) top = std::max(top, s.part_m[p * m.n_heads + qh]);
+    for (int p = 0; p < KEY_PARTS; ++p) top = std::max(top, s.part_m[first + p * m.n_heads + qh]);
     float* out = attn + qh * hd;
     std::fill(out, out + hd, 0.0f);
     for (int p = 0; p < KEY_PARTS; ++p) {
-      const int64_t i = p * m.n_heads + qh;
+      const int64_t i = first + p * m.n_heads + qh;
       if (s.part_l[i] == 0.0f) continue;  // no keys
       const float f = std::exp(s.part_m[i] - top);
       total += f * s.part_l[i];
@@ -360,78 +420,110 @@ void merge_parts(const StepModel& m, const Shared& s, float* attn) {
   }
 }
 
-// h[r] += bf16(W x)[r] for thread t's rows, in bf16 as the torch path's residual add.
-void residual_gemv(const uint16_t* w, const float* x, int64_t k, Span rows, float* h) {
-  gemv_rows(w, x, k, rows.begin, rows.end, [&](int64_t r, float sum) { h[r] = round_bf16(h[r] + round_bf16(sum)); });
+// h[b, r] += bf16(W x_b)[r] for thread t's rows and every row b, in bf16 as the torch path's residual add.
+void residual_gemv(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t d, Span rows, float* h) {
+  gemv_rows(w, x, n, k, rows.begin, rows.end, [&](int64_t b, int64_t r, float sum) {
+    h[b * d + r] = round_bf16(h[b * d + r] + round_bf16(sum));
+  });
 }
 
-// act = bf16(bf16(silu(gate)) * up) for thread t's share of the intermediate rows.
+// act = bf16(bf16(silu(gate)) * up) for thread t's share of the intermediate rows, every row b.
 void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Span rows) {
-  const int64_t d = m.hidden, inter = m.inter;
-  gemv_rows(w, o.x.data(), d, rows.begin, rows.end, [&](int64_t r, float sum) { o.gate[r] = round_bf16(sum); });
-  gemv_rows(w, o.x.data(), d, inter + rows.begin, inter + rows.end,
-            [&](int64_t r, float sum) { o.up[r - inter] = round_bf16(sum); });
-  for (int64_t i = rows.begin; i < rows.end; i += 16) {
-    const __mmask16 live = rows.end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows.end - i)) - 1);
-    const __m512 g = _mm512_maskz_loadu_ps(live, o.gate.data() + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, silu);
-    for (int64_t e = 0; e < 16 && i + e < rows.end; ++e) s.act[i + e] = round_bf16(round_bf16(lanes[e]) * o.up[i + e]);
+  const int64_t d = m.hidden, inter = m.inter, len = rows.end - rows.begin;
+  gemv_rows(w, o.x.data(), s.rows, d, rows.begin, rows.end,
+            [&](int64_t b, int64_t r, float sum) { o.gate[b * len + r - rows.begin] = round_bf16(sum); });
+  gemv_rows(w, o.x.data(), s.rows, d, inter + rows.begin, inter + rows.end,
+            [&](int64_t b, int64_t r, float sum) { o.up[b * len + r - inter - rows.begin] = round_bf16(sum); });
+  for (int64_t b = 0; b < s.rows; ++b) {
+    const float *gate = o.gate.data() + b * len, *up = o.up.data() + b * len;
+    float* act = s.act.data() + b * inter + rows.begin;
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 live = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
+      const __m512 g = _mm512_maskz_loadu_ps(live, gate + i);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, silu);
+      for (int64_t e = 0; e < 16 && i + e < len; ++e) act[i + e] = round_bf16(round_bf16(lanes[e]) * up[i + e]);
+    }
   }
 }
 
 // Every layer, then the LM head, on thread t of n_threads (all of them run this, between barriers).
-void step_thread(const StepModel& m, int64_t pos, Shared& s, Barrier& barrier, float* logits, int t,
-                 int n_threads) {
-  const int64_t d = m.hidden, hd = m.head_dim, nq = m.n_heads * hd;
-  Own o;
-  o.x.resize(std::max(d, m.inter));
-  o.head.resize(hd), o.rotated.resize(hd), o.attn.resize(nq), o.gate.resize(m.inter), o.up.resize(m.inter);
+void step_thread(const StepModel& m, Shared& s, Barrier& barrier, float* logits, int t, int n_threads) {
+  const int64_t d = m.hidden, hd = m.head_dim, nq = m.n_heads * hd, n = s.rows;
   const Span heads = share(m.n_heads + 2 * m.n_kv_heads, t, n_threads, 1), out_rows = share(d, t, n_threads, 4);
-  const Span mlp_rows = share(m.inter, t, n_threads, 16);
+  const Span mlp_rows = share(m.inter, t, n_threads, 16), vocab = share(m.vocab, t, n_threads, 4);
+  Own o;
+  o.x.resize(n * d), o.head.resize(n * hd), o.rotated.resize(hd), o.attn.resize(n * nq);
+  o.gate.resize(n * (mlp_rows.end - mlp_rows.begin)), o.up.resize(o.gate.size());
   for (int64_t layer = 0; layer < m.n_layers; ++layer) {
     const uint64_t* w = m.layers + 7 * layer;
-    rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), d, m.eps, o.x.data());  // each thread its own
-    qkv_heads(m, w, layer, pos, s, o, heads);
+    rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), n, d, m.eps, o.x.data());  // each its own
+    qkv_heads(m, w, layer, s, o, heads);
     barrier.wait();
-    attention_part(m, layer, pos, s, o, t, n_threads);
+    attention_items(m, layer, s, o);
     barrier.wait();
-    merge_parts(m, s, o.attn.data());
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), o.attn.data(), nq, out_rows, s.h.data());
+    for (int64_t b = 0; b < n; ++b) merge_parts(m, s, b, o.attn.data() + b * nq);
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), o.attn.data(), n, nq, d, out_rows, s.h.data());
     barrier.wait();
-    rms_norm(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), d, m.eps, o.x.data());
+    rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), n, d, m.eps, o.x.data());
     gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, mlp_rows);
     barrier.wait();
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), s.act.data(), m.inter, out_rows, s.h.data());
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), s.act.data(), n, m.inter, d, out_rows, s.h.data());
     barrier.wait();
   }
-  rms_norm(s.h.data(), m.final_norm, d, m.eps, o.x.data());
-  gemv_rows(m.lm_head, o.x.data(), d, share(m.vocab, t, n_threads, 4).begin, share(m.vocab, t, n_threads, 4).end,
-            [&](int64_t r, float sum) { logits[r] = round_bf16(sum); });
+  rms_norm_rows(s.h.data(), m.final_norm, n, d, m.eps, o.x.data());
+  gemv_rows(m.lm_head, o.x.data(), n, d, vocab.begin, vocab.end,
+            [&](int64_t b, int64_t r, float sum) { logits[b * m.vocab + r] = round_bf16(sum); });
+}
+
+// 0 when every row's position has rotary angles and a table entry, and every block up to it is in the pool.
+int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const int64_t* tables,
+                int64_t max_blocks) {
+  if (n <= 0 || max_blocks <= 0) return 1;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t p = positions[b];
+    if (p < 0 || p >= m.max_pos || p / m.block_size >= max_blocks) return 2;
+    for (int64_t j = 0; j <= p / m.block_size; ++j) {
+      if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= m.n_blocks) return 3;
+    }
+  }
+  return 0;
 }
 
 }  // namespace
 
-// Feeds one row through every layer at position `pos`: h [D] bf16 holds its embedding in and the last layer's
-// output out; each layer's rotated key and value go into the cache at `pos`; logits [V] float32 get the LM
-// head's bf16 values (widened). Attends to keys 0..pos. Shapes were checked by the caller (decode.py).
-extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, uint16_t* h, float* logits, int n_threads) {
+// Feeds n new rows through every layer, row b at positions[b] [n] (int64) over its blocks tables [n, max_blocks]
+// (int64; position p in block tables[b, p / block_size] at slot p % block_size): h [n, D] bf16 holds their
+// embeddings in and the last layer's outputs out; each layer's rotated key and value of row b go to its
+// position, where the caller has a block that no other row of the batch writes; logits [n, V] float32 get the
+// LM head's bf16 values (widened). Row b attends to its keys 0..positions[b]. Shapes were checked by the caller
+// (decode.py); positions and tables are checked here (non-zero: refused, nothing written).
+extern "C" int kvrag_decode_batch(const StepModel* model, int64_t n, const int64_t* positions, const int64_t* tables,
+                                  int64_t max_blocks, uint16_t* h, float* logits, int n_threads) {
   const StepModel& m = *model;
-  if (pos < 0 || pos >= m.capacity) return 1;
-  const int threads = std::max(1, n_threads);
+  if (const int rc = check_batch(m, n, positions, tables, max_blocks)) return rc;
   Shared s;
-  s.h.resize(m.hidden), s.q.resize(m.n_heads * m.head_dim), s.act.resize(m.inter);
-  s.part_m.resize(KEY_PARTS * m.n_heads), s.part_l.resize(KEY_PARTS * m.n_heads);
-  s.part_acc.resize(KEY_PARTS * m.n_heads * m.head_dim);
-  for (int64_t e = 0; e < m.hidden; ++e) s.h[e] = from_bf16(h[e]);
+  s.rows = n, s.pos = positions;
+  plan(m, tables, max_blocks, s);
+  s.taken = std::vector<std::atomic<int64_t>>(m.n_layers);  // (value-initialised: zero)
+  s.h.resize(n * m.hidden), s.q.resize(n * m.n_heads * m.head_dim), s.act.resize(n * m.inter);
+  s.part_m.resize(n * KEY_PARTS * m.n_heads), s.part_l.resize(s.part_m.size());
+  s.part_acc.resize(s.part_m.size() * m.head_dim);
+  for (int64_t e = 0; e < n * m.hidden; ++e) s.h[e] = from_bf16(h[e]);
   Barrier barrier;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(std::max(1, n_threads))
   {
 #pragma omp single
     barrier.size(omp_get_num_threads());  // what OpenMP gave: fewer where nested or limited
-    step_thread(m, pos, s, barrier, logits, omp_get_thread_num(), omp_get_num_threads());
+    step_thread(m, s, barrier, logits, omp_get_thread_num(), omp_get_num_threads());
   }
-  for (int64_t e = 0; e < m.hidden; ++e) h[e] = to_bf16(s.h[e]);
+  for (int64_t e = 0; e < n * m.hidden; ++e) h[e] = to_bf16(s.h[e]);
   return 0;
+}
+
+// One row at `pos` over a contiguous cache: the model's one block (block_size = capacity), h [D], logits [V].
+extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, uint16_t* h, float* logits, int n_threads) {
+  const int64_t block = 0;
+  return kvrag_decode_batch(model, 1, &pos, &block, 1, h, logits, n_threads);
 }

@@ -1,4 +1,5 @@
-"""A decode step in decode.cpp: the whole step of one new row through every layer and the LM head in one call
+"""A decode step in decode.cpp: the whole step of a batch of new rows, one a sequence, through every layer and
+the LM head in one call over a paged KV pool (`BatchStep`), its one-row case over a contiguous decode cache
 (`WholeStep`), and its memory-bound pieces alone (bf16 matrix x one vector, one row's attention over the bf16
 decode cache). Where kvrag's native library is missing (kernels/native.py), `available()` is False and the
 decoder keeps torch's ops."""
@@ -22,7 +23,7 @@ LAYER_TENSORS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_
 
 
 def available() -> bool:
-    return _gemv() is not None and _attention() is not None and _step() is not None
+    return _gemv() is not None and _attention() is not None and _step() is not None and _batch() is not None
 
 
 def step_serves(model: Transformer) -> bool:
@@ -75,32 +76,47 @@ def _attention():
 
 
 class StepModel(ctypes.Structure):
-    """decode.cpp's StepModel: the shapes and addresses one whole step reads."""
+    """decode.cpp's StepModel: the shapes and addresses one whole step reads. Key (layer l, block b, slot s) is
+    at k_base + l * layer_stride + b * block_stride + s * Hkv * hd elements (values alike from v_base)."""
     _fields_ = ([(name, ctypes.c_int64) for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
-                                                      "inter", "vocab", "capacity")]
+                                                      "inter", "vocab", "n_blocks", "block_size", "layer_stride",
+                                                      "block_stride", "max_pos")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("layers", "k_cache", "v_cache", "cos", "sin", "final_norm",
+                + [(name, ctypes.c_void_p) for name in ("layers", "k_base", "v_base", "cos", "sin", "final_norm",
                                                          "lm_head")])
+
+
+def _step_model(model: Transformer, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[StepModel, torch.Tensor]:
+    """The StepModel of `model` over keys at address k and values at v, strides (n_blocks, block_size,
+    layer_stride, block_stride) in elements, and the [L * 7] weight addresses it points to (keep both alive)."""
+    c = model.cfg
+    for t in (cos, sin):  # [max_pos, 1, hd]
+        assert t.is_contiguous() and t.dtype == torch.bfloat16
+    addresses = [0 if t is None else t.data_ptr() for layer in model.layers
+                 for t in (getattr(layer, name) for name in LAYER_TENSORS)]
+    layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
+    shape = StepModel(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
+                      model.lm_head.shape[0], *strides, cos.shape[0], c.rms_eps, c.head_dim ** -0.5,
+                      layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), model.final_norm.data_ptr(),
+                      model.lm_head.data_ptr())
+    return shape, layers
 
 
 class WholeStep:
     """Every layer of one new row and the LM head in one native call, writing K and V into a decode cache's
-    bf16 rows. Made once per cache (the addresses of the model's weights and of the cache are taken here)."""
+    bf16 rows: the batch step's one row over one block. Made once per cache (the addresses of the model's
+    weights and of the cache are taken here)."""
 
     def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor):
-        c = model.cfg
-        for t in (k_cache, v_cache, cos, sin):  # [L, cap, Hkv, hd] x2, [cap, 1, hd] x2
+        for t in (k_cache, v_cache):  # [L, cap, Hkv, hd]
             assert t.is_contiguous() and t.dtype == torch.bfloat16
-        addresses = [0 if t is None else t.data_ptr() for layer in model.layers
-                     for t in (getattr(layer, name) for name in LAYER_TENSORS)]
-        self.layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
+        block = k_cache[0].numel()  # the whole capacity of a layer is its one block
+        self.capacity = k_cache.shape[1]
+        self.shape, self.layers = _step_model(model, k_cache.data_ptr(), v_cache.data_ptr(),
+                                              (1, self.capacity, block, block), cos, sin)
         self.keep = (model, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
-        self.shape = StepModel(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
-                               model.lm_head.shape[0], k_cache.shape[1], c.rms_eps, c.head_dim ** -0.5,
-                               self.layers.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cos.data_ptr(),
-                               sin.data_ptr(), model.final_norm.data_ptr(), model.lm_head.data_ptr())
-
         self.threads = ThreadPicker(torch.get_num_threads())
 
     def __call__(self, pos: int, h: torch.Tensor, logits: torch.Tensor, n_threads: int | None = None) -> None:
@@ -110,9 +126,57 @@ class WholeStep:
         threads = self.threads.pick() if n_threads is None else n_threads
         start = time.perf_counter()
         if _step()(ctypes.byref(self.shape), pos, h.data_ptr(), logits.data_ptr(), threads):
-            raise RuntimeError(f"decode step refused position {pos} (capacity {self.shape.capacity})")
+            raise RuntimeError(f"decode step refused position {pos} (capacity {self.capacity})")
         if n_threads is None:
             self.threads.record(threads, time.perf_counter() - start)
+
+
+class BatchStep:
+    """One new row of each of B sequences through every layer and the LM head in one native call, each at its
+    own position, its keys and values read and written in place through its block table in a paged pool
+    kv [L, 2, N, block_size, Hkv, hd] bf16 (BlockPool's tensor). Row b's numbers are those of the same sequence
+    stepped alone by WholeStep, whatever the batch and the thread count. Made once per (model, pool)."""
+
+    def __init__(self, model: Transformer, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """cos, sin [max_pos, 1, hd] bf16: `model.positions_cos_sin(torch.arange(max_pos))`, long enough for every
+        position a row will step at."""
+        assert kv.is_contiguous() and kv.dtype == torch.bfloat16 and kv.dim() == 6
+        n_blocks, block_size = kv.shape[2], kv.shape[3]
+        block = kv[0, 0, 0].numel()  # [block_size, Hkv, hd]
+        values = kv.data_ptr() + n_blocks * block * kv.element_size()  # kv[0, 1]
+        self.shape, self.layers = _step_model(model, kv.data_ptr(), values,
+                                              (n_blocks, block_size, 2 * n_blocks * block, block), cos, sin)
+        self.keep = (model, kv, cos, sin)
+        self.dims = (model.cfg.hidden_size, model.lm_head.shape[0])
+        self.pickers: dict[int, ThreadPicker] = {}  # by batch size's bit length: a step's time grows with B
+
+    def __call__(self, positions: torch.Tensor, tables: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
+                 n_threads: int | None = None) -> None:
+        """positions [B] int64: each row's new position (its sequence's length so far); tables [B, M] int64:
+        row b's blocks in order, the one holding each position up to positions[b] allocated and that position's
+        block written by no other row; h [B, D] bf16: embeddings in, the last layer's outputs out; logits [B, V]
+        float32 out (the LM head's bf16 values). n_threads None: as WholeStep."""
+        n, (d, vocab) = positions.shape[0], self.dims
+        if not (positions.dtype == tables.dtype == torch.int64 and tables.dim() == 2 and tables.shape[0] == n
+                and h.shape == (n, d) and h.dtype == torch.bfloat16 and logits.shape == (n, vocab)
+                and logits.dtype == torch.float32 and all(t.is_contiguous() for t in (positions, tables, h, logits))):
+            raise ValueError(f"batch step: positions [B], tables [B, M] int64, h [B, {d}] bf16, logits [B, {vocab}] "
+                             f"float32, contiguous; got {tuple(positions.shape)}, {tuple(tables.shape)}, "
+                             f"{tuple(h.shape)}, {tuple(logits.shape)}")
+        picker = self.pickers.setdefault(n.bit_length(), ThreadPicker(torch.get_num_threads()))
+        threads = picker.pick() if n_threads is None else n_threads
+        start = time.perf_counter()
+        rc = _batch()(ctypes.byref(self.shape), n, positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                      h.data_ptr(), logits.data_ptr(), threads)
+        if rc:
+            raise RuntimeError(f"batch step refused positions {positions.tolist()} over tables of {tables.shape[1]} "
+                               f"blocks (code {rc}: {_REFUSALS.get(rc, '?')})")
+        if n_threads is None:
+            picker.record(threads, time.perf_counter() - start)
+
+
+_REFUSALS = {1: "an empty batch or table", 2: "a position past the rotary tables or the table",
+             3: "a block outside the pool"}
 
 
 class ThreadPicker:
@@ -144,3 +208,10 @@ class ThreadPicker:
 def _step():
     return native.function("kvrag_decode_step", ctypes.c_int,
                            [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+
+
+@lru_cache(maxsize=1)
+def _batch():
+    return native.function("kvrag_decode_batch", ctypes.c_int,
+                           [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])

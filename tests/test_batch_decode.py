@@ -1,0 +1,154 @@
+"""The batched decode step over a paged KV pool (kernels/decode.cpp through BatchStep) against the one-row step
+(WholeStep) of each sequence alone on its own contiguous cache: the same bits, whatever the batch, the order
+of the blocks and the number of threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.blend.decode import prefill
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import resolve_model
+from kvrag.kernels import decode as native_decode
+from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.store.tiers.block_pool import BlockPool
+
+pytestmark = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
+
+
+def _load(path) -> Transformer:
+    local = resolve_model(str(path))
+    return Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
+
+
+def _feeds(model, n_seqs: int, steps: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.cfg.vocab_size, (n_seqs, steps), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(model, lengths: list[int], steps: int, seed: int) -> list:
+    """Each sequence's contiguous DecodeCache after a random prompt of that many tokens, room for `steps` more."""
+    g = torch.Generator().manual_seed(seed)
+    return [prefill(model, torch.randint(0, model.cfg.vocab_size, (n,), generator=g), extra=steps)[1]
+            for n in lengths]
+
+
+def _scrambled_pool(model, n_blocks: int, block_size: int, seed: int) -> BlockPool:
+    """A bf16 BlockPool whose free blocks come out in a random order (so tables list them out of order), every
+    row NaN until written: a row read before it is written, or written where it should not be, shows."""
+    c = model.cfg
+    pool = BlockPool(BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, "bfloat16", block_size), n_blocks)
+    pool.kv.fill_(float("nan"))
+    singles = [pool.allocate(1) for _ in range(n_blocks)]
+    for j in torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist():
+        pool.free(singles[j])
+    return pool
+
+
+def _into_pool(pool: BlockPool, cache, steps: int):
+    """A table for the cache's prompt and `steps` new tokens, holding the prompt's K/V rows."""
+    n = cache.length
+    table = pool.allocate(n + steps)
+    layers = [(cache.k[layer, :n + steps], cache.v[layer, :n + steps]) for layer in range(cache.k.shape[0])]
+    pool.write(table, layers, rows=torch.arange(n))
+    return table
+
+
+def _one_at_a_time(model, caches: list, feeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sequence stepped alone by WholeStep over its own cache: per step, (logits [B, V], h [B, D])."""
+    steps = []
+    for cache in caches:
+        steps.append(native_decode.WholeStep(model, cache.k, cache.v,
+                                             *model.positions_cos_sin(torch.arange(cache.capacity))))
+    out = []
+    for j in range(feeds.shape[1]):
+        logits = torch.empty(len(caches), model.lm_head.shape[0])  # [B, V]
+        h = model.embed_tokens[feeds[:, j]].clone()  # [B, D]
+        for b, (cache, step) in enumerate(zip(caches, steps, strict=True)):
+            step(cache.length, h[b], logits[b])
+            cache.length += 1
+        out.append((logits, h))
+    return out
+
+
+def _batched(model, pool: BlockPool, tables: list, lengths: list[int], feeds: torch.Tensor,
+             n_threads: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """All sequences stepped together by BatchStep over the pool: per step, (logits [B, V], h [B, D])."""
+    most = max(lengths) + feeds.shape[1]
+    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(most)))
+    width = max(len(t.blocks) for t in tables)
+    table = torch.tensor([t.blocks + [-1] * (width - len(t.blocks)) for t in tables])  # [B, M], -1: never read
+    out = []
+    for j in range(feeds.shape[1]):
+        positions = torch.tensor(lengths) + j  # [B]
+        logits = torch.empty(len(lengths), model.lm_head.shape[0])  # [B, V]
+        h = model.embed_tokens[feeds[:, j]].clone()  # [B, D]
+        step(positions, table, h, logits, n_threads)
+        out.append((logits, h))
+    return out
+
+
+def _check_batch_equals_alone(model, lengths: list[int], steps: int, block_size: int | None,
+                              threads: list[int | None]) -> None:
+    """Batched steps (each thread count) against each sequence alone: bit-equal logits, outputs, and K/V rows;
+    blocks of no table stay untouched. block_size None: one block a sequence (a contiguous cache each)."""
+    feeds = _feeds(model, len(lengths), steps, seed=sum(lengths))
+    alone = _prefilled(model, lengths, steps, seed=7)
+    want = _one_at_a_time(model, alone, feeds)
+    for n_threads in threads:
+        caches = _prefilled(model, lengths, steps, seed=7)
+        size = block_size or max(c.capacity for c in caches)
+        blocks = sum(-(-c.capacity // size) for c in caches) + 3  # three blocks no table lists
+        pool = _scrambled_pool(model, blocks, size, seed=len(lengths) + size)
+        tables = [_into_pool(pool, cache, steps) for cache in caches]
+        got = _batched(model, pool, tables, lengths, feeds, n_threads)
+        for (logits, h), (ref_logits, ref_h) in zip(got, want, strict=True):
+            assert torch.equal(logits, ref_logits) and torch.equal(h, ref_h)
+        for cache, table in zip(alone, tables, strict=True):
+            kv = pool.gather([table])  # [L, 2, T, Hkv, hd]: the prompt's rows and every step's new one
+            assert torch.equal(kv[:, 0], cache.k) and torch.equal(kv[:, 1], cache.v)
+        used = {b for t in tables for b in t.blocks}
+        idle = [b for b in range(pool.num_blocks) if b not in used]
+        assert len(idle) == 3 and pool.kv[:, :, idle].isnan().all()
+
+
+@pytest.mark.real_model
+def test_real_batch_steps_equal_each_sequence_alone(smol):
+    """SmolLM2: prompts of 5, 40 and 130 tokens, 20 steps each across 16-token block edges, in one batch over
+    scrambled blocks, against each stepped alone over its own contiguous cache."""
+    _check_batch_equals_alone(_load(smol.path), [5, 40, 130], 20, 16, [None])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_hd64_dir", "tiny_llama_dir", "tiny_qwen2_dir"])
+def test_batch_of_six_equals_each_alone_on_any_thread_count(fixture, request):
+    """Six sequences (a 4-input tile and a 2-input tail in every product; positions at, before and after a
+    block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads."""
+    _check_batch_equals_alone(_load(request.getfixturevalue(fixture)), [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3])
+
+
+@pytest.mark.parametrize("lengths", [[33], [9, 50, 21]])
+def test_one_block_a_sequence_is_the_contiguous_cache(tiny_llama_hd64_dir, lengths):
+    """Block size = capacity: each sequence's table is one block laid out as a DecodeCache's rows."""
+    _check_batch_equals_alone(_load(tiny_llama_hd64_dir), lengths, 4, None, [2])
+
+
+def test_batch_step_refuses_positions_and_blocks_it_cannot_take(tiny_llama_hd64_dir):
+    """A position past its table or the rotary tables, a block outside the pool, or a wrong dtype is refused
+    before anything is written."""
+    model = _load(tiny_llama_hd64_dir)
+    c, vocab = model.cfg, model.lm_head.shape[0]
+    pool = BlockPool(BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, "bfloat16", 16), 4)
+    pool.kv.zero_()
+    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(40)))
+    h, logits = model.embed_tokens[:2].clone(), torch.empty(2, vocab)
+    for positions, table in [([3, 16], [[0], [1]]),  # position 16 is in a second block the table lacks
+                             ([3, 40], [[0, 2, 3], [1, 2, 3]]),  # no rotary angles for position 40
+                             ([3, 5], [[0], [4]]),  # block 4 of a 4-block pool
+                             ([3, 5], [[0], [-1]])]:
+        with pytest.raises(RuntimeError):
+            step(torch.tensor(positions), torch.tensor(table), h, logits, 1)
+    assert not pool.kv.any()
+    with pytest.raises(ValueError):
+        step(torch.tensor([3, 5], dtype=torch.int32), torch.tensor([[0], [1]]), h, logits, 1)
+    with pytest.raises(ValueError):
+        step(torch.tensor([3, 5]), torch.tensor([[0], [1]]), h.float(), logits, 1)

@@ -44,11 +44,13 @@ class KVRag:
     def __init__(self, store: str | Path, *, model: str | None = None, dtype: str | None = None,
                  device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
                  host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
-                 max_running: int = 32, reorder_window: int = 8, native: bool = True, preload_retriever: bool = True):
+                 max_running: int = 32, reorder_window: int = 8, native: bool = True, preload_retriever: bool = True,
+                 tune_process: bool = False):
         """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
         sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
         turns them off). The retriever loads beside the model unless preload_retriever is False (then at the
-        first retrieval)."""
+        first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator
+        for the whole process (faster prefills; what `kvrag ask` does)."""
         from kvrag.blend.memory import build_cache
 
         self.env = StoreEnv.open(store)
@@ -60,7 +62,7 @@ class KVRag:
             if preload is not None:
                 preload.start()  # torch releases the GIL in both loads: they overlap
             start = time.perf_counter()
-            self.runtime = Runtime.load(model, dtype, device)
+            self.runtime = Runtime.load(model, dtype, device, tune_process)
             cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
             prefiller = Engine(self.runtime, self.env, codec, cache=cache)
             config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,

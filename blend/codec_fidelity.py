@@ -44,7 +44,7 @@ def store_both(runtime: Runtime, reference: Engine, lossy: Engine, chunks) -> No
 
 
 def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: str | None) -> dict:
-    runtime = Runtime.load(model, dtype)
+    runtime = Runtime.load(model, dtype, tune_process=True)
     with StoreEnv.open(store, create=True) as env:
         reference, lossy = Engine(runtime, env, "fp16"), Engine(runtime, env, codec)
         rows = []

@@ -80,6 +80,7 @@ class Transformer:
         self.device = torch.device(device)
         self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
         self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [hd/2]
+        self.segment_plans = SegmentPlans()  # the last scattered-row attention plan, for the next layer's call
 
     def compute_state(self) -> dict[str, torch.Tensor]:
         """Every weight as the forward uses it (fused, cast): what blend/prepared.py caches on disk."""
@@ -233,7 +234,8 @@ class Transformer:
             out = sdpa(qh, kh, vh, is_causal=True)[:, :, pad:]
         elif _is_sorted(q_pos) and _is_arange(k_pos):
             if qh.device.type == "cpu" and _FLASH_CPU is not None:
-                out = _attend_key_segments_grouped(qh, kh, vh, q_pos.to(self.device), self.cfg.group_size)
+                out = _attend_key_segments_grouped(qh, kh, vh, q_pos.to(self.device), self.cfg.group_size,
+                                                   self.segment_plans)
             else:
                 out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(self.device))
         else:
@@ -382,7 +384,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
-                                 group: int) -> torch.Tensor:
+                                 group: int, plans: SegmentPlans) -> torch.Tensor:
     """`_attend_key_segments` with each KV head's query heads stacked as rows of one head.
 
     qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Query head h reads KV head h // group, so the
@@ -391,15 +393,16 @@ def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
     (74 vs 79 ms a blended layer at R≈980 over 6.3k keys, bf16, 2 cores).
     """
     if group == 1:
-        return _attend_key_segments(qh, kh, vh, q_pos)
+        return _attend_key_segments(qh, kh, vh, q_pos, plans)
     _, n_heads, n_rows, hd = qh.shape
     n_kv = kh.shape[1]
     stacked = qh.view(n_kv, group, n_rows, hd).transpose(1, 2).reshape(1, n_kv, n_rows * group, hd)
-    out = _attend_key_segments(stacked, kh, vh, q_pos.repeat_interleave(group))  # [1, Hkv, R * group, hd]
+    out = _attend_key_segments(stacked, kh, vh, q_pos.repeat_interleave(group), plans)  # [1, Hkv, R * group, hd]
     return out.view(n_kv, n_rows, group, hd).transpose(1, 2).reshape(1, n_heads, n_rows, hd)
 
 
-def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
+                         plans: SegmentPlans) -> torch.Tensor:
     """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1, by key segment.
 
     qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each segment of SEGMENT_KEYS keys is attended
@@ -407,7 +410,7 @@ def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q
     small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
     their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
     """
-    plan = _segment_plan(q_pos, min(kh.shape[2], int(q_pos[-1]) + 1), qh.dtype)
+    plan = plans.get(q_pos, min(kh.shape[2], int(q_pos[-1]) + 1), qh.dtype)
     acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
     lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp
     for r0, r1, k0, k1, mask in plan.parts:
@@ -434,17 +437,20 @@ class _SegmentPlan:
                 and torch.equal(self.q_pos, q_pos))
 
 
-# The last plan built. Every blended layer after the last selection attends the same rows, so the plan (its
-# masks above all: ≈2 ms a layer to build) is made once per prompt instead of once per layer. Immutable, so
-# a concurrent prefill at worst replaces it.
-_last_plan: _SegmentPlan | None = None
+class SegmentPlans:
+    """The last plan built, per model. Every blended layer after the last selection attends the same rows, so the
+    plan (its masks above all: ≈2 ms a layer to build) is made once per prompt instead of once per layer."""
+
+    def __init__(self):
+        self.last: _SegmentPlan | None = None
+
+    def get(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
+        if self.last is None or not self.last.serves(q_pos, n_keys, dtype):
+            self.last = _segment_plan(q_pos, n_keys, dtype)
+        return self.last
 
 
 def _segment_plan(q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
-    global _last_plan
-    plan = _last_plan
-    if plan is not None and plan.serves(q_pos, n_keys, dtype):
-        return plan
     n_rows = q_pos.shape[0]
     bounds = torch.arange(0, n_keys, SEGMENT_KEYS, device=q_pos.device)
     first_rows = torch.searchsorted(q_pos, bounds).tolist()  # first row that sees each segment
@@ -461,8 +467,7 @@ def _segment_plan(q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _Segm
                 parts.append((a, b, start, end, mask))
         if r1 < n_rows:  # rows after the segment see all of it
             parts.append((r1, n_rows, start, stop, None))
-    plan = _last_plan = _SegmentPlan(q_pos.clone(), n_keys, SEGMENT_KEYS, MASKED_GROUPS, dtype, tuple(parts))
-    return plan
+    return _SegmentPlan(q_pos.clone(), n_keys, SEGMENT_KEYS, MASKED_GROUPS, dtype, tuple(parts))
 
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Tensor, out_lse: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    runtime = Runtime.load(None, "auto", "auto")
+    runtime = Runtime.load(None, "auto", "auto", tune_process=True)
     plain_s, stored_s, store_wait_s, writer_s = 0.0, 0.0, 0.0, 0.0
     with StoreEnv.open(args.store, readonly=True) as source_env:
         source = ChunkTable(source_env)

@@ -25,9 +25,12 @@ class Runtime:
         return self.local.fingerprint
 
     @classmethod
-    def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None) -> Runtime:
-        """Resolve (and on first use convert) the model, then load it for compute."""
-        set_cpu_threads()
+    def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
+             tune_process: bool = False) -> Runtime:
+        """Resolve (and on first use convert) the model, then load it for compute. tune_process: also set the
+        process's torch threads and keep freed memory in the allocator (device.set_cpu_threads), as the CLI does."""
+        if tune_process:
+            set_cpu_threads()
         local = resolve_model(model)
         dev = resolve_device(device)
         tokenizer = local.load_tokenizer()

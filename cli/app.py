@@ -15,17 +15,20 @@ import typer
 from kvrag import KvragError, __version__
 from kvrag.cli.common import INTERRUPTED_STATUS, Interrupted
 
-# Nothing is ever fetched at run time.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# torch's OpenMP workers spin this many rounds after each parallel region before they sleep (libgomp reads it
-# when torch is imported, so it is set before any command module imports torch). The default, 300,000 rounds,
-# keeps a core busy for milliseconds after every op, and the loader's decode at each layer's hand-over then
-# shares its cores with a spinning worker: 4.0 ms a layer after a matmul instead of 2.5 (2 cores). 10,000
-# still spans the gaps between a prefill's ops (no slower compute measured) and cut the blend's loader wait
-# from 0.14-0.15 s to 0.11-0.12 s a prompt (6.3k tokens, three A/B pairs).
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+def _process_settings() -> None:
+    """The `kvrag` process's environment, set when a command starts (before any command imports torch)."""
+    # Nothing is ever fetched at run time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch's OpenMP workers spin this many rounds after each parallel region before they sleep (libgomp reads it
+    # when torch is imported). The default, 300,000 rounds, keeps a core busy for milliseconds after every op, and
+    # the loader's decode at each layer's hand-over then shares its cores with a spinning worker: 4.0 ms a layer
+    # after a matmul instead of 2.5 (2 cores). 10,000 still spans the gaps between a prefill's ops (no slower
+    # compute measured) and cut the blend's loader wait from 0.14-0.15 s to 0.11-0.12 s a prompt (6.3k tokens).
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 
 # Plain click help, not typer's rich panels: typer 0.29's panels print a type after every flag
 # (`--json <bool>`, even `--help <bool>`); plain help lists flags bare, values as `--store <path>`.
@@ -70,6 +73,7 @@ def _register_commands() -> None:
 
 
 def main() -> None:
+    _process_settings()
     try:
         _register_commands()
         # Not standalone, so errors reach the handlers below; prog_name keeps `kvrag` in usage lines and

@@ -178,7 +178,8 @@ def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings
     host_cache, gpu_cache, policy = s.cache_options
     rag = KVRag(store, model=s.model_options[0], dtype=s.model_options[1], device=s.model_options[2], codec=s.codec,
                 host_cache=host_cache if len(todo) > 1 else "0",  # the tiers pay off from the second question on
-                gpu_cache=gpu_cache, cache_policy=policy, preload_retriever=any(map(finder.retrieves, todo)))
+                gpu_cache=gpu_cache, cache_policy=policy, preload_retriever=any(map(finder.retrieves, todo)),
+                tune_process=True)
     answers = []
     try:
         for n, q in enumerate(todo):

@@ -139,7 +139,7 @@ def bench_command(
         from kvrag.blend.runtime import Runtime
 
         with console.status("loading the model"):
-            runtime = Runtime.load(model, dtype, device)
+            runtime = Runtime.load(model, dtype, device, tune_process=True)
             engine = Engine(runtime, env, codec, compress=compress)
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
@@ -375,7 +375,7 @@ def bench_engine_command(
     from kvrag.blend.runtime import Runtime
 
     console = stderr_console()
-    runtime = Runtime.load(model, dtype, device)
+    runtime = Runtime.load(model, dtype, device, tune_process=True)
     points, bandwidth, path = measure(runtime, _ints(contexts, "--contexts"), _ints(batches, "--batches"), steps,
                                       rounds, native, progress=lambda line: console.print(line, highlight=False))
     machine = machine_info()

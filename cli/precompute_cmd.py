@@ -88,7 +88,7 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, model, dtype
     from kvrag.store.env import StoreEnv
 
     with StoreEnv.open(store_dir) as env:
-        runtime = Runtime.load(model, dtype, device)
+        runtime = Runtime.load(model, dtype, device, tune_process=True)
         progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=console, disable=not show_progress)

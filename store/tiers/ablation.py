@@ -168,7 +168,7 @@ def prefill_timer(layers: int):
     from kvrag.blend.prefill import LayerKV, extend
     from kvrag.blend.runtime import Runtime
 
-    runtime = Runtime.load(None, None)
+    runtime = Runtime.load(None, None, tune_process=True)
     full = runtime.model
     model = copy.copy(full)  # the same weights, only the first `layers` layers
     model.cfg = dataclasses.replace(full.cfg, n_layers=layers)
@@ -222,7 +222,7 @@ def measure_load(local, builder, corpus: Corpus, layout: BlockLayout, n_chunks: 
     from kvrag.store.kv import KVTable
     from kvrag.store.tiers.cache import TieredKVCache
 
-    runtime = Runtime.load(None, None)
+    runtime = Runtime.load(None, None, tune_process=True)
     texts = corpus.passages[:n_chunks]
     log(f"computing the real KV of {n_chunks} passages for the load measurement...")
     with torch.inference_mode():

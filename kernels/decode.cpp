@@ -49,6 +49,34 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
+// Lane i of the result is the sum of the 16 lanes of v[i]: 16 dot products finished in 15 shuffle-adds. Each
+// sum folds halves, quarters, pairs, then lanes: _mm512_reduce_add_ps's tree, so either gives the same bits.
+inline __m512 transpose_sum16(__m512* v) {
+  for (int width = 8; width >= 1; width /= 2) {  // pairs (v[i], v[i + width]) fold into v[i]
+    for (int i = 0; i < width; ++i) {
+      __m512 a = v[i], b = v[i + width];
+      __m512 lo, hi;
+      if (width == 8) {  // 256-bit halves
+        lo = _mm512_shuffle_f32x4(a, b, 0x44);
+        hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+      } else if (width == 4) {  // 128-bit quarters
+        lo = _mm512_shuffle_f32x4(a, b, 0x88);
+        hi = _mm512_shuffle_f32x4(a, b, 0xDD);
+      } else if (width == 2) {  // 64-bit pairs
+        lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+        hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+      } else {  // single lanes
+        lo = _mm512_shuffle_ps(a, b, 0x88);
+        hi = _mm512_shuffle_ps(a, b, 0xDD);
+      }
+      v[i] = _mm512_add_ps(lo, hi);
+    }
+  }
+  // the folds leave v[j]'s sum in lane perm[j] (perm is its own inverse): put each back in place
+  const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(perm, v[0]);
+}
+
 // Rows r0..r1-1 of y_b = W x_b for n inputs: W [N, K] bf16 row-major, x [n, K] float32 (K a multiple of 16);
 // store(b, r, sum) takes each float32 sum. Four rows at a time, so independent sums hide the multiply-add
 // latency while the rows (contiguous) stream in order, and each 4-row block meets every input while it is in
@@ -63,9 +91,8 @@ inline float from_bf16(uint16_t b) {
 template <int R, int NI, class Store>
 inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, int64_t b0, const uint16_t* ahead,
                      Store& store) {
-  __m512 acc[R][NI];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NI; ++j) acc[i][j] = _mm512_setzero_ps();
+  __m512 acc[NI * R];  // input j, row i at j * R + i
+  for (int i = 0; i < NI * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t e = 0; e < k; e += 16) {
     if (ahead && e % 32 == 0) {
       for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
@@ -74,11 +101,18 @@ inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, in
     for (int i = 0; i < R; ++i) wv[i] = load_bf16(w + (r + i) * k + e);
     for (int j = 0; j < NI; ++j) {
       const __m512 xv = _mm512_loadu_ps(x + (b0 + j) * k + e);
-      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+      for (int i = 0; i < R; ++i) acc[j * R + i] = _mm512_fmadd_ps(wv[i], xv, acc[j * R + i]);
     }
   }
-  for (int j = 0; j < NI; ++j)
-    for (int i = 0; i < R; ++i) store(b0 + j, r + i, _mm512_reduce_add_ps(acc[i][j]));
+  if (NI * R == 16) {  // all sums in one transposed fold (on a copy: acc itself then stays in registers)
+    __m512 folded[16];
+    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, transpose_sum16(folded));
+    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
+  } else {
+    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
+  }
 }
 
 // Rows r..r+R-1 against all n inputs, four at a time (16 sums and 4 weight vectors fit the 32 registers).
@@ -106,45 +140,35 @@ inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32
 
 using kvrag_simd::exp_ps;
 
-// Lane i of the result is the sum of the 16 lanes of v[i]: 16 dot products finished in 15 shuffle-adds.
-inline __m512 transpose_sum16(__m512* v) {
-  for (int width = 8; width >= 1; width /= 2) {  // pairs (v[i], v[i + width]) fold into v[i]
-    for (int i = 0; i < width; ++i) {
-      __m512 a = v[i], b = v[i + width];
-      __m512 lo, hi;
-      if (width == 8) {  // 256-bit halves
-        lo = _mm512_shuffle_f32x4(a, b, 0x44);
-        hi = _mm512_shuffle_f32x4(a, b, 0xEE);
-      } else if (width == 4) {  // 128-bit quarters
-        lo = _mm512_shuffle_f32x4(a, b, 0x88);
-        hi = _mm512_shuffle_f32x4(a, b, 0xDD);
-      } else if (width == 2) {  // 64-bit pairs
-        lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-        hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-      } else {  // single lanes
-        lo = _mm512_shuffle_ps(a, b, 0x88);
-        hi = _mm512_shuffle_ps(a, b, 0xDD);
-      }
-      v[i] = _mm512_add_ps(lo, hi);
-    }
+// Rows s..s1-1 (each d bf16 at base + at[s]) fetched into L2: the rows of one KV head are a strided
+// (or, paged, scattered) walk that the hardware prefetcher does not run far enough ahead of: without these
+// the attention waits on its loads about half of its time.
+constexpr int64_t KEYS_AHEAD = 128;  // keys ahead of the first query's dot products (64 and 256: slower)
+
+inline void fetch_rows(const uint16_t* base, const int64_t* at, int64_t s, int64_t s1, int64_t d) {
+  for (; s < s1; ++s) {
+    for (int64_t e = 0; e < d; e += 32) _mm_prefetch(reinterpret_cast<const char*>(base + at[s] + e), _MM_HINT_T1);
   }
-  // the folds leave v[j]'s sum in lane perm[j] (perm is its own inverse): put each back in place
-  const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return _mm512_permutexvar_ps(perm, v[0]);
 }
 
 // One KV head's `group` query rows q [group, D] (float32) over keys s0..s1-1 of k, v (that head's columns; key
-// s's row at k + at[s] and v + at[s], so a paged cache reads in place), unnormalised: per query j, m[j] the largest scaled score, l[j] the sum of p = exp(score - m[j])
-// and acc [group, D] the sum of p v. No keys: m = -inf, l = 0, acc = 0, a part that adds nothing to a merge.
+// s's row at k + at[s] and v + at[s], so a paged cache reads in place), unnormalised: per query j, m[j] the
+// largest scaled score, l[j] the sum of p = exp(score - m[j]) and acc [group, D] the sum of p v. No keys:
+// m = -inf, l = 0, acc = 0, a part that adds nothing to a merge.
 void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int64_t* at, int64_t s0, int64_t s1,
                  int64_t group, int64_t d, float scale, std::vector<float>& scores, float* m, float* l, float* acc) {
   const int64_t n = std::max<int64_t>(s1 - s0, 0), s_pad = (n + 15) / 16 * 16, nv = d / 16;
   scores.resize(s_pad);
+  fetch_rows(k, at, s0, std::min(s1, s0 + KEYS_AHEAD), d);
   for (int64_t j = 0; j < group; ++j) {
     __m512 qv[16];
     for (int64_t c = 0; c < nv; ++c) qv[c] = _mm512_loadu_ps(q + j * d + 16 * c);
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t b = 0; b < n; b += 16) {  // 16 keys' dot products, then one transposed sum
+      if (j == 0) {  // the first query's pass brings the keys ahead and these keys' values into L2
+        fetch_rows(k, at, s0 + b + KEYS_AHEAD, std::min(s1, s0 + b + KEYS_AHEAD + 16), d);
+        fetch_rows(v, at, s0 + b, std::min(s1, s0 + b + 16), d);
+      }
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
         dots[i] = _mm512_setzero_ps();

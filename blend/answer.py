@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvrag.blend.controller import AUTO_MASS, QUALITY_FLOOR, budget_ratio, cached_profile
+from kvrag.blend.controller import AUTO_MASS, QUALITY_FLOOR, budget_ratio
 from kvrag.blend.decode import SamplingConfig, generate, stream_text
 from kvrag.blend.engine import Engine, Prefilled
 from kvrag.blend.fusion import BlendConfig
@@ -59,7 +59,7 @@ def resolve_ratio(engine: Engine, config: BlendConfig, auto: bool, chunk_tokens:
                   codec: str) -> BlendConfig:
     if not auto:
         return config
-    profile = cached_profile(engine.env, engine.model, engine.runtime.fingerprint, codec)
+    profile = engine.profile(codec)
     cap = budget_ratio(profile, engine.model.cfg.n_layers, config.check_layer, chunk_tokens, suffix_tokens)
     return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
 

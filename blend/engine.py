@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrag import KvragError
+from kvrag.blend.controller import LoadComputeProfile, cached_profile
 from kvrag.blend.decode import DecodeCache, prefill, stop_ids
 from kvrag.blend.fusion import BlendConfig, fused_prefill
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
@@ -67,6 +68,14 @@ class Engine:
         self._write_back: dict[str, tuple[Sequence[int], LayerKV]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
+        self._profiles: dict[str, LoadComputeProfile] = {}  # by codec: what `--ratio auto` predicts costs from
+
+    def profile(self, codec: str) -> LoadComputeProfile:
+        """This machine's load/compute profile for the codec: from the store's meta (measured there once), kept
+        here, so every prompt of an engine predicts from the same one (and none pays for measuring it again)."""
+        if codec not in self._profiles:
+            self._profiles[codec] = cached_profile(self.env, self.model, self.runtime.fingerprint, codec)
+        return self._profiles[codec]
 
     # ---- chunks -------------------------------------------------------------------------------
 

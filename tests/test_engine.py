@@ -39,9 +39,9 @@ def requests(runtime, invented_items) -> list[Request]:
         for ctx in item["ctxs"][:rng.choice((2, 3))]:
             ids = runtime.prompts.passage_ids(ctx["title"], " ".join(ctx["text"].split()[:rng.randint(30, 80)]))
             chunks.append((f"{i}-{len(chunks)}", tuple(ids)))
-        mode = MODES[i % len(MODES)]
-        out.append(Request(item["question"], tuple(chunks), mode, BlendConfig(0.15), auto_ratio=mode == "blend",
-                           sampling=SamplingConfig(max_tokens=3 + (i * 5) % 12)))
+        # fixed ratios: `auto` predicts costs from timings measured per engine, so two engines may choose apart
+        out.append(Request(item["question"], tuple(chunks), MODES[i % len(MODES)], BlendConfig(0.15 + 0.1 * (i % 3)),
+                           auto_ratio=False, sampling=SamplingConfig(max_tokens=3 + (i * 5) % 12)))
     return out
 
 

@@ -136,10 +136,8 @@ def prepare(engine: Engine, items: list[BenchItem], methods: list[Method], confi
     if engine.table is not None:
         setup.missing_after = len(engine.table.missing(sorted({cid for item in items for cid, _ in item.chunks})))
     if any(m.auto for m in methods):
-        from kvrag.blend.controller import cached_profile
-
         t0 = time.perf_counter()
-        cached_profile(engine.env, engine.model, engine.runtime.fingerprint, config.codec)
+        engine.profile(config.codec)
         setup.profile_s = time.perf_counter() - t0
     if on_progress:
         on_progress("setup", "chunk KV stored", len(items), len(items))

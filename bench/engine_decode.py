@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.bench.decode import bytes_per_token, read_bandwidth
 from kvrag.blend.decode import SamplingConfig, prefill
-from kvrag.blend.decode_bench import bytes_per_token, read_bandwidth
 from kvrag.blend.engine import Engine
 from kvrag.blend.runtime import Runtime
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine

@@ -68,8 +68,16 @@ def _root(
 
 
 def _register_commands() -> None:
-    # Imported for their side effect of adding commands to `app`, `model_app`, `store_app`.
-    from kvrag.cli import ask_cmd, bench_cmd, index_cmd, model_cmd, precompute_cmd, store_cmd  # noqa: F401
+    # Imported for their side effect of adding commands to `app`, `model_app`, `store_app`, `bench_app`.
+    from kvrag.cli import (  # noqa: F401
+        ask_cmd,
+        bench_cmd,
+        bench_more,
+        index_cmd,
+        model_cmd,
+        precompute_cmd,
+        store_cmd,
+    )
 
 
 def main() -> None:

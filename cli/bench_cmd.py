@@ -105,10 +105,10 @@ def bench_command(
     """
     if ctx.invoked_subcommand is not None:  # `kvrag bench <what>`: that benchmark alone
         return
-    from kvrag.blend.bench.cache_sim import CacheSpec
-    from kvrag.blend.bench.methods import parse_methods
-    from kvrag.blend.bench.runner import RunConfig
-    from kvrag.blend.bench.workloads import PoissonSpec
+    from kvrag.bench.rag.cache_sim import CacheSpec
+    from kvrag.bench.rag.methods import parse_methods
+    from kvrag.bench.rag.runner import RunConfig
+    from kvrag.bench.rag.workloads import PoissonSpec
     from kvrag.store.tiers.config import parse_bytes
 
     t_start = time.perf_counter()
@@ -144,7 +144,7 @@ def bench_command(
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
-        from kvrag.blend.bench.runner import run_bench
+        from kvrag.bench.rag.runner import run_bench
 
         with _progress(console) as on_progress:
             bench = run_bench(engine, items, chosen, config, on_progress)
@@ -170,7 +170,7 @@ def _source(dataset: str | None, questions: Path | None, split: str):
         raise KvragError(f"{questions} does not exist")
     if dataset is None:
         return None
-    from kvrag.blend.bench.datasets import load_dataset
+    from kvrag.bench.rag.datasets import load_dataset
 
     data = load_dataset(dataset)
     data.indices(split)
@@ -204,7 +204,7 @@ def _floats(text: str | None, what: str) -> tuple[float, ...]:
 def _items(data, split: str, questions: Path | None, env, runtime, k: int, limit, seed: int, sample: bool, words):
     """The bench items (a data set's `split`, or `questions` with retrieval), and the chunk pool (id, tokens) the
     cache replay draws from."""
-    from kvrag.blend.bench.items import build_items, corpus_chunks, read_items, select
+    from kvrag.bench.rag.items import build_items, corpus_chunks, read_items, select
 
     if data is not None:
         chosen = select(data.indices(split), limit, seed, sample)
@@ -284,7 +284,7 @@ def _plain_progress(console):
 
 
 def _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads, console, cfg: dict) -> dict:
-    from kvrag.blend.bench.report import build_report, store_section
+    from kvrag.bench.rag.report import build_report, store_section
 
     workloads = cache = None
     if not no_workloads:
@@ -296,14 +296,14 @@ def _report(bench, env, runtime, config, poisson, cache_spec, pool, no_workloads
 
 
 def _poisson(bench, spec) -> dict:
-    from kvrag.blend.bench.workloads import Service, poisson_workload
+    from kvrag.bench.rag.workloads import Service, poisson_workload
 
     services = {m.name: [Service(r.ttft_s, r.total_s) for r in bench.by_method(m.name)] for m in bench.methods}
     return poisson_workload(services, spec)
 
 
 def _cache(bench, runtime, config, spec, pool) -> dict:
-    from kvrag.blend.bench.cache_sim import cache_section, fit_profile
+    from kvrag.bench.rag.cache_sim import cache_section, fit_profile
     from kvrag.store.tiers.allocator import BlockLayout
 
     preamble = len(runtime.prompts.preamble_ids)
@@ -326,7 +326,7 @@ def _cache(bench, runtime, config, spec, pool) -> dict:
 
 def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
     """The tables on stderr, or with --json the report on stdout alone; --out's files either way."""
-    from kvrag.blend.bench.report import markdown, rich_tables
+    from kvrag.bench.rag.report import markdown, rich_tables
 
     if not as_json:
         for table in rich_tables(report):
@@ -337,7 +337,7 @@ def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
         out.mkdir(parents=True, exist_ok=True)
         plots = []
         try:
-            from kvrag.blend.bench.plots import make_plots
+            from kvrag.bench.rag.plots import make_plots
 
             plots = [str(p) for p in make_plots(report, out)]
         except ImportError:
@@ -371,7 +371,7 @@ def bench_engine_command(
     from dataclasses import asdict
 
     from kvrag.bench.engine_decode import measure, table
-    from kvrag.blend.bench.report import machine as machine_info
+    from kvrag.bench.rag.report import machine as machine_info
     from kvrag.blend.runtime import Runtime
 
     console = stderr_console()

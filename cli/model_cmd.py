@@ -1,13 +1,11 @@
-"""`kvrag model info` and `kvrag model bench`."""
+"""`kvrag model info`, and `kvrag model bench` as a hidden alias of `kvrag bench model`."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import typer
 from rich.table import Table
 
 from kvrag.cli.app import model_app
+from kvrag.cli.bench_more import bench_model
 from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
@@ -63,40 +61,5 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     stderr_console().print(table)
 
 
-@model_app.command("bench")
-def bench(
-    dataset: Path = typer.Option(None, "--dataset", help="MuSiQue-format JSON (default ../shared/data/musique_s.json)."),
-    items: int = typer.Option(20, "--items", help="Prompts for the bf16-vs-fp32 fidelity check."),
-    cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time a conversion from the GGUF."),
-    transformers_baseline: bool = typer.Option(True, "--transformers/--no-transformers",
-                                               help="Also time transformers' own forward."),
-    model: str = MODEL_OPTION,
-    as_json: bool = JSON_OPTION,
-) -> None:
-    """Measure model load times, prefill speed (ours vs transformers, fp32 and bf16) and bf16 fidelity.
-
-    Example: kvrag model bench --items 20 --json
-    """
-    from kvrag.blend.bench.items import read_dataset
-    from kvrag.blend.device import set_cpu_threads
-    from kvrag.blend.model_bench import run_model_bench
-
-    set_cpu_threads()
-    data = read_dataset(dataset)
-    console = stderr_console()
-    report = run_model_bench(data, model, items, cold, with_transformers=transformers_baseline,
-                             log=lambda msg: console.print(f"[dim]{msg}[/dim]"))
-    if as_json:
-        print_json(report.to_dict())
-        return
-    table = Table(title=f"{report.model} on {report.threads} threads, {report.prompt_tokens}-token prompt")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    if report.cold_load_s is not None:
-        table.add_row("cold load (GGUF conversion)", f"{report.cold_load_s:.1f} s")
-    table.add_row("warm load (cache, fp32 + bf16 weights)", f"{report.warm_load_s:.1f} s")
-    for name, tps in report.prefill_tokens_per_s.items():
-        table.add_row(f"prefill {name}", f"{tps:,.0f} tok/s")
-    table.add_row(f"bf16 vs fp32 top-1 agreement ({report.bf16_items} prompts)", f"{report.bf16_top1_agreement:.0%}")
-    table.add_row("bf16 vs fp32 mean first-token KL", f"{report.bf16_mean_kl:.4f}")
-    console.print(table)
+# `kvrag model bench` is the old name of `kvrag bench model`: kept for scripts, hidden from the help
+model_app.command("bench", hidden=True)(bench_model)

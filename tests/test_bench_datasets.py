@@ -1,4 +1,4 @@
-"""The bench's named data sets and their tuning / report splits (blend/bench/datasets.py)."""
+"""The bench's named data sets and their tuning / report splits (bench/rag/datasets.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvrag import KvragError
-from kvrag.blend.bench.datasets import load_dataset
+from kvrag.bench.rag.datasets import load_dataset
 from kvrag.tests.conftest import run_cli_in_process
 
 
@@ -33,7 +33,7 @@ def test_cross_passage_splits_are_its_halves():
 def test_musique_tunes_on_0_49_reports_on_50_99_and_holds_out_the_rest(musique_path, monkeypatch):
     data = load_dataset(str(musique_path))  # a path: every item in each split
     assert data.indices("report") == list(range(150))
-    monkeypatch.setattr("kvrag.blend.bench.datasets.default_dataset", lambda: musique_path)
+    monkeypatch.setattr("kvrag.bench.rag.datasets.default_dataset", lambda: musique_path)
     named = load_dataset("musique")
     assert named.indices("tune") == list(range(50)) and named.indices("report") == list(range(50, 100))
 

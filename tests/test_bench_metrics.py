@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvrag import KvragError
-from kvrag.blend.bench.methods import parse_methods
-from kvrag.blend.bench.metrics import (
+from kvrag.bench.rag.methods import parse_methods
+from kvrag.bench.rag.metrics import (
     best_em,
     best_f1,
     distribution,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvrag import KvragError
-from kvrag.blend.bench.cache_sim import CacheSpec, cache_section, fit_profile
-from kvrag.blend.bench.items import read_items, select
-from kvrag.blend.bench.workloads import PoissonSpec, Service, max_rate, poisson_workload, simulate_queue
+from kvrag.bench.rag.cache_sim import CacheSpec, cache_section, fit_profile
+from kvrag.bench.rag.items import read_items, select
+from kvrag.bench.rag.workloads import PoissonSpec, Service, max_rate, poisson_workload, simulate_queue
 from kvrag.store.tiers.allocator import BlockLayout
 
 

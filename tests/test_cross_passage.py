@@ -1,4 +1,4 @@
-"""The generated cross-passage set (blend/bench/cross_passage.py): seeded, two real hops per question,
+"""The generated cross-passage set (bench/rag/cross_passage.py): seeded, two real hops per question,
 short passages by SmolLM2's own tokenizer, distractors that share names with the supporting passages."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from kvrag.blend.bench import cross_passage_text as words
-from kvrag.blend.bench.cross_passage import main, make_items
-from kvrag.blend.bench.items import read_dataset
+from kvrag.bench.rag import cross_passage_text as words
+from kvrag.bench.rag.cross_passage import main, make_items
+from kvrag.bench.rag.items import read_dataset
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag.store.tiers import BlockLayout, CostProfile
-from kvrag.store.tiers.ablation import render, shortfalls
-from kvrag.store.tiers.workload import (
+from kvrag.bench.replay import (
     Corpus,
     Request,
     WorkloadSpec,
@@ -15,6 +13,8 @@ from kvrag.store.tiers.workload import (
     top_share,
     zipf_requests,
 )
+from kvrag.bench.tiers import render, shortfalls
+from kvrag.store.tiers import BlockLayout, CostProfile
 
 LAYOUT = BlockLayout(30, 3, 64)  # the default model: 23,040 B per token
 PROFILE = CostProfile((0, 3000), (64, 3200), ((0.2, 6.0), (0.4, 17.0)))

@@ -2,7 +2,7 @@
 
     musique         MuSiQue as CacheBlend published it (../shared/data/musique_s.json, not in the repository):
                     items 0-49 tune, 50-99 report; 100-149 are the release check, in no split
-    cross-passage   generated two-hop questions over short invented passages (blend/bench/cross_passage.py,
+    cross-passage   generated two-hop questions over short invented passages (bench/rag/cross_passage.py,
                     240 items, seed 0): its first half tunes, its second half reports
     sample          the bundled corpus (corpus/sample) with one question per document
                     (corpus/demo-questions.jsonl), every document in each prompt in a seeded order: both splits
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag import KvragError
-from kvrag.blend.bench.items import default_dataset, read_dataset
+from kvrag.bench.rag.items import default_dataset, read_dataset
 
 SPLITS = ("tune", "report", "all")
 NAMES = ("musique", "cross-passage", "sample")
@@ -45,7 +45,7 @@ def load_dataset(source: str | Path) -> Dataset:
         items = read_dataset(default_dataset())
         return Dataset(name, items, _ranges(len(items), range(0, 50), range(50, 100)))
     if name == "cross-passage":
-        from kvrag.blend.bench.cross_passage import make_items
+        from kvrag.bench.rag.cross_passage import make_items
 
         items = make_items()
         return Dataset(name, items, {"tune": [i for i, it in enumerate(items) if it["split"] == "tune"],

@@ -1,4 +1,4 @@
-"""Model-level measurements: load times, prefill speed (ours vs transformers), bf16 fidelity."""
+"""`kvrag bench model`: load times, prefill speed (ours vs transformers), bf16 fidelity."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from rich.table import Table
 
 from kvrag.blend.controller import best_time
 from kvrag.blend.model import Transformer
@@ -51,8 +52,6 @@ def time_cold_load() -> float:
                 os.environ.pop("KVRAG_HOME", None)
             else:
                 os.environ["KVRAG_HOME"] = saved
-
-
 
 
 def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, cold: bool,
@@ -99,3 +98,17 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         report.bf16_top1_agreement = agree / max(1, len(kls))
         report.bf16_mean_kl = sum(kls) / max(1, len(kls))
     return report
+
+
+def table(report: ModelBenchReport) -> Table:
+    out = Table(title=f"{report.model} on {report.threads} threads, {report.prompt_tokens}-token prompt")
+    out.add_column("measure")
+    out.add_column("value", justify="right")
+    if report.cold_load_s is not None:
+        out.add_row("cold load (GGUF conversion)", f"{report.cold_load_s:.1f} s")
+    out.add_row("warm load (cache, fp32 + bf16 weights)", f"{report.warm_load_s:.1f} s")
+    for name, tps in report.prefill_tokens_per_s.items():
+        out.add_row(f"prefill {name}", f"{tps:,.0f} tok/s")
+    out.add_row(f"bf16 vs fp32 top-1 agreement ({report.bf16_items} prompts)", f"{report.bf16_top1_agreement:.0%}")
+    out.add_row("bf16 vs fp32 mean first-token KL", f"{report.bf16_mean_kl:.4f}")
+    return out

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvrag import KvragError
+from kvrag.bench.rag.items import BenchItem
+from kvrag.bench.rag.methods import Method
+from kvrag.bench.rag.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
 from kvrag.blend.answer import answer_question
-from kvrag.blend.bench.items import BenchItem
-from kvrag.blend.bench.methods import Method
-from kvrag.blend.bench.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
 from kvrag.blend.decode import SamplingConfig
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import ATTENTION_WEIGHT, BlendConfig

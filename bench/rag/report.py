@@ -13,8 +13,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvrag.blend.bench.metrics import distribution, mean_or_none, median_or_none
-from kvrag.blend.bench.runner import BenchRun, MethodRun
+from kvrag.bench.rag.metrics import distribution, mean_or_none, median_or_none
+from kvrag.bench.rag.runner import BenchRun, MethodRun
 
 SCHEMA = "kvrag-bench/1"
 

@@ -6,9 +6,9 @@
     datasets.py   the named sets (musique, cross-passage, sample) and their tuning / report splits
     cross_passage.py  a generated two-hop set: invented short passages, k = 2..10, look-alike distractors
     cross_passage_text.py  its invented names and sentence templates
-    cold_start.py a cold `kvrag ask` per process: wall, peak memory, where the seconds go
     runner.py     setup (every chunk's KV stored before timing), warm-up, methods interleaved per item
-    workloads.py  Poisson arrivals over measured service times; memory-tier hit rates by replay
+    workloads.py  Poisson arrivals over measured service times
+    cache_sim.py  memory-tier hit rates: the bench's passages replayed through the tiers (bench/replay.py)
     report.py     the report: per-method summaries, JSON, Markdown, rich tables
     plots.py      PNG figures with matplotlib's Agg backend
 

@@ -1,6 +1,6 @@
 """What storing costs precompute: its throughput against plain prefill of the same chunks, one process.
 
-    python -m kvrag.blend.precompute_bench --store DIR [--chunks 40] [--codec fp16] [--json]
+    kvrag bench precompute --store DIR [--chunks 40] [--codec fp16] [--json]
 
 Takes the first N indexed chunks of DIR (sorted by id, so a rerun takes the same ones), copies their
 records into a scratch store, and runs, alternating in rounds so drift on a noisy machine is shared:
@@ -10,8 +10,6 @@ store. Overhead = plain tokens/s ÷ precompute tokens/s − 1 (the issue's targe
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -45,41 +43,32 @@ def plain_prefill_s(runtime: Runtime, records: list[ChunkRecord]) -> float:
         return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True, type=Path)
-    parser.add_argument("--chunks", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--codec", default="fp16")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-
+def run(store: Path, chunks: int, rounds: int, codec: str) -> dict:
+    """Plain prefill against precompute of the store's first `chunks` chunks, `rounds` times alternating."""
     runtime = Runtime.load(None, "auto", "auto", tune_process=True)
     plain_s, stored_s, store_wait_s, writer_s = 0.0, 0.0, 0.0, 0.0
-    with StoreEnv.open(args.store, readonly=True) as source_env:
+    with StoreEnv.open(store, readonly=True) as source_env:
         source = ChunkTable(source_env)
-        records = source.get_many(sorted(source.ids())[:args.chunks])
+        records = source.get_many(sorted(source.ids())[:chunks])
         tokens = sum(len(r.token_ids) for r in records)
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             plain_s += plain_prefill_s(runtime, records)
             with tempfile.TemporaryDirectory(prefix="kvrag-precompute-bench-") as tmp:
                 with scratch_store(Path(tmp) / "store", source, records) as env:
-                    summary = precompute(env, runtime, args.codec)
+                    summary = precompute(env, runtime, codec)
             stored_s += summary.wall_s
             store_wait_s += summary.store_s
             writer_s += summary.writer_busy_s
-    plain_tps = args.rounds * tokens / plain_s
-    stored_tps = args.rounds * tokens / stored_s
-    result = {"chunks": len(records), "tokens": tokens, "rounds": args.rounds, "codec": args.codec,
-              "dtype": str(runtime.model.dtype).removeprefix("torch."),
-              "plain_prefill_tokens_per_s": plain_tps, "precompute_tokens_per_s": stored_tps,
-              "store_overhead": plain_tps / stored_tps - 1,
-              "forward_loop_wait_s": store_wait_s, "writer_busy_s": writer_s}
-    print(json.dumps(result, indent=2) if args.json else
-          f"{len(records)} chunks, {tokens:,} tokens × {args.rounds}: plain prefill {plain_tps:,.0f} tok/s, "
-          f"precompute ({args.codec}) {stored_tps:,.0f} tok/s → store overhead {result['store_overhead']:.1%}")
-    return result
+    plain_tps = rounds * tokens / plain_s
+    stored_tps = rounds * tokens / stored_s
+    return {"chunks": len(records), "tokens": tokens, "rounds": rounds, "codec": codec,
+            "dtype": str(runtime.model.dtype).removeprefix("torch."),
+            "plain_prefill_tokens_per_s": plain_tps, "precompute_tokens_per_s": stored_tps,
+            "store_overhead": plain_tps / stored_tps - 1,
+            "forward_loop_wait_s": store_wait_s, "writer_busy_s": writer_s}
 
 
-if __name__ == "__main__":
-    main()
+def summary_line(r: dict) -> str:
+    return (f"{r['chunks']} chunks, {r['tokens']:,} tokens × {r['rounds']}: plain prefill "
+            f"{r['plain_prefill_tokens_per_s']:,.0f} tok/s, precompute ({r['codec']}) "
+            f"{r['precompute_tokens_per_s']:,.0f} tok/s → store overhead {r['store_overhead']:.1%}")

@@ -1,9 +1,9 @@
 """Hit-rate ablation (RAGCache Figure 17 style): every policy x host-cache size, with and without
 cache-aware reordering, replayed over a Zipf workload of MuSiQue passages.
 
-    python -m kvrag.store.tiers.ablation                 # table on stdout, progress on stderr
-    python -m kvrag.store.tiers.ablation --json          # the same as JSON
-    python -m kvrag.store.tiers.ablation --measure-load  # also: memory hit vs store hit, per chunk token
+    kvrag bench tiers                 # table on stdout, progress on stderr
+    kvrag bench tiers --json          # the same as JSON
+    kvrag bench tiers --measure-load  # also: memory hit vs store hit, per chunk token
 
 The TTFT model is a cost profile T(cached, new) of the default model's prefill (`blend.prefill.extend`),
 measured once per machine and kept in $KVRAG_HOME/profiles/ (about a minute). To stay quick on a busy
@@ -13,24 +13,19 @@ the same shapes). Chunk, preamble and question lengths come from the model's own
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import hashlib
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag import KvragError
-from kvrag.store.tiers.allocator import BlockLayout
-from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
-from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
-from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS
-from kvrag.store.tiers.workload import (
+from kvrag.bench.replay import (
     Corpus,
     SimResult,
     WorkloadSpec,
@@ -39,8 +34,12 @@ from kvrag.store.tiers.workload import (
     top_share,
     zipf_requests,
 )
+from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
+from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
+from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "musique_s.json"
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
 SIZES = "128MiB,256MiB,512MiB,1GiB,2GiB,4GiB"
 CACHED_GRID = (0, 600, 1200, 1800, 2400, 3000)
 NEW_GRID = (64, 600, 1200, 1800, 2400, 3200)
@@ -50,87 +49,75 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvrag.store.tiers.ablation", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=DATA, help="MuSiQue-style JSON (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=4000)
-    p.add_argument("--warmup", type=int, default=1000, help="first requests not counted")
-    p.add_argument("-k", type=int, default=5, help="chunks per question")
-    p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
-    p.add_argument("--order", choices=("rank", "drawn"), default="rank")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drift", type=int, default=0, help="re-rank popularity every N requests (0: stationary)")
-    p.add_argument("--forget-evicted", action="store_true",
-                   help="statistics die with their node (in-cache counts) instead of being remembered per path")
-    p.add_argument("--sizes", default=SIZES)
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--reorder-window", type=int, default=32)
-    p.add_argument("--queue-depth", type=int, default=64, help="questions waiting (saturated closed loop)")
-    p.add_argument("--profile-layers", type=int, default=2)
-    p.add_argument("--refresh-profile", action="store_true")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="profile JSON to use (measured and saved there if absent; default: in $KVRAG_HOME)")
-    p.add_argument("--measure-load", action="store_true", help="time a memory hit against a store hit")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        report = run(args)
-    except KvragError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=1) if args.json else render(report))
-    return 0
+@dataclass(frozen=True)
+class AblationConfig:
+    data: Path = DATA  # MuSiQue-style JSON
+    requests: int = 4000
+    warmup: int = 1000  # first requests not counted
+    k: int = 5  # chunks per question
+    zipf: float = 1.0  # popularity exponent
+    order: str = "rank"  # rank or drawn
+    seed: int = 0
+    drift: int = 0  # re-rank popularity every N requests (0: stationary)
+    forget_evicted: bool = False  # statistics die with their node instead of being remembered per path
+    sizes: str = SIZES
+    policies: str = ",".join(POLICIES)
+    reorder_window: int = 32
+    queue_depth: int = 64  # questions waiting (saturated closed loop)
+    profile_layers: int = 2
+    refresh_profile: bool = False
+    profile: Path | None = None  # profile JSON (measured and saved there if absent; default: in $KVRAG_HOME)
+    measure_load: bool = False  # time a memory hit against a store hit
 
 
-def run(args: argparse.Namespace) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def run(cfg: AblationConfig) -> dict:
+    """Every policy x size, FIFO and reordered, over one Zipf workload; the report `render` prints."""
     from kvrag.blend.model_files import resolve_model
     from kvrag.blend.prompt import PromptBuilder
 
-    if not args.data.exists():
-        raise KvragError(f"{args.data} is not there (--data)")
+    if not cfg.data.exists():
+        raise KvragError(f"{cfg.data} is not there (--data)")
     local = resolve_model(None)
     builder = PromptBuilder(local.load_tokenizer())
-    corpus = Corpus.load(args.data)
+    corpus = Corpus.load(cfg.data)
     ids = [chunk_id(text) for text in corpus.passages]
     lengths = [len(builder.passage_ids("", text)) for text in corpus.passages]
     suffixes = [len(builder.build([], q).suffix) for q in corpus.questions]
     cfg = local.config
     layout = BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "fp16")
-    profile = cost_profile(local, args.profile_layers, args.refresh_profile, args.profile)
+    profile = cost_profile(local, cfg.profile_layers, cfg.refresh_profile, cfg.profile)
 
-    spec = WorkloadSpec(args.requests, args.k, args.zipf, args.order, args.seed, args.drift)
+    spec = WorkloadSpec(cfg.requests, cfg.k, cfg.zipf, cfg.order, cfg.seed, cfg.drift)
     requests = zipf_requests(ids, lengths, suffixes, spec)
-    sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
-    policies = [s.strip().lower() for s in args.policies.split(",")]
-    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=args.warmup, queue_depth=args.queue_depth,
-                  remember_paths=0 if args.forget_evicted else MAX_PATH_STATS)
+    sizes = [parse_bytes(s, "--sizes") for s in cfg.sizes.split(",")]
+    policies = [s.strip().lower() for s in cfg.policies.split(",")]
+    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=cfg.warmup, queue_depth=cfg.queue_depth,
+                  remember_paths=0 if cfg.forget_evicted else MAX_PATH_STATS)
     results: list[SimResult] = []
     for size in sizes:
         for policy in policies:
             for reorder in (False, True):
                 r = simulate(requests, layout, profile, policy, size, reorder=reorder,
-                             window=args.reorder_window, **common)
+                             window=cfg.reorder_window, **common)
                 results.append(r)
                 log(f"{format_bytes(size):>7} {policy:5} reorder={reorder!s:5} hit {r.prefix_hit_rate:6.1%} "
                     f"TTFT {r.mean_ttft_s:6.3f}s  ({r.wall_s:.1f}s)")
     report = {
-        "command": "python -m kvrag.store.tiers.ablation " + " ".join(sys.argv[1:]),
-        "workload": {**dataclasses.asdict(spec), "warmup": args.warmup, "distinct_chunks": len(ids),
+        "workload": {**dataclasses.asdict(spec), "warmup": cfg.warmup, "distinct_chunks": len(ids),
                      "mean_chunk_tokens": statistics.mean(lengths), "preamble_tokens": len(builder.preamble_ids),
                      "mean_suffix_tokens": statistics.mean(suffixes),
                      "top3pct_share": top_share(requests, 0.03),
                      "chunks_requested": len({c for r in requests for c in r.chunk_ids}),
                      "bytes_per_token": layout.bytes_per_token,
                      "all_chunks_bytes": sum(layout.blocks_for(n) for n in lengths) * layout.bytes_per_block,
-                     "queue_depth": args.queue_depth, "reorder_window": args.reorder_window,
-                     "statistics": "in-cache" if args.forget_evicted else "remembered per path"},
+                     "queue_depth": cfg.queue_depth, "reorder_window": cfg.reorder_window,
+                     "statistics": "in-cache" if cfg.forget_evicted else "remembered per path"},
         "profile": {"meta": profile.meta, "T(0,600)": profile.time(0, 600), "T(3000,600)": profile.time(3000, 600),
                     "T(0,3000)": profile.time(0, 3000), "T(600,2400)": profile.time(600, 2400)},
         "results": [r.to_dict() for r in results],
         "pgdsf_shortfalls": shortfalls(results),
     }
-    if args.measure_load:
+    if cfg.measure_load:
         report["load"] = measure_load(local, builder, corpus, layout)
     return report
 
@@ -304,7 +291,3 @@ def render(report: dict) -> str:
                      f"{ld['memory_s_per_token'] * 1e6:.2f} us (per layer {ld['memory_per_layer_s_per_token'] * 1e6:.2f}"
                      f" us): a memory hit saves {ld['saving_s_per_token'] * 1e6:.2f} us per token")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

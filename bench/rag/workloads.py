@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvrag import KvragError
-from kvrag.blend.bench.metrics import percentile
+from kvrag.bench.rag.metrics import percentile
 
 STATS = ("mean", "median", "p90", "p99")
 

@@ -18,7 +18,7 @@ Output is MuSiQue-format JSON, which `kvrag bench --dataset FILE` reads:
 `supporting` is [position of A, position of B] in ctxs. `split` is "tune" for the first half of the
 items (index < n // 2) and "report" for the second half.
 
-    python -m kvrag.blend.bench.cross_passage --out cross_passage.json [--items 240] [--seed 0]
+    python -m kvrag.bench.rag.cross_passage --out cross_passage.json [--items 240] [--seed 0]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag.blend.bench.cross_passage_text import (
+from kvrag.bench.rag.cross_passage_text import (
     ARTEFACTS,
     BOOK_ADJS,
     BOOK_NOUNS,
@@ -439,7 +439,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m kvrag.blend.bench.cross_passage", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m kvrag.bench.rag.cross_passage", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON file to write")
     parser.add_argument("--items", type=int, default=240, help="number of items (default 240)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")

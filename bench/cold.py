@@ -1,16 +1,15 @@
 """Cold `kvrag ask`: a new process per question, as a user at a shell meets it. Wall time, peak memory and the
 answer's own timings, median over runs.
 
-    python -m kvrag.blend.bench.cold_start --store .kvrag/demo-store --runs 5
+    kvrag bench cold --store .kvrag/demo-store --runs 5
     make bench-cold
 
-`--python` runs another interpreter or checkout (e.g. an older kvrag on PYTHONPATH) for a before/after table in
-one run; runs of the two alternate so that drift on a shared machine hits both alike.
+`--baseline DIR` runs another checkout (an older kvrag on PYTHONPATH) for a before/after table in one run; runs
+of the two alternate so that drift on a shared machine hits both alike.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from kvrag import KvragError
 
 QUESTION = "Who was the last keeper of the Skerry Point lighthouse?"
 PARTS = ("startup", "model_load", "embedder_load", "retrieve", "prefill", "decode", "decode_tokens_per_s")
@@ -36,7 +37,7 @@ def run_once(store: str, args: list[str], pythonpath: str | None = None) -> dict
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"kvrag ask failed: {stderr.strip().splitlines()[-1] if stderr.strip() else status}")
+        raise KvragError(f"kvrag ask failed: {stderr.strip().splitlines()[-1] if stderr.strip() else status}")
     answer = json.loads(stdout)
     answer = answer[0] if isinstance(answer, list) else answer
     row = {"wall": wall, "rss_mb": usage.ru_maxrss / 1024, "answer": answer.get("answer", answer.get("text", ""))}
@@ -44,37 +45,28 @@ def run_once(store: str, args: list[str], pythonpath: str | None = None) -> dict
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--baseline", help="PYTHONPATH of another kvrag checkout to time against (its parent dir)")
-    ap.add_argument("args", nargs="*", default=["-k", "1", "--max-tokens", "64"], help="more `kvrag ask` args")
-    opts = ap.parse_args()
+def run(store: str, runs: int, baseline: str | None, args: list[str]) -> dict[str, list[dict]]:
+    """`runs` cold runs of this checkout (and of `baseline`'s, alternating), after one unrecorded run."""
     sides = {"this": None}  # name -> PYTHONPATH for the run (None: this checkout)
-    if opts.baseline:
-        sides["baseline"] = opts.baseline
+    if baseline:
+        sides["baseline"] = baseline
     rows: dict[str, list[dict]] = {name: [] for name in sides}
-    run_once(opts.store, opts.args)  # page cache and compiled kernels warm for both sides
-    for _ in range(opts.runs):
+    run_once(store, args)  # page cache and compiled kernels warm for both sides
+    for _ in range(runs):
         for name, path in sides.items():
-            rows[name].append(run_once(opts.store, opts.args, path))
-    _report(rows)
+            rows[name].append(run_once(store, args, path))
+    return rows
 
 
-def _report(rows: dict[str, list[dict]]) -> None:
+def report(rows: dict[str, list[dict]]) -> str:
+    """A markdown table of each part's median per side, then each side's first answer."""
     keys = ["wall", "rss_mb", *PARTS]
-    print("| part (median) | " + " | ".join(rows) + " |")
-    print("|---|" + "---|" * len(rows))
+    lines = ["| part (median) | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
     for key in keys:
         cells = []
         for runs in rows.values():
             values = [r[key] for r in runs if r.get(key) is not None]
             cells.append(f"{statistics.median(values):.3f}" if values else "-")
-        print(f"| {key} | " + " | ".join(cells) + " |")
-    for name, runs in rows.items():
-        print(f"{name}: {runs[0]['answer']!r}")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += [f"{name}: {runs[0]['answer']!r}" for name, runs in rows.items()]
+    return "\n".join(lines)

@@ -2,21 +2,16 @@
 
 For each MuSiQue item the passages' KV is computed once, stored under both codecs, and the same
 prompt is prefilled from each (full KV reuse, so every chunk token comes from the store, and blend
-at the default ratio). Run: python -m kvrag.blend.codec_fidelity --items 20 [--store DIR]
+at the default ratio). Run: kvrag bench codec --items 20 [--store DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from kvrag import KvragError
-from kvrag.blend.bench.items import read_dataset
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import BlendConfig
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
@@ -43,7 +38,12 @@ def store_both(runtime: Runtime, reference: Engine, lossy: Engine, chunks) -> No
                 lossy.table.put_chunk(chunk_id, ids, layers)
 
 
-def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: str | None) -> dict:
+def run(items: list[dict], store: Path | None, codec: str, model: str | None, dtype: str | None) -> dict:
+    """Mean first-token KL and top-1 agreement of `codec` against fp16, under reuse and blend. Without a
+    `store`, the KV goes to a temporary one."""
+    if store is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return run(items, Path(tmp) / "store", codec, model, dtype)
     runtime = Runtime.load(model, dtype, tune_process=True)
     with StoreEnv.open(store, create=True) as env:
         reference, lossy = Engine(runtime, env, "fp16"), Engine(runtime, env, codec)
@@ -65,30 +65,3 @@ def run(items: list[dict], store: Path, codec: str, model: str | None, dtype: st
         summary[f"{mode}_mean_kl"] = sum(r[mode]["kl"] for r in rows) / len(rows)
         summary[f"{mode}_top1_agreement"] = sum(r[mode]["top1_agree"] for r in rows) / len(rows)
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", type=Path, default=None,
-                        help="MuSiQue-format JSON (default ../shared/data/musique_s.json)")
-    parser.add_argument("--items", type=int, default=20)
-    parser.add_argument("--codec", default="int8")
-    parser.add_argument("--store", type=Path, default=None, help="a store to reuse (default: a temporary one)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default=None)
-    args = parser.parse_args(argv)
-    try:
-        items = read_dataset(args.dataset)[: args.items]
-    except KvragError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if args.store is not None:
-        print(json.dumps(run(items, args.store, args.codec, args.model, args.dtype), indent=2))
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(run(items, Path(tmp) / "store", args.codec, args.model, args.dtype), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

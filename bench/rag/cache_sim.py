@@ -1,6 +1,6 @@
 """Memory-tier hit rates for the bench: a bookkeeping-only replay through the tiers' own cache.
 
-A Zipf workload (`store.tiers.workload.zipf_requests`) over the bench's passages, each request k chunks
+A Zipf workload (`bench.replay.zipf_requests`) over the bench's passages, each request k chunks
 in retriever order plus a question suffix, replayed through `TieredKVCache(materialize=False)`: real
 block tables, knowledge tree, replacement policy and clocks, no tensors. Per request the matched path
 is reused exactly, chunks below the first miss are read from a tier that holds their stored KV or from
@@ -109,7 +109,7 @@ def replay(requests, layout: BlockLayout, profile: CostProfile, policy: str, hos
 def cache_section(pool: Sequence[tuple[str, int]], suffix_lengths: Sequence[int], k: int, layout: BlockLayout,
                   profile: CostProfile, preamble_tokens: int, spec: CacheSpec) -> dict:
     """The chosen configuration, every policy at it, and hit rate vs host size per policy."""
-    from kvrag.store.tiers.workload import WorkloadSpec, top_share, zipf_requests
+    from kvrag.bench.replay import WorkloadSpec, top_share, zipf_requests
 
     ids = [cid for cid, _ in pool]
     lengths = [n for _, n in pool]

@@ -1,5 +1,5 @@
 """The cross-passage set's words and sentences: invented names built from syllables and lists, and the sentence
-templates of its passages and questions (blend/bench/cross_passage.py assembles them into items)."""
+templates of its passages and questions (bench/rag/cross_passage.py assembles them into items)."""
 
 from __future__ import annotations
 

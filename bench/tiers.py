@@ -70,54 +70,54 @@ class AblationConfig:
     measure_load: bool = False  # time a memory hit against a store hit
 
 
-def run(cfg: AblationConfig) -> dict:
+def run(opts: AblationConfig) -> dict:
     """Every policy x size, FIFO and reordered, over one Zipf workload; the report `render` prints."""
     from kvrag.blend.model_files import resolve_model
     from kvrag.blend.prompt import PromptBuilder
 
-    if not cfg.data.exists():
-        raise KvragError(f"{cfg.data} is not there (--data)")
+    if not opts.data.exists():
+        raise KvragError(f"{opts.data} is not there (--data)")
     local = resolve_model(None)
     builder = PromptBuilder(local.load_tokenizer())
-    corpus = Corpus.load(cfg.data)
+    corpus = Corpus.load(opts.data)
     ids = [chunk_id(text) for text in corpus.passages]
     lengths = [len(builder.passage_ids("", text)) for text in corpus.passages]
     suffixes = [len(builder.build([], q).suffix) for q in corpus.questions]
     cfg = local.config
     layout = BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, "fp16")
-    profile = cost_profile(local, cfg.profile_layers, cfg.refresh_profile, cfg.profile)
+    profile = cost_profile(local, opts.profile_layers, opts.refresh_profile, opts.profile)
 
-    spec = WorkloadSpec(cfg.requests, cfg.k, cfg.zipf, cfg.order, cfg.seed, cfg.drift)
+    spec = WorkloadSpec(opts.requests, opts.k, opts.zipf, opts.order, opts.seed, opts.drift)
     requests = zipf_requests(ids, lengths, suffixes, spec)
-    sizes = [parse_bytes(s, "--sizes") for s in cfg.sizes.split(",")]
-    policies = [s.strip().lower() for s in cfg.policies.split(",")]
-    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=cfg.warmup, queue_depth=cfg.queue_depth,
-                  remember_paths=0 if cfg.forget_evicted else MAX_PATH_STATS)
+    sizes = [parse_bytes(s, "--sizes") for s in opts.sizes.split(",")]
+    policies = [s.strip().lower() for s in opts.policies.split(",")]
+    common = dict(preamble_tokens=len(builder.preamble_ids), warmup=opts.warmup, queue_depth=opts.queue_depth,
+                  remember_paths=0 if opts.forget_evicted else MAX_PATH_STATS)
     results: list[SimResult] = []
     for size in sizes:
         for policy in policies:
             for reorder in (False, True):
                 r = simulate(requests, layout, profile, policy, size, reorder=reorder,
-                             window=cfg.reorder_window, **common)
+                             window=opts.reorder_window, **common)
                 results.append(r)
                 log(f"{format_bytes(size):>7} {policy:5} reorder={reorder!s:5} hit {r.prefix_hit_rate:6.1%} "
                     f"TTFT {r.mean_ttft_s:6.3f}s  ({r.wall_s:.1f}s)")
     report = {
-        "workload": {**dataclasses.asdict(spec), "warmup": cfg.warmup, "distinct_chunks": len(ids),
+        "workload": {**dataclasses.asdict(spec), "warmup": opts.warmup, "distinct_chunks": len(ids),
                      "mean_chunk_tokens": statistics.mean(lengths), "preamble_tokens": len(builder.preamble_ids),
                      "mean_suffix_tokens": statistics.mean(suffixes),
                      "top3pct_share": top_share(requests, 0.03),
                      "chunks_requested": len({c for r in requests for c in r.chunk_ids}),
                      "bytes_per_token": layout.bytes_per_token,
                      "all_chunks_bytes": sum(layout.blocks_for(n) for n in lengths) * layout.bytes_per_block,
-                     "queue_depth": cfg.queue_depth, "reorder_window": cfg.reorder_window,
-                     "statistics": "in-cache" if cfg.forget_evicted else "remembered per path"},
+                     "queue_depth": opts.queue_depth, "reorder_window": opts.reorder_window,
+                     "statistics": "in-cache" if opts.forget_evicted else "remembered per path"},
         "profile": {"meta": profile.meta, "T(0,600)": profile.time(0, 600), "T(3000,600)": profile.time(3000, 600),
                     "T(0,3000)": profile.time(0, 3000), "T(600,2400)": profile.time(600, 2400)},
         "results": [r.to_dict() for r in results],
         "pgdsf_shortfalls": shortfalls(results),
     }
-    if cfg.measure_load:
+    if opts.measure_load:
         report["load"] = measure_load(local, builder, corpus, layout)
     return report
 

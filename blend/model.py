@@ -278,7 +278,11 @@ class Transformer:
         hidden state: the head of the distribution is exact, the tail keeps its bf16 rounding.
         """
         normed = self._normed(h)  # [R, D] float32, shared by both heads
-        out = F.linear(self.final_norm * normed.to(h.dtype), self.lm_head).float()  # [R, V]
+        return self.rescored(F.linear(self.final_norm * normed.to(h.dtype), self.lm_head).float(), normed)
+
+    def rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits out [R, V] (float32 holding bf16 values) with each row's RESCORED best computed again
+        in float32 from its float32-normalised final hidden state normed [R, D] (see `logits`), in place."""
         if self.dtype != torch.float32:
             top = out.topk(min(RESCORED, out.shape[-1]), dim=-1).indices  # [R, K]
             exact = torch.einsum("rd,rkd->rk", self.final_norm.float() * normed, self.lm_head[top].float())  # [R, K]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.blend import rotary
-from kvrag.blend.model import RESCORED, Transformer, _attend_few_rows
+from kvrag.blend.model import Transformer, _attend_few_rows
 from kvrag.kernels import decode as native_decode
 
 if TYPE_CHECKING:
@@ -109,14 +109,9 @@ class RowStep:
         return self._rescored(F.linear(m.final_norm * normed.to(m.dtype), m.lm_head)[0].float(), normed)  # [V]
 
     def _rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """The head's logits out [V] with their RESCORED best computed again in float32 from the final row's
-        float32 norm normed [1, D] (bf16 models)."""
-        m = self.model
-        if m.dtype != torch.float32:  # the same einsum as Transformer.logits, so the same float32 sums
-            top = out.topk(min(RESCORED, out.shape[-1])).indices[None]  # [1, K]
-            exact = torch.einsum("rd,rkd->rk", m.final_norm.float() * normed, m.lm_head[top].float())  # [1, K]
-            out.scatter_(-1, top[0], exact[0])
-        return out
+        """The head's logits out [V] with their best rescored in float32 (Transformer.rescored) from the final
+        row's float32 norm normed [1, D]."""
+        return self.model.rescored(out[None], normed)[0]
 
 
 @contextmanager

@@ -24,7 +24,7 @@ class BatchDecoder:
         self.model, self.kv = model, kv
         self.cos, self.sin = model.positions_cos_sin(torch.arange(max_positions))  # [P, 1, hd] each
         self.native = None
-        if native and native_decode.step_serves(model) and hasattr(native_decode, "BatchStep"):
+        if native and native_decode.step_serves(model) and kv.pool.kv.dtype == torch.bfloat16:
             self.native = native_decode.BatchStep(model, kv.pool.kv, self.cos, self.sin)
 
     @torch.inference_mode()
@@ -45,7 +45,7 @@ class BatchDecoder:
         h = m.embed_tokens[torch.tensor(list(tokens))].contiguous()  # [B, D]
         logits = torch.empty(len(tables), m.lm_head.shape[0])  # [B, V] the head's bf16 logits, widened
         self.native(positions, block_table, h, logits)
-        return rescore(m, logits, m._normed(h))
+        return m.rescored(logits, m._normed(h))
 
     def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
         m, dev = self.model, self.model.device
@@ -62,15 +62,3 @@ class BatchDecoder:
                               for b, r in enumerate(rows)])  # [B, Hq * hd]
             h = m.finish(layer, h, attn)
         return m.logits(h)
-
-
-def rescore(model: Transformer, logits: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-    """The head's logits [B, V] with each row's RESCORED best computed again in float32 from its final float32
-    norm normed [B, D], as Transformer.logits does (bf16 models)."""
-    if model.dtype == torch.float32:
-        return logits
-    from kvrag.blend.model import RESCORED
-
-    top = logits.topk(min(RESCORED, logits.shape[-1]), dim=-1).indices  # [B, K]
-    exact = torch.einsum("rd,rkd->rk", model.final_norm.float() * normed, model.lm_head[top].float())  # [B, K]
-    return logits.scatter_(-1, top, exact)

@@ -7,7 +7,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-model bench-quick bench-ask bench-codecs bench-data
+.PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
+	bench-ask bench-codecs bench-precompute bench-tiers bench-data
 
 install: $(STAMP)
 
@@ -43,11 +44,23 @@ demo: $(STAMP)
 # Single-stream decode against this machine's memory floor (bytes read per token / read bandwidth), at 300- and
 # 2,000-token prompts: reference, exact torch and native steps interleaved; greedy agreement on invented items.
 bench-decode: $(STAMP)
-	$(BIN)/python -m kvrag.blend.decode_bench --prompts 300,2000 --steps 32 --rounds 5
+	$(BIN)/kvrag bench decode --prompts 300,2000 --steps 32 --rounds 5
+
+# The native batched decode step alone (block tables over a scattered pool), by batch and context, against the
+# floor; bench-engine: the resident engine's own steps over the same grid.
+bench-batch: $(STAMP)
+	$(BIN)/kvrag bench decode --batches 1,4,16,32 --prompts 1024,6144 --steps 4
+
+bench-engine: $(STAMP)
+	$(BIN)/kvrag bench engine --contexts 1024,6144 --batches 1,4,16,32
 
 # A cold `kvrag ask -k 1` on the demo store, a new process each run: wall, peak memory, where the seconds go.
 bench-cold: demo
-	$(BIN)/python -m kvrag.blend.bench.cold_start --store $(DEMO_STORE) --runs 5
+	$(BIN)/kvrag bench cold --store $(DEMO_STORE) --runs 5
+
+# What storing costs precompute: plain prefill against `precompute` of the demo store's chunks, alternating.
+bench-precompute: demo
+	$(BIN)/kvrag bench precompute --store $(DEMO_STORE)
 
 # The benchmarks read MuSiQue as the CacheBlend authors published it; it is not in the repository.
 # BENCH_DATA names another copy. Checked before anything installs or loads: one line and a non-zero exit.
@@ -58,7 +71,7 @@ bench-data:
 
 # Model load times, prefill speed (ours vs transformers, fp32/bf16), bf16 fidelity on 20 prompts.
 bench-model: bench-data $(STAMP)
-	$(BIN)/kvrag model bench --items 20 --dataset $(BENCH_DATA)
+	$(BIN)/kvrag bench model --items 20 --dataset $(BENCH_DATA)
 
 # Every method on the first 50 MuSiQue items with their own 10 passages (issue 5's figures; 20-75 min on
 # 2 cores). BENCH_STORE: a store that already holds their KV (e.g. MuSiQue indexed and precomputed);
@@ -79,7 +92,12 @@ bench-quick: bench-data $(STAMP)
 
 # First-token KL of int8 against fp16 stored KV on 20 MuSiQue questions.
 bench-codecs: bench-data $(STAMP)
-	$(BIN)/python -m kvrag.blend.codec_fidelity --dataset $(BENCH_DATA) --items 20 --codec int8
+	$(BIN)/kvrag bench codec --dataset $(BENCH_DATA) --items 20 --codec int8
+
+# Cache-policy ablation: every policy x host-cache size, FIFO and reordered, over a Zipf workload of the
+# MuSiQue passages (simulated from a prefill cost profile measured once per machine, about a minute).
+bench-tiers: bench-data $(STAMP)
+	$(BIN)/kvrag bench tiers --data $(BENCH_DATA)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -115,25 +115,85 @@ inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, in
   }
 }
 
+// The same tile with VDPBF16PS (CPUs with AVX512-BF16): x [n, K] bf16, and each instruction adds to lane i of
+// a sum the products of columns 2i and 2i+1 of 32 (exact in float32), so the weights are read as they are and
+// a row's sum takes half the instructions. A K that is an odd multiple of 16 ends on 16 zero pairs (adding +0).
+// Its sums run in another order than dot_tile's (so other bits), but again in one order whatever n is.
+template <int R, int NI, class Store>
+__attribute__((target("avx512bf16"))) void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t k, int64_t r,
+                                                         int64_t b0, const uint16_t* ahead, Store& store) {
+  __m512 acc[NI * R];  // input j, row i at j * R + i
+  for (int i = 0; i < NI * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < k; e += 32) {
+    const __mmask32 live = k - e >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+    if (ahead) {
+      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
+    }
+    __m512bh wv[R];  // 32 weights of each row, read once for every input of the tile
+    for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(live, w + (r + i) * k + e);
+    for (int j = 0; j < NI; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + (b0 + j) * k + e);
+      for (int i = 0; i < R; ++i) acc[j * R + i] = _mm512_dpbf16_ps(acc[j * R + i], wv[i], xv);
+    }
+  }
+  if (NI * R == 16) {  // as dot_tile's
+    __m512 folded[16];
+    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, transpose_sum16(folded));
+    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
+  } else {
+    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
+  }
+}
+
+// A product's n input rows of K values: as float32, and as bf16 where the step multiplies with VDPBF16PS (the
+// same values: every input is bf16-rounded); bf16 null: the float32 path.
+struct Inputs {
+  const float* f32;
+  const uint16_t* bf16;
+};
+
+template <int R, int NI, class Store>
+inline void tile(const uint16_t* w, Inputs x, int64_t k, int64_t r, int64_t b0, const uint16_t* ahead,
+                 Store& store) {
+  if (x.bf16)
+    dot_tile_bf16<R, NI>(w, x.bf16, k, r, b0, ahead, store);
+  else
+    dot_tile<R, NI>(w, x.f32, k, r, b0, ahead, store);
+}
+
 // Rows r..r+R-1 against all n inputs, four at a time (16 sums and 4 weight vectors fit the 32 registers).
 template <int R, class Store>
-inline void dot_rows(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t r, const uint16_t* ahead,
+inline void dot_rows(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t r, const uint16_t* ahead,
                      Store& store) {
   int64_t b = 0;
-  for (; b + 4 <= n; b += 4, ahead = nullptr) dot_tile<R, 4>(w, x, k, r, b, ahead, store);  // prefetch once
-  if (n - b == 3) dot_tile<R, 3>(w, x, k, r, b, ahead, store);
-  if (n - b == 2) dot_tile<R, 2>(w, x, k, r, b, ahead, store);
-  if (n - b == 1) dot_tile<R, 1>(w, x, k, r, b, ahead, store);
+  for (; b + 4 <= n; b += 4, ahead = nullptr) tile<R, 4>(w, x, k, r, b, ahead, store);  // prefetch once
+  if (n - b == 3) tile<R, 3>(w, x, k, r, b, ahead, store);
+  if (n - b == 2) tile<R, 2>(w, x, k, r, b, ahead, store);
+  if (n - b == 1) tile<R, 1>(w, x, k, r, b, ahead, store);
 }
 
 template <class Store>
-void gemv_rows(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t r0, int64_t r1, Store store) {
+void gemv_rows(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t r0, int64_t r1, Store store) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     const bool far = r + 4 * (PREFETCH_BLOCKS + 1) <= r1;
     dot_rows<4>(w, x, n, k, r, far ? w + (r + 4 * PREFETCH_BLOCKS) * k : nullptr, store);
   }
   for (; r < r1; ++r) dot_rows<1>(w, x, n, k, r, nullptr, store);
+}
+
+// x [count] float32 holding bf16 values (count % 16 == 0) as bf16 in buf, exactly (their top halves): the
+// products' inputs where the step uses VDPBF16PS; null (the float32 path) where it does not.
+Inputs inputs(const float* x, int64_t count, bool bf16, std::vector<uint16_t>& buf) {
+  if (!bf16) return {x, nullptr};
+  buf.resize(count);
+  for (int64_t e = 0; e < count; e += 16) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x + e)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.data() + e), _mm512_cvtepi32_epi16(bits));
+  }
+  return {x, buf.data()};
 }
 
 inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32 holding bf16's value
@@ -216,7 +276,7 @@ extern "C" int kvrag_decode_gemv(const uint16_t* w, const uint16_t* x, void* y, 
   const int t = std::max(1, std::min<int>(n_threads, static_cast<int>(n / 1024)));
   const bool wide = f32_out != 0;
   auto rows = [=, xs = xf.data()](int64_t r0, int64_t r1) {
-    gemv_rows(w, xs, 1, k, r0, r1, [&](int64_t, int64_t r, float s) {
+    gemv_rows(w, Inputs{xs, nullptr}, 1, k, r0, r1, [&](int64_t, int64_t r, float s) {
       if (wide)
         static_cast<float*>(y)[r] = round_bf16(s);  // bf16's value, widened: what .float() gives
       else
@@ -269,7 +329,8 @@ struct StepModel {
   int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab;
   // key (layer l, block b, slot s) at k_base + l * layer_stride + b * block_stride + s * Hkv * hd (v_base alike)
   int64_t n_blocks, block_size, layer_stride, block_stride;
-  int64_t max_pos;  // rows of cos and sin
+  int64_t max_pos;   // rows of cos and sin
+  int64_t dot_bf16;  // non-zero: the products with VDPBF16PS (set only where the CPU has AVX512-BF16)
   float eps, scale;
   const uint64_t* layers;  // [L, 7] addresses: attn_norm, wqkv, bqkv (0: none), wo, mlp_norm, w_gate_up, w_down
   uint16_t* k_base;        // rotated keys
@@ -361,6 +422,7 @@ struct Shared {
 };
 struct Own {
   std::vector<float> x, head, rotated, attn, gate, up, scores;  // x [B, D], head [B, hd], attn [B, Hq hd]
+  std::vector<uint16_t> x_bf16;  // the current product's inputs as bf16 (the VDPBF16PS path)
 };
 
 // Every key's place (block from the row's table, slot in it), and the rows longest first so that the
@@ -384,13 +446,13 @@ void plan(const StepModel& m, const int64_t* tables, int64_t max_blocks, Shared&
 
 // q, k, v of layer `layer` for thread t's heads, every row: k and v into the cache at each row's position,
 // q (rotated) into s.q.
-void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, Own& o, Span heads) {
+void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, Own& o, Inputs x, Span heads) {
   const int64_t hd = m.head_dim, d = m.hidden, nq = m.n_heads * hd;
   const auto* wqkv = reinterpret_cast<const uint16_t*>(w[1]);
   const auto* bias = reinterpret_cast<const uint16_t*>(w[2]);
   uint16_t *k = m.k_base + layer * m.layer_stride, *v = m.v_base + layer * m.layer_stride;
   for (int64_t head = heads.begin; head < heads.end; ++head) {
-    gemv_rows(wqkv, o.x.data(), s.rows, d, head * hd, (head + 1) * hd, [&](int64_t b, int64_t r, float sum) {
+    gemv_rows(wqkv, x, s.rows, d, head * hd, (head + 1) * hd, [&](int64_t b, int64_t r, float sum) {
       o.head[b * hd + r - head * hd] = round_bf16(bias ? sum + from_bf16(bias[r]) : sum);
     });
     const int64_t kv = head - m.n_heads;  // a key head from 0, then a value head from n_kv_heads
@@ -445,18 +507,18 @@ void merge_parts(const StepModel& m, const Shared& s, int64_t b, float* attn) {
 }
 
 // h[b, r] += bf16(W x_b)[r] for thread t's rows and every row b, in bf16 as the torch path's residual add.
-void residual_gemv(const uint16_t* w, const float* x, int64_t n, int64_t k, int64_t d, Span rows, float* h) {
+void residual_gemv(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t d, Span rows, float* h) {
   gemv_rows(w, x, n, k, rows.begin, rows.end, [&](int64_t b, int64_t r, float sum) {
     h[b * d + r] = round_bf16(h[b * d + r] + round_bf16(sum));
   });
 }
 
 // act = bf16(bf16(silu(gate)) * up) for thread t's share of the intermediate rows, every row b.
-void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Span rows) {
+void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Inputs x, Span rows) {
   const int64_t d = m.hidden, inter = m.inter, len = rows.end - rows.begin;
-  gemv_rows(w, o.x.data(), s.rows, d, rows.begin, rows.end,
+  gemv_rows(w, x, s.rows, d, rows.begin, rows.end,
             [&](int64_t b, int64_t r, float sum) { o.gate[b * len + r - rows.begin] = round_bf16(sum); });
-  gemv_rows(w, o.x.data(), s.rows, d, inter + rows.begin, inter + rows.end,
+  gemv_rows(w, x, s.rows, d, inter + rows.begin, inter + rows.end,
             [&](int64_t b, int64_t r, float sum) { o.up[b * len + r - inter - rows.begin] = round_bf16(sum); });
   for (int64_t b = 0; b < s.rows; ++b) {
     const float *gate = o.gate.data() + b * len, *up = o.up.data() + b * len;
@@ -480,24 +542,27 @@ void step_thread(const StepModel& m, Shared& s, Barrier& barrier, float* logits,
   Own o;
   o.x.resize(n * d), o.head.resize(n * hd), o.rotated.resize(hd), o.attn.resize(n * nq);
   o.gate.resize(n * (mlp_rows.end - mlp_rows.begin)), o.up.resize(o.gate.size());
+  const bool bf16 = m.dot_bf16 != 0;
   for (int64_t layer = 0; layer < m.n_layers; ++layer) {
     const uint64_t* w = m.layers + 7 * layer;
     rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), n, d, m.eps, o.x.data());  // each its own
-    qkv_heads(m, w, layer, s, o, heads);
+    qkv_heads(m, w, layer, s, o, inputs(o.x.data(), n * d, bf16, o.x_bf16), heads);
     barrier.wait();
     attention_items(m, layer, s, o);
     barrier.wait();
     for (int64_t b = 0; b < n; ++b) merge_parts(m, s, b, o.attn.data() + b * nq);
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), o.attn.data(), n, nq, d, out_rows, s.h.data());
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), inputs(o.attn.data(), n * nq, bf16, o.x_bf16), n, nq, d,
+                  out_rows, s.h.data());
     barrier.wait();
     rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), n, d, m.eps, o.x.data());
-    gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, mlp_rows);
+    gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, inputs(o.x.data(), n * d, bf16, o.x_bf16), mlp_rows);
     barrier.wait();
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), s.act.data(), n, m.inter, d, out_rows, s.h.data());
+    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), inputs(s.act.data(), n * m.inter, bf16, o.x_bf16), n,
+                  m.inter, d, out_rows, s.h.data());
     barrier.wait();
   }
   rms_norm_rows(s.h.data(), m.final_norm, n, d, m.eps, o.x.data());
-  gemv_rows(m.lm_head, o.x.data(), n, d, vocab.begin, vocab.end,
+  gemv_rows(m.lm_head, inputs(o.x.data(), n * d, bf16, o.x_bf16), n, d, vocab.begin, vocab.end,
             [&](int64_t b, int64_t r, float sum) { logits[b * m.vocab + r] = round_bf16(sum); });
 }
 

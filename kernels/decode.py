@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvrag.kernels import native
+from kvrag.kernels.cpu import cpu_flags
 
 if TYPE_CHECKING:
     from kvrag.blend.model import Transformer
@@ -40,6 +41,12 @@ def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int,
     """Whether a model of this dtype and shape decodes through these kernels (bf16 on a CPU that has them)."""
     return (dtype == torch.bfloat16 and device.type == "cpu" and hidden % 16 == 0 and head_dim % 16 == 0
             and head_dim <= 256 and group <= 8 and available())
+
+
+def dot_bf16_default() -> bool:
+    """Whether a step multiplies with VDPBF16PS (pairs of bf16 products summed into float32): where the CPU has
+    AVX512-BF16. Another order of sums than the float32 path's, so other bits; each path is batch-invariant."""
+    return "avx512_bf16" in cpu_flags()
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, n_threads: int = 1) -> torch.Tensor:
@@ -80,16 +87,18 @@ class StepModel(ctypes.Structure):
     at k_base + l * layer_stride + b * block_stride + s * Hkv * hd elements (values alike from v_base)."""
     _fields_ = ([(name, ctypes.c_int64) for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
                                                       "inter", "vocab", "n_blocks", "block_size", "layer_stride",
-                                                      "block_stride", "max_pos")]
+                                                      "block_stride", "max_pos", "dot_bf16")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("layers", "k_base", "v_base", "cos", "sin", "final_norm",
                                                          "lm_head")])
 
 
 def _step_model(model: Transformer, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[StepModel, torch.Tensor]:
+                sin: torch.Tensor, dot_bf16: bool | None) -> tuple[StepModel, torch.Tensor]:
     """The StepModel of `model` over keys at address k and values at v, strides (n_blocks, block_size,
-    layer_stride, block_stride) in elements, and the [L * 7] weight addresses it points to (keep both alive)."""
+    layer_stride, block_stride) in elements, and the [L * 7] weight addresses it points to (keep both alive).
+    dot_bf16: the products with VDPBF16PS (None: where the CPU has it; True on a CPU without it faults)."""
+    dot_bf16 = dot_bf16_default() if dot_bf16 is None else dot_bf16
     c = model.cfg
     for t in (cos, sin):  # [max_pos, 1, hd]
         assert t.is_contiguous() and t.dtype == torch.bfloat16
@@ -97,7 +106,7 @@ def _step_model(model: Transformer, k: int, v: int, strides: tuple[int, int, int
                  for t in (getattr(layer, name) for name in LAYER_TENSORS)]
     layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
     shape = StepModel(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
-                      model.lm_head.shape[0], *strides, cos.shape[0], c.rms_eps, c.head_dim ** -0.5,
+                      model.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), c.rms_eps, c.head_dim ** -0.5,
                       layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), model.final_norm.data_ptr(),
                       model.lm_head.data_ptr())
     return shape, layers
@@ -106,16 +115,17 @@ def _step_model(model: Transformer, k: int, v: int, strides: tuple[int, int, int
 class WholeStep:
     """Every layer of one new row and the LM head in one native call, writing K and V into a decode cache's
     bf16 rows: the batch step's one row over one block. Made once per cache (the addresses of the model's
-    weights and of the cache are taken here)."""
+    weights and of the cache are taken here). dot_bf16: the products with VDPBF16PS (None: where the CPU has
+    AVX512-BF16), each product's float32 sums in another order than without, so other bits."""
 
     def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor):
+                 sin: torch.Tensor, dot_bf16: bool | None = None):
         for t in (k_cache, v_cache):  # [L, cap, Hkv, hd]
             assert t.is_contiguous() and t.dtype == torch.bfloat16
         block = k_cache[0].numel()  # the whole capacity of a layer is its one block
         self.capacity = k_cache.shape[1]
         self.shape, self.layers = _step_model(model, k_cache.data_ptr(), v_cache.data_ptr(),
-                                              (1, self.capacity, block, block), cos, sin)
+                                              (1, self.capacity, block, block), cos, sin, dot_bf16)
         self.keep = (model, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
         self.threads = ThreadPicker(torch.get_num_threads())
 
@@ -137,15 +147,17 @@ class BatchStep:
     kv [L, 2, N, block_size, Hkv, hd] bf16 (BlockPool's tensor). Row b's numbers are those of the same sequence
     stepped alone by WholeStep, whatever the batch and the thread count. Made once per (model, pool)."""
 
-    def __init__(self, model: Transformer, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, model: Transformer, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 dot_bf16: bool | None = None):
         """cos, sin [max_pos, 1, hd] bf16: `model.positions_cos_sin(torch.arange(max_pos))`, long enough for every
-        position a row will step at."""
+        position a row will step at. dot_bf16: as WholeStep's (the same choice gives the same bits)."""
         assert kv.is_contiguous() and kv.dtype == torch.bfloat16 and kv.dim() == 6
         n_blocks, block_size = kv.shape[2], kv.shape[3]
         block = kv[0, 0, 0].numel()  # [block_size, Hkv, hd]
         values = kv.data_ptr() + n_blocks * block * kv.element_size()  # kv[0, 1]
         self.shape, self.layers = _step_model(model, kv.data_ptr(), values,
-                                              (n_blocks, block_size, 2 * n_blocks * block, block), cos, sin)
+                                              (n_blocks, block_size, 2 * n_blocks * block, block), cos, sin,
+                                              dot_bf16)
         self.keep = (model, kv, cos, sin)
         self.dims = (model.cfg.hidden_size, model.lm_head.shape[0])
         self.pickers: dict[int, ThreadPicker] = {}  # by batch size's bit length: a step's time grows with B

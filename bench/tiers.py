@@ -122,7 +122,8 @@ def run(opts: AblationConfig) -> dict:
     return report
 
 
-def cost_profile(local, layers: int, refresh: bool, path: Path | None = None) -> CostProfile:
+def profile_key(local, layers: int) -> dict[str, str]:
+    """What a kept profile must match to be reused: the model's shapes, the device, dtype, threads, torch."""
     import torch
 
     from kvrag.blend.device import resolve_device, resolve_dtype
@@ -130,9 +131,13 @@ def cost_profile(local, layers: int, refresh: bool, path: Path | None = None) ->
     dev = resolve_device(None)
     # timing depends on the model's shapes, not on its weights or tokenizer
     shape = hashlib.blake2b(repr(local.config).encode(), digest_size=8).hexdigest()
-    key = {"model_config": shape, "device": str(dev), "dtype": str(resolve_dtype(None, dev)),
-           "threads": str(os.environ.get("KVRAG_THREADS") or os.cpu_count()), "torch": torch.__version__,
-           "layers_timed": str(layers), "repeats": "3", "grid": f"{CACHED_GRID}x{NEW_GRID}"}
+    return {"model_config": shape, "device": str(dev), "dtype": str(resolve_dtype(None, dev)),
+            "threads": str(os.environ.get("KVRAG_THREADS") or os.cpu_count()), "torch": torch.__version__,
+            "layers_timed": str(layers), "repeats": "3", "grid": f"{CACHED_GRID}x{NEW_GRID}"}
+
+
+def cost_profile(local, layers: int, refresh: bool, path: Path | None = None) -> CostProfile:
+    key = profile_key(local, layers)
 
     def run_measure() -> CostProfile:
         log(f"profiling prefill T(cached, new) on a {len(CACHED_GRID)}x{len(NEW_GRID)} grid "

@@ -103,3 +103,35 @@ def test_ablation_report_helpers():
               "results": [r.to_dict() for r in results], "pgdsf_shortfalls": shortfalls(results)}
     text = render(report)
     assert "64MiB pgdsf" in text and "reordered" in text
+
+
+@pytest.mark.real_model
+def test_kvrag_bench_tiers_replays_every_policy_and_size(monkeypatch, capsys, tmp_path, invented_items, smol):
+    """`kvrag bench tiers` end to end over invented passages, with a kept profile (no prefill is timed): one
+    result per size x policy x (FIFO, reordered), the same as replaying its own workload by hand."""
+    import json
+
+    from kvrag.bench.tiers import profile_key
+    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.tests.conftest import run_cli_in_process
+
+    data, profile = tmp_path / "m.json", tmp_path / "profile.json"
+    data.write_text(json.dumps(invented_items))
+    CostProfile(PROFILE.cached, PROFILE.new, PROFILE.seconds, profile_key(smol, 1)).save(profile)
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "tiers", "--data", str(data),
+                                        "--profile", str(profile), "--profile-layers", "1", "--requests", "60",
+                                        "--warmup", "10", "-k", "2", "--sizes", "1MiB,64MiB",
+                                        "--policies", "lru,pgdsf", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    cells = [(r["host_bytes"], r["policy"], r["reorder"]) for r in report["results"]]
+    assert cells == [(s, p, r) for s in (1 << 20, 64 << 20) for p in ("lru", "pgdsf") for r in (False, True)]
+    builder, corpus = PromptBuilder(smol.load_tokenizer()), Corpus.load(data)
+    requests = zipf_requests([chunk_id(t) for t in corpus.passages],
+                             [len(builder.passage_ids("", t)) for t in corpus.passages],
+                             [len(builder.build([], q).suffix) for q in corpus.questions],
+                             WorkloadSpec(n_requests=60, k=2))
+    layout = BlockLayout.for_codec(smol.config.n_layers, smol.config.n_kv_heads, smol.config.head_dim, "fp16")
+    by_hand = simulate(requests, layout, PROFILE, "pgdsf", 64 << 20, preamble_tokens=len(builder.preamble_ids),
+                       warmup=10, queue_depth=64)
+    assert report["results"][6]["prefix_hit_rate"] == by_hand.prefix_hit_rate > 0

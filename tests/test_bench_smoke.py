@@ -140,3 +140,20 @@ def test_a_dataset_without_passages_is_refused(monkeypatch, capsys, tmp_path):
     questions.write_text(json.dumps([{"question": "Who?", "answers": ["x"]}]))
     code, _, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "codec", "--dataset", str(questions))
     assert code == 1 and "needs its passages in 'ctxs'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_decode_prints_a_row_per_prompt_and_the_agreement(monkeypatch, capsys, tiny_llama_dir):
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "decode", "--model",
+                                        str(tiny_llama_dir), "--prompts", "16,40", "--steps", "3", "--rounds", "1",
+                                        "--items", "2", "--answer-tokens", "3")
+    assert code == 0, err
+    rows = [line.split()[0] for line in out.splitlines()[2:] if line[:6].strip().isdigit()]
+    assert rows == ["16", "40"]
+    assert out.splitlines()[-1].endswith("of 2 invented items")
+
+
+def test_bench_decode_and_cold_refuse_bad_input_in_one_line(monkeypatch, capsys, tmp_path):
+    for args, message in ((["decode", "--batches", "4,x"], "--batches takes whole numbers"),
+                          (["cold", "--store", str(tmp_path / "none")], "is not a store directory")):
+        code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", *args)
+        assert code == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1

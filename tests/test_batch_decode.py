@@ -4,17 +4,22 @@ of the blocks and the number of threads."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from kvrag.blend.decode import prefill
 from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
+from kvrag.blend.model_files import TOKENIZER_FILES, resolve_model
 from kvrag.kernels import decode as native_decode
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.block_pool import BlockPool
 
 pytestmark = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
+
+# The products' two paths: float32 FMAs everywhere, VDPBF16PS where the CPU has AVX512-BF16 (the default there).
+DOT_PATHS = [False, True] if native_decode.dot_bf16_default() else [False]
 
 
 def _load(path) -> Transformer:
@@ -54,12 +59,13 @@ def _into_pool(pool: BlockPool, cache, steps: int):
     return table
 
 
-def _one_at_a_time(model, caches: list, feeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _one_at_a_time(model, caches: list, feeds: torch.Tensor,
+                   dot_bf16: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each sequence stepped alone by WholeStep over its own cache: per step, (logits [B, V], h [B, D])."""
     steps = []
     for cache in caches:
         steps.append(native_decode.WholeStep(model, cache.k, cache.v,
-                                             *model.positions_cos_sin(torch.arange(cache.capacity))))
+                                             *model.positions_cos_sin(torch.arange(cache.capacity)), dot_bf16))
     out = []
     for j in range(feeds.shape[1]):
         logits = torch.empty(len(caches), model.lm_head.shape[0])  # [B, V]
@@ -72,10 +78,10 @@ def _one_at_a_time(model, caches: list, feeds: torch.Tensor) -> list[tuple[torch
 
 
 def _batched(model, pool: BlockPool, tables: list, lengths: list[int], feeds: torch.Tensor,
-             n_threads: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             n_threads: int | None, dot_bf16: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """All sequences stepped together by BatchStep over the pool: per step, (logits [B, V], h [B, D])."""
     most = max(lengths) + feeds.shape[1]
-    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(most)))
+    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(most)), dot_bf16)
     width = max(len(t.blocks) for t in tables)
     table = torch.tensor([t.blocks + [-1] * (width - len(t.blocks)) for t in tables])  # [B, M], -1: never read
     out = []
@@ -89,19 +95,20 @@ def _batched(model, pool: BlockPool, tables: list, lengths: list[int], feeds: to
 
 
 def _check_batch_equals_alone(model, lengths: list[int], steps: int, block_size: int | None,
-                              threads: list[int | None]) -> None:
+                              threads: list[int | None], dot_bf16: bool | None = None) -> None:
     """Batched steps (each thread count) against each sequence alone: bit-equal logits, outputs, and K/V rows;
-    blocks of no table stay untouched. block_size None: one block a sequence (a contiguous cache each)."""
+    blocks of no table stay untouched. block_size None: one block a sequence (a contiguous cache each).
+    dot_bf16: both steps' product path (None: the CPU's default)."""
     feeds = _feeds(model, len(lengths), steps, seed=sum(lengths))
     alone = _prefilled(model, lengths, steps, seed=7)
-    want = _one_at_a_time(model, alone, feeds)
+    want = _one_at_a_time(model, alone, feeds, dot_bf16)
     for n_threads in threads:
         caches = _prefilled(model, lengths, steps, seed=7)
         size = block_size or max(c.capacity for c in caches)
         blocks = sum(-(-c.capacity // size) for c in caches) + 3  # three blocks no table lists
         pool = _scrambled_pool(model, blocks, size, seed=len(lengths) + size)
         tables = [_into_pool(pool, cache, steps) for cache in caches]
-        got = _batched(model, pool, tables, lengths, feeds, n_threads)
+        got = _batched(model, pool, tables, lengths, feeds, n_threads, dot_bf16)
         for (logits, h), (ref_logits, ref_h) in zip(got, want, strict=True):
             assert torch.equal(logits, ref_logits) and torch.equal(h, ref_h)
         for cache, table in zip(alone, tables, strict=True):
@@ -119,17 +126,61 @@ def test_real_batch_steps_equal_each_sequence_alone(smol):
     _check_batch_equals_alone(_load(smol.path), [5, 40, 130], 20, 16, [None])
 
 
+@pytest.mark.parametrize("dot_bf16", DOT_PATHS)
 @pytest.mark.parametrize("fixture", ["tiny_llama_hd64_dir", "tiny_llama_dir", "tiny_qwen2_dir"])
-def test_batch_of_six_equals_each_alone_on_any_thread_count(fixture, request):
+def test_batch_of_six_equals_each_alone_on_any_thread_count(fixture, dot_bf16, request):
     """Six sequences (a 4-input tile and a 2-input tail in every product; positions at, before and after a
-    block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads."""
-    _check_batch_equals_alone(_load(request.getfixturevalue(fixture)), [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3])
+    block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads; each product path."""
+    _check_batch_equals_alone(_load(request.getfixturevalue(fixture)), [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3],
+                              dot_bf16)
 
 
 @pytest.mark.parametrize("lengths", [[33], [9, 50, 21]])
 def test_one_block_a_sequence_is_the_contiguous_cache(tiny_llama_hd64_dir, lengths):
     """Block size = capacity: each sequence's table is one block laid out as a DecodeCache's rows."""
     _check_batch_equals_alone(_load(tiny_llama_hd64_dir), lengths, 4, None, [2])
+
+
+@pytest.fixture(scope="module")
+def tiny_odd_dir(tmp_path_factory, smol):
+    """A random tiny llama whose every product's K is an odd multiple of 16 (hidden 48, MLP 80, 3 heads of 16):
+    each ends on half a VDPBF16PS vector."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=1000, hidden_size=48, intermediate_size=80,
+                                  num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+                                  max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # random init has unit norms: make them count too
+            p.normal_(0, 0.08) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("tiny") / "odd"
+    model.save_pretrained(str(path), safe_serialization=True)
+    for name in TOKENIZER_FILES:  # (a model directory needs a tokenizer; these tests feed token ids)
+        if (smol.path / name).exists():
+            shutil.copy(smol.path / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("dot_bf16", DOT_PATHS)
+def test_widths_of_odd_sixteens_batch_as_alone(tiny_odd_dir, dot_bf16):
+    """K of 48 and 80 in every product (a whole 32-column step and a half one): batched equals alone."""
+    _check_batch_equals_alone(_load(tiny_odd_dir), [3, 20, 33], 4, 16, [1, 2], dot_bf16)
+
+
+@pytest.mark.skipif(len(DOT_PATHS) < 2, reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("fixture", ["tiny_odd_dir", "tiny_qwen2_dir"])
+def test_bf16_dot_products_stay_within_bf16_of_the_float32_path(fixture, request):
+    """The flag reaches the kernel: VDPBF16PS sums the same exact products in another order, so the logits
+    differ from the float32 path's, but only by the rounding of the sums (a few bf16 steps of the largest)."""
+    model = _load(request.getfixturevalue(fixture))
+    lengths, feeds = [5, 30], _feeds(model, 2, 3, seed=3)
+    fast, plain = (_one_at_a_time(model, _prefilled(model, lengths, 3, seed=7), feeds, path) for path in (True, False))
+    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(fast, plain, strict=True))
+    for (a, _), (b, _) in zip(fast, plain, strict=True):
+        scale = b.abs().amax(dim=-1, keepdim=True)  # [B, 1]
+        assert ((a - b).abs() <= 2 ** -5 * scale).all()
 
 
 def test_batch_step_refuses_positions_and_blocks_it_cannot_take(tiny_llama_hd64_dir):

@@ -177,12 +177,19 @@ def _native_step(model, cache, token):
     return logits
 
 
+# The native step's two product paths: float32 FMAs, and VDPBF16PS where the CPU has AVX512-BF16 (its default).
+DOT_PATHS = [False, True] if native_decode.available() and native_decode.dot_bf16_default() else [False]
+
+
 @needs_native
+@pytest.mark.parametrize("dot_bf16", DOT_PATHS)
 @pytest.mark.parametrize("fixture", ["tiny_llama_hd64_dir", "tiny_llama_dir", "tiny_qwen2_dir"])
-def test_native_whole_step_stays_within_bf16_of_the_reference(fixture, request):
+def test_native_whole_step_stays_within_bf16_of_the_reference(fixture, dot_bf16, request, monkeypatch):
     """bf16 through the native whole step: every op rounds where the reference's does and only the order of
     float32 sums differs, so its logits are as close to the float32 model's as the reference's own are (within
-    1.5x their error), and within a few bf16 steps of the reference's (2^-6 relative, 4x that error)."""
+    1.5x their error), and within a few bf16 steps of the reference's (2^-6 relative, 4x that error). Each
+    product path (the row step builds its WholeStep with the CPU's default: held here to one)."""
+    monkeypatch.setattr(native_decode, "dot_bf16_default", lambda: dot_bf16)
     path = request.getfixturevalue(fixture)
     model, exact = _load(path, torch.bfloat16), _load(path, torch.float32)
     ids = torch.randint(0, 49152, (90,), generator=torch.Generator().manual_seed(7))

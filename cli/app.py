@@ -47,7 +47,8 @@ model_app = typer.Typer(help="Inspect and prepare the LLM.", no_args_is_help=Tru
 store_app = typer.Typer(help="Inspect and maintain a KV store.", no_args_is_help=True, **HELP_STYLE)
 # `kvrag bench` runs the RAG comparison itself (its options); `kvrag bench <what>` runs another benchmark
 bench_app = typer.Typer(help="Benchmarks: `kvrag bench [options]` compares every method on the same questions; "
-                        "`kvrag bench engine` measures batched decoding.", invoke_without_command=True, **HELP_STYLE)
+                        "`kvrag bench <what>` (engine, decode, cold, codec, precompute, tiers, model) measures one "
+                        "part.", invoke_without_command=True, **HELP_STYLE)
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 app.add_typer(store_app, name="store")

@@ -7,9 +7,8 @@
     cost_profile.py    T(cached, new) grid, bilinear interpolation, JSON cache (plain Python)
     reorder.py         cache-aware reordering of queued questions with a starvation window
     cache.py           TieredKVCache: the facade a long-lived process uses
+    (the workload, the replay simulator and the policy ablation are benchmarks: bench/replay.py, `kvrag bench tiers`)
     config.py          --host-cache / --gpu-cache / --cache-policy / --reorder-window and their env vars
-    workload.py        Zipf workload over MuSiQue passages and the replay simulator
-    ablation.py        `python -m kvrag.store.tiers.ablation`: hit rate and TTFT per policy x size
 
 One question's flow (`ask --questions`, `bench`):
 

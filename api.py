@@ -202,21 +202,7 @@ class Generation:
             raise KvragError(self.seq.error or "the request failed")
 
     def _answer(self) -> Answer:
-        seq, info = self.seq, self.seq.prefill_info
-        req = seq.request
-        text = self._rag.runtime.tokenizer.decode(seq.output, skip_special_tokens=True).strip()
-        first = seq.first_token_at or seq.finished_at
-        decoding = seq.finished_at - first
-        timings = {**info.get("timings", {}), "retrieve": self._retrieve_s, "ttft": first - seq.arrival,
-                   "decode": decoding, "queued": seq.queued_s,
-                   "decode_tokens_per_s": (len(seq.output) - 1) / decoding if len(seq.output) > 1 and decoding else 0.0}
-        ratio = info.get("ratio")
-        if ratio is not None and req.auto_ratio and info.get("chunk_tokens"):
-            ratio = round(info["recomputed_chunk_tokens"] / info["chunk_tokens"], 4)
-        return Answer(req.question, text, list(seq.output), req.mode, ratio, seq.prompt_tokens,
-                      info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0),
-                      info.get("bytes_loaded", 0), timings, list(req.sources), info.get("chunk_tiers", []),
-                      "interrupted" if seq.finish_reason == "cancelled" else seq.finish_reason)
+        return self.seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
 
 
 def _source(record) -> dict:

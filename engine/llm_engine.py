@@ -99,20 +99,24 @@ class LLMEngine:
                                        self.config.codec)
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
             pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0)
-            self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills
         except KvragError as exc:
             seq.error = str(exc)
             self._finish(seq, "error")
             return
+        if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
+            seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
+                                "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
+                                "bytes_loaded": pre.bytes_loaded, "chunk_tiers": pre.chunk_tiers,
+                                "ratio": config.ratio if req.mode == "blend" else None}
+            if req.keep_first_logits:
+                seq.first_logits = pre.logits
+            self._emit(seq, choose(pre.logits, req.sampling, seq.generator))
+        self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
+        if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
+            return
         seq.table = self.kv.admit(pre.cache, pre.prompt_tokens)
         seq.length = pre.prompt_tokens
         self.scheduler.start(seq)
-        if seq.preemptions:  # prefilled again: re-feed the tokens it had generated (seq.replay of them)
-            return
-        seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
-                            "recomputed_chunk_tokens": pre.recomputed_chunk_tokens, "bytes_loaded": pre.bytes_loaded,
-                            "chunk_tiers": pre.chunk_tiers, "ratio": config.ratio if req.mode == "blend" else None}
-        self._emit(seq, choose(pre.logits, req.sampling, seq.generator))
 
     def _decode(self, seqs: list[Sequence]) -> None:
         logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs])  # [B, V]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrag.blend.answer import Answer
 from kvrag.blend.decode import SamplingConfig
 from kvrag.blend.fusion import BlendConfig
 from kvrag.store.tiers.allocator import BlockTable
@@ -30,6 +31,7 @@ class Request:
     auto_ratio: bool = True  # blend: the ratio chosen per prompt (controller), blend.ratio its floor
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sources: tuple[dict, ...] = ()  # what the caller wants back with the answer (retrieval hits)
+    keep_first_logits: bool = False  # keep the prefill's next-token logits on the sequence (benchmarks' fidelity)
 
 
 class Status(enum.Enum):
@@ -57,6 +59,7 @@ class Sequence:
         self.passed_over = 0  # admissions that went to a later request while this one waited
         self.preemptions = 0
         self.prefill_info: dict = {}  # the first prefill's costs: Prefilled's timings, tokens, tiers
+        self.first_logits: torch.Tensor | None = None  # [V], with request.keep_first_logits
         self.arrival = time.perf_counter()
         self.prefill_started: float | None = None
         self.first_token_at: float | None = None
@@ -78,6 +81,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def answer(self, tokenizer, retrieve_s: float = 0.0) -> Answer:
+        """The finished sequence as `kvrag ask --json`'s record: text, tokens, sources, costs and timings."""
+        info, req = self.prefill_info, self.request
+        text = tokenizer.decode(self.output, skip_special_tokens=True).strip()
+        first = self.first_token_at or self.finished_at
+        decoding = self.finished_at - first
+        rate = (len(self.output) - 1) / decoding if len(self.output) > 1 and decoding else 0.0
+        timings = {**info.get("timings", {}), "retrieve": retrieve_s, "ttft": first - self.arrival,
+                   "decode": decoding, "queued": self.queued_s, "decode_tokens_per_s": rate}
+        ratio = info.get("ratio")
+        if ratio is not None and req.auto_ratio and info.get("chunk_tokens"):  # chosen per prompt: what it was
+            ratio = round(info["recomputed_chunk_tokens"] / info["chunk_tokens"], 4)
+        return Answer(req.question, text, list(self.output), req.mode, ratio, self.prompt_tokens,
+                      info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0), info.get("bytes_loaded", 0),
+                      timings, list(req.sources), info.get("chunk_tiers", []),
+                      "interrupted" if self.finish_reason == "cancelled" else self.finish_reason)
 
     def __repr__(self) -> str:
         return f"Sequence({self.id}, {self.status.value}, length={self.length}, out={len(self.output)})"

@@ -22,10 +22,11 @@ from kvrag import KvragError
 from kvrag.bench.rag.items import BenchItem
 from kvrag.bench.rag.methods import Method
 from kvrag.bench.rag.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
-from kvrag.blend.answer import answer_question
 from kvrag.blend.decode import SamplingConfig
 from kvrag.blend.engine import Engine
 from kvrag.blend.fusion import ATTENTION_WEIGHT, BlendConfig
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.sequence import Request
 from kvrag.store.keys import codec_id
 
 Progress = Callable[[str, str, int, int], None]  # (phase, label, done, total)
@@ -144,16 +145,21 @@ def prepare(engine: Engine, items: list[BenchItem], methods: list[Method], confi
     return setup
 
 
-def run_one(engine: Engine, item: BenchItem, method: Method, config: RunConfig, chunks=None,
+def run_one(llm: LLMEngine, item: BenchItem, method: Method, config: RunConfig, chunks=None,
             max_tokens: int | None = None):
-    """(answer, first-token logits [V] as float32 on the CPU, seconds for the whole request)."""
+    """(answer, first-token logits [V] as float32 on the CPU, seconds for the whole request), through the
+    resident engine as `kvrag ask` and the API run a question, alone in it."""
     sampling = SamplingConfig(max_tokens=max_tokens or config.max_tokens)
+    request = Request(item.question, tuple((c, tuple(ids)) for c, ids in chunks or item.chunks), method.mode,
+                      config.blend_config(method), method.auto, sampling, keep_first_logits=True)
     start = time.perf_counter()
-    answer, pre = answer_question(engine, chunks or item.chunks, item.question, method.mode,
-                                  config.blend_config(method), sampling, auto_ratio=method.auto, codec=config.codec)
+    seq = llm.add(request)
+    while not seq.is_finished:
+        llm.step()
     total = time.perf_counter() - start
-    logits = pre.logits.detach().float().cpu().clone()  # [V]; the prompt's KV cache goes with `pre`
-    return answer, logits, total
+    if seq.finish_reason == "error":
+        raise KvragError(seq.error or "the request failed")
+    return seq.answer(llm.prefiller.runtime.tokenizer), seq.first_logits.detach().float().cpu().clone(), total
 
 
 def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], config: RunConfig,
@@ -163,13 +169,14 @@ def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], con
     start = time.perf_counter()
     bench = BenchRun(methods, items)
     bench.setup = prepare(engine, items, methods, config, on_progress)
+    llm = LLMEngine(engine, EngineConfig(codec=config.codec))
     if config.warmup:
         t0 = time.perf_counter()
         short = items[0].chunks[:WARMUP_CHUNKS]
         for n, method in enumerate(methods):
             if on_progress:
                 on_progress("warmup", method.name, n, len(methods))
-            run_one(engine, items[0], method, config, short, min(WARMUP_TOKENS, config.max_tokens))
+            run_one(llm, items[0], method, config, short, min(WARMUP_TOKENS, config.max_tokens))
         if on_progress:
             on_progress("warmup", "done", len(methods), len(methods))
         bench.setup.warmup_s = time.perf_counter() - t0
@@ -185,7 +192,7 @@ def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], con
         for pos, method in enumerate(order):
             if on_progress:
                 on_progress("run", f"{method.name} · item {i + 1}/{len(items)}", len(bench.runs), total)
-            answer, logits[method.name], total_s = run_one(engine, item, method, config)
+            answer, logits[method.name], total_s = run_one(llm, item, method, config)
             runs[method.name] = _record(i, method, pos, answer, total_s, item.answers)
             bench.runs.append(runs[method.name])
         _fidelity(runs, logits)

@@ -115,6 +115,12 @@ inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, in
   }
 }
 
+// 32 bf16 values, those outside `live` zero. A masked load only where needed: GCC cannot see what the masked
+// load's builtin reads, so a loop of them keeps its sums in memory (a store each) instead of registers.
+inline __m512i load32(__mmask32 live, const uint16_t* p) {
+  return live == 0xFFFFFFFFu ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(live, p);
+}
+
 // The same tile with VDPBF16PS (CPUs with AVX512-BF16): x [n, K] bf16, and each instruction adds to lane i of
 // a sum the products of columns 2i and 2i+1 of 32 (exact in float32), so the weights are read as they are and
 // a row's sum takes half the instructions. A K that is an odd multiple of 16 ends on 16 zero pairs (adding +0).
@@ -124,18 +130,21 @@ __attribute__((target("avx512bf16"))) void dot_tile_bf16(const uint16_t* w, cons
                                                          int64_t b0, const uint16_t* ahead, Store& store) {
   __m512 acc[NI * R];  // input j, row i at j * R + i
   for (int i = 0; i < NI * R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t e = 0; e < k; e += 32) {
-    const __mmask32 live = k - e >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+  // 32 columns from e (the last 16 alone where K is an odd multiple of 16: `live` masks the rest to zeros)
+  auto columns = [&](int64_t e, __mmask32 live) __attribute__((always_inline, target("avx512bf16"))) {
     if (ahead) {
       for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
     }
     __m512bh wv[R];  // 32 weights of each row, read once for every input of the tile
-    for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(live, w + (r + i) * k + e);
+    for (int i = 0; i < R; ++i) wv[i] = (__m512bh)load32(live, w + (r + i) * k + e);
     for (int j = 0; j < NI; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + (b0 + j) * k + e);
+      const __m512bh xv = (__m512bh)load32(live, x + (b0 + j) * k + e);
       for (int i = 0; i < R; ++i) acc[j * R + i] = _mm512_dpbf16_ps(acc[j * R + i], wv[i], xv);
     }
-  }
+  };
+  int64_t e = 0;
+  for (; e + 32 <= k; e += 32) columns(e, 0xFFFFFFFFu);
+  if (e < k) columns(e, 0xFFFFu);
   if (NI * R == 16) {  // as dot_tile's
     __m512 folded[16];
     for (int i = 0; i < 16; ++i) folded[i] = acc[i];

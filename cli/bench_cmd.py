@@ -20,6 +20,7 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     attention_weight_override,
+    positive_ints,
     print_json,
     stderr_console,
 )
@@ -376,7 +377,7 @@ def bench_engine_command(
 
     console = stderr_console()
     runtime = Runtime.load(model, dtype, device, tune_process=True)
-    points, bandwidth, path = measure(runtime, _ints(contexts, "--contexts"), _ints(batches, "--batches"), steps,
+    points, bandwidth, path = measure(runtime, positive_ints(contexts, "--contexts"), positive_ints(batches, "--batches"), steps,
                                       rounds, native, progress=lambda line: console.print(line, highlight=False))
     machine = machine_info()
     if as_json:
@@ -385,13 +386,3 @@ def bench_engine_command(
                     "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
     else:
         console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvragError(f"{what} takes whole numbers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise KvragError(f"{what} takes positive whole numbers, got {text!r}")
-    return values

@@ -13,8 +13,14 @@ import typer
 
 from kvrag import KvragError
 from kvrag.cli.app import bench_app
-from kvrag.cli.bench_cmd import _ints
-from kvrag.cli.common import DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, print_json, stderr_console
+from kvrag.cli.common import (
+    DTYPE_OPTION,
+    JSON_OPTION,
+    MODEL_OPTION,
+    positive_ints,
+    print_json,
+    stderr_console,
+)
 
 MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
 
@@ -45,8 +51,8 @@ def bench_decode(
     from kvrag.blend.model_files import resolve_model
     from kvrag.kernels.decode import step_serves
 
-    contexts = _ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
-    sizes = _ints(batches, "--batches") if batches else None
+    contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
+    sizes = positive_ints(batches, "--batches") if batches else None
     local = resolve_model(model)
     net = Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
     if sizes is None:

@@ -63,3 +63,14 @@ def read_json_file(path: Path):
         raise KvragError(f"{path} does not exist") from None
     except (OSError, ValueError) as exc:
         raise KvragError(f"cannot read {path} as JSON: {exc}") from None
+
+
+def positive_ints(text: str, what: str) -> list[int]:
+    """Comma-separated positive whole numbers (an option like --batches 1,4,16), or one line naming the option."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvragError(f"{what} takes whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise KvragError(f"{what} takes positive whole numbers, got {text!r}")
+    return values

@@ -35,9 +35,11 @@ from typing import Protocol
 import torch
 
 from kvrag import KvragError
+from kvrag.blend import selection
 from kvrag.blend.decode import DecodeCache
 from kvrag.blend.model import Transformer
 from kvrag.blend.prefill import LayerKV
+from kvrag.blend.selection import Check
 
 DEVIATIONS = ("k", "v", "kv")
 WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
@@ -64,6 +66,7 @@ class BlendConfig:
     # selection score's total on its norm's scale (up to max_ratio): a prompt whose deviation is spread out gets more
     deviation_mass: float = 0.0
     max_ratio: float = 0.5
+    selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's RULES)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -72,6 +75,8 @@ class BlendConfig:
             raise KvragError(f"--check-layer must be >= 0, got {self.check_layer}")
         if self.deviation not in DEVIATIONS:
             raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
+        if self.selection not in selection.RULES:
+            raise KvragError(f"--selection must be one of {', '.join(selection.RULES)}, got {self.selection}")
         if not 0.0 <= self.attention_weight < math.inf:
             raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
         if self.chunk_start_rows < 0:
@@ -113,22 +118,6 @@ class FusionResult:
     rest_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def _deviation(kind: str, fresh_k, fresh_v, loaded_k, loaded_v) -> torch.Tensor:
-    """Per-token squared distance between fresh and loaded KV: [C]."""
-    dev = torch.zeros(fresh_k.shape[0], device=fresh_k.device)
-    if "k" in kind:  # pre-rotary keys: rotation is orthogonal, so the distance is the rotated one too
-        dev += (fresh_k.float() - loaded_k.float()).pow(2).sum(dim=(1, 2))
-    if "v" in kind:
-        dev += (fresh_v.float() - loaded_v.float()).pow(2).sum(dim=(1, 2))
-    return dev
-
-
-def weigh_by_reading(deviation: torch.Tensor, read: torch.Tensor, weight: float) -> torch.Tensor:
-    """Selection score [C]: each token's deviation [C] scaled by 1 + weight x read / mean(read), where read [C]
-    is how much the suffix attends to the token. Relative to the mean, so only the ranking within a prompt counts."""
-    return deviation * (1 + weight * read / read.mean())
-
-
 def prompt_ratio(score: torch.Tensor, n_chunk: int, config: BlendConfig) -> float:
     """The share of chunk tokens this prompt recomputes, from the ranking at its first check (score [n] over every
     ranked chunk row): `ratio`, or with a deviation mass m, as many rows as it takes to hold m of the score's total
@@ -148,23 +137,6 @@ def keep_count(n_ranked: int, share: float, n_chunk: int, config: BlendConfig, r
     this prompt's `ratio`."""
     scale = ratio / config.ratio if config.ratio > 0 else 1.0
     return min(n_ranked, math.ceil(min(1.0, share * scale) * n_chunk))
-
-
-def chunk_start_mask(rows: torch.Tensor, starts: torch.Tensor, n_first: int) -> torch.Tensor:
-    """Which chunk rows [R] (indices into the chunk tokens) lie among the first `n_first` of their chunk, for the
-    chunks beginning at `starts` [K] (sorted): [R] bool."""
-    owner = torch.searchsorted(starts, rows, right=True) - 1  # the chunk each row belongs to
-    return (owner >= 0) & (rows - starts[owner.clamp(min=0)] < n_first)
-
-
-def _suffix_attention(q_suffix: torch.Tensor, k_chunk: torch.Tensor, group: int) -> torch.Tensor:
-    """How much the suffix reads each chunk token: the attention weight of the suffix queries q_suffix
-    [S, Hq, hd] over the rotated chunk keys k_chunk [C, Hkv, hd], averaged over queries and heads: [C]."""
-    s, _, hd = q_suffix.shape
-    h_kv = k_chunk.shape[1]
-    qg = q_suffix.float().view(s, h_kv, group, hd).permute(1, 0, 2, 3).reshape(h_kv, s * group, hd)
-    scores = torch.matmul(qg, k_chunk.float().permute(1, 2, 0)) * hd ** -0.5  # [Hkv, S*g, C]
-    return scores.softmax(-1).mean(dim=(0, 1))
 
 
 def _assemble_kv(model: Transformer, cache: DecodeCache, layer: int, preamble: LayerKV, positions: torch.Tensor,
@@ -207,21 +179,6 @@ def _project(model: Transformer, layer: int, h: torch.Tensor, pos: torch.Tensor,
     x = model.attention_input(layer, h)  # [R, D]
     k, v = model.project_kv(layer, x)  # [R, Hkv, hd] each
     return x, k, v, model.queries(layer, x[n_ranked:], (rope[0][n_ranked:], rope[1][n_ranked:]))  # q [S, Hq, hd]
-
-
-def _selection_score(model: Transformer, config: BlendConfig, chunk_rows: torch.Tensor,
-                     chunk_starts: torch.Tensor | None, fresh: tuple[torch.Tensor, torch.Tensor],
-                     loaded: tuple[torch.Tensor, torch.Tensor], q_suffix: torch.Tensor,
-                     k_rows_rot: torch.Tensor) -> torch.Tensor:
-    """Each ranked chunk row's score [R]: its deviation (fresh vs loaded K/V, [R, Hkv, hd] each), weighted by how much
-    the suffix's queries read it, and infinite for the chunk starts `config.chunk_start_rows` forces in."""
-    score = _deviation(config.deviation, fresh[0], fresh[1], loaded[0], loaded[1])
-    if config.attention_weight > 0 and q_suffix.shape[0] > 0:
-        read = _suffix_attention(q_suffix, k_rows_rot, model.cfg.group_size)  # [R]
-        score = weigh_by_reading(score, read, config.attention_weight)
-    if config.chunk_start_rows and chunk_starts is not None:
-        score = score.masked_fill(chunk_start_mask(chunk_rows, chunk_starts, config.chunk_start_rows), math.inf)
-    return score
 
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
@@ -284,8 +241,9 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             chunk_part = rows[:n_sel]
             # fresh and loaded keys in the same frame (rotation is orthogonal: the distance is the same in either)
             fresh_k = k_rot[n_pre + chunk_part] if rotated_source else new_k[:n_sel]
-            score = _selection_score(model, config, chunk_part, chunk_starts, (fresh_k, new_v[:n_sel]),
-                                     (loaded_k[chunk_part], loaded_v[chunk_part]), q, k_rot[n_pre + chunk_part])
+            check = Check((fresh_k, new_v[:n_sel]), (loaded_k[chunk_part], loaded_v[chunk_part]), q,
+                          k_rot[n_pre + chunk_part], chunk_part, chunk_starts, model.cfg.group_size)
+            score = selection.score(check, config)
             if layer == first_check:
                 ratio_here = prompt_ratio(score, n_chunk, config)
             n_keep = keep_count(n_sel, schedule[layer], n_chunk, config, ratio_here)

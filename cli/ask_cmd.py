@@ -21,6 +21,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    SELECTION_OPTION,
     STORE_OPTION,
     Interrupted,
     attention_weight_override,
@@ -101,6 +102,7 @@ def ask_command(
                                  help="Gradual filtering: select 1.5x the share at the check layer, narrowing "
                                       "to --ratio at the next (default)."),
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
+    selection: str = SELECTION_OPTION,
     max_tokens: int = typer.Option(32, "--max-tokens", help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
@@ -133,7 +135,7 @@ def ask_command(
     auto = ratio == "auto"
     try:
         config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual,
-                             **attention_weight_override(attention_weight))
+                             **attention_weight_override(attention_weight), selection=selection)
     except ValueError:
         raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)

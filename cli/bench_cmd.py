@@ -19,6 +19,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    SELECTION_OPTION,
     attention_weight_override,
     positive_ints,
     print_json,
@@ -62,6 +63,7 @@ def bench_command(
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
                                  help="Blend: gradual filtering, 1.5x the share at the check layer (default)."),
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
+    selection: str = SELECTION_OPTION,
     chunk_start_rows: int = typer.Option(0, "--chunk-start-rows", min=0,
                                          help="Blend: always recompute the first N tokens of every chunk after the "
                                               "first."),
@@ -118,7 +120,7 @@ def bench_command(
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else 32)
     chosen = parse_methods(methods, ratios or (QUICK_RATIOS if quick else "0.05,0.15,0.3,auto"))
     config = RunConfig(max_tokens, seed, warmup, codec, check_layer, deviation, gradual, warm_store,
-                       chunk_start_rows=chunk_start_rows, deviation_mass=deviation_mass,
+                       chunk_start_rows=chunk_start_rows, deviation_mass=deviation_mass, selection=selection,
                        **attention_weight_override(attention_weight))
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)

@@ -24,6 +24,9 @@ JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on st
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")
+SELECTION_OPTION = typer.Option("cacheblend", "--selection",
+                                help="Blend: the rule that ranks tokens at a check layer: cacheblend (deviation x "
+                                     "reading) or reading (the question's attention alone).")
 
 
 def attention_weight_override(value: float | None) -> dict[str, float]:

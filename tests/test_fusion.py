@@ -351,7 +351,7 @@ def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime
 
 def test_suffix_attention_is_the_mean_softmax_weight_per_key():
     """Against a plain loop: each suffix query head's softmax over the chunk keys of its KV head, averaged."""
-    from kvrag.blend.fusion import _suffix_attention
+    from kvrag.blend.selection import suffix_attention
 
     g = torch.Generator().manual_seed(3)
     s, h_kv, group, hd, c = 5, 3, 3, 16, 40
@@ -362,13 +362,13 @@ def test_suffix_attention_is_the_mean_softmax_weight_per_key():
         for head in range(h_kv * group):
             want += torch.softmax(k[:, head // group] @ q[row, head] / hd ** 0.5, dim=0)
     want /= s * h_kv * group
-    torch.testing.assert_close(_suffix_attention(q, k, group), want)
+    torch.testing.assert_close(suffix_attention(q, k, group), want)
 
 
 def test_selection_score_weighs_deviation_by_relative_reading():
     """Hand-computed: read [1, 3] has mean 2, so weight 4 scales the deviations by 1 + 4 * 0.5 = 3 and
     1 + 4 * 1.5 = 7; a token the question reads more overtakes one that deviates more. Weight 0: deviation."""
-    from kvrag.blend.fusion import weigh_by_reading
+    from kvrag.blend.selection import weigh_by_reading
 
     deviation, read = torch.tensor([2.0, 1.0]), torch.tensor([1.0, 3.0])
     torch.testing.assert_close(weigh_by_reading(deviation, read, 4.0), torch.tensor([6.0, 7.0]))
@@ -379,7 +379,8 @@ def test_selection_score_weighs_deviation_by_relative_reading():
 
 
 def test_chunk_start_mask_and_prompt_ratio_by_hand():
-    from kvrag.blend.fusion import chunk_start_mask, keep_count, prompt_ratio
+    from kvrag.blend.fusion import keep_count, prompt_ratio
+    from kvrag.blend.selection import chunk_start_mask
 
     starts = torch.tensor([0, 5, 9])  # chunks of 5, 4 and 3 tokens
     rows = torch.arange(2, 12)  # the first chunk's first two rows are not ranked (exact)
@@ -423,3 +424,25 @@ def test_auto_budget_by_hand():
     assert budget_ratio(profile, 10, 1, 1000, 0) == pytest.approx(0.39 / 0.9)
     assert budget_ratio(profile, 10, 1, 10_000, 0) == pytest.approx(0.15)  # r* alone is past the budget
     assert budget_ratio(profile, 10, 1, 100, 0) == 1.0  # all of it fits
+
+
+def test_selection_rules_by_hand():
+    """The rule registry: `reading` ranks by the question's attention alone, `cacheblend` by deviation x reading;
+    forced chunk starts score inf under any rule; an unknown rule is one line naming the known ones."""
+    from kvrag.blend.selection import Check, score
+
+    hd = 4
+    keys = torch.zeros(3, 1, hd)
+    keys[2, 0, 0] = 4.0  # the question's query points at row 2
+    q = torch.zeros(1, 1, hd)
+    q[0, 0, 0] = 4.0
+    fresh_v = torch.zeros(3, 1, hd)
+    fresh_v[0] = 10.0  # row 0 deviates most
+    check = Check((keys, fresh_v), (keys, torch.zeros(3, 1, hd)), q, keys, torch.arange(3), torch.tensor([0, 1]), 1)
+    assert int(score(check, BlendConfig(selection="reading")).argmax()) == 2
+    assert int(score(check, BlendConfig(selection="cacheblend")).argmax()) == 0
+    assert int(score(check, BlendConfig(selection="cacheblend", attention_weight=0)).argmax()) == 0
+    forced = score(check, BlendConfig(selection="reading", chunk_start_rows=1))
+    assert forced[1] == float("inf")  # row 1 starts the second chunk
+    with pytest.raises(KvragError, match="cacheblend, reading"):
+        BlendConfig(selection="nope")

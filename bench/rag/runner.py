@@ -49,6 +49,7 @@ class RunConfig:
     attention_weight: float = ATTENTION_WEIGHT
     chunk_start_rows: int = 0  # see BlendConfig
     deviation_mass: float = 0.0
+    selection: str = "cacheblend"  # see BlendConfig
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,7 +61,8 @@ class RunConfig:
         blended = method is not None and method.mode == "blend" and not method.auto
         ratio = method.ratio if blended else 0.15  # auto: resolved later
         return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight,
-                           chunk_start_rows=self.chunk_start_rows, deviation_mass=self.deviation_mass)
+                           chunk_start_rows=self.chunk_start_rows, deviation_mass=self.deviation_mass,
+                           selection=self.selection)
 
 
 @dataclass

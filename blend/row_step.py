@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.blend import rotary
-from kvrag.blend.model import Transformer, _attend_few_rows
+from kvrag.blend.model import Transformer
 from kvrag.kernels import decode as native_decode
+from kvrag.kernels.attention import attend_few_rows
 
 if TYPE_CHECKING:
     from kvrag.blend.decode import DecodeCache
@@ -86,7 +87,7 @@ class RowStep:
         cache.v[layer, n] = self.qkv[0, nq + nk:].view(c.n_kv_heads, c.head_dim)
         q = self.qk[0, :c.n_heads]  # [Hq, hd]
         self.k32[layer, n], self.v32[layer, n] = cache.k[layer, n], cache.v[layer, n]
-        self.attn.copy_(_attend_few_rows(q[None], self.k32[layer, :n + 1], self.v32[layer, :n + 1], c.group_size))
+        self.attn.copy_(attend_few_rows(q[None], self.k32[layer, :n + 1], self.v32[layer, :n + 1], c.group_size))
         self.h.add_(self._linear(self.attn, w.wo, None, self.out))
 
     def _mlp(self, layer: int) -> None:

@@ -24,9 +24,9 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     Example: kvrag model info --json
     """
     from kvrag.blend.device import attention_dtype, resolve_device, resolve_dtype
-    from kvrag.blend.model import row_kernel_serves
     from kvrag.blend.model_files import resolve_model
     from kvrag.kernels import row_attention
+    from kvrag.kernels.attention import row_kernel_serves
 
     local = resolve_model(model)
     dev = resolve_device(device)

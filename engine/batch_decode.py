@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.blend.model import Transformer, _attend_few_rows
+from kvrag.blend.model import Transformer
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode as native_decode
+from kvrag.kernels.attention import attend_few_rows
 from kvrag.store.tiers.allocator import BlockTable
 
 
@@ -58,7 +59,7 @@ class BatchDecoder:
             qkv = m.project(layer, h, positions, rope)  # q [B, Hq, hd] rotated, k [B, Hkv, hd] before rotary
             k_all[layer].index_copy_(0, new_slots, m.rotate_keys(qkv.k, positions, rope))
             v_all[layer].index_copy_(0, new_slots, qkv.v)
-            attn = torch.cat([_attend_few_rows(qkv.q[b:b + 1], k_all[layer, r], v_all[layer, r], m.cfg.group_size)
+            attn = torch.cat([attend_few_rows(qkv.q[b:b + 1], k_all[layer, r], v_all[layer, r], m.cfg.group_size)
                               for b, r in enumerate(rows)])  # [B, Hq * hd]
             h = m.finish(layer, h, attn)
         return m.logits(h)

@@ -19,9 +19,10 @@ from kvrag.blend.decode import (
     prefill,
     stream_text,
 )
-from kvrag.blend.model import RESCORED, Transformer, _attend_few_rows
+from kvrag.blend.model import RESCORED, Transformer
 from kvrag.blend.model_files import resolve_model
 from kvrag.kernels import decode as native_decode
+from kvrag.kernels.attention import attend_few_rows
 
 
 def _greedy_ours(path, ids: torch.Tensor, n: int) -> list[int]:
@@ -115,7 +116,7 @@ def test_decode_attention_equals_sdpa(dtype, tol, rows, keys, kv_heads, group):
     v = torch.randn(keys, kv_heads, 64, generator=g).to(dtype)
     expand = lambda x: x.repeat_interleave(group, dim=1).transpose(0, 1)[None].float()  # noqa: E731  [1, Hq, S, hd]
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), expand(k), expand(v))
-    got = _attend_few_rows(q, k, v, group)
+    got = attend_few_rows(q, k, v, group)
     torch.testing.assert_close(got.float(), ref[0].transpose(0, 1).reshape(rows, -1), rtol=tol, atol=tol)
 
 
@@ -406,7 +407,7 @@ def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
     expand = lambda x: x[:keys].double().repeat_interleave(group, dim=1).transpose(0, 1)  # noqa: E731 [Hq, S, D]
     ref = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], expand(k), expand(v))[:, 0]
     torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-3)
-    few = _attend_few_rows(q[None], k[:keys], v[:keys], group)[0].view_as(q)
+    few = attend_few_rows(q[None], k[:keys], v[:keys], group)[0].view_as(q)
     torch.testing.assert_close(got.float(), few.float(), rtol=2 ** -7, atol=1e-2)
 
 

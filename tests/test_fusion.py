@@ -210,14 +210,14 @@ def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatc
     log-sum-exp, the rows inside each segment in groups reading keys up to their own last row; or row blocks
     that each read keys up to their last row); every row must still equal a softmax over keys 0..p, whichever
     piece it falls in."""
-    import kvrag.blend.model as model_module
+    import kvrag.kernels.attention as attention_module
 
-    monkeypatch.setattr(model_module, "BLOCK_ROWS", 16)  # 150 rows -> 9 blocks
-    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 64)  # 600 keys -> 10 segments, ≈15 rows inside each
+    monkeypatch.setattr(attention_module, "BLOCK_ROWS", 16)  # 150 rows -> 9 blocks
+    monkeypatch.setattr(attention_module, "SEGMENT_KEYS", 64)  # 600 keys -> 10 segments, ≈15 rows inside each
     if masked_groups is not None:
-        monkeypatch.setattr(model_module, "MASKED_GROUPS", masked_groups)
+        monkeypatch.setattr(attention_module, "MASKED_GROUPS", masked_groups)
     if path == "row blocks":
-        monkeypatch.setattr(model_module, "_FLASH_CPU", None)
+        monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
     model = tiny_runtime.model
     g = torch.Generator().manual_seed(8)
     hd, hq, hkv = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads
@@ -237,9 +237,9 @@ def test_scattered_rows_in_blocks_equal_a_plain_softmax(tiny_runtime, monkeypatc
 def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
     """The key-segment plan (with its masks) is kept for the next call with the same rows; a call with other
     rows of the same count, or over other keys, must not reuse it: each result equals a plain softmax."""
-    import kvrag.blend.model as model_module
+    import kvrag.kernels.attention as attention_module
 
-    monkeypatch.setattr(model_module, "SEGMENT_KEYS", 32)
+    monkeypatch.setattr(attention_module, "SEGMENT_KEYS", 32)
     model = tiny_runtime.model
     g = torch.Generator().manual_seed(11)
     hd, hq, hkv, group = model.cfg.head_dim, model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.group_size

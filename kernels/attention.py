@@ -1,0 +1,235 @@
+"""Attention for every shape kvrag runs, and the one place that chooses how: a decode step's few rows, causal
+prefill, a prefill after a cached prefix, and a blend's scattered rows, through the native row kernel where it
+serves, else SDPA (plainly causal, padded to causal, by key segment merged by log-sum-exp, or by row block).
+
+Every path computes the same thing: a query at position p sees exactly the keys at positions <= p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.kernels import row_attention
+
+
+def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
+           group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: SegmentPlans) -> torch.Tensor:
+    """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd] at k_pos [S]
+    (None: every key visible, as in decoding) -> [R, Hq * hd], in the inputs' or the attention dtype (the caller
+    casts). Runs in `attn_dtype`; `row_kernel`: the native row kernel serves this model (row_kernel_serves);
+    `plans`: the caller's cache of key-segment plans."""
+    if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
+        return attend_few_rows(q, k, v, group)  # a decode step, or the last row of a prefill
+    if (k_pos is not None and row_kernel and _is_sorted(q_pos) and _is_arange(k_pos)
+            and 0 <= int(q_pos[0]) and int(q_pos[-1]) < k_pos.shape[0]):
+        # causal prefill, a prefill after a cached prefix, or a blend's scattered rows: one kernel for all
+        # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
+        out = row_attention.row_attention(q, q_pos.to(q.device), k, v)  # [R, Hq, hd] float32
+        return out.view(q.shape[0], -1)
+    q, k, v = (x.to(attn_dtype) for x in (q, k, v))  # no copy unless they differ
+    # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
+    # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
+    # and its causal CPU kernel runs about 20 % faster than over expanded heads.
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    sdpa = partial(F.scaled_dot_product_attention, enable_gqa=group > 1)
+    if k_pos is None:
+        out = sdpa(qh, kh, vh)
+    elif _is_plain_causal(q_pos, k_pos):
+        out = sdpa(qh, kh, vh, is_causal=True)
+    elif _is_causal_tail(q_pos, k_pos) and 2 * q.shape[0] >= k.shape[0]:
+        # Queries are most of the last rows of the keys (a prefill after a cached prefix). SDPA's
+        # is_causal aligns top-left, so pad the queries with zero rows up to the keys' length,
+        # use the fast causal kernel, and drop the padding: exact, and no [R, S] mask. Only when
+        # the padding is at most the real rows: a few suffix rows over thousands of keys are
+        # cheaper through the small [R, S] mask.
+        pad = kh.shape[2] - qh.shape[2]
+        qh = F.pad(qh, (0, 0, pad, 0))
+        out = sdpa(qh, kh, vh, is_causal=True)[:, :, pad:]
+    elif _is_sorted(q_pos) and _is_arange(k_pos):
+        if qh.device.type == "cpu" and _FLASH_CPU is not None:
+            out = _attend_key_segments_grouped(qh, kh, vh, q_pos.to(q.device), group, plans)
+        else:
+            out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(q.device))
+    else:
+        mask = k_pos.to(q.device)[None, :] <= q_pos.to(q.device)[:, None]  # [R, S]
+        out = sdpa(qh, kh, vh, attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+
+def row_kernel_serves(head_dim: int, attn_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prefill attention runs in kvrag's AVX-512 row kernel: float32 attention on a CPU that has it (on
+    this project's 2-core AVX512 machine, causal attention over 6.3k tokens 265 vs 345 ms a layer in SDPA's flash
+    kernel; a blend's ≈980 scattered rows 51-61 vs 70-88 ms; with a bf16 model's Q.K in bf16 pairs, 200 and 35 ms)."""
+    return device.type == "cpu" and attn_dtype == torch.float32 and row_attention.supports(head_dim)
+
+
+def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when keys are positions 0..S-1 in order and queries are the last R of them, in order."""
+    n, r = k_pos.shape[0], q_pos.shape[0]
+    if r == 0 or r > n or int(k_pos[0]) != 0 or int(k_pos[-1]) != n - 1 or int(q_pos[0]) != n - r:
+        return False
+    return bool((q_pos[1:] - q_pos[:-1] == 1).all()) and bool((k_pos[1:] - k_pos[:-1] == 1).all())
+
+
+FEW_ROWS = 8  # decoding: this many query rows over every key go through two float32 matmuls
+
+
+def attend_few_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+    """Attention of a few query rows q [R, Hq, hd] over all keys k/v [S, Hkv, hd] -> [R, Hq * hd].
+
+    A decode step's shape: SDPA's CPU kernel took 4 ms a layer for one row over 6.3k bf16 keys, these two
+    float32 matmuls 1.4 ms (scores and softmax in float32, as SDPA accumulates).
+    """
+    r, hq, hd = q.shape
+    qg = q.float().view(r, -1, group, hd).permute(1, 0, 2, 3).reshape(-1, r * group, hd)  # [Hkv, R*g, hd]
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * hd ** -0.5  # [Hkv, R*g, S]
+    out = torch.matmul(scores.softmax(-1), v.float().permute(1, 0, 2))  # [Hkv, R*g, hd]
+    return out.view(-1, r, group, hd).permute(1, 0, 2, 3).reshape(r, hq * hd).to(q.dtype)
+
+
+BLOCK_ROWS = 192  # scattered query rows per block: at R≈940 over 6.3k keys, 78 ms vs 356 ms as one block (bf16)
+
+
+def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1.
+
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting.
+    A mask does not skip work, so one [R, S] mask pays for every key after each row's position: half the scores, on average, for rows spread
+    over the prompt (CacheBlend's selected tokens). Cut into blocks of consecutive rows, each block
+    only reads the keys up to its last row's position — close to causal attention's cost.
+    """
+    n_rows = qh.shape[2]
+    n_blocks = max(1, n_rows // BLOCK_ROWS)
+    bounds = [n_rows * i // n_blocks for i in range(n_blocks + 1)]
+    outs = []
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        end = min(int(q_pos[stop - 1]) + 1, kh.shape[2])  # keys this block can see
+        key_pos = torch.arange(end, device=q_pos.device)
+        mask = key_pos[None, :] <= q_pos[start:stop, None]  # [rows, end]
+        outs.append(sdpa(qh[:, :, start:stop], kh[:, :, :end], vh[:, :, :end], attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
+SEGMENT_KEYS = 1024  # keys per segment: at R≈980 over 6.3k keys (bf16, 2 cores) 18.7 ms vs 24 ms in row blocks
+# The rows inside a segment go in this many groups, each reading the segment's keys only up to its own last row:
+# a masked call pays for every key up to its end, so one group wastes half a segment a row on average, two a
+# third. 2: 72.0 vs 74.8 ms a blended layer (bf16), 65.9 vs 68.1 ms (float32); 3 gains nothing more.
+MASKED_GROUPS = 2
+# The CPU flash kernel behind SDPA, called directly because it also returns each row's log-sum-exp (public
+# SDPA does not); with it, partial attentions over key segments merge exactly. Absent: row blocks instead.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
+                                 group: int, plans: SegmentPlans) -> torch.Tensor:
+    """`_attend_key_segments` with each KV head's query heads stacked as rows of one head.
+
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Query head h reads KV head h // group, so the
+    group's rows go in as [1, Hkv, R * group, hd], row r of head j at r * group + j (positions stay sorted):
+    the kernel then reads each K/V block once for `group` times as many rows, and takes no GQA path
+    (74 vs 79 ms a blended layer at R≈980 over 6.3k keys, bf16, 2 cores).
+    """
+    if group == 1:
+        return _attend_key_segments(qh, kh, vh, q_pos, plans)
+    _, n_heads, n_rows, hd = qh.shape
+    n_kv = kh.shape[1]
+    stacked = qh.view(n_kv, group, n_rows, hd).transpose(1, 2).reshape(1, n_kv, n_rows * group, hd)
+    out = _attend_key_segments(stacked, kh, vh, q_pos.repeat_interleave(group), plans)  # [1, Hkv, R * group, hd]
+    return out.view(n_kv, n_rows, group, hd).transpose(1, 2).reshape(1, n_heads, n_rows, hd)
+
+
+def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
+                         plans: SegmentPlans) -> torch.Tensor:
+    """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1, by key segment.
+
+    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each segment of SEGMENT_KEYS keys is attended
+    by exactly the rows at or after its start: rows past its end in one unmasked call, rows inside it with a
+    small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
+    their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
+    """
+    plan = plans.get(q_pos, min(kh.shape[2], int(q_pos[-1]) + 1), qh.dtype)
+    acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
+    lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp
+    for r0, r1, k0, k1, mask in plan.parts:
+        _merge(acc, lse, r0, r1, *_FLASH_CPU(qh[:, :, r0:r1], kh[:, :, k0:k1], vh[:, :, k0:k1], attn_mask=mask))
+    return acc.to(qh.dtype)
+
+
+@dataclass(frozen=True)
+class _SegmentPlan:
+    """How sorted query positions q_pos [R] read keys 0..n_keys-1 in segments of segment_keys, as parts
+    (r0, r1, k0, k1, mask): rows r0..r1-1 attend keys k0..k1-1, with mask [r1 - r0, k1 - k0] (-inf on keys
+    past each row's position, in the attention dtype) where some rows lie inside the keys, else None."""
+
+    q_pos: torch.Tensor
+    n_keys: int
+    segment_keys: int
+    masked_groups: int
+    dtype: torch.dtype
+    parts: tuple[tuple[int, int, int, int, torch.Tensor | None], ...]
+
+    def serves(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> bool:
+        return (self.n_keys == n_keys and self.segment_keys == SEGMENT_KEYS and self.masked_groups == MASKED_GROUPS
+                and self.dtype == dtype and self.q_pos.shape == q_pos.shape and self.q_pos.device == q_pos.device
+                and torch.equal(self.q_pos, q_pos))
+
+
+class SegmentPlans:
+    """The last plan built, per model. Every blended layer after the last selection attends the same rows, so the
+    plan (its masks above all: ≈2 ms a layer to build) is made once per prompt instead of once per layer."""
+
+    def __init__(self):
+        self.last: _SegmentPlan | None = None
+
+    def get(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
+        if self.last is None or not self.last.serves(q_pos, n_keys, dtype):
+            self.last = _segment_plan(q_pos, n_keys, dtype)
+        return self.last
+
+
+def _segment_plan(q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
+    n_rows = q_pos.shape[0]
+    bounds = torch.arange(0, n_keys, SEGMENT_KEYS, device=q_pos.device)
+    first_rows = torch.searchsorted(q_pos, bounds).tolist()  # first row that sees each segment
+    last_masked = torch.searchsorted(q_pos, (bounds + SEGMENT_KEYS - 1).clamp(max=n_keys - 1)).tolist()
+    parts = []
+    for start, r0, r1 in zip(bounds.tolist(), first_rows, last_masked, strict=True):
+        stop = min(start + SEGMENT_KEYS, n_keys)
+        cuts = [r0 + (r1 - r0) * i // MASKED_GROUPS for i in range(MASKED_GROUPS + 1)]
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):  # rows inside the segment, in groups
+            if b > a:
+                end = int(q_pos[b - 1]) + 1  # the group's last row sees no key past its own position
+                later = torch.arange(start, end, device=q_pos.device)[None, :] > q_pos[a:b, None]  # [rows, keys]
+                mask = torch.zeros((), dtype=dtype, device=q_pos.device).masked_fill(later, float("-inf"))
+                parts.append((a, b, start, end, mask))
+        if r1 < n_rows:  # rows after the segment see all of it
+            parts.append((r1, n_rows, start, stop, None))
+    return _SegmentPlan(q_pos.clone(), n_keys, SEGMENT_KEYS, MASKED_GROUPS, dtype, tuple(parts))
+
+
+def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Tensor, out_lse: torch.Tensor) -> None:
+    """Fold one segment's attention (out [1, Hq, r, hd], out_lse [1, Hq, r]) into rows r0..r1-1 of the sums."""
+    old = lse[:, :, r0:r1]
+    new = torch.logaddexp(old, out_lse)
+    acc[:, :, r0:r1].mul_(torch.exp(old - new)[..., None]).add_(out.float() * torch.exp(out_lse - new)[..., None])
+    lse[:, :, r0:r1] = new
+
+
+def _is_sorted(pos: torch.Tensor) -> bool:
+    return pos.numel() > 0 and bool((pos[1:] >= pos[:-1]).all())
+
+
+def _is_arange(pos: torch.Tensor) -> bool:
+    n = pos.shape[0]
+    return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1 and bool((pos[1:] - pos[:-1] == 1).all())
+
+
+def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when queries and keys are the same increasing positions: SDPA's is_causal is exact then."""
+    if q_pos.shape != k_pos.shape or q_pos.numel() == 0:
+        return False
+    return bool((q_pos == k_pos).all()) and bool((q_pos[1:] > q_pos[:-1]).all())

@@ -215,10 +215,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     first_check = min(schedule) if schedule else None
     ratio_here = config.ratio if config is not None else 0.0  # this prompt's share, set at the first check
     # rows (indices into rest) that go through attention and the MLP at the current layer
-    if config is None:
-        rows = torch.arange(loaded_rows, n_rest, device=dev)
-    else:
-        rows = torch.arange(exact_rows, n_rest, device=dev)
+    rows = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
     h = model.embed(rest_ids[rows])  # [R, D]
     rest_rope = (rope[0][n_pre:], rope[1][n_pre:])  # cos, sin [C + S, 1, hd]
     rows_rope = (rest_rope[0][rows], rest_rope[1][rows])  # gathered again only when the rows change

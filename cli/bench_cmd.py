@@ -108,11 +108,9 @@ def bench_command(
     """
     if ctx.invoked_subcommand is not None:  # `kvrag bench <what>`: that benchmark alone
         return
-    from kvrag.bench.rag.cache_sim import CacheSpec
     from kvrag.bench.rag.methods import parse_methods
     from kvrag.bench.rag.runner import RunConfig
     from kvrag.bench.rag.workloads import PoissonSpec
-    from kvrag.store.tiers.config import parse_bytes
 
     t_start = time.perf_counter()
     data = _source(dataset, questions, split)
@@ -124,14 +122,30 @@ def bench_command(
                        **attention_weight_override(attention_weight))
     poisson = PoissonSpec(_floats(rates, "--rates"), ttft_limit, ttft_stat,
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
-    n_cache = cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000)
-    cache_spec = CacheSpec(parse_bytes(host_cache, "--host-cache"), parse_bytes(gpu_cache, "--gpu-cache"),
-                           cache_policy.lower(), tuple(parse_bytes(s, "--cache-sizes") for s in cache_sizes.split(",")
-                                                       if s.strip()), requests=n_cache, warmup=n_cache // 4,
-                           zipf=zipf, seed=seed)
+    cache_spec = _cache_spec(host_cache, gpu_cache, cache_policy, cache_sizes,
+                             cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000), zipf, seed)
     console = stderr_console()
     if not console.is_terminal:  # a log file: wide enough for the tables
         console.width = max(console.width, 120)
+    report = _measure(console, store, dataset, data, split, questions, chosen, config, poisson, cache_spec,
+                      (model, dtype, device), compress, (k, limit, seed, sample, passage_words, quick), no_workloads)
+    report["total_wall_s"] = time.perf_counter() - t_start
+    _write(report, out, as_json, console)
+
+
+def _cache_spec(host_cache: str, gpu_cache: str, policy: str, sizes: str, requests: int, zipf: float, seed: int):
+    """The memory-tier replay's settings, sizes parsed (one line for a bad one)."""
+    from kvrag.bench.rag.cache_sim import CacheSpec
+    from kvrag.store.tiers.config import parse_bytes
+
+    return CacheSpec(parse_bytes(host_cache, "--host-cache"), parse_bytes(gpu_cache, "--gpu-cache"), policy.lower(),
+                     tuple(parse_bytes(x, "--cache-sizes") for x in sizes.split(",") if x.strip()),
+                     requests=requests, warmup=requests // 4, zipf=zipf, seed=seed)
+
+
+def _measure(console, store, dataset, data, split, questions, chosen, config, poisson, cache_spec, model_options,
+             compress, selection_options, no_workloads) -> dict:
+    """Load the model over the store, pick the items, run every method on them and build the report."""
     from kvrag.store.env import StoreEnv
     from kvrag.store.home import default_store_dir, kvrag_home
 
@@ -141,9 +155,10 @@ def bench_command(
         from kvrag.blend.engine import Engine
         from kvrag.blend.runtime import Runtime
 
+        k, limit, seed, sample, passage_words, quick = selection_options
         with console.status("loading the model"):
-            runtime = Runtime.load(model, dtype, device, tune_process=True)
-            engine = Engine(runtime, env, codec, compress=compress)
+            runtime = Runtime.load(*model_options, tune_process=True)
+            engine = Engine(runtime, env, config.codec, compress=compress)
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
@@ -156,12 +171,12 @@ def bench_command(
                           "split": split if dataset else None, "questions": str(questions) if questions else None,
                           "store": str(store_dir), "limit": limit, "sample": sample, "quick": quick,
                           "methods": [m.name for m in chosen], "compress": compress,
-                          "model": model or "SmolLM2-135M-Instruct (default)", "model_fingerprint": runtime.fingerprint,
+                          "model": model_options[0] or "SmolLM2-135M-Instruct (default)",
+                          "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
                           "passage_words": passage_words, "top_k": k if questions else None,
                           "load_average_start": load_start})
-    report["total_wall_s"] = time.perf_counter() - t_start
-    _write(report, out, as_json, console)
+    return report
 
 
 def _source(dataset: str | None, questions: Path | None, split: str):

@@ -77,6 +77,21 @@ inline __m512 transpose_sum16(__m512* v) {
   return _mm512_permutexvar_ps(perm, v[0]);
 }
 
+// A tile's NI x R sums (input j, row i at j * R + i) handed to store(input, row, sum): where they are 16, in one
+// transposed fold (on a copy: the caller's sums then stay in registers).
+template <int R, int NI, class Store>
+inline void store_tile(const __m512* acc, int64_t r, int64_t b0, Store& store) {
+  if (NI * R == 16) {
+    __m512 folded[16];
+    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, transpose_sum16(folded));
+    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
+  } else {
+    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
+  }
+}
+
 // Rows r0..r1-1 of y_b = W x_b for n inputs: W [N, K] bf16 row-major, x [n, K] float32 (K a multiple of 16);
 // store(b, r, sum) takes each float32 sum. Four rows at a time, so independent sums hide the multiply-add
 // latency while the rows (contiguous) stream in order, and each 4-row block meets every input while it is in
@@ -104,15 +119,7 @@ inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, in
       for (int i = 0; i < R; ++i) acc[j * R + i] = _mm512_fmadd_ps(wv[i], xv, acc[j * R + i]);
     }
   }
-  if (NI * R == 16) {  // all sums in one transposed fold (on a copy: acc itself then stays in registers)
-    __m512 folded[16];
-    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, transpose_sum16(folded));
-    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
-  } else {
-    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
-  }
+  store_tile<R, NI>(acc, r, b0, store);
 }
 
 // 32 bf16 values, those outside `live` zero. A masked load only where needed: GCC cannot see what the masked
@@ -145,15 +152,7 @@ __attribute__((target("avx512bf16"))) void dot_tile_bf16(const uint16_t* w, cons
   int64_t e = 0;
   for (; e + 32 <= k; e += 32) columns(e, 0xFFFFFFFFu);
   if (e < k) columns(e, 0xFFFFu);
-  if (NI * R == 16) {  // as dot_tile's
-    __m512 folded[16];
-    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, transpose_sum16(folded));
-    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
-  } else {
-    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
-  }
+  store_tile<R, NI>(acc, r, b0, store);
 }
 
 // A product's n input rows of K values: as float32, and as bf16 where the step multiplies with VDPBF16PS (the

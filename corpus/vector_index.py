@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ import faiss
 import numpy as np
 
 from kvrag import KvragError
+from kvrag.corpus.staged_search import Stage, staged_search
 
 # Exact search up to this many chunks. At 100k x 384 float32 the index is 150 MiB and a query scans
 # it in a few ms on one core (see docs/performance.md): below the cost of the embedding and far below a prefill.
@@ -104,6 +105,16 @@ class VectorIndex:
         scores, rows = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, len(self.ids)))
         return [[(self.ids[r], float(s)) for s, r in zip(srow, rrow, strict=True) if r >= 0]
                 for srow, rrow in zip(scores, rows, strict=True)]
+
+    def search_staged(self, query: np.ndarray, k: int,
+                      stages: int | Sequence[int] = 4) -> Iterator[tuple[Stage, list[tuple[str, float]]]]:
+        """`search` of one query [dim] in stages (corpus/staged_search.py), each with its running top-k as
+        (chunk id, inner product) hits, best first; the last stage's hits are `search`'s."""
+        if not self.ids or k < 1:
+            yield Stage(np.empty(0, np.int64), np.empty(0, np.float32), 0, True, True, 0.0), []
+            return
+        for stage in staged_search(self.index, query, min(k, len(self.ids)), stages=stages):
+            yield stage, [(self.ids[r], float(s)) for s, r in zip(stage.scores, stage.ids, strict=True) if r >= 0]
 
     # -- files ------------------------------------------------------------------------------------
     @classmethod

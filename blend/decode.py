@@ -10,6 +10,7 @@ import torch
 from kvrag import KvragError
 from kvrag.blend.model import Transformer
 from kvrag.blend.row_step import RowStep
+from kvrag.blend.step import CacheKV, Rows, run_layers
 
 STOP_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
@@ -94,17 +95,10 @@ def decode_step_reference(model: Transformer, cache: DecodeCache, token: int) ->
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")
     n = cache.length
-    pos = torch.tensor([n], device=model.device)
-    rope = model.positions_cos_sin(pos)
-    h = model.embed(torch.tensor([token], device=model.device))  # [1, D]
-    for layer in range(model.cfg.n_layers):
-        qkv = model.project(layer, h, pos, rope)
-        cache.k[layer, n] = model.rotate_keys(qkv.k, pos, rope)[0]
-        cache.v[layer, n] = qkv.v[0]
-        attn = model.attend(qkv.q, pos, cache.k[layer, : n + 1], cache.v[layer, : n + 1], None)
-        h = model.finish(layer, h, attn)
+    rows = Rows.at(model, torch.tensor([token]), torch.tensor([n]))
+    logits = run_layers(model, rows, CacheKV(model, cache, rows.pos))
     cache.length = n + 1
-    return model.logits(h)[0]
+    return logits[0]
 
 
 def choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:

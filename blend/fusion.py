@@ -40,6 +40,7 @@ from kvrag.blend.decode import DecodeCache
 from kvrag.blend.model import Transformer
 from kvrag.blend.prefill import LayerKV
 from kvrag.blend.selection import Check
+from kvrag.blend.step import Rows, layer_step
 
 DEVIATIONS = ("k", "v", "kv")
 WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
@@ -139,46 +140,87 @@ def keep_count(n_ranked: int, share: float, n_chunk: int, config: BlendConfig, r
     return min(n_ranked, math.ceil(min(1.0, share * scale) * n_chunk))
 
 
-def _assemble_kv(model: Transformer, cache: DecodeCache, layer: int, preamble: LayerKV, positions: torch.Tensor,
-                 rope, rows: torch.Tensor, rows_rope, new_k: torch.Tensor, new_v: torch.Tensor,
-                 loaded: tuple[torch.Tensor, torch.Tensor] | None, rotated_source: bool,
-                 rest_kv: list | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole prompt's rotated K and V for this layer, [N, Hkv, hd] each, assembled in place in the decode cache:
-    the preamble's, the loaded chunk rows' (cast by the copy from the store's dtype), and the computed `rows`' (indices
-    into the rows after the preamble). With `rest_kv` the rows' keys before rotary are kept there too."""
-    n_pre, n_total = len(preamble), positions.shape[0]
-    v_all = cache.v[layer, :n_total]
-    v_all[:n_pre] = preamble.v[layer]
-    if loaded is not None:
-        v_all[n_pre:n_pre + loaded[1].shape[0]] = loaded[1]
-    v_all[n_pre + rows] = new_v
-    if rotated_source:  # loaded keys come rotated: only the preamble's and the computed rows' are rotated here
-        k_rot = cache.k[layer, :n_total]
-        model.rotate_keys(preamble.k[layer], positions[:n_pre], (rope[0][:n_pre], rope[1][:n_pre]), out=k_rot[:n_pre])
+class BlendKV:
+    """A blend's KV target (blend/step.py): the whole prompt's rotated K and V for each layer, assembled in place in
+    the decode cache from the preamble's, the loaded chunk rows' (cast by the copy from the store's dtype) and the
+    computed rows' (rows.index: their places among the rows after the preamble). With `rest_kv` the rows' keys
+    before rotary are kept there too."""
+
+    def __init__(self, model: Transformer, cache: DecodeCache, preamble: LayerKV, positions: torch.Tensor, rope,
+                 rotated_source: bool, rest_kv: list | None):
+        self.model, self.cache, self.preamble, self.rest_kv = model, cache, preamble, rest_kv
+        self.positions, self.rope, self.rotated_source = positions, rope, rotated_source  # [N], cos/sin [N, 1, hd]
+        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's loaded (k, v), set by the caller
+        self.k_rot = self.v = None  # this layer's [N, Hkv, hd] each, between place and attend
+
+    def place(self, layer: int, rows: Rows, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        m, pre, loaded = self.model, self.preamble, self.loaded
+        n_pre, n_total = len(pre), self.positions.shape[0]
+        v_all = self.cache.v[layer, :n_total]
+        v_all[:n_pre] = pre.v[layer]
         if loaded is not None:
-            k_rot[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
-        k_rot[n_pre + rows] = model.rotate_keys(new_k, positions[n_pre:][rows], rows_rope)
-        return k_rot, v_all
-    k_all = torch.empty(n_total, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=model.dtype, device=model.device)
-    k_all[:n_pre] = preamble.k[layer]
-    if loaded is not None:
-        k_all[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
-    k_all[n_pre + rows] = new_k
-    if rest_kv is not None:  # views: the decoder only writes past n_total
-        rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
-    return model.rotate_keys(k_all, positions, rope, out=cache.k[layer, :n_total]), v_all
+            v_all[n_pre:n_pre + loaded[1].shape[0]] = loaded[1]
+        v_all[n_pre + rows.index] = new_v
+        self.v = v_all
+        if self.rotated_source:  # loaded keys come rotated: only the preamble's and the computed rows' are rotated here
+            k_rot = self.cache.k[layer, :n_total]
+            m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
+                          out=k_rot[:n_pre])
+            if loaded is not None:
+                k_rot[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
+            k_rot[n_pre + rows.index] = m.rotate_keys(new_k, rows.pos, rows.rope)
+            self.k_rot = k_rot
+            return
+        k_all = torch.empty(n_total, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
+        k_all[:n_pre] = pre.k[layer]
+        if loaded is not None:
+            k_all[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
+        k_all[n_pre + rows.index] = new_k
+        if self.rest_kv is not None:  # views: the decoder only writes past n_total
+            self.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
+        self.k_rot = m.rotate_keys(k_all, self.positions, self.rope, out=self.cache.k[layer, :n_total])
+
+    def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions)
 
 
-def _project(model: Transformer, layer: int, h: torch.Tensor, pos: torch.Tensor, rope, n_ranked: int | None):
-    """x (the attention input, or None), k, v and q of rows h [R, D] at positions `pos`. At a check (`n_ranked` of
-    the rows to rank, then the suffix) q is the suffix's alone: most ranked rows are dropped, and their queries
-    would be 60 % of that layer's projection; the kept ones get theirs from x once they are known."""
-    if n_ranked is None:
-        qkv = model.project(layer, h, pos, rope)
-        return None, qkv.k, qkv.v, qkv.q
-    x = model.attention_input(layer, h)  # [R, D]
-    k, v = model.project_kv(layer, x)  # [R, Hkv, hd] each
-    return x, k, v, model.queries(layer, x[n_ranked:], (rope[0][n_ranked:], rope[1][n_ranked:]))  # q [S, Hq, hd]
+class Selector:
+    """CacheBlend's check at a layer of the selection schedule (blend/step.py's one hook): every remaining row's K/V
+    is computed and placed, the chunk rows are ranked by the selection rule, and only the kept ones and the suffix
+    go on. Queries are computed for the kept rows alone: most ranked rows are dropped, and theirs would be 60 % of
+    the layer's projection."""
+
+    def __init__(self, model: Transformer, config: BlendConfig, n_chunk: int, chunk_starts: torch.Tensor | None,
+                 selected: torch.Tensor):
+        self.model, self.config, self.n_chunk, self.chunk_starts = model, config, n_chunk, chunk_starts
+        self.schedule = config.selection_schedule()
+        self.first = min(self.schedule)
+        self.ratio = config.ratio  # this prompt's share, set at the first check
+        self.selected = selected  # chunk-row indices recomputed after the latest check
+
+    def __call__(self, layer: int, rows: Rows, kv: BlendKV) -> tuple[Rows, torch.Tensor]:
+        m, n_pre = self.model, len(kv.preamble)
+        n_sel = int((rows.index < self.n_chunk).sum())  # the rows are the still-selected chunk rows, then the suffix
+        x = m.attention_input(layer, rows.h)  # [R, D]
+        new_k, new_v = m.project_kv(layer, x)  # [R, Hkv, hd] each
+        q = m.queries(layer, x[n_sel:], (rows.rope[0][n_sel:], rows.rope[1][n_sel:]))  # the suffix's [S, Hq, hd]
+        kv.place(layer, rows, new_k, new_v)
+        chunk_part = rows.index[:n_sel]
+        # fresh and loaded keys in the same frame (rotation is orthogonal: the distance is the same in either)
+        fresh_k = kv.k_rot[n_pre + chunk_part] if kv.rotated_source else new_k[:n_sel]
+        loaded_k, loaded_v = kv.loaded
+        check = Check((fresh_k, new_v[:n_sel]), (loaded_k[chunk_part], loaded_v[chunk_part]), q,
+                      kv.k_rot[n_pre + chunk_part], chunk_part, self.chunk_starts, m.cfg.group_size)
+        score = selection.score(check, self.config)
+        if layer == self.first:
+            self.ratio = prompt_ratio(score, self.n_chunk, self.config)
+        n_keep = keep_count(n_sel, self.schedule[layer], self.n_chunk, self.config, self.ratio)
+        top = torch.topk(score, n_keep).indices.sort().values
+        self.selected = chunk_part[top]
+        keep = torch.cat([top, torch.arange(n_sel, len(rows), device=top.device)])  # places within `rows`
+        rows = rows.take(keep)
+        q = torch.cat([m.queries(layer, x[top], (rows.rope[0][:n_keep], rows.rope[1][:n_keep])), q])
+        return rows, q
 
 
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
@@ -199,7 +241,6 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     n_total = n_pre + n_rest
     positions = torch.arange(n_total, device=dev)
     rope = model.positions_cos_sin(positions)
-    rest_pos = positions[n_pre:]
     cache = DecodeCache(model, n_total + extra)
     cache.length = n_total
     # chunk rows computed at every layer: those not loaded (all of them in a full prefill)
@@ -210,52 +251,26 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if rotated_source:
             raise ValueError("keep_rest keeps keys before rotary: give a source that hands them out so")
         result.rest_kv = []
-
-    schedule = config.selection_schedule() if config is not None else {}
-    first_check = min(schedule) if schedule else None
-    ratio_here = config.ratio if config is not None else 0.0  # this prompt's share, set at the first check
-    # rows (indices into rest) that go through attention and the MLP at the current layer
-    rows = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
-    h = model.embed(rest_ids[rows])  # [R, D]
-    rest_rope = (rope[0][n_pre:], rope[1][n_pre:])  # cos, sin [C + S, 1, hd]
-    rows_rope = (rest_rope[0][rows], rest_rope[1][rows])  # gathered again only when the rows change
-
+    kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
+    selector = Selector(model, config, n_chunk, chunk_starts, result.selected) if config is not None else None
+    # the rows (indices into rest) that go through attention and the MLP at the first layer
+    index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
+    rows = Rows(model.embed(rest_ids[index]), positions[n_pre:][index], (rope[0][n_pre + index], rope[1][n_pre + index]),
+                index)
     for layer in range(model.cfg.n_layers):
-        uses_loaded = loaded_rows > 0 and (config is None or layer >= first_check or exact_rows > 0)
+        uses_loaded = loaded_rows > 0 and (selector is None or layer >= selector.first or exact_rows > 0)
+        kv.loaded = None
         if uses_loaded:  # wait for the loader first, so compute spans exclude the wait
             w0 = time.perf_counter()
-            loaded_k, loaded_v = source.layer(layer)  # [loaded_rows, Hkv, hd]
+            kv.loaded = source.layer(layer)  # (k, v) [loaded_rows, Hkv, hd] each
             result.wait_s += time.perf_counter() - w0
         t0 = time.perf_counter()
-        selecting = layer in schedule and uses_loaded
-        # with a check at this layer, the rows are the still-selected chunk rows, then the suffix
-        n_sel = int((rows < n_chunk).sum()) if selecting else 0
-        x, new_k, new_v, q = _project(model, layer, h, rest_pos[rows], rows_rope, n_sel if selecting else None)
-        loaded = (loaded_k, loaded_v) if uses_loaded else None
-        k_rot, v_all = _assemble_kv(model, cache, layer, preamble, positions, rope, rows, rows_rope, new_k, new_v,
-                                    loaded, rotated_source, result.rest_kv)
-        if selecting:
-            chunk_part = rows[:n_sel]
-            # fresh and loaded keys in the same frame (rotation is orthogonal: the distance is the same in either)
-            fresh_k = k_rot[n_pre + chunk_part] if rotated_source else new_k[:n_sel]
-            check = Check((fresh_k, new_v[:n_sel]), (loaded_k[chunk_part], loaded_v[chunk_part]), q,
-                          k_rot[n_pre + chunk_part], chunk_part, chunk_starts, model.cfg.group_size)
-            score = selection.score(check, config)
-            if layer == first_check:
-                ratio_here = prompt_ratio(score, n_chunk, config)
-            n_keep = keep_count(n_sel, schedule[layer], n_chunk, config, ratio_here)
-            top = torch.topk(score, n_keep).indices.sort().values
-            result.selected = chunk_part[top]
-            keep = torch.cat([top, torch.arange(n_sel, rows.shape[0], device=dev)])  # positions within `rows`
-            rows, h = rows[keep], h[keep]
-            rows_rope = (rest_rope[0][rows], rest_rope[1][rows])
-            q = torch.cat([model.queries(layer, x[top], (rows_rope[0][:n_keep], rows_rope[1][:n_keep])), q])
-        out = model.rows_read_after(layer, rows.shape[0])  # the last layer: only the last row goes on
-        rows, h, q = rows[out], h[out], q[out]
-        attn = model.attend(q, rest_pos[rows], k_rot, v_all, positions)
-        h = model.finish(layer, h, attn)
+        check = selector if selector is not None and uses_loaded and layer in selector.schedule else None
+        rows = layer_step(model, layer, rows, kv, check)
         t1 = time.perf_counter()
         result.spans.append(("compute", layer, t0, t1))
         result.compute_s += t1 - t0
-    result.logits = model.logits(h[-1:])[0]
+    if selector is not None:
+        result.selected = selector.selected
+    result.logits = model.logits(rows.h[-1:])[0]
     return result

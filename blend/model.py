@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kvrag import KvragError
-from kvrag.blend import rotary
+from kvrag.blend import rotary, step
 from kvrag.blend.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -264,23 +264,10 @@ class Transformer:
         """
         if positions is None:
             positions = torch.arange(ids.shape[0])
-        positions = positions.to(self.device)
-        h = self.embed(ids)
-        rope = self.positions_cos_sin(positions)
-        kv = []
-        n = ids.shape[0]
-        for layer in range(self.cfg.n_layers):
-            qkv = self.project(layer, h, positions, rope)
-            k_rot = self.rotate_keys(qkv.k, positions, rope, out=None if into is None else into.k[layer, :n])
-            v = qkv.v
-            if into is None:
-                kv.append((qkv.k, qkv.v))
-            else:
-                v = into.v[layer, :n]
-                v.copy_(qkv.v)
-            out = slice(None) if all_logits else self.rows_read_after(layer, h.shape[0])
-            h = self.finish(layer, h[out], self.attend(qkv.q[out], positions[out], k_rot, v, positions))
-        return self.logits(h), kv  # h: every row, or the last alone (rows_read_after)
+        rows = step.Rows.at(self, ids, positions)
+        kv = step.GrowingKV(self, None, rows.pos) if into is None else step.CacheKV(self, into, rows.pos)
+        logits = step.run_layers(self, rows, kv, all_rows=all_logits)
+        return logits, [] if into is not None else list(zip(kv.new_k, kv.new_v, strict=True))
 
 
 RESCORED = 64  # top bf16 logits computed again in float32 (see Transformer.logits)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.blend.model import Transformer
+from kvrag.blend.step import GrowingKV, Rows, run_layers
 
 
 @dataclass
@@ -30,22 +31,8 @@ def extend(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor,
     """
     start = int(prefix.positions[-1]) + 1 if prefix is not None and len(prefix) else 0
     if positions is None:
-        positions = torch.arange(start, start + ids.shape[0], device=model.device)
-    positions = positions.to(model.device)
-    key_pos = positions if prefix is None else torch.cat([prefix.positions.to(model.device), positions])
-    rope_new = model.positions_cos_sin(positions)
-    rope_prefix = model.positions_cos_sin(prefix.positions) if prefix is not None else None
-    h = model.embed(ids)
-    new_k, new_v = [], []
-    for layer in range(model.cfg.n_layers):
-        qkv = model.project(layer, h, positions, rope_new)
-        k_rot = model.rotate_keys(qkv.k, positions, rope_new)
-        v = qkv.v
-        if prefix is not None:
-            k_rot = torch.cat([model.rotate_keys(prefix.k[layer], prefix.positions, rope_prefix), k_rot])
-            v = torch.cat([prefix.v[layer].to(model.dtype), v])
-        out = model.rows_read_after(layer, h.shape[0])
-        h = model.finish(layer, h[out], model.attend(qkv.q[out], positions[out], k_rot, v, key_pos))
-        new_k.append(qkv.k)
-        new_v.append(qkv.v)
-    return model.logits(h[-1:])[0], LayerKV(new_k, new_v, positions)
+        positions = torch.arange(start, start + ids.shape[0])
+    rows = Rows.at(model, ids, positions)
+    kv = GrowingKV(model, prefix, rows.pos)
+    logits = run_layers(model, rows, kv)
+    return logits[0], LayerKV(kv.new_k, kv.new_v, rows.pos)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrag.blend.model import Transformer
+from kvrag.blend.step import Rows, run_layers
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode as native_decode
 from kvrag.kernels.attention import attend_few_rows
@@ -49,17 +50,25 @@ class BatchDecoder:
         return m.rescored(logits, m._normed(h))
 
     def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
-        m, dev = self.model, self.model.device
-        k_all, v_all = self.kv.layer_views()  # [L, slots, Hkv, hd] each
-        rows = [self.kv.rows(t) for t in tables]  # per sequence [n_b] its slots, the new token's last
-        new_slots = torch.stack([r[-1] for r in rows])  # [B]
-        rope = (self.cos[positions], self.sin[positions])  # [B, 1, hd] each
-        h = m.embed(tokens.to(dev))  # [B, D]
-        for layer in range(m.cfg.n_layers):
-            qkv = m.project(layer, h, positions, rope)  # q [B, Hq, hd] rotated, k [B, Hkv, hd] before rotary
-            k_all[layer].index_copy_(0, new_slots, m.rotate_keys(qkv.k, positions, rope))
-            v_all[layer].index_copy_(0, new_slots, qkv.v)
-            attn = torch.cat([attend_few_rows(qkv.q[b:b + 1], k_all[layer, r], v_all[layer, r], m.cfg.group_size)
-                              for b, r in enumerate(rows)])  # [B, Hq * hd]
-            h = m.finish(layer, h, attn)
-        return m.logits(h)
+        m = self.model
+        rows = Rows(m.embed(tokens), positions, (self.cos[positions], self.sin[positions]))  # h [B, D]
+        return run_layers(m, rows, PoolKV(m, self.kv, tables), all_rows=True)  # each row is its sequence's last
+
+
+class PoolKV:
+    """The paged pool as the layer step's KV target (blend/step.py): each sequence's new row goes to the slot its
+    table made for it, and attends to its own slots alone."""
+
+    def __init__(self, model: Transformer, kv: SequenceKV, tables: Sequence[BlockTable]):
+        self.model = model
+        self.k_all, self.v_all = kv.layer_views()  # [L, slots, Hkv, hd] each
+        self.slots = [kv.rows(t) for t in tables]  # per sequence [n_b] its slots, the new token's last
+        self.new_slots = torch.stack([r[-1] for r in self.slots])  # [B]
+
+    def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_all[layer].index_copy_(0, self.new_slots, self.model.rotate_keys(k, rows.pos, rows.rope))
+        self.v_all[layer].index_copy_(0, self.new_slots, v)
+
+    def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        k, v, group = self.k_all[layer], self.v_all[layer], self.model.cfg.group_size
+        return torch.cat([attend_few_rows(q[b:b + 1], k[r], v[r], group) for b, r in enumerate(self.slots)])

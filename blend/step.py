@@ -1,0 +1,132 @@
+"""The one per-layer step every forward runs: full prefill, prefix extension, blend and decode.
+
+    rows = Rows.at(model, ids, positions)              # hidden states [R, D] at absolute positions
+    for layer in range(n_layers):
+        rows = layer_step(model, layer, rows, kv)     # project, place K/V, (check), attend, finish
+
+What differs between the forwards is where a layer's keys and values go and what the rows attend to: that is
+the KV target (`place`, `attend`). A contiguous cache (`CacheKV`: full prefill, the reference decode step), a
+prefix plus the new rows (`GrowingKV`: prefix extension), a blend's assembled prompt (fusion.BlendKV) or the
+paged pool of a batch of sequences (engine.batch_decode.PoolKV). A blend's check layer also narrows the rows
+(fusion.Selector); it is the step's one optional hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from kvrag.blend.decode import DecodeCache
+    from kvrag.blend.model import Transformer
+
+
+@dataclass
+class Rows:
+    """Token rows on their way through the layers."""
+
+    h: torch.Tensor  # [R, D] hidden states
+    pos: torch.Tensor  # [R] absolute positions
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin of `pos`, [R, 1, hd] each
+    index: torch.Tensor | None = None  # [R] the rows' places among the target's computed rows (a blend narrows them)
+
+    @classmethod
+    def at(cls, model: Transformer, ids: torch.Tensor, positions: torch.Tensor,
+           index: torch.Tensor | None = None) -> Rows:
+        positions = positions.to(model.device)
+        return cls(model.embed(ids), positions, model.positions_cos_sin(positions), index)
+
+    def take(self, which: torch.Tensor | slice) -> Rows:
+        index = None if self.index is None else self.index[which]
+        return Rows(self.h[which], self.pos[which], (self.rope[0][which], self.rope[1][which]), index)
+
+    def __len__(self) -> int:
+        return int(self.h.shape[0])
+
+
+class KVTarget(Protocol):
+    def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep this layer's keys (before rotary) and values of `rows`, [R, Hkv, hd] each."""
+
+    def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Attention of `rows`' queries q [R, Hq, hd] over this layer's keys -> [R, Hq * hd]."""
+
+
+class Narrowing(Protocol):
+    def __call__(self, layer: int, rows: Rows, kv: KVTarget) -> tuple[Rows, torch.Tensor]:
+        """Project and place the rows' K/V itself, then narrow them: the rows that go on and their queries."""
+
+
+def layer_step(model: Transformer, layer: int, rows: Rows, kv: KVTarget, check: Narrowing | None = None,
+               all_rows: bool = False) -> Rows:
+    """One layer for `rows`: q/k/v, K/V into the target, attention over it, output projection and MLP. At the
+    last layer only the last row goes on (its logits are all a prefill reads) unless `all_rows`; every row's K/V
+    is placed either way."""
+    if check is None:
+        qkv = model.project(layer, rows.h, rows.pos, rows.rope)
+        kv.place(layer, rows, qkv.k, qkv.v)
+        q = qkv.q  # [R, Hq, hd]
+    else:
+        rows, q = check(layer, rows, kv)
+    out = slice(None) if all_rows else model.rows_read_after(layer, len(rows))
+    rows, q = rows.take(out), q[out]
+    rows.h = model.finish(layer, rows.h, kv.attend(layer, q, rows))
+    return rows
+
+
+def run_layers(model: Transformer, rows: Rows, kv: KVTarget, all_rows: bool = False) -> torch.Tensor:
+    """Every layer for `rows` over `kv`; the logits of the last row ([1, V]), or of every row ([R, V])."""
+    for layer in range(model.cfg.n_layers):
+        rows = layer_step(model, layer, rows, kv, all_rows=all_rows)
+    return model.logits(rows.h)
+
+
+class CacheKV:
+    """Rows written straight into a DecodeCache at their positions (0 .. capacity-1, one slot each) and attending
+    to every slot up to theirs: a full prefill into a fresh cache, or the reference decode step."""
+
+    def __init__(self, model: Transformer, cache: DecodeCache, positions: torch.Tensor):
+        self.model, self.cache = model, cache
+        start, self.stop = int(positions[0]), int(positions[-1]) + 1
+        self.slots = slice(start, self.stop)  # the new rows: consecutive positions
+        self.key_pos = torch.arange(self.stop, device=model.device)  # [S]
+
+    def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.model.rotate_keys(k, rows.pos, rows.rope, out=self.cache.k[layer, self.slots])
+        self.cache.v[layer, self.slots] = v
+
+    def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        c = self.cache
+        return self.model.attend(q, rows.pos, c.k[layer, :self.stop], c.v[layer, :self.stop], self.key_pos)
+
+
+class GrowingKV:
+    """New rows after an optional prefix whose keys are kept before rotary (LayerKV-like: per-layer k, v and
+    positions): each layer's keys are rotated at use, and the new rows' K (before rotary) and V are collected."""
+
+    def __init__(self, model: Transformer, prefix, positions: torch.Tensor):
+        self.model, self.prefix = model, prefix
+        self.new_k: list[torch.Tensor] = []  # per layer [R, Hkv, hd], before rotary
+        self.new_v: list[torch.Tensor] = []  # per layer [R, Hkv, hd]
+        if prefix is None:
+            self.key_pos = positions.to(model.device)
+        else:
+            self.prefix_pos = prefix.positions.to(model.device)
+            self.prefix_rope = model.positions_cos_sin(prefix.positions)
+            self.key_pos = torch.cat([self.prefix_pos, positions.to(model.device)])  # [S]
+        self.k_rot = self.v = None  # this layer's, between place and attend
+
+    def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.new_k.append(k)
+        self.new_v.append(v)
+        k_rot = self.model.rotate_keys(k, rows.pos, rows.rope)
+        if self.prefix is not None:
+            p = self.prefix
+            k_rot = torch.cat([self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope), k_rot])
+            v = torch.cat([p.v[layer].to(self.model.dtype), v])
+        self.k_rot, self.v = k_rot, v
+
+    def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos)

@@ -5,8 +5,8 @@ slices, closest lists first (faiss `search_preassigned` on the quantizer's assig
 time), merges each slice's top-k into the running one and yields it. The running top-k only ever
 improves, and after the last slice it is the full `index.search` result (same ids, same scores: each
 vector's score is computed by the same code whichever slice holds it; equal scores are ordered as faiss
-orders them, except that a tie exactly at the k-th place may keep a different one of the tied vectors). A caller may start a
-speculative prefill on a stage whose top-k changed and keep it if the final top-k is the same.
+orders them, except that a tie exactly at the k-th place may keep another of the tied vectors). A caller
+may start a speculative prefill on a stage whose top-k changed and keep it if the final top-k is the same.
 
 Indexes that are not IVF (Flat, HNSW, a refined IVF, ...) give one final stage from `index.search`.
 """
@@ -28,7 +28,7 @@ class Stage:
     lists: int  # inverted lists searched so far (nprobe at the final stage; 0 for a non-IVF index)
     final: bool
     changed: bool  # ids differ from the previous stage's (always True at the first stage)
-    elapsed: float  # seconds the search itself has run so far (time the caller spends between stages excluded)
+    elapsed: float  # seconds the search itself has run so far (the caller's time between stages excluded)
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ def _search_lists(ivf: faiss.IndexIVF, query: np.ndarray, k: int, lists: np.ndar
     ids = np.empty((1, k), dtype=np.int64)
     # nprobe through the parameters, not the index: the index may be shared with other threads
     params = faiss.SearchParametersIVF(nprobe=lists.shape[1])
-    ivf.search_preassigned_c(1, faiss.swig_ptr(query), k, faiss.swig_ptr(lists), faiss.swig_ptr(coarse_scores),
-                             faiss.swig_ptr(scores), faiss.swig_ptr(ids), False, params)
+    p = faiss.swig_ptr
+    ivf.search_preassigned_c(1, p(query), k, p(lists), p(coarse_scores), p(scores), p(ids), False, params)
     return scores, ids
 
 
@@ -116,7 +116,8 @@ def _unwrap(index: faiss.Index) -> _Unwrapped | None:
     index = faiss.downcast_index(index)
     while True:
         if isinstance(index, faiss.IndexPreTransform):
-            transforms += [faiss.downcast_VectorTransform(index.chain.at(i)) for i in range(index.chain.size())]
+            chain = index.chain
+            transforms += [faiss.downcast_VectorTransform(chain.at(i)) for i in range(chain.size())]
             index = faiss.downcast_index(index.index)
         elif isinstance(index, faiss.IndexIDMap | faiss.IndexIDMap2):
             # a view of the id map, not a copy: it lives as long as the index

@@ -1,5 +1,5 @@
 """Staged IVF search (corpus/staged_search.py): the last stage is `index.search` exactly, every stage is the
-exact top-k over the lists searched so far (checked by brute force in numpy), and non-IVF indexes give one stage."""
+exact top-k over the lists searched so far (brute force in numpy), and a non-IVF index gives one stage."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_last_stage_is_the_full_search(ivf_flat, data, nprobe, stages, k):
 
 
 def test_every_stage_is_the_exact_topk_of_its_lists(ivf_flat, data):
-    """Each stage against brute force over the vectors of the lists it has searched; scores never get worse."""
+    """Each stage against brute force over the vectors of the lists it has searched; no score gets worse."""
     vectors, queries = data
     ivf = faiss.extract_index_ivf(ivf_flat)
     _, home = ivf.quantizer.search(vectors, 1)  # [n, 1] the list each vector was added to
@@ -145,3 +145,23 @@ def test_vector_index_staged_hits_end_as_search(data):
             assert len(stages) == (count or 4)
     empty = VectorIndex.build([], np.empty((0, DIM), np.float32), "Flat", "test-embedder")
     assert [hits for _, hits in empty.search_staged(queries[0], 5)] == [[]]
+
+
+def test_search_bench_small(tmp_path):
+    """The benchmark end to end on a small IVF: its final stage is the plain search for every query, the index
+    is cached, and a non-IVF factory is refused in one line."""
+    from kvrag import KvragError
+    from kvrag.bench.search import SearchBenchConfig, run
+
+    cfg = SearchBenchConfig(work=tmp_path, count=6000, dim=32, topics=20, subtopics=200, queries=12,
+                            nprobes=(8,), stages=(3,), factory="IVF32,Flat")
+    logs: list[str] = []
+    report = run(cfg, log=logs.append)
+    assert [c["queries"] for c in report["cells"]] == ["near", "far", "random"]
+    for cell in report["cells"]:
+        assert cell["final_equals_search"] == 1.0 and len(cell["stage_ms"]) == 3
+        assert 1.0 <= cell["prefills_started"] <= 3.0 and 0.0 <= cell["first_stage_final"] <= 1.0
+    run(cfg, log=logs.append)
+    assert any(line.startswith("loading ") for line in logs)
+    with pytest.raises(KvragError, match="not an IVF index"):
+        run(SearchBenchConfig(work=tmp_path, count=6000, dim=32, factory="Flat"), log=logs.append)

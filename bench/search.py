@@ -28,7 +28,7 @@ import numpy as np
 
 from kvrag import KvragError
 from kvrag.corpus.staged_search import staged_search
-from kvrag.corpus.vector_index import choose_factory, default_nprobe
+from kvrag.corpus.vector_index import check_factory, choose_factory, default_nprobe
 
 QUERY_SPREAD = {"near": 1.0, "far": 2.0, "random": None}  # noise/centre norm ratio of a query; None: uniform
 
@@ -84,11 +84,13 @@ def build_index(cfg: SearchBenchConfig, subs: np.ndarray, log) -> faiss.Index:
     if path.exists():
         log(f"loading {path}")
         return faiss.read_index(str(path))
+    check_factory(factory, cfg.dim)
     index = faiss.index_factory(cfg.dim, factory, faiss.METRIC_INNER_PRODUCT)
     if faiss.try_extract_index_ivf(index) is None:
         raise KvragError(f"{factory} is not an IVF index: nothing to stage (use over 100,000 vectors)")
-    size = 100_000
-    nlist = faiss.extract_index_ivf(index).nlist
+    size, nlist = 100_000, faiss.extract_index_ivf(index).nlist
+    if cfg.count < nlist:
+        raise KvragError(f"{cfg.count} vectors cannot train {nlist} inverted lists")
     train = min(cfg.count, 40 * nlist)
     sample = np.concatenate([corpus_block(cfg, subs, b, size) for b in range(-(-train // size))])[:train]
     start = time.perf_counter()

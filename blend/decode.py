@@ -62,14 +62,38 @@ class DecodeCache:
         return self.k.shape[1]
 
 
-@torch.inference_mode()
+class ChunkedPrefill:
+    """A full prefill of ids [T] run a piece at a time: each piece is one pass of every layer over the next tokens,
+    attending to every token before them in the cache. An engine decodes its running sequences between the pieces
+    of a long prompt instead of stalling them all for its whole prefill."""
+
+    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int):
+        self.model, self.ids = model, ids
+        self.cache = DecodeCache(model, ids.shape[0] + extra)
+        self.logits: torch.Tensor | None = None  # [V] at the last position, once every piece has run
+
+    @property
+    def done(self) -> bool:
+        return self.cache.length == self.ids.shape[0]
+
+    @torch.inference_mode()
+    def advance(self, tokens: int) -> bool:
+        """Run the next `tokens` positions (at least one); True when the whole prompt is in the cache."""
+        start = self.cache.length
+        stop = min(start + max(tokens, 1), self.ids.shape[0])
+        rows = Rows.at(self.model, self.ids[start:stop], torch.arange(start, stop))
+        logits = run_layers(self.model, rows, CacheKV(self.model, self.cache, rows.pos))  # [1, V]
+        self.cache.length = stop
+        if self.done:
+            self.logits = logits[0]
+        return self.done
+
+
 def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Tensor, DecodeCache]:
-    """Plain full prefill of ids [T]: last-position logits [V] and a cache ready for decoding."""
-    positions = torch.arange(ids.shape[0], device=model.device)
-    cache = DecodeCache(model, ids.shape[0] + extra)
-    logits, _ = model.full_forward(ids, positions, into=cache)  # each layer's K and V straight into the cache
-    cache.length = ids.shape[0]
-    return logits[0], cache
+    """Plain full prefill of ids [T] in one piece: last-position logits [V] and a cache ready for decoding."""
+    job = ChunkedPrefill(model, ids, extra)
+    job.advance(ids.shape[0])
+    return job.logits, job.cache
 
 
 @torch.inference_mode()

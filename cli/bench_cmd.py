@@ -146,8 +146,8 @@ def _cache_spec(host_cache: str, gpu_cache: str, policy: str, sizes: str, reques
 def _measure(console, store, dataset, data, split, questions, chosen, config, poisson, cache_spec, model_options,
              compress, selection_options, no_workloads) -> dict:
     """Load the model over the store, pick the items, run every method on them and build the report."""
+    from kvrag.home import default_store_dir, kvrag_home
     from kvrag.store.env import StoreEnv
-    from kvrag.store.home import default_store_dir, kvrag_home
 
     load_start = _warn_if_busy(console)
     store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from kvrag import KvragError
-from kvrag.store.home import default_store_dir
+from kvrag.home import default_store_dir
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a process stopped by Ctrl-C
 
@@ -18,7 +18,7 @@ MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
                             help="Local Hugging Face model directory (default: SmolLM2-135M-Instruct).")
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
-# The envvar is declared for --help; store.home.default_store_dir reads the same variable when --store is unset.
+# The envvar is declared for --help; kvrag.home.default_store_dir reads the same variable when --store is unset.
 STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,

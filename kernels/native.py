@@ -19,8 +19,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from kvrag.home import kvrag_home
 from kvrag.kernels.cpu import cpu_flags
-from kvrag.store.home import kvrag_home
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # not compiled on their own, but part of the build

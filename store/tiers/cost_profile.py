@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrag import KvragError
-from kvrag.store.home import kvrag_home
+from kvrag.home import kvrag_home
 
 PROFILE_VERSION = 1
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,11 +44,12 @@ class KVRag:
     def __init__(self, store: str | Path, *, model: str | None = None, dtype: str | None = None,
                  device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
                  host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
-                 max_running: int = 32, reorder_window: int = 8, native: bool = True, preload_retriever: bool = True,
-                 tune_process: bool = False):
+                 max_running: int = 32, reorder_window: int = 8, max_waiting: int = 0, native: bool = True,
+                 preload_retriever: bool = True, tune_process: bool = False):
         """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
         sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
-        turns them off). The retriever loads beside the model unless preload_retriever is False (then at the
+        turns them off). max_waiting: refuse a new request (engine.scheduler.QueueFull) while that many wait
+        (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
         first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator
         for the whole process (faster prefills; what `kvrag ask` does)."""
         from kvrag.blend.memory import build_cache
@@ -66,7 +67,7 @@ class KVRag:
             cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
             prefiller = Engine(self.runtime, self.env, codec, cache=cache)
             config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
-                                  reorder_window), codec=codec, native=native)
+                                  reorder_window, max_waiting), codec=codec, native=native)
             self.engine = LLMEngine(prefiller, config)
             self.load_timings["model_load"] = time.perf_counter() - start
         except BaseException:
@@ -81,11 +82,13 @@ class KVRag:
     def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5,
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str = "auto", max_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None) -> Generation:
+               top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
+               listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
-        ratio."""
+        ratio. `listener`: called with no arguments from the engine's thread after each token and at the end
+        (to wake an event loop that reads `Generation.seq.events` without blocking)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
         start = time.perf_counter()
@@ -98,7 +101,7 @@ class KVRag:
             raise KvragError(f"ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
         request = Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto,
                           SamplingConfig(max_tokens, temperature, top_p, seed), tuple(sources))
-        return Generation(self, self.loop.submit(request), retrieve_s)
+        return Generation(self, self.loop.submit(request, listener), retrieve_s)
 
     def ask(self, question: str, **options) -> Answer:
         """Answer one question (the options of `submit`) and return when it is done."""

@@ -77,6 +77,7 @@ def _register_commands() -> None:
         index_cmd,
         model_cmd,
         precompute_cmd,
+        serve_cmd,
         store_cmd,
     )
 

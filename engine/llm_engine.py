@@ -26,6 +26,10 @@ from kvrag.store.tiers.reorder import order_priority
 SUFFIX_GUESS = 40  # question-suffix tokens assumed by the ratio controller before the question is tokenized
 
 
+class PromptTooLong(KvragError):
+    """A request longer than the model's context or the KV pool: it can never run here (the message names both)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     kv_budget_bytes: int = 1 << 30  # the running sequences' KV pool
@@ -64,15 +68,26 @@ class LLMEngine:
         prompt = len(prompts.preamble_ids) + sum(len(ids) for _, ids in request.chunks) + len(suffix)
         longest = prompt + request.sampling.max_tokens
         if longest > self.max_positions:
-            raise KvragError(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
+            raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
         if self.kv.blocks_needed(longest) + len(self.kv.shared) > self.kv.pool.num_blocks:
-            raise KvragError(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
+            raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
                              f"than the pool's {self.kv.pool.capacity_bytes} bytes hold")
         return Sequence(next(self._ids), request, prompt)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- occupancy (read from any thread: plain counts, a step may change them the next moment) --------
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv.pool.num_free
+
+    @property
+    def sequence_blocks(self) -> int:
+        """Pool blocks held by sequences (the preamble's shared blocks aside): 0 once every sequence is done."""
+        return self.kv.pool.num_blocks - self.kv.pool.num_free - len(self.kv.shared)
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -107,7 +122,8 @@ class LLMEngine:
             seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
                                 "bytes_loaded": pre.bytes_loaded, "chunk_tiers": pre.chunk_tiers,
-                                "ratio": config.ratio if req.mode == "blend" else None}
+                                "ratio": config.ratio if req.mode == "blend" else None,
+                                "reused_tokens": self._reused_tokens(req, pre)}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, choose(pre.logits, req.sampling, seq.generator))
@@ -135,7 +151,7 @@ class LLMEngine:
             self._finish(seq, "stop")
             return
         seq.output.append(token)
-        seq.events.put(token)
+        seq.push(token)
         if len(seq.output) >= seq.request.sampling.max_tokens:
             self._finish(seq, "length")
 
@@ -147,8 +163,19 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
-        seq.events.put(DONE)
+        seq.push(DONE)
         seq.done.set()
+
+    def _reused_tokens(self, req: Request, pre) -> int:
+        """Prompt tokens whose KV came from the store or a memory tier and was not recomputed: the preamble and
+        the chunk tokens the blend kept (a chunk computed now, missing or damaged in the store, counts as computed).
+        A lower bound: a computed chunk's rows the blend also selected are counted once."""
+        if req.mode == "full":
+            return 0
+        tiers = zip(req.chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
+        computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
+        kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
+        return len(self.prefiller.preamble) + kept
 
     def _order_priority(self, seq: Sequence) -> float:
         """RAGCache's order: tokens whose KV the memory tiers hold per token to compute (no tiers: all equal)."""

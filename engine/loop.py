@@ -1,7 +1,8 @@
 """The engine on a thread of its own: any thread submits, cancels and reads streams; one thread steps.
 
 Submitted sequences reach the engine through an inbox drained before each step, so the scheduler's queues are
-only ever touched by the engine's thread. An unexpected error in a step fails the sequences then in the engine
+only ever touched by the engine's thread. With `max_waiting` set, a submission is refused (QueueFull) while that
+many requests wait, counting those still in the inbox. An unexpected error in a step fails the sequences then in the engine
 (each with the error's message) and the loop goes on with the next requests.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from kvrag.engine.llm_engine import LLMEngine
+from kvrag.engine.scheduler import QueueFull
 from kvrag.engine.sequence import Request, Sequence
 
 
@@ -21,17 +24,32 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._lock = threading.Lock()  # a submission and close, or two submissions against the bound, in turn
         self._thread = threading.Thread(target=self._run, name="kvrag-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> Sequence:
-        """Queue a request (KvragError at once when it cannot run here); its tokens arrive on `seq.events`."""
-        if self._stopping:
-            raise RuntimeError("the engine is closed")
+    def submit(self, request: Request, listener: Callable[[], None] | None = None) -> Sequence:
+        """Queue a request (KvragError at once when it cannot run here, QueueFull when the queue is full); its
+        tokens arrive on `seq.events`, and `listener` (if any) is called from the engine's thread after each."""
         seq = self.engine.new_sequence(request)
-        self._inbox.put(seq)
+        seq.listener = listener
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is closed")
+            bound = self.engine.scheduler.config.max_waiting
+            if bound and self.waiting() >= bound:
+                raise QueueFull(f"{bound} requests are already waiting; try again shortly")
+            self._inbox.put(seq)
         self._wake.set()
         return seq
+
+    def waiting(self) -> int:
+        """Requests waiting for a prefill, those not yet taken from the inbox included (any thread)."""
+        # the scheduler's queue first: one moved from the inbox in between is missed once, never counted twice
+        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+
+    def running(self) -> int:
+        return len(self.engine.scheduler.running)
 
     def cancel(self, seq: Sequence) -> None:
         """Finish a sequence at the engine's next step (its blocks go back to the pool)."""
@@ -40,7 +58,8 @@ class EngineLoop:
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel what is queued or running, then stop the thread."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
 

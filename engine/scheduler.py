@@ -8,6 +8,9 @@ Sequences preempted while running go before all others.
 When a running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks go back to the pool and it waits at the front of the queue to be prefilled again (recompute, as vLLM and
 nano-vllm do); it then re-feeds the tokens it had generated, so no request fails for lack of memory.
+
+`max_waiting` bounds the queue: the engine's loop refuses a new request (QueueFull) while that many wait, so a
+server under more load than it can serve says so at once instead of letting every request's wait grow.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrag import KvragError
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.sequence import Sequence, Status
+
+
+class QueueFull(KvragError):
+    """A request refused because `max_waiting` requests already wait: try again later."""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 32  # sequences decoding together: the batch's largest size
     reorder_window: int = 8  # cache-aware reordering passes a request over at most this often (0: FIFO)
+    max_waiting: int = 0  # requests allowed to wait for a prefill before new ones are refused (0: no bound)
 
 
 class Scheduler:

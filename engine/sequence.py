@@ -10,6 +10,7 @@ import enum
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,13 @@ class Sequence:
         self.generator = _generator(request.sampling)
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then DONE: for streaming readers
         self.done = threading.Event()  # set once finished, for readers that wait for the whole answer
+        self.listener: Callable[[], None] | None = None  # called after each event (wakes an asyncio reader)
+
+    def push(self, event: int | None) -> None:
+        """Hand a token (or DONE) to the reader, from the engine's thread."""
+        self.events.put(event)
+        if self.listener is not None:
+            self.listener()
 
     @property
     def feed_token(self) -> int:
@@ -77,6 +85,16 @@ class Sequence:
     def queued_s(self) -> float:
         """Seconds from arrival to the start of its first prefill (so far, while it waits)."""
         return (self.prefill_started or time.perf_counter()) - self.arrival
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV was reused (stored, or in a memory tier) rather than computed: 0 until prefilled."""
+        return self.prefill_info.get("reused_tokens", 0)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens whose KV was computed: recomputed by the blend, or prefilled (0 until prefilled)."""
+        return self.prompt_tokens - self.reused_tokens if self.prefill_info else 0
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,81 @@
+"""`kvrag serve`: the OpenAI-compatible RAG server (server/) over one store and one model, loaded once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvrag.cli.app import app
+from kvrag.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    MODEL_OPTION,
+    STORE_OPTION,
+    resolve_store,
+    stderr_console,
+)
+
+
+@app.command("serve")
+def serve_command(
+    store: Path = STORE_OPTION,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="KVRAG_API_KEY",
+                                help="Require `Authorization: Bearer KEY` on /v1/* (default: no key)."),
+    model_name: str = typer.Option(None, "--model-name",
+                                   help="The model id clients name (default: the model directory's name)."),
+    max_waiting: int = typer.Option(64, "--max-waiting", min=0,
+                                    help="Requests that may wait for a prefill; more get 429 (0: no bound)."),
+    max_running: int = typer.Option(32, "--max-running", min=1, help="Sequences decoding together, at most."),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1,
+                                   help="Longest answer, in tokens, for a request that names no max_tokens."),
+    kv_budget: str = typer.Option("1GiB", "--kv-budget", help="Memory for the running sequences' KV."),
+    grace: float = typer.Option(10.0, "--grace", min=0.0,
+                                help="Seconds running requests get to finish on SIGTERM or Ctrl-C."),
+    codec: str = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8."),
+    host_cache: str = typer.Option(None, "--host-cache", envvar="KVRAG_HOST_CACHE",
+                                   help="Memory for hot chunks' KV across requests, e.g. 4GiB (default; 0 turns "
+                                        "the tiers off)."),
+    gpu_cache: str = typer.Option(None, "--gpu-cache", envvar="KVRAG_GPU_CACHE",
+                                  help="GPU memory tier on CUDA (default 2GiB)."),
+    cache_policy: str = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
+                                     help="pgdsf (default), gdsf, lru or lfu."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+) -> None:
+    """Serve the store over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics. SIGTERM or Ctrl-C stops accepting, lets running requests finish (--grace), then exits.
+
+    Example: kvrag serve --store ./my-store --port 8000
+    """
+    import torch
+
+    from kvrag.api import KVRag
+    from kvrag.server.app import ServerSettings
+    from kvrag.server.run import bind, listen, serve
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.keys import codec_id
+    from kvrag.store.tiers.config import CacheConfig, parse_bytes
+
+    codec_id(codec)
+    parse_bytes(kv_budget, "--kv-budget")
+    CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
+    path = resolve_store(store)
+    StoreEnv.open(path).close()  # not a store: said before anything loads
+    sock = bind(host, port)  # before the model loads: a port in use is said at once
+    console = stderr_console()
+    try:
+        console.print(f"loading the model for {path} ...", soft_wrap=True)
+        with KVRag(path, model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
+                   host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running,
+                   max_waiting=max_waiting, tune_process=True) as rag:
+            settings = ServerSettings(model_name or rag.runtime.local.name, api_key or None, max_tokens)
+            console.print(f"serving {settings.model_name} on {listen(sock)}/v1"
+                          f"{' (API key required)' if settings.api_key else ''}; SIGTERM or Ctrl-C stops",
+                          soft_wrap=True)  # one line, whatever the width: scripts read the URL off it
+            serve(rag, settings, sock, grace)
+    finally:
+        sock.close()

@@ -1,0 +1,1 @@
+"""kvrag serve: an OpenAI-compatible RAG server over one KVRag (one model, one engine)."""

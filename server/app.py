@@ -1,0 +1,181 @@
+"""The OpenAI-compatible app over one KVRag: every request goes through its one engine (one model, one KV pool,
+the memory tiers shared by all).
+
+    GET  /v1/models             the one model this server serves
+    POST /v1/chat/completions   the last user message is the question; streamed as server-sent events or not
+    POST /v1/completions        the prompt is the question
+    GET  /health                liveness, with the queue's length
+    GET  /metrics               Prometheus text (server/metrics.py)
+
+`create_app(rag, settings)` builds it for any ASGI server: `kvrag serve` runs it under uvicorn (server/run.py),
+a benchmark or a test may run it in-process. The app never closes the KVRag it was given.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvrag import KvragError
+from kvrag.api import KVRag
+from kvrag.engine.llm_engine import PromptTooLong
+from kvrag.engine.scheduler import QueueFull
+from kvrag.server.errors import ApiError, error_body, install_handlers
+from kvrag.server.generate import GenerationFailed, Run
+from kvrag.server.metrics import Metrics
+from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest
+from kvrag.server.responses import Ids, chat_completion, completion, sse, stream_chunk, usage_chunk
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the id /v1/models lists and every request must name
+    api_key: str | None = None  # when set, /v1/* wants `Authorization: Bearer <key>`
+    max_tokens: int = 256  # a request's longest answer when it names none
+    retry_after_s: int = 1  # what a 429 (full queue) tells the client to wait
+
+
+def create_app(rag: KVRag, settings: ServerSettings) -> FastAPI:
+    server = Server(rag, settings)
+    app = FastAPI(title="kvrag", summary="OpenAI-compatible RAG over precomputed KV caches", docs_url=None,
+                  redoc_url=None)
+    app.state.server = server
+    install_handlers(app)
+    auth = [Depends(_key_check(settings.api_key))] if settings.api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/models/{model_id}", server.model, methods=["GET"])
+    v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
+    v1.add_api_route("/completions", server.completions, methods=["POST"])
+    app.include_router(v1)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    return app
+
+
+class Server:
+    def __init__(self, rag: KVRag, settings: ServerSettings):
+        self.rag, self.settings = rag, settings
+        self.metrics = Metrics(rag)
+        self.started = int(time.time())
+        self.runs: set[Run] = set()  # requests in the engine, for cancel_all
+
+    def cancel_all(self) -> None:
+        """Cancel every request in the engine: each ends at once, a stream with an error event, a whole answer with
+        a 503 (the end of a shutdown's grace period)."""
+        for run in list(self.runs):
+            run.gen.cancel()
+
+    # ---- endpoints ------------------------------------------------------------------------------
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def chat(self, body: ChatRequest):
+        return await self._serve("chat", body)
+
+    async def completions(self, body: CompletionRequest):
+        return await self._serve("completions", body)
+
+    async def health(self) -> dict:
+        return {"status": "ok", "model": self.settings.model_name, "waiting": self.rag.loop.waiting(),
+                "running": self.rag.loop.running()}
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- a generation -----------------------------------------------------------------------------
+
+    async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest):
+        run = await self._start(endpoint, body, time.perf_counter())
+        ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._events(endpoint, run, ids, usage), media_type="text/event-stream")
+        try:
+            text = await run.text()
+        except GenerationFailed as exc:
+            raise ApiError(exc.status, str(exc)) from None
+        finally:
+            self._record(endpoint, run)
+        return (chat_completion if endpoint == "chat" else completion)(ids, run, text)
+
+    async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> Run:
+        """Check the request and submit it, every refusal as an ApiError."""
+        self._check_model(body.model)
+        question_field = "messages" if endpoint == "chat" else "prompt"
+        try:
+            question, options = body.question(), body.options(self.settings.max_tokens)
+            run = await Run.start(self.rag, question, options, body.stops(), arrival)
+            self.runs.add(run)
+            return run
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except QueueFull as exc:
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise ApiError(429, str(exc), code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except PromptTooLong as exc:
+            raise ApiError(400, str(exc), param=question_field, code="context_length_exceeded") from None
+        except KvragError as exc:
+            raise ApiError(400, str(exc)) from None
+        except RuntimeError as exc:  # the engine has closed: the server is shutting down
+            raise ApiError(503, f"the server is shutting down ({exc})") from None
+
+    async def _events(self, endpoint: str, run: Run, ids: Ids, include_usage: bool):
+        """The stream's server-sent events; a client that goes away cancels the sequence (finally)."""
+        first = True
+        try:
+            async for piece in run.pieces():
+                extra = {"sources": run.sources()} if first else {}
+                yield sse(stream_chunk(endpoint, ids, piece, first=first, **extra))
+                first = False
+            if first:  # an empty answer still says who speaks and from what
+                yield sse(stream_chunk(endpoint, ids, "", first=True, sources=run.sources()))
+            yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason))
+            if include_usage:
+                yield sse(usage_chunk(ids, "chat.completion.chunk" if endpoint == "chat" else "text_completion",
+                                      run))
+        except GenerationFailed as exc:
+            yield sse(error_body(exc.status, str(exc)))
+        finally:
+            self._record(endpoint, run)
+        yield sse("[DONE]")
+
+    def _record(self, endpoint: str, run: Run) -> None:
+        self.runs.discard(run)
+        outcome = "disconnected" if run.close() else run.finish_reason or run.seq.finish_reason or "error"
+        self.metrics.finished(endpoint, outcome, run.seq, run.arrival)
+
+    # ---- checks -----------------------------------------------------------------------------------
+
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
+
+
+def _key_check(api_key: str):
+    """A dependency that wants `Authorization: Bearer <api_key>` (compared in constant time)."""
+    expected = api_key.encode()
+
+    async def check(authorization: str | None = Header(None)) -> None:
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            message = "incorrect API key provided" if authorization else "an API key is required: " \
+                      "Authorization: Bearer <key>"
+            raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check

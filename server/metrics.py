@@ -1,0 +1,75 @@
+"""The server's Prometheus metrics, in a registry of its own (several apps in one process never share counts).
+
+Per request: time to first token and total latency (from the request's arrival, retrieval included), outcomes,
+prompt tokens by whether their KV was reused or computed, generated tokens, and where each chunk's KV came from.
+Read at each scrape: the engine's queue, running sequences, free KV-pool blocks, and the memory tiers' hit rates.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kvrag.api import KVRag
+
+SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class Metrics:
+    def __init__(self, rag: KVRag):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("kvrag_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=SECONDS, registry=r)
+        self.latency = Histogram("kvrag_request_latency_seconds", "Request arrival to its last token",
+                                 buckets=SECONDS, registry=r)
+        self.requests = Counter("kvrag_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvrag_prompt_tokens", "Prompt tokens by how their KV was had: reused "
+                                     "(stored or in a memory tier) or computed (recomputed, prefilled)", ["kv"],
+                                     registry=r)
+        self.generated = Counter("kvrag_generated_tokens", "Tokens generated", registry=r)
+        self.chunks = Counter("kvrag_chunks", "Prompt chunks by where their KV came from: tree (the chunk "
+                              "sequence reused exactly), host/gpu (a memory tier), store, computed", ["tier"],
+                              registry=r)
+        r.register(_EngineState(rag))
+
+    def finished(self, endpoint: str, outcome: str, seq, arrival: float) -> None:
+        """Count a request that reached the engine: its outcome, latency and tokens."""
+        self.requests.labels(endpoint, outcome).inc()
+        if seq.first_token_at is not None:
+            self.ttft.observe(seq.first_token_at - arrival)
+        if seq.finished_at is not None:
+            self.latency.observe(seq.finished_at - arrival)
+        if seq.prefill_info:
+            self.prompt_tokens.labels("reused").inc(seq.reused_tokens)
+            self.prompt_tokens.labels("computed").inc(seq.computed_tokens)
+            for tier in seq.prefill_info.get("chunk_tiers", ()):
+                self.chunks.labels(tier).inc()
+        self.generated.inc(len(seq.output))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineState:
+    """Gauges read from the engine at scrape time (plain counts another thread may change a moment later)."""
+
+    def __init__(self, rag: KVRag):
+        self.rag = rag
+
+    def collect(self):
+        loop, engine, cache = self.rag.loop, self.rag.engine, self.rag.engine.prefiller.cache
+        yield GaugeMetricFamily("kvrag_queue_length", "Requests waiting for a prefill", value=loop.waiting())
+        yield GaugeMetricFamily("kvrag_running_sequences", "Sequences prefilled and decoding", value=loop.running())
+        yield GaugeMetricFamily("kvrag_kv_pool_free_blocks", "Free blocks of the running sequences' KV pool",
+                                value=engine.free_blocks)
+        yield GaugeMetricFamily("kvrag_kv_pool_blocks", "Blocks of the running sequences' KV pool",
+                                value=engine.kv.pool.num_blocks)
+        hits = GaugeMetricFamily("kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: prefix "
+                                 "(reused exactly on a seen chunk sequence), memory (read from a tier)",
+                                 labels=["kind"])
+        stats = cache.stats if cache is not None else None
+        hits.add_metric(["prefix"], stats.prefix_hit_rate if stats else 0.0)
+        hits.add_metric(["memory"], stats.memory_hit_rate if stats else 0.0)
+        yield hits

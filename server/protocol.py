@@ -1,0 +1,126 @@
+"""The request bodies the server takes: OpenAI's fields that matter here, and kvrag's own as extra fields.
+
+Known fields are checked strictly (a string where a number belongs is a 400, not a coercion); fields this server
+does not know are ignored, as clients send many (`frequency_penalty`, `user`, ...). kvrag's extra fields, which
+the `openai` client sends with `extra_body={...}`:
+
+    k, relative_cutoff      retrieval: the k best chunks, dropping those under relative_cutoff x the best score
+    chunk_ids               chunks of the store to answer from, instead of retrieval
+    passages                your own passages, [{"title": ..., "text": ...}] or plain strings, instead of both
+    mode                    blend (default), full, prefix or reuse
+    ratio                   the share of chunk tokens a blend recomputes, 0..1, or "auto" (default)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BadField(ValueError):
+    """A field whose value this server cannot serve, though well-typed: a 400 naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Passage(_Body):
+    title: str = ""
+    text: str
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class Message(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text: the string, or its text parts joined (images and the like have none)."""
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content if part.type == "text")
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generate(_Body):
+    """Fields both endpoints share: OpenAI's sampling and streaming, kvrag's retrieval and blending."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=4)
+    n: int | None = None  # one choice per request
+    logprobs: bool | None = None  # not available
+    # kvrag's extra fields
+    k: int = Field(5, ge=1, le=1000)
+    relative_cutoff: float = Field(0.5, ge=0, le=1)
+    chunk_ids: list[str] | None = None
+    passages: list[Passage | str] | None = None
+    mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
+    ratio: float | Literal["auto"] = "auto"
+
+    def stops(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(s for s in stop if s)
+
+    def options(self, default_max_tokens: int) -> dict:
+        """Keyword arguments for KVRag.submit (the question aside). Unset sampling fields take kvrag's defaults:
+        greedy (temperature 0), which answers the same every time, unlike OpenAI's default of 1."""
+        if isinstance(self.ratio, float) and not 0 <= self.ratio <= 1:
+            raise BadField("ratio", f"ratio must be between 0 and 1, or 'auto', got {self.ratio}")
+        if self.n not in (None, 1):
+            raise BadField("n", f"this server returns one choice per request (n=1), got n={self.n}")
+        if self.logprobs:
+            raise BadField("logprobs", "this server does not return logprobs")
+        passages = None
+        if self.passages is not None:
+            passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
+        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
+                "passages": passages, "mode": self.mode, "ratio": self.ratio,
+                "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
+                "top_p": self.top_p or 1.0, "seed": self.seed}
+
+
+class ChatRequest(_Generate):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    def question(self) -> str:
+        """The last user message: the question the server retrieves for and answers (earlier turns are not
+        used: kvrag's prompt is its own, passages then the question)."""
+        for message in reversed(self.messages):
+            if message.role == "user":
+                return message.text()
+        return ""
+
+    def options(self, default_max_tokens: int) -> dict:
+        return {**super().options(default_max_tokens),
+                "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens}
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[str] = Field(min_length=1)
+
+    def question(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) > 1:
+            raise BadField("prompt", f"one prompt per request, got {len(self.prompt)}")
+        return self.prompt[0]

@@ -1,0 +1,65 @@
+"""Response bodies in OpenAI's shapes: chat completions and text completions, whole or as stream chunks.
+
+Each carries kvrag's `sources` (extra field: the chunks the answer was given, with the tier their KV came from),
+and `usage` with `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused rather than computed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kvrag.server.generate import Run
+
+
+class Ids:
+    """One response's id and creation time, the same on every chunk of a stream."""
+
+    def __init__(self, prefix: str, model: str):
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def chat_completion(ids: Ids, run: Run, text: str) -> dict:
+    message = {"role": "assistant", "content": text}
+    return {**ids.head("chat.completion"),
+            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}],
+            "usage": run.usage(), "sources": run.sources()}
+
+
+def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, **extra) -> dict:
+    return {**ids.head("chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+
+
+def completion(ids: Ids, run: Run, text: str) -> dict:
+    return {**ids.head("text_completion"),
+            "choices": [{"index": 0, "text": text, "finish_reason": run.finish_reason, "logprobs": None}],
+            "usage": run.usage(), "sources": run.sources()}
+
+
+def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, **extra) -> dict:
+    return {**ids.head("text_completion"),
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra}
+
+
+def usage_chunk(ids: Ids, kind: str, run: Run) -> dict:
+    """stream_options.include_usage's last chunk: no choices, the usage."""
+    return {**ids.head(kind), "choices": [], "usage": run.usage()}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: `data: <json>` (or the closing `data: [DONE]`)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def stream_chunk(endpoint: str, ids: Ids, piece: str, *, first: bool = False, finish_reason: str | None = None,
+                 **extra) -> dict:
+    """A stream's chunk of either endpoint: the first says the role (chat), the last has no text but the reason."""
+    if endpoint == "completions":
+        return completion_chunk(ids, piece, finish_reason, **extra)
+    delta = {} if finish_reason else {"role": "assistant", "content": piece} if first else {"content": piece}
+    return chat_chunk(ids, delta, finish_reason, **extra)

@@ -98,6 +98,28 @@ def test_a_stream_says_what_the_whole_answer_says(rag, client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == preamble_and_chunks(rag, reference)
 
 
+def test_requests_at_once_each_get_their_own_answer(rag, server):
+    """Through the async client, as a load test sends them: decoded side by side in one engine, each answer is
+    the one the Python API gives alone."""
+    import asyncio
+
+    questions = ["How deep is Lake Baikal?", "Which river is the longest?", "What is the lowest land?",
+                 "How high is Everest?"]
+    alone = [rag.ask(q, max_tokens=12, mode="reuse").text for q in questions]
+
+    async def ask_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            async def one(q: str) -> str:
+                stream = await client.chat.completions.create(model=MODEL, max_tokens=12, stream=True,
+                                                              extra_body={"mode": "reuse"},
+                                                              messages=[{"role": "user", "content": q}])
+                return "".join([c.choices[0].delta.content or "" async for c in stream]).strip()
+            return await asyncio.gather(*(one(q) for q in questions))
+
+    assert asyncio.run(ask_all()) == alone
+    assert idle(rag)
+
+
 def preamble_and_chunks(rag, answer) -> int:
     return len(rag.runtime.prompts.preamble_ids) + answer.chunk_tokens
 

@@ -36,6 +36,7 @@ def refused(url: str) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_stops_accepting_ends_what_runs_and_exits_0(store_copy, tiny_llama_dir):
     proc, url = start_server(store_copy, tiny_llama_dir, "--grace", "1")
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvrag import KvragError
@@ -45,20 +46,44 @@ class Retriever:
     def search_batch(self, queries: list[str], k: int = 5, relative_cutoff: float = 0.0) -> list[list[Hit]]:
         """Top-k hits per query, best first; with `relative_cutoff` r > 0, hits scoring below r x the best hit's
         score are dropped (see `keep_close_hits`)."""
+        self._check(queries, k)
+        found = self.index.search(self.embedder.embed(list(queries)), k)
+        return [self._hits(keep_close_hits(hits, relative_cutoff)) for hits in found]
+
+    def search_staged(self, query: str, k: int = 5, relative_cutoff: float = 0.0,
+                      stages: int = 8) -> Iterator[StagedHits]:
+        """`search` in stages (corpus/staged_search.py: an IVF index's probed lists a slice at a time): each stage's
+        running top-k after the cutoff, `changed` when its chunks differ from the previous stage's; the final
+        stage's hits are `search`'s. One stage for a Flat index."""
+        self._check([query], k)
+        vector = self.embedder.embed([query])[0]
+        previous = None
+        for stage, hits in self.index.search_staged(vector, k, stages):
+            hits = keep_close_hits(hits, relative_cutoff)
+            ids = [chunk_id for chunk_id, _ in hits]
+            if ids != previous or stage.final:
+                yield StagedHits(self._hits(hits), stage.final, ids != previous)
+            previous = ids
+
+    def _check(self, queries: list[str], k: int) -> None:
         if k < 1:
             raise KvragError(f"-k must be at least 1 (got {k})")
         if any(not q.strip() for q in queries):
             raise KvragError("the query is empty")
         if live_generation(self.path) != self.index.generation:
             self.index = self._load()
-        found = self.index.search(self.embedder.embed(list(queries)), k)
-        results = []
-        for hits in found:
-            hits = keep_close_hits(hits, relative_cutoff)
-            records = self.table.get_many(chunk_id for chunk_id, _ in hits)
-            results.append([Hit(rank, score, record)
-                            for rank, ((_, score), record) in enumerate(zip(hits, records, strict=True), start=1)])
-        return results
+
+    def _hits(self, hits: list[tuple[str, float]]) -> list[Hit]:
+        records = self.table.get_many(chunk_id for chunk_id, _ in hits)
+        return [Hit(rank, score, record)
+                for rank, ((_, score), record) in enumerate(zip(hits, records, strict=True), start=1)]
+
+
+@dataclass(frozen=True)
+class StagedHits:
+    hits: list[Hit]  # this stage's top-k after the cutoff, best first
+    final: bool  # the full search's result
+    changed: bool  # other chunks than the previous stage's
 
 
 def keep_close_hits(hits: list[tuple[str, float]], relative_cutoff: float) -> list[tuple[str, float]]:

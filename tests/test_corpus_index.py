@@ -310,3 +310,30 @@ def test_musique_recall_at_10_over_the_first_50_questions(tmp_path, passages, em
     found = [any(h.chunk.text == c["text"].strip() for h in hits for c in item["ctxs"])
              for item, hits in zip(items, results, strict=True)]
     assert sum(found) == len(items), f"recall@10 = {sum(found) / len(items):.2f}"
+
+
+def test_staged_search_ends_on_search_and_yields_only_changes(tmp_path, passages, embedder):
+    """Retriever.search_staged (speculative pipelining's search): every stage but the last brings other chunks than
+    the one before it, and the last is `search`'s answer, cutoff included."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(TOPICS.values()):
+        for j in range(6):  # 30 short documents over 5 topics: IVF8's lists split them
+            (corpus / f"d{i}{j}.txt").write_text(f"Note {j}. {text}", encoding="utf-8")
+    store = tmp_path / "store"
+    run(passages, embedder, store, corpus, index_factory="IVF8,Flat")
+    with StoreEnv.open(store, readonly=True) as env:
+        retriever = Retriever(env, embedder)
+        assert retriever.index.index.nprobe > 1  # more than one stage to run
+        staged_runs = 0
+        for query in ["methane rocket", "smoked cheese caves", "highest tides", "violin maple", "ash valley"]:
+            for cutoff in (0.0, 0.9):
+                stages = list(retriever.search_staged(query, 4, cutoff, stages=4))
+                want = retriever.search(query, 4, cutoff)
+                assert [s.final for s in stages] == [False] * (len(stages) - 1) + [True]
+                assert [(h.chunk.chunk_id, h.score) for h in stages[-1].hits] == \
+                    [(h.chunk.chunk_id, h.score) for h in want]
+                ids = [[h.chunk.chunk_id for h in s.hits] for s in stages]
+                assert all(s.changed for s in stages[:-1]) and all(a != b for a, b in zip(ids[:-2], ids[1:-1], strict=True))
+                staged_runs += len(stages) > 1
+        assert staged_runs > 0  # some query's top-k did change between stages

@@ -8,7 +8,8 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
-	bench-ask bench-codecs bench-precompute bench-tiers bench-data
+	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
+	bench-serve bench-search
 
 install: $(STAMP)
 
@@ -98,6 +99,21 @@ bench-codecs: bench-data $(STAMP)
 # MuSiQue passages (simulated from a prefill cost profile measured once per machine, about a minute).
 bench-tiers: bench-data $(STAMP)
 	$(BIN)/kvrag bench tiers --data $(BENCH_DATA)
+
+# The measured load test of `kvrag serve` (issue 26): the report split's MuSiQue passages indexed and precomputed
+# once into SERVE_WORK (20-40 min the first time on 2 cores), then Poisson arrivals of its questions (Zipf popularity)
+# at rising rates for full prefill, prefix caching, blend without and with the memory tiers (about 30 min).
+SERVE_WORK ?= /tmp/kvrag-serve-bench
+SERVE_RATES ?= 0.05,0.1,0.2,0.3,0.5,0.8,1.2
+SERVE_TTFT_LIMIT ?= 10
+bench-serve: bench-data $(STAMP)
+	$(BIN)/kvrag bench serve --dataset $(BENCH_DATA) --work $(SERVE_WORK) --rates $(SERVE_RATES) \
+	  --ttft-limit $(SERVE_TTFT_LIMIT)
+
+# How much search time dynamic speculative pipelining hides from TTFT, on a synthetic 1M x 384 IVF index
+# (built once into /tmp/kvrag-search-bench).
+bench-search: $(STAMP)
+	$(BIN)/kvrag bench search --nprobe 128,1024
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,7 +6,9 @@ stdout (or stderr with the progress, where the module says so), --json where the
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -213,3 +215,110 @@ def bench_model(
     else:
         console.print(table(report))
 
+
+
+@bench_app.command("serve")
+def bench_serve(
+    work: Path = typer.Option(Path("/tmp/kvrag-serve-bench"), "--work",
+                              help="Where the MuSiQue store is built (once, reused), the report and server logs go."),
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    split: str = typer.Option("report", "--split", help="tune or report: whose questions are sent, over a store "
+                              "of that split's passages (never the release check's)."),
+    store: Path = typer.Option(None, "--store", help="An indexed, precomputed store to serve instead of building "
+                               "one (with --questions)."),
+    questions: Path = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL) instead of the "
+                                   "split's, answered over --store."),
+    rates: str = typer.Option("0.05,0.1,0.2,0.3,0.5,0.8,1.2", "--rates", help="Poisson rates in questions/s, rising."),
+    requests_per_rate: int = typer.Option(16, "--requests-per-rate", min=1, help="Requests sent at each rate, at most."),
+    seconds_per_rate: float = typer.Option(120.0, "--seconds-per-rate", min=0.0,
+                                           help="Arrivals stop after this long at a rate, even short of the count."),
+    ttft_limit: float = typer.Option(10.0, "--ttft-limit", help="TTFT limit in seconds for the throughput."),
+    ttft_stat: str = typer.Option("p50", "--ttft-stat", help="p50 or mean: the TTFT statistic held to the limit."),
+    configs: str = typer.Option("full,prefix,blend,blend+tiers", "--configs",
+                                help="Comma list of full, prefix, blend (tiers off), blend+tiers (RAGCache)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arrivals and the popularity ranking."),
+    zipf: float = typer.Option(1.0, "--zipf", min=0.0, help="Popularity exponent over the questions."),
+    k: int = typer.Option(5, "-k", min=1, help="Chunks retrieved per question."),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Answer tokens per question, at most."),
+    latency_runs: int = typer.Option(3, "--latency-runs", min=0,
+                                     help="Single questions timed end to end on the warm idle server (0: none)."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """The measured load test of `kvrag serve`: Poisson arrivals of MuSiQue questions (Zipf popularity) from an
+    async `openai` client at rising rates; TTFT and questions/s per configuration (progress on stderr, the
+    table or --json on stdout, the JSON report also in WORK/report.json).
+
+    Example: kvrag bench serve --rates 0.05,0.1,0.2,0.4 --ttft-limit 10
+    """
+    from kvrag.bench.serve import ServeBenchConfig, run
+    from kvrag.bench.serve_report import markdown
+
+    log = stderr_console()
+    cfg = ServeBenchConfig(  # the options checked before any build or load
+        work=work, rates=tuple(sorted(_positive_floats(rates, "--rates"))),
+        requests_per_rate=requests_per_rate, seconds_per_rate=seconds_per_rate, ttft_limit_s=ttft_limit,
+        ttft_stat=ttft_stat, configs=tuple(c.strip() for c in configs.split(",") if c.strip()), seed=seed,
+        zipf=zipf, k=k, max_tokens=max_tokens, latency_runs=latency_runs, model=model, dtype=dtype)
+    store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
+                                     lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
+    report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
+              **run(replace(cfg, store=store_dir, questions=texts),
+                    lambda m: log.print(m, soft_wrap=True, highlight=False))}
+    (work / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    if as_json:
+        print_json(report)
+    else:
+        typer.echo(markdown(report))
+
+
+def _serve_inputs(work: Path, dataset: Path | None, split: str, store: Path | None, questions: Path | None,
+                  model: str | None, dtype: str | None, log) -> tuple[Path, tuple[str, ...]]:
+    """The store to serve and the questions to send: --store and --questions as given, else the --split's
+    MuSiQue passages built into WORK/store-<split>, and its questions."""
+    from kvrag.bench.rag.datasets import load_dataset
+    from kvrag.bench.rag.items import read_items
+    from kvrag.bench.serve_store import build_store
+
+    if (store is None) != (questions is None):
+        raise KvragError("--store and --questions go together (without both, the MuSiQue store is built)")
+    if store is not None:
+        if not store.is_dir():
+            raise KvragError(f"{store} is not a store directory (--store)")
+        return store, tuple(item["question"] for item in read_items(questions))
+    if split not in ("tune", "report"):
+        raise KvragError(f"--split takes tune or report, got {split!r}")
+    data = load_dataset(dataset or "musique")
+    chosen = [data.items[i] for i in data.indices(split)]
+    return build_store(work, split, chosen, log, model, dtype), tuple(item["question"] for item in chosen)
+
+
+def _positive_floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvragError(f"{what} takes numbers separated by commas, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise KvragError(f"{what} takes positive numbers, got {text!r}")
+    return values
+
+
+@bench_app.command("search")
+def bench_search(
+    work: Path = typer.Option(Path("/tmp/kvrag-search-bench"), "--work", help="Where the synthetic index is cached."),
+    count: int = typer.Option(1_000_000, "--count", min=1, help="Synthetic vectors indexed."),
+    queries: int = typer.Option(300, "--queries", min=1, help="Queries timed."),
+    k: int = typer.Option(5, "-k", min=1, help="Neighbours per query."),
+    nprobe: str = typer.Option(None, "--nprobe", help="Comma-separated (default: the store's and a quarter of it)."),
+    stages: str = typer.Option("2,4,8", "--stages", help="Stage counts of the staged search, comma-separated."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """How much search time dynamic speculative pipelining hides from TTFT. Example: kvrag bench search --nprobe 128,1024"""
+    from kvrag.bench.search import SearchBenchConfig, run
+
+    cfg = SearchBenchConfig(work=work, count=count, queries=queries, k=k, stages=tuple(positive_ints(stages, "--stages")),
+                            nprobes=tuple(positive_ints(nprobe, "--nprobe")) if nprobe else ())
+    report = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if as_json:
+        print_json(report)

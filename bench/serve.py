@@ -1,0 +1,161 @@
+"""`kvrag bench serve`: the measured load test of `kvrag serve` (issue 26), replacing the simulated queue of
+`kvrag bench` (bench/rag/workloads.py) with a real server, a real client and real arrivals.
+
+For each configuration one `kvrag serve` process (bench/serve_server.py) answers Poisson arrivals of questions
+with Zipf-skewed popularity at rising rates (bench/serve_load.py), each rate bounded in requests and seconds;
+a configuration stops rising after its first rate over the TTFT limit or with a failed request (higher rates
+only fail worse). Its throughput is, as RAGCache defines it, the highest rate whose TTFT statistic stays within
+the limit with no failed request. Then, on the warm idle server, single questions end to end against what the
+server reports, and the simulated queue's figures at the same rates from those single questions' times, so
+the simulation is checked point by point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvrag import KvragError
+from kvrag.bench.rag.metrics import percentile
+from kvrag.bench.serve_load import Result, client, metrics_delta, run_rate, scrape, workload
+from kvrag.bench.serve_server import ServerProcess
+from kvrag.bench.serve_single import simulated, single_questions
+from kvrag.bench.serve_store import model_args
+
+# name -> (the request's mode, kvrag serve's extra options). Full prefill and prefix caching keep the server's
+# default tiers: full prefill reads no stored KV, and prefix caching may find its first chunk in memory.
+CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "full": ("full", ()),
+    "prefix": ("prefix", ()),
+    "blend": ("blend", ("--host-cache", "0")),  # blend without the memory tiers: every chunk from the store
+    "blend+tiers": ("blend", ()),  # RAGCache: the tiers on (the server's default host cache)
+}
+STATS = ("p50", "mean")
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    work: Path  # server logs
+    store: Path | None = None  # indexed and precomputed
+    questions: tuple[str, ...] = ()
+    rates: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
+    requests_per_rate: int = 16
+    seconds_per_rate: float = 120.0  # arrivals stop after this long, even short of requests_per_rate
+    ttft_limit_s: float = 10.0
+    ttft_stat: str = "p50"
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    seed: int = 0
+    zipf: float = 1.0
+    k: int = 5
+    max_tokens: int = 16
+    latency_runs: int = 3  # single questions on the warm idle server, per configuration (0: none)
+    model: str | None = None
+    dtype: str | None = None
+    server_args: tuple[str, ...] = ()  # more `kvrag serve` options for every configuration
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown or not self.configs:
+            raise KvragError(f"--configs takes {', '.join(CONFIGS)}; got {', '.join(unknown) or 'none'}")
+        if not self.rates or min(self.rates) <= 0:
+            raise KvragError("--rates must be positive questions/s")
+        if self.ttft_limit_s <= 0 or self.ttft_stat not in STATS:
+            raise KvragError(f"--ttft-limit must be positive and --ttft-stat one of {', '.join(STATS)}")
+
+
+def run(cfg: ServeBenchConfig, log: Callable[[str], None]) -> dict:
+    """Every configuration in turn, each on a server of its own; the report (bench/serve_report.py renders it)."""
+    from kvrag.bench.rag.report import machine
+
+    if cfg.store is None or not cfg.questions:
+        raise KvragError("the load test needs a store and questions to send")
+    started, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    configs = {name: run_config(cfg, name, log) for name in cfg.configs}
+    full, tiers = (configs.get(n, {}).get("throughput_qps") for n in ("full", "blend+tiers"))
+    return {"schema": "kvrag.bench-serve/1", "created": created, "wall_s": time.perf_counter() - started,
+            "machine": machine(), "config": _config_dict(cfg), "configs": configs,
+            "throughput_ratio_tiers_to_full": tiers / full if full and tiers is not None else None}
+
+
+def run_config(cfg: ServeBenchConfig, name: str, log: Callable[[str], None]) -> dict:
+    mode, args = CONFIGS[name]
+    log(f"{name}: starting kvrag serve {' '.join((*args, *cfg.server_args))}".rstrip())
+    with ServerProcess(cfg.store, [*args, *cfg.server_args, *model_args(cfg.model, cfg.dtype)],
+                       cfg.work / "logs" / f"serve-{name}.log") as server:
+        result = asyncio.run(_drive(cfg, server, name, {"mode": mode, "k": cfg.k}, log))
+    result["server_exit_status"] = server.exit_code
+    return {"mode": mode, "server_args": list(args), **result}
+
+
+async def _drive(cfg: ServeBenchConfig, server: ServerProcess, name: str, extra: dict,
+                 log: Callable[[str], None]) -> dict:
+    api, model = client(server.url), server.model_id()
+    async with api:
+        await run_rate(api, model, cfg.questions, [(0.0, 0)], 1.0, 0.0, extra, cfg.max_tokens)  # first-call costs
+        points = []
+        for rate in sorted(cfg.rates):
+            point = await _point(cfg, api, server.url, model, rate, extra)
+            points.append(point)
+            log(f"{name} @ {rate:g} q/s: {point['sent']} sent, {point['failed']} failed, TTFT p50 "
+                f"{_s(point['ttft_p50_s'])} mean {_s(point['ttft_mean_s'])} p99 {_s(point['ttft_p99_s'])}, "
+                f"served {point['served_qps']:.3f} q/s")
+            if not point["within_limit"]:
+                break  # higher rates only queue longer
+        latency = await single_questions(cfg, api, server.url, model, extra)
+    passing = [p for p in points if p["within_limit"]]
+    best = max(passing, key=lambda p: p["rate_qps"], default=None)
+    return {"throughput_qps": best["rate_qps"] if best else 0.0,
+            "served_qps_at_throughput": best["served_qps"] if best else 0.0,
+            "points": points, "single_question": latency, "simulated": simulated(latency, points, cfg.ttft_limit_s, cfg.seed)}
+
+
+async def _point(cfg: ServeBenchConfig, api, url: str, model: str, rate: float, extra: dict) -> dict:
+    arrivals = workload(cfg.requests_per_rate, len(cfg.questions), cfg.zipf, f"{cfg.seed}:{rate}")
+    before = await scrape(url)
+    results, span = await run_rate(api, model, cfg.questions, arrivals, rate, cfg.seconds_per_rate, extra,
+                                   cfg.max_tokens)
+    server = metrics_delta(before, await scrape(url))
+    point = {"rate_qps": rate, **summarize(results, span), "server": server}
+    point["within_limit"] = point["failed"] == 0 and point[f"ttft_{cfg.ttft_stat}_s"] is not None \
+        and point[f"ttft_{cfg.ttft_stat}_s"] <= cfg.ttft_limit_s
+    return point
+
+
+def summarize(results: Sequence[Result], span: float) -> dict:
+    """A rate's figures from the client's side: TTFT and latency statistics over the served requests."""
+    ok = [r for r in results if r.ok]
+    ttft, latency = [r.ttft_s for r in ok], [r.latency_s for r in ok]
+    wall = max((r.end for r in results), default=0.0) - min((r.sent for r in results), default=0.0)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "no content"] = errors.get(r.error or "no content", 0) + 1
+    return {"sent": len(results), "served": len(ok), "failed": len(results) - len(ok), "errors": errors,
+            "offered_qps": len(results) / span if span > 0 else None,
+            "served_qps": len(ok) / wall if wall > 0 else 0.0, "wall_s": wall,
+            **_stats("ttft", ttft), **_stats("latency", latency),
+            "prompt_tokens_mean": _mean([r.prompt_tokens for r in ok]),
+            "cached_tokens_share": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+            "completion_tokens_mean": _mean([r.completion_tokens for r in ok])}
+
+
+def _stats(what: str, xs: list[float]) -> dict:
+    return {f"{what}_mean_s": _mean(xs), f"{what}_p50_s": percentile(xs, 50) if xs else None,
+            f"{what}_p99_s": percentile(xs, 99) if xs else None}
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f} s"
+
+
+def _config_dict(cfg: ServeBenchConfig) -> dict:
+    out = asdict(cfg)
+    out.update(store=str(cfg.store), work=str(cfg.work), questions=len(cfg.questions))
+    return out

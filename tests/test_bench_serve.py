@@ -1,0 +1,63 @@
+"""`kvrag bench serve` end to end on the tiny random model over the small indexed corpus: real `kvrag serve`
+processes, a real `openai` client. Checks the report's shape, that every request was served and counted by the
+server, and what each configuration reused; timings are measured, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+from kvrag.bench.serve_report import markdown
+from kvrag.tests.conftest import run_cli_in_process, run_kvrag
+
+QUESTIONS = ["How deep is Lake Baikal?", "Which river is the longest in Africa?", "How high is Mount Everest?",
+             "Where is the lowest land on Earth?"]
+REQUESTS = 4
+
+
+def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_copy, tiny_llama_dir):
+    monkeypatch.setenv("KVRAG_THREADS", "1")
+    run_kvrag("precompute", "--store", str(store_copy), "--model", str(tiny_llama_dir), "--dtype", "float32")
+    questions = tmp_path / "questions.txt"
+    questions.write_text("\n".join(QUESTIONS) + "\n")
+    work = tmp_path / "work"
+    # a limit no answer can miss: every rate runs, so the shape does not depend on this machine's speed
+    code, out, err = run_cli_in_process(
+        monkeypatch, capsys, "bench_more", "bench", "serve", "--store", str(store_copy), "--questions",
+        str(questions), "--work", str(work), "--model", str(tiny_llama_dir), "--dtype", "float32",
+        "--configs", "full,blend+tiers", "--rates", "20,5", "--requests-per-rate", str(REQUESTS),
+        "--seconds-per-rate", "60", "--ttft-limit", "1000", "--max-tokens", "4", "--latency-runs", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "kvrag.bench-serve/1" and report["config"]["questions"] == len(QUESTIONS)
+    assert json.loads((work / "report.json").read_text())["configs"].keys() == {"full", "blend+tiers"}
+    for name, config in report["configs"].items():
+        assert config["server_exit_status"] == 0, name  # SIGTERM: a graceful stop
+        assert [p["rate_qps"] for p in config["points"]] == [5, 20], name  # rising
+        for p in config["points"]:
+            assert p["sent"] == p["served"] == REQUESTS and p["failed"] == 0 and p["errors"] == {}, (name, p)
+            assert p["within_limit"] and None not in (p["ttft_p50_s"], p["ttft_mean_s"], p["ttft_p99_s"])
+            assert p["ttft_p50_s"] <= p["latency_p50_s"]
+            server = p["server"]
+            assert sum(server["requests"].values()) == REQUESTS, (name, server)  # the server counted each one
+            assert server["prompt_tokens_reused"] + server["prompt_tokens_computed"] == \
+                REQUESTS * p["prompt_tokens_mean"]
+        assert config["throughput_qps"] == 20
+        single = config["single_question"]
+        assert len(single["runs"]) == 1 and "error" not in single["runs"][0], single
+        assert len(config["simulated"]) == len(config["points"])
+    full, tiers = report["configs"]["full"], report["configs"]["blend+tiers"]
+    assert all(p["server"]["prompt_tokens_reused"] == 0 and p["cached_tokens_share"] == 0 for p in full["points"])
+    # every chunk's KV is stored: a blend reuses most prompt tokens, and the usage field says so too
+    assert all(p["server"]["reused_share"] > 0.5 and p["cached_tokens_share"] > 0.5 for p in tiers["points"])
+    assert report["throughput_ratio_tiers_to_full"] == 1.0
+    table = markdown(report)
+    assert "| blend+tiers | 20 |" in table and "blend with tiers ÷ full prefill: 1.00×" in table
+
+
+def test_bench_serve_bad_options_are_one_line(monkeypatch, capsys, tmp_path, store_copy):
+    for args, message in ((["--store", str(store_copy)], "--store and --questions go together"),
+                          (["--configs", "full,turbo"], "--configs takes"),
+                          (["--rates", "1,-2"], "--rates takes positive numbers")):
+        code, _, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "serve", "--work",
+                                          str(tmp_path), *args)
+        assert code == 1 and err.count("\n") == 1 and message in err, (args, err)

@@ -34,6 +34,7 @@ CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "blend+tiers": ("blend", ()),  # RAGCache: the tiers on (the server's default host cache)
 }
 STATS = ("p50", "mean")
+LIMIT_FACTOR = 3.0  # the simulated bench's default limit (bench/rag/workloads.py): 3 x full prefill's TTFT
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ServeBenchConfig:
     rates: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
     requests_per_rate: int = 16
     seconds_per_rate: float = 120.0  # arrivals stop after this long, even short of requests_per_rate
-    ttft_limit_s: float = 10.0
+    ttft_limit_s: float | None = None  # None: LIMIT_FACTOR x full prefill's median TTFT on the idle server
     ttft_stat: str = "p50"
     configs: tuple[str, ...] = tuple(CONFIGS)
     seed: int = 0
@@ -62,8 +63,11 @@ class ServeBenchConfig:
             raise KvragError(f"--configs takes {', '.join(CONFIGS)}; got {', '.join(unknown) or 'none'}")
         if not self.rates or min(self.rates) <= 0:
             raise KvragError("--rates must be positive questions/s")
-        if self.ttft_limit_s <= 0 or self.ttft_stat not in STATS:
+        if (self.ttft_limit_s is not None and self.ttft_limit_s <= 0) or self.ttft_stat not in STATS:
             raise KvragError(f"--ttft-limit must be positive and --ttft-stat one of {', '.join(STATS)}")
+        if self.ttft_limit_s is None and ("full" not in self.configs or self.latency_runs < 1):
+            raise KvragError("without --ttft-limit the limit is 3 x full prefill's idle TTFT: --configs needs full "
+                             "and --latency-runs at least 1")
 
 
 def run(cfg: ServeBenchConfig, log: Callable[[str], None]) -> dict:
@@ -73,46 +77,57 @@ def run(cfg: ServeBenchConfig, log: Callable[[str], None]) -> dict:
     if cfg.store is None or not cfg.questions:
         raise KvragError("the load test needs a store and questions to send")
     started, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    configs = {name: run_config(cfg, name, log) for name in cfg.configs}
+    limit, configs = cfg.ttft_limit_s, {}
+    for name in sorted(cfg.configs, key=lambda n: n != "full"):  # full first: it may set the limit
+        configs[name] = run_config(cfg, name, limit, log)
+        limit = configs[name]["ttft_limit_s"]
+    configs = {name: configs[name] for name in cfg.configs}
     full, tiers = (configs.get(n, {}).get("throughput_qps") for n in ("full", "blend+tiers"))
     return {"schema": "kvrag.bench-serve/1", "created": created, "wall_s": time.perf_counter() - started,
-            "machine": machine(), "config": _config_dict(cfg), "configs": configs,
+            "machine": machine(), "config": {**_config_dict(cfg), "ttft_limit_s": limit,
+                                                                       "ttft_limit_rule": _limit_rule(cfg)},
+            "configs": configs,
             "throughput_ratio_tiers_to_full": tiers / full if full and tiers is not None else None}
 
 
-def run_config(cfg: ServeBenchConfig, name: str, log: Callable[[str], None]) -> dict:
+def run_config(cfg: ServeBenchConfig, name: str, limit: float | None, log: Callable[[str], None]) -> dict:
+    """One configuration on a server of its own; `limit` None: this is full prefill, and sets it."""
     mode, args = CONFIGS[name]
     log(f"{name}: starting kvrag serve {' '.join((*args, *cfg.server_args))}".rstrip())
     with ServerProcess(cfg.store, [*args, *cfg.server_args, *model_args(cfg.model, cfg.dtype)],
                        cfg.work / "logs" / f"serve-{name}.log") as server:
-        result = asyncio.run(_drive(cfg, server, name, {"mode": mode, "k": cfg.k}, log))
+        result = asyncio.run(_drive(cfg, server, name, {"mode": mode, "k": cfg.k}, limit, log))
     result["server_exit_status"] = server.exit_code
     return {"mode": mode, "server_args": list(args), **result}
 
 
-async def _drive(cfg: ServeBenchConfig, server: ServerProcess, name: str, extra: dict,
+async def _drive(cfg: ServeBenchConfig, server: ServerProcess, name: str, extra: dict, limit: float | None,
                  log: Callable[[str], None]) -> dict:
+    """Warm-up, single questions on the idle server, then the rates."""
     api, model = client(server.url), server.model_id()
     async with api:
         await run_rate(api, model, cfg.questions, [(0.0, 0)], 1.0, 0.0, extra, cfg.max_tokens)  # first-call costs
+        latency = await single_questions(cfg, api, server.url, model, extra)
+        if limit is None:
+            limit = LIMIT_FACTOR * latency["median"]["client_ttft_s"]
+            log(f"TTFT limit: {LIMIT_FACTOR:g} x full prefill's idle TTFT = {limit:.2f} s")
         points = []
         for rate in sorted(cfg.rates):
-            point = await _point(cfg, api, server.url, model, rate, extra)
+            point = await _point(cfg, api, server.url, model, rate, extra, limit)
             points.append(point)
             log(f"{name} @ {rate:g} q/s: {point['sent']} sent, {point['failed']} failed, TTFT p50 "
                 f"{_s(point['ttft_p50_s'])} mean {_s(point['ttft_mean_s'])} p99 {_s(point['ttft_p99_s'])}, "
                 f"served {point['served_qps']:.3f} q/s")
             if not point["within_limit"]:
                 break  # higher rates only queue longer
-        latency = await single_questions(cfg, api, server.url, model, extra)
     passing = [p for p in points if p["within_limit"]]
     best = max(passing, key=lambda p: p["rate_qps"], default=None)
-    return {"throughput_qps": best["rate_qps"] if best else 0.0,
+    return {"ttft_limit_s": limit, "throughput_qps": best["rate_qps"] if best else 0.0,
             "served_qps_at_throughput": best["served_qps"] if best else 0.0,
-            "points": points, "single_question": latency, "simulated": simulated(latency, points, cfg.ttft_limit_s, cfg.seed)}
+            "points": points, "single_question": latency, "simulated": simulated(latency, points, limit, cfg.seed)}
 
 
-async def _point(cfg: ServeBenchConfig, api, url: str, model: str, rate: float, extra: dict) -> dict:
+async def _point(cfg: ServeBenchConfig, api, url: str, model: str, rate: float, extra: dict, limit: float) -> dict:
     arrivals = workload(cfg.requests_per_rate, len(cfg.questions), cfg.zipf, f"{cfg.seed}:{rate}")
     before = await scrape(url)
     results, span = await run_rate(api, model, cfg.questions, arrivals, rate, cfg.seconds_per_rate, extra,
@@ -120,7 +135,7 @@ async def _point(cfg: ServeBenchConfig, api, url: str, model: str, rate: float, 
     server = metrics_delta(before, await scrape(url))
     point = {"rate_qps": rate, **summarize(results, span), "server": server}
     point["within_limit"] = point["failed"] == 0 and point[f"ttft_{cfg.ttft_stat}_s"] is not None \
-        and point[f"ttft_{cfg.ttft_stat}_s"] <= cfg.ttft_limit_s
+        and point[f"ttft_{cfg.ttft_stat}_s"] <= limit
     return point
 
 
@@ -153,6 +168,12 @@ def _mean(xs: Sequence[float]) -> float | None:
 
 def _s(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f} s"
+
+
+def _limit_rule(cfg: ServeBenchConfig) -> str:
+    if cfg.ttft_limit_s is not None:
+        return "given (--ttft-limit)"
+    return f"{LIMIT_FACTOR:g} x full prefill's median client TTFT over the single questions on its idle server"
 
 
 def _config_dict(cfg: ServeBenchConfig) -> dict:

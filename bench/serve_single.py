@@ -43,7 +43,7 @@ async def single_questions(cfg, api, url: str, model: str, extra: dict) -> dict:
                      "retrieval_s": server_a["server_mean_ttft_s"] - server_b["server_mean_ttft_s"],
                      "on_top_s": a.latency_s - server_b["server_mean_ttft_s"] - decode})
     good = [r for r in rows if "error" not in r]
-    keys = ("end_to_end_s", "engine_ttft_s", "decode_s", "http_s", "retrieval_s", "on_top_s",
+    keys = ("end_to_end_s", "client_ttft_s", "engine_ttft_s", "decode_s", "http_s", "retrieval_s", "on_top_s",
             "server_ttft_s", "server_latency_s")
     medians = {k: statistics.median(r[k] for r in good) for k in keys} if good else {}
     return {"runs": rows, "median": medians}

@@ -221,7 +221,8 @@ def bench_model(
 def bench_serve(
     work: Path = typer.Option(Path("/tmp/kvrag-serve-bench"), "--work",
                               help="Where the MuSiQue store is built (once, reused), the report and server logs go."),
-    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    dataset: Path = typer.Option(None, "--dataset", help="musique (default: ../shared/data/musique_s.json, its "
+                                 "splits) or a MuSiQue-format file, every item in each split."),
     split: str = typer.Option("report", "--split", help="tune or report: whose questions are sent, over a store "
                               "of that split's passages (never the release check's)."),
     store: Path = typer.Option(None, "--store", help="An indexed, precomputed store to serve instead of building "
@@ -232,7 +233,8 @@ def bench_serve(
     requests_per_rate: int = typer.Option(16, "--requests-per-rate", min=1, help="Requests sent at each rate, at most."),
     seconds_per_rate: float = typer.Option(120.0, "--seconds-per-rate", min=0.0,
                                            help="Arrivals stop after this long at a rate, even short of the count."),
-    ttft_limit: float = typer.Option(10.0, "--ttft-limit", help="TTFT limit in seconds for the throughput."),
+    ttft_limit: float = typer.Option(None, "--ttft-limit", help="TTFT limit in seconds for the throughput "
+                                     "(default: 3 x full prefill's median TTFT on its idle server)."),
     ttft_stat: str = typer.Option("p50", "--ttft-stat", help="p50 or mean: the TTFT statistic held to the limit."),
     configs: str = typer.Option("full,prefix,blend,blend+tiers", "--configs",
                                 help="Comma list of full, prefix, blend (tiers off), blend+tiers (RAGCache)."),

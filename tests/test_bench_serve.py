@@ -29,6 +29,7 @@ def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_c
     assert code == 0, err
     report = json.loads(out)
     assert report["schema"] == "kvrag.bench-serve/1" and report["config"]["questions"] == len(QUESTIONS)
+    assert report["config"]["ttft_limit_s"] == 1000 and "given" in report["config"]["ttft_limit_rule"]
     assert json.loads((work / "report.json").read_text())["configs"].keys() == {"full", "blend+tiers"}
     for name, config in report["configs"].items():
         assert config["server_exit_status"] == 0, name  # SIGTERM: a graceful stop
@@ -57,6 +58,7 @@ def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_c
 def test_bench_serve_bad_options_are_one_line(monkeypatch, capsys, tmp_path, store_copy):
     for args, message in ((["--store", str(store_copy)], "--store and --questions go together"),
                           (["--configs", "full,turbo"], "--configs takes"),
+                          (["--configs", "blend"], "without --ttft-limit"),
                           (["--rates", "1,-2"], "--rates takes positive numbers")):
         code, _, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "serve", "--work",
                                           str(tmp_path), *args)

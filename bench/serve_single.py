@@ -34,7 +34,8 @@ async def single_questions(cfg, api, url: str, model: str, extra: dict) -> dict:
             rows.append({"question": q, "error": a.error or b.error or "no timings from the server"})
             continue
         decode = server_a["server_mean_latency_s"] - server_a["server_mean_ttft_s"]
-        rows.append({"question": q, "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
+        rows.append({"question": q, "chunks": len(ids), "prompt_tokens": a.prompt_tokens,
+                     "same_prompt": a.prompt_tokens == b.prompt_tokens, "completion_tokens": a.completion_tokens,
                      "end_to_end_s": a.latency_s, "client_ttft_s": a.ttft_s,
                      "server_ttft_s": server_a["server_mean_ttft_s"],
                      "server_latency_s": server_a["server_mean_latency_s"],

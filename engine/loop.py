@@ -2,8 +2,8 @@
 
 Submitted sequences reach the engine through an inbox drained before each step, so the scheduler's queues are
 only ever touched by the engine's thread. With `max_waiting` set, a submission is refused (QueueFull) while that
-many requests wait, counting those still in the inbox. An unexpected error in a step fails the sequences then in the engine
-(each with the error's message) and the loop goes on with the next requests.
+many requests wait, counting those still in the inbox. An unexpected error in a step fails the sequences then in
+the engine (each with the error's message) and the loop goes on with the next requests.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Run:
 
     def close(self) -> bool:
         """Cancel the sequence if it has not finished (the client went away); True if it had to."""
-        if self.finish_reason is None and not self.gen.done:
+        if self.finish_reason is None and self.seq.finish_reason is None:  # set before the engine's last event
             self.gen.cancel()
             return True
         return False

@@ -42,8 +42,10 @@ class Answer:
 
     def to_json(self) -> dict:
         """The versioned `--json` record: the same keys in every mode."""
+        # prefix caching loads its first chunk alone: the chunks after it have no tier
+        tiers = [*self.chunk_tiers, *[None] * (len(self.sources) - len(self.chunk_tiers))]
         sources = [{**{k: s.get(k) for k in SOURCE_KEYS}, "tier": tier}
-                   for s, tier in zip(self.sources, self.chunk_tiers or [None] * len(self.sources), strict=True)]
+                   for s, tier in zip(self.sources, tiers, strict=True)]
         return {
             "schema": SCHEMA, "question": self.question, "answer": self.text, "finish_reason": self.finish_reason,
             "mode": self.mode, "ratio": self.ratio,

@@ -44,8 +44,11 @@ def test_json_has_the_same_keys_in_every_mode_and_a_list_for_many(kvrag, ready_s
     shapes = set()
     for mode in ("blend", "full", "prefix", "reuse"):
         out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "Where does the Nile flow?", "--mode", mode,
-                              "--json", "--max-tokens", "2").stdout)
+                              "--json", "--max-tokens", "2", "-k", "3", "--relative-cutoff", "0").stdout)
         assert out["schema"] == "kvrag.answer/1" and out["mode"] == mode
+        tiers = [s["tier"] for s in out["sources"]]  # prefix caching loads the first chunk's KV alone
+        loaded = {"full": 0, "prefix": 1}.get(mode, 3)
+        assert len(tiers) == 3 and None not in tiers[:loaded] and tiers[loaded:] == [None] * (3 - loaded)
         shapes.add((tuple(out), tuple(out["timings"]), tuple(out["tokens"]), tuple(out["sources"][0])))
     assert len(shapes) == 1
     qfile = tmp_path / "one.txt"

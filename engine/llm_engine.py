@@ -16,9 +16,9 @@ import torch
 from kvrag import KvragError
 from kvrag.blend.answer import resolve_ratio
 from kvrag.blend.decode import DecodeCache, choose
-from kvrag.blend.engine import MODES, Engine
+from kvrag.blend.engine import MODES, Engine, FullPrefill, Prefilled
 from kvrag.engine.batch_decode import BatchDecoder
-from kvrag.engine.kv_pool import SequenceKV
+from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.store.tiers.reorder import order_priority
@@ -37,6 +37,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     codec: str = "fp16"  # which stored KV blend/reuse/prefix read
     native: bool = True  # the native batched decode step where it serves
+    # a full prefill longer than this runs this many tokens a step, the running sequences decoding between the
+    # pieces (0: the whole prompt in one step)
+    prefill_chunk: int = 512
 
 
 class LLMEngine:
@@ -48,6 +51,7 @@ class LLMEngine:
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
         self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
+        self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -76,7 +80,11 @@ class LLMEngine:
         return Sequence(next(self._ids), request, prompt)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence not finished: waiting, in a chunked prefill, running."""
+        return [*self.scheduler.waiting, *([self.prefilling[0]] if self.prefilling else []), *self.scheduler.running]
 
     # ---- occupancy (read from any thread: plain counts, a step may change them the next moment) --------
 
@@ -92,12 +100,16 @@ class LLMEngine:
     # ---- steps --------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Cancel, prefill one waiting request if there is room, decode every running sequence one token."""
-        for seq in [s for s in (*self.scheduler.waiting, *self.scheduler.running) if s.cancelled]:
+        """Cancel, prefill one waiting request (or the next piece of a long full prefill) if there is room, decode
+        every running sequence one token."""
+        for seq in [s for s in self.sequences() if s.cancelled]:
             self._finish(seq, "cancelled")
-        seq = self.scheduler.next_prefill()
-        if seq is not None:
-            self._prefill(seq)
+        if self.prefilling is not None:
+            self._next_piece()
+        else:
+            seq = self.scheduler.next_prefill()
+            if seq is not None:
+                self._prefill(seq)
         ready = self.scheduler.reserve_decode()
         if ready:
             self._decode(ready)
@@ -113,11 +125,28 @@ class LLMEngine:
                 config = resolve_ratio(self.prefiller, config, req.auto_ratio, n_chunk, SUFFIX_GUESS,
                                        self.config.codec)
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
+            piece = self.config.prefill_chunk
+            if req.mode == "full" and 0 < piece < seq.prompt_tokens:
+                self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0))
+                self._next_piece()
+                return
             pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0)
         except KvragError as exc:
             seq.error = str(exc)
             self._finish(seq, "error")
             return
+        self._prefilled(seq, pre, config)
+
+    def _next_piece(self) -> None:
+        seq, job = self.prefilling
+        pre = job.advance(self.config.prefill_chunk)
+        if pre is not None:
+            self.prefilling = None
+            self._prefilled(seq, pre, seq.request.blend)
+
+    def _prefilled(self, seq: Sequence, pre: Prefilled, config) -> None:
+        """The first token (unless a re-prefill after preemption), then the prompt's KV into the pool."""
+        req = seq.request
         if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
             seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
@@ -130,7 +159,14 @@ class LLMEngine:
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
-        seq.table = self.kv.admit(pre.cache, pre.prompt_tokens)
+        while True:  # the pool had room when the prefill began; a chunked one's neighbours may have grown since
+            try:
+                seq.table = self.kv.admit(pre.cache, pre.prompt_tokens)
+                break
+            except OutOfBlocks:
+                if not self.scheduler.running:
+                    raise
+                self.scheduler.preempt(self.scheduler.running[-1])
         seq.length = pre.prompt_tokens
         self.scheduler.start(seq)
 
@@ -160,6 +196,8 @@ class LLMEngine:
         self._finish(seq, "error")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.prefilling is not None and self.prefilling[0] is seq:
+            self.prefilling = None  # its cache goes with the job
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()

@@ -69,7 +69,7 @@ class EngineLoop:
             while not self._inbox.empty():
                 engine.scheduler.add(self._inbox.get())
             if self._stopping:
-                for seq in (*engine.scheduler.waiting, *engine.scheduler.running):
+                for seq in engine.sequences():
                     seq.cancelled = True
                 if engine.has_work():
                     engine.step()  # finishes every cancelled sequence
@@ -86,6 +86,6 @@ class EngineLoop:
     def _fail_all(self, exc: Exception) -> None:
         logging.getLogger("kvrag.engine").exception("an engine step failed; its sequences end with the error")
         engine = self.engine
-        for seq in (*engine.scheduler.waiting, *engine.scheduler.running):
+        for seq in engine.sequences():
             seq.error = f"{type(exc).__name__}: {exc}"
             engine.fail(seq)

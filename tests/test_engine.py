@@ -45,9 +45,10 @@ def requests(runtime, invented_items) -> list[Request]:
     return out
 
 
-def new_engine(runtime, budget_blocks: int = 4096, max_running: int = 32) -> LLMEngine:
+def new_engine(runtime, budget_blocks: int = 4096, max_running: int = 32, prefill_chunk: int = 512) -> LLMEngine:
     block = 16 * 2 * runtime.model.cfg.n_layers * runtime.model.cfg.n_kv_heads * runtime.model.cfg.head_dim * 2
-    return LLMEngine(Engine(runtime, None), EngineConfig(budget_blocks * block, 16, SchedulerConfig(max_running)))
+    return LLMEngine(Engine(runtime, None), EngineConfig(budget_blocks * block, 16, SchedulerConfig(max_running),
+                                                         prefill_chunk=prefill_chunk))
 
 
 def run(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
@@ -110,12 +111,14 @@ def test_random_arrivals_and_cancellations_in_a_small_pool(runtime, requests, al
     about two prompts, so sequences are preempted and prefilled again; the others must answer as they do alone."""
     probe = new_engine(runtime)
     longest = max(probe.new_sequence(r).prompt_tokens + r.sampling.max_tokens for r in requests)
-    engine = new_engine(runtime, budget_blocks=len(probe.kv.shared) + -(-longest * 3 // 2) // 16, max_running=4)
+    # full prefills in pieces of 48 tokens: other sequences decode, grow and get preempted in between
+    engine = new_engine(runtime, budget_blocks=len(probe.kv.shared) + -(-longest * 3 // 2) // 16, max_running=4,
+                        prefill_chunk=48)
     live = []
 
     def step():
         for seq, _, doomed in live:
-            if doomed and seq.status is Status.RUNNING:
+            if doomed and (seq.status is Status.RUNNING or (engine.prefilling and engine.prefilling[0] is seq)):
                 seq.cancelled = True
         engine.step()
         check_pool(engine)
@@ -144,3 +147,22 @@ def test_a_prompt_the_pool_cannot_hold_is_refused_with_one_line(runtime, request
     with pytest.raises(KvragError, match="needs more KV than the pool"):
         engine.add(requests[0])
     assert not engine.has_work()
+
+
+def test_a_long_full_prefill_runs_in_pieces_while_others_decode(runtime, requests, alone):
+    """With prefill_chunk, a full prefill runs a piece a step and a running sequence keeps decoding in between;
+    both answers are the ones each gives alone (the pieces' K/V equal one pass's: tests/test_chunked_prefill.py)."""
+    engine = new_engine(runtime, prefill_chunk=48)
+    longest = max(range(len(requests)), key=lambda i: requests[i].sampling.max_tokens)
+    full = next(i for i, r in enumerate(requests) if r.mode == "full")
+    a = engine.add(requests[longest])
+    engine.step()  # a prefills and decodes its second token
+    b = engine.add(requests[full])
+    assert b.prompt_tokens > 2 * 48
+    decoded_between_pieces = 0
+    while engine.has_work():
+        before = len(a.output)
+        engine.step()
+        decoded_between_pieces += engine.prefilling is not None and len(a.output) > before
+    assert decoded_between_pieces >= 2 and b.first_token_at > a.first_token_at
+    assert a.output == alone[longest] and b.output == alone[full]

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from kvrag import KvragError
@@ -34,6 +35,7 @@ from kvrag.engine.loop import EngineLoop
 from kvrag.engine.scheduler import SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
+from kvrag.engine.speculation import Speculator, Stage
 from kvrag.store.env import StoreEnv
 from kvrag.store.tiers.config import parse_bytes
 
@@ -45,13 +47,14 @@ class KVRag:
                  device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
                  host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
                  max_running: int = 32, reorder_window: int = 8, max_waiting: int = 0, native: bool = True,
-                 preload_retriever: bool = True, tune_process: bool = False):
+                 preload_retriever: bool = True, tune_process: bool = False, speculate: bool = False):
         """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
         sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
         turns them off). max_waiting: refuse a new request (engine.scheduler.QueueFull) while that many wait
         (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
         first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator
-        for the whole process (faster prefills; what `kvrag ask` does)."""
+        for the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's
+        prefill on an IVF index's early search stages (engine/speculation.py)."""
         from kvrag.blend.memory import build_cache
 
         self.env = StoreEnv.open(store)
@@ -76,6 +79,7 @@ class KVRag:
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
+        self.speculator = Speculator(self.loop) if speculate else None
 
     # ---- asking ---------------------------------------------------------------------------------
 
@@ -92,16 +96,23 @@ class KVRag:
         if not question or not question.strip():
             raise KvragError("the question is empty")
         start = time.perf_counter()
-        chunks, sources = self._chunks(question, k, relative_cutoff, chunk_ids, passages)
-        retrieve_s = time.perf_counter() - start
         auto = ratio == "auto"
         try:
             blend = replace(selection or BlendConfig(), ratio=QUALITY_FLOOR if auto else float(ratio))
         except (TypeError, ValueError):
             raise KvragError(f"ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
-        request = Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto,
-                          SamplingConfig(max_tokens, temperature, top_p, seed), tuple(sources))
-        return Generation(self, self.loop.submit(request, listener), retrieve_s)
+        sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
+
+        def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
+            return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto, sampling,
+                           tuple(sources))
+
+        if self.speculator is not None and chunk_ids is None and passages is None:
+            stages = self._stages(question, k, relative_cutoff, request)
+            return Generation(self, *self.speculator.submit(stages, listener, start))
+        chunks, sources = self._chunks(question, k, relative_cutoff, chunk_ids, passages)
+        retrieve_s = time.perf_counter() - start
+        return Generation(self, self.loop.submit(request(chunks, sources), listener), retrieve_s)
 
     def ask(self, question: str, **options) -> Answer:
         """Answer one question (the options of `submit`) and return when it is done."""
@@ -142,9 +153,13 @@ class KVRag:
         if chunk_ids is not None:
             records = ChunkTable(self.env).get_many(list(chunk_ids))  # a missing id is a KvragError
             return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
-        hits = self._load_retriever().search(question, k, relative_cutoff)
-        return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
-                [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+        return _from_hits(self._load_retriever().search(question, k, relative_cutoff))
+
+    def _stages(self, question: str, k: int, relative_cutoff: float, request) -> Iterator[Stage]:
+        """The staged search's stages (Retriever.search_staged), each with the request its chunks make."""
+        for staged in self._load_retriever().search_staged(question, k, relative_cutoff):
+            chunks, sources = _from_hits(staged.hits)
+            yield Stage(tuple(c for c, _ in chunks), partial(request, chunks, sources), staged.final)
 
     def _load_retriever(self):
         """The embedder and the vector index, loaded once (and warmed up on a query)."""
@@ -206,6 +221,11 @@ class Generation:
 
     def _answer(self) -> Answer:
         return self.seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
+
+
+def _from_hits(hits) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+    return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
+            [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
 
 
 def _source(record) -> dict:

@@ -42,6 +42,9 @@ def serve_command(
                                   help="GPU memory tier on CUDA (default 2GiB)."),
     cache_policy: str = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
                                      help="pgdsf (default), gdsf, lru or lfu."),
+    speculate: bool = typer.Option(False, "--speculate",
+                                   help="Start a question's prefill on an IVF index's early search stages "
+                                        "(RAGCache's speculative pipelining; nothing to gain on a Flat index)."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
@@ -71,7 +74,7 @@ def serve_command(
         console.print(f"loading the model for {path} ...", soft_wrap=True)
         with KVRag(path, model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
                    host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running,
-                   max_waiting=max_waiting, tune_process=True) as rag:
+                   max_waiting=max_waiting, tune_process=True, speculate=speculate) as rag:
             settings = ServerSettings(model_name or rag.runtime.local.name, api_key or None, max_tokens)
             console.print(f"serving {settings.model_name} on {listen(sock)}/v1"
                           f"{' (API key required)' if settings.api_key else ''}; SIGTERM or Ctrl-C stops",

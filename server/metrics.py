@@ -8,7 +8,7 @@ Read at each scrape: the engine's queue, running sequences, free KV-pool blocks,
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvrag.api import KVRag
 
@@ -73,3 +73,10 @@ class _EngineState:
         hits.add_metric(["prefix"], stats.prefix_hit_rate if stats else 0.0)
         hits.add_metric(["memory"], stats.memory_hit_rate if stats else 0.0)
         yield hits
+        speculative = CounterMetricFamily("kvrag_speculative_prefills", "Prefills started on an early stage of a "
+                                          "staged vector search (kvrag serve --speculate), and how they ended",
+                                          labels=["outcome"])
+        counts = self.rag.speculator.counts if self.rag.speculator is not None else {}
+        for outcome in ("started", "kept", "dropped"):
+            speculative.add_metric([outcome], counts.get(outcome, 0))
+        yield speculative

@@ -13,11 +13,13 @@ a benchmark or a test may run it in-process. The app never closes the KVRag it w
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -80,11 +82,11 @@ class Server:
         self._check_model(model_id)
         return self._model_card()
 
-    async def chat(self, body: ChatRequest):
-        return await self._serve("chat", body)
+    async def chat(self, body: ChatRequest, request: Request):
+        return await self._serve("chat", body, request)
 
-    async def completions(self, body: CompletionRequest):
-        return await self._serve("completions", body)
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve("completions", body, request)
 
     async def health(self) -> dict:
         return {"status": "ok", "model": self.settings.model_name, "waiting": self.rag.loop.waiting(),
@@ -95,14 +97,14 @@ class Server:
 
     # ---- a generation -----------------------------------------------------------------------------
 
-    async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest):
+    async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest, request: Request):
         run = await self._start(endpoint, body, time.perf_counter())
         ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._events(endpoint, run, ids, usage), media_type="text/event-stream")
         try:
-            text = await run.text()
+            text = await _unless_gone(run.text(), request)
         except GenerationFailed as exc:
             raise ApiError(exc.status, str(exc)) from None
         finally:
@@ -165,6 +167,21 @@ class Server:
 
     def _model_card(self) -> dict:
         return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
+
+
+DISCONNECT_POLL_S = 0.25  # how often a whole answer's handler checks that its client is still there
+
+
+async def _unless_gone(text: Coroutine[None, None, str], request: Request) -> str:
+    """The whole answer, unless the client goes away first: then the generation is dropped (the handler's
+    `_record` cancels the sequence, and its blocks go back to the pool) and the client is told nothing."""
+    task = asyncio.ensure_future(text)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            raise ApiError(499, "the client closed the request")
+    return task.result()
 
 
 def _key_check(api_key: str):

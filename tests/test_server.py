@@ -6,6 +6,7 @@ the same noise both ways."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -238,6 +239,21 @@ def test_a_client_that_goes_away_gives_its_blocks_back(rag, server):
     wait_for(lambda: idle(rag), "the cancelled sequence's blocks back in the pool")
     assert kv.pool.num_free == kv.pool.num_blocks - len(kv.shared)
     assert metric(server, "kvrag_requests_total", endpoint="chat", outcome="disconnected") == 1
+
+
+def test_a_client_that_goes_away_before_a_whole_answer_gives_its_blocks_back(rag, server):
+    """Not streamed: the handler notices the closed connection while it waits, and the sequence is cancelled."""
+    kv = rag.engine.kv
+    before = metric(server, "kvrag_requests_total", 0, endpoint="completions", outcome="disconnected")
+    body = json.dumps({"model": MODEL, "prompt": QUESTION, "max_tokens": LONG}).encode()
+    host, port = httpx.URL(server.url).host, httpx.URL(server.url).port
+    with socket.create_connection((host, port), timeout=60) as raw:  # a plain socket: closing it is hanging up
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        wait_for(lambda: rag.loop.running() == 1 and rag.engine.sequence_blocks > 0, "the sequence decoding")
+    wait_for(lambda: idle(rag), "the cancelled sequence's blocks back in the pool")
+    assert kv.pool.num_free == kv.pool.num_blocks - len(kv.shared)
+    assert metric(server, "kvrag_requests_total", endpoint="completions", outcome="disconnected") == before + 1
 
 
 def test_a_full_queue_is_a_429_with_retry_after(store_copy, tiny_llama_dir):

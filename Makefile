@@ -106,7 +106,7 @@ bench-tiers: bench-data $(STAMP)
 # at rising rates for full prefill, prefix caching, blend without and with the memory tiers (about 30 min),
 # each held to one TTFT limit: 3 x full prefill's idle TTFT unless SERVE_ARGS='--ttft-limit S'.
 SERVE_WORK ?= /tmp/kvrag-serve-bench
-SERVE_RATES ?= 0.05,0.1,0.2,0.3,0.5,0.8,1.2
+SERVE_RATES ?= 0.1,0.2,0.3,0.4,0.6,0.8,1,1.3,1.6
 bench-serve: bench-data $(STAMP)
 	$(BIN)/kvrag bench serve --work $(SERVE_WORK) --rates $(SERVE_RATES) $(SERVE_ARGS)
 

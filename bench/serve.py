@@ -42,9 +42,11 @@ class ServeBenchConfig:
     work: Path  # server logs
     store: Path | None = None  # indexed and precomputed
     questions: tuple[str, ...] = ()
-    rates: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
-    requests_per_rate: int = 16
-    seconds_per_rate: float = 120.0  # arrivals stop after this long, even short of requests_per_rate
+    rates: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6)
+    requests_per_rate: int = 200
+    # arrivals stop after this long, even short of requests_per_rate: a time bound, not a small count, so an
+    # overloaded rate shows as a queue that grows (a burst of N requests waits N/2 services whatever the rate)
+    seconds_per_rate: float = 60.0
     ttft_limit_s: float | None = None  # None: LIMIT_FACTOR x full prefill's median TTFT on the idle server
     ttft_stat: str = "p50"
     configs: tuple[str, ...] = tuple(CONFIGS)
@@ -52,7 +54,7 @@ class ServeBenchConfig:
     zipf: float = 1.0
     k: int = 5
     max_tokens: int = 16
-    latency_runs: int = 3  # single questions on the warm idle server, per configuration (0: none)
+    latency_runs: int = 3  # questions timed one at a time on the warm idle server, twice each (0: none)
     model: str | None = None
     dtype: str | None = None
     server_args: tuple[str, ...] = ()  # more `kvrag serve` options for every configuration

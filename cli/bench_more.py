@@ -229,10 +229,11 @@ def bench_serve(
                                "one (with --questions)."),
     questions: Path = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL) instead of the "
                                    "split's, answered over --store."),
-    rates: str = typer.Option("0.05,0.1,0.2,0.3,0.5,0.8,1.2", "--rates", help="Poisson rates in questions/s, rising."),
-    requests_per_rate: int = typer.Option(16, "--requests-per-rate", min=1, help="Requests sent at each rate, at most."),
-    seconds_per_rate: float = typer.Option(120.0, "--seconds-per-rate", min=0.0,
-                                           help="Arrivals stop after this long at a rate, even short of the count."),
+    rates: str = typer.Option("0.1,0.2,0.3,0.4,0.6,0.8,1,1.3,1.6", "--rates", help="Poisson rates in questions/s."),
+    requests_per_rate: int = typer.Option(200, "--requests-per-rate", min=1, help="Requests sent at each rate, at most."),
+    seconds_per_rate: float = typer.Option(60.0, "--seconds-per-rate", min=0.0,
+                                           help="Seconds of arrivals at each rate (fewer if the count runs out): long "
+                                                "enough for a queue to grow past the limit when the rate is too high."),
     ttft_limit: float = typer.Option(None, "--ttft-limit", help="TTFT limit in seconds for the throughput "
                                      "(default: 3 x full prefill's median TTFT on its idle server)."),
     ttft_stat: str = typer.Option("p50", "--ttft-stat", help="p50 or mean: the TTFT statistic held to the limit."),
@@ -243,7 +244,8 @@ def bench_serve(
     k: int = typer.Option(5, "-k", min=1, help="Chunks retrieved per question."),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Answer tokens per question, at most."),
     latency_runs: int = typer.Option(3, "--latency-runs", min=0,
-                                     help="Single questions timed end to end on the warm idle server (0: none)."),
+                                     help="Questions timed one at a time on the warm idle server, twice each "
+                                          "(0: none)."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,

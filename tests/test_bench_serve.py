@@ -44,9 +44,10 @@ def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_c
                 REQUESTS * p["prompt_tokens_mean"]
         assert config["throughput_qps"] == 20
         single = config["single_question"]
-        assert len(single["runs"]) == 1 and "error" not in single["runs"][0], single
-        run = single["runs"][0]  # B was asked with A's chunks by id: the same prompt without retrieval
-        assert run["chunks"] >= 1 and run["same_prompt"] and run["completion_tokens"] >= 1, run
+        assert len(single["runs"]) == 2, single  # one question, two A/B pairs
+        for run in single["runs"]:  # B was asked with A's chunks by id: the same prompt without retrieval
+            assert "error" not in run and run["chunks"] >= 1 and run["same_prompt"], run
+            assert run["completion_tokens"] >= 1 and run["question"] == 0, run
         assert len(config["simulated"]) == len(config["points"])
     full, tiers = report["configs"]["full"], report["configs"]["blend+tiers"]
     assert all(p["server"]["prompt_tokens_reused"] == 0 and p["cached_tokens_share"] == 0 for p in full["points"])

@@ -5,6 +5,10 @@ as it will stand first in a real prompt; only its own tokens' K (before rotary) 
 Work is claimed a few chunks at a time, so several processes (or `--shard i/N`) share a store, and
 each chunk is written whole in one transaction, so an interrupted run resumes where it stopped
 (Ctrl-C raises PrecomputeInterrupted, which counts the chunks the run stored).
+
+With a KeepConfig that reduces (`--keep R`), each chunk's keys are scored during that same forward and only the
+kept tokens' K and V are stored, with their positions, under the store variant the settings name (keyed apart
+from the full chunks: one store holds both); the preamble stays in the full chunks' range (blend/keyformer.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import numpy as np
 import torch
 
 from kvrag import KvragError
+from kvrag.blend import keyformer
+from kvrag.blend.keyformer import KeepConfig
 from kvrag.blend.prefill import LayerKV, extend
 from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import ChunkTable
@@ -43,6 +49,8 @@ class PrecomputeSummary:
     store_s: float  # what storing cost the forward loop: the numpy copy and any wait for the writer
     wall_s: float
     writer_busy_s: float = 0.0  # encoding, compressing and committing, in the writer thread
+    variant: str = ""  # the store variant written ("": full chunks)
+    kept_tokens: int = 0  # tokens stored (averaged over layers), of `tokens` computed
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,10 +98,12 @@ def chunk_kv(runtime: Runtime, preamble: LayerKV, token_ids: list[int] | tuple[i
 def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: int | None = None,
                shard: Shard | None = None,
                on_progress: Callable[[int, int, int], None] | None = None,
-               on_start: Callable[[int], None] | None = None, compress: bool = True) -> PrecomputeSummary:
-    """Compute and store the KV of every indexed chunk that has none for this model and codec.
+               on_start: Callable[[int], None] | None = None, compress: bool = True,
+               keep: KeepConfig | None = None) -> PrecomputeSummary:
+    """Compute and store the KV of every indexed chunk that has none for this model, codec and `keep` variant.
 
     `compress=False` stores values uncompressed (larger, but decoded with no CPU work: see store/codec.py).
+    `keep` (reduced): store each chunk's kept tokens only (see the module doc).
     on_start(n_todo); on_progress(chunks_done, tokens_done, n_todo) after each stored chunk.
     """
     start = time.perf_counter()
@@ -103,7 +113,9 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
         raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
     check_or_record(store, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                     tokenizer_fp=runtime.local.tokenizer_fingerprint)
-    table = KVTable(store, runtime.fingerprint, codec, compress)
+    keep = keep or KeepConfig()
+    full = KVTable(store, runtime.fingerprint, codec, compress)
+    table = KVTable(store, runtime.fingerprint, codec, compress, keep.variant) if keep.reduced else full
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
     if limit is not None:
@@ -111,11 +123,13 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     if on_start:
         on_start(len(todo))
 
-    summary = PrecomputeSummary(runtime.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0)
+    summary = PrecomputeSummary(runtime.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
+                                variant=keep.variant)
     writer = ChunkWriter(table)
     try:
         with torch.inference_mode(), writer:
-            _compute_all(runtime, chunks, table, writer, todo, summary, on_progress)
+            preamble = preamble_kv(runtime, full)
+            _compute_all(runtime, chunks, table, writer, todo, summary, on_progress, preamble, keep)
     except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
         raise PrecomputeInterrupted(writer.stored) from exc
     summary.writer_busy_s = writer.busy_s
@@ -124,10 +138,8 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
 
 
 def _compute_all(runtime: Runtime, chunks: ChunkTable, table: KVTable, writer: ChunkWriter, todo: list[str],
-                 summary: PrecomputeSummary, on_progress) -> None:
-    """The preamble, then each chunk of `todo` this process claims, queued to the writer."""
-    preamble = preamble_kv(runtime, table)
-    codec = table.codec
+                 summary: PrecomputeSummary, on_progress, preamble: LayerKV, keep: KeepConfig) -> None:
+    """Each chunk of `todo` this process claims, computed after the preamble and queued to the writer."""
     for i in range(0, len(todo), CLAIM_BATCH):
         batch = todo[i:i + CLAIM_BATCH]
         mine = table.claim(batch)
@@ -135,9 +147,10 @@ def _compute_all(runtime: Runtime, chunks: ChunkTable, table: KVTable, writer: C
         try:
             for record in chunks.get_many(mine):
                 t0 = time.perf_counter()
-                kv = chunk_kv(runtime, preamble, record.token_ids)
+                layers, kept = chunk_layers(runtime, preamble, record.chunk_id, record.token_ids, keep, table.codec)
                 t1 = time.perf_counter()
-                done = writer.submit(record.chunk_id, record.token_ids, layers_to_numpy(kv, codec))
+                summary.kept_tokens += round(np.mean([len(k) for k, _ in layers]))
+                done = writer.submit(record.chunk_id, record.token_ids, layers, kept)
                 summary.compute_s += t1 - t0
                 summary.store_s += time.perf_counter() - t1
                 _count(summary, done, on_progress, len(todo))
@@ -147,6 +160,18 @@ def _compute_all(runtime: Runtime, chunks: ChunkTable, table: KVTable, writer: C
     t1 = time.perf_counter()
     _count(summary, writer.drain(), on_progress, len(todo))
     summary.store_s += time.perf_counter() - t1
+
+
+def chunk_layers(runtime: Runtime, preamble: LayerKV, chunk_id: str, token_ids, keep: KeepConfig,
+                 codec: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray | list[np.ndarray] | None]:
+    """One chunk's per-layer (K, V) for the store's codec, and the kept positions (None: every token)."""
+    if not keep.reduced:
+        return layers_to_numpy(chunk_kv(runtime, preamble, token_ids), codec), None
+    model = runtime.model
+    kv, scores = keyformer.score_chunk(model, preamble, runtime.ids_tensor(list(token_ids)), keep,
+                                       keyformer.chunk_generator(keep, chunk_id, model.device))
+    kept = keyformer.positions(scores, keep)
+    return keyformer.reduce_layers(layers_to_numpy(kv, codec), kept), kept
 
 
 def _count(summary: PrecomputeSummary, done: list[tuple[int, bool]], on_progress, n_todo: int) -> None:
@@ -175,11 +200,12 @@ class ChunkWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer")
         self._pending: deque[tuple[str, int, Future]] = deque()
 
-    def submit(self, chunk_id: str, token_ids, layers) -> list[tuple[int, bool]]:
-        """Queue a chunk; returns (tokens, stored) of the chunks finished meanwhile, oldest first.
-
-        Blocks while the queue is full; raises the writer's error (a full disk, a store error)."""
-        self._pending.append((chunk_id, len(token_ids), self._pool.submit(self._put, chunk_id, token_ids, layers)))
+    def submit(self, chunk_id: str, token_ids, layers, positions=None) -> list[tuple[int, bool]]:
+        """Queue a chunk (with its kept positions, when reduced); returns (tokens, stored) of the chunks finished
+        meanwhile, oldest first. Blocks while the queue is full; raises the writer's error (a full disk, a store
+        error)."""
+        future = self._pool.submit(self._put, chunk_id, token_ids, layers, positions)
+        self._pending.append((chunk_id, len(token_ids), future))
         done = []
         while self._pending and (len(self._pending) > self.in_flight or self._pending[0][2].done()):
             _, n_tokens, future = self._pending.popleft()
@@ -197,10 +223,10 @@ class ChunkWriter:
         self._pending.clear()
         return dropped
 
-    def _put(self, chunk_id: str, token_ids, layers) -> bool:
+    def _put(self, chunk_id: str, token_ids, layers, positions) -> bool:
         t0 = time.perf_counter()
         try:
-            stored = self.table.put_chunk(chunk_id, token_ids, layers)
+            stored = self.table.put_chunk(chunk_id, token_ids, layers, positions)
             self.stored += int(stored)  # one writer thread: no race
             return stored
         finally:

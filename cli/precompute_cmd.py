@@ -39,6 +39,13 @@ def precompute_command(
                                        "half as large again, decoded with no CPU work at question time."),
     limit: int = typer.Option(None, "--limit", min=1, help="Compute at most N chunks this run."),
     shard: str = typer.Option(None, "--shard", help="i/N: compute only this process's share (run N of them)."),
+    keep: float = typer.Option(1.0, "--keep", help="Share of each chunk's tokens to store, in (0, 1]: below 1, "
+                                                   "only the key tokens' KV (Keyformer), keyed apart from full "
+                                                   "chunks. 1 (default): full chunks."),
+    keep_rule: str = typer.Option("keyformer", "--keep-rule", help="How --keep picks tokens: keyformer (default), "
+                                                                   "h2o or window (first + recent tokens)."),
+    keep_per_layer: bool = typer.Option(False, "--keep-per-layer",
+                                        help="With --keep: one token set per layer instead of one per chunk."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
@@ -48,18 +55,20 @@ def precompute_command(
 
     Interrupted (Ctrl-C) and run again, it resumes; several processes may share one store.
 
-    Example: kvrag precompute --store ./store --codec fp16
+    Example: kvrag precompute --store ./store --codec int8 --keep 0.5
     """
+    from kvrag.blend.keyformer import KeepConfig
     from kvrag.blend.precompute import PrecomputeInterrupted
     from kvrag.store.keys import codec_id
     from kvrag.store.kv import Shard
 
     codec_id(codec)  # validate before loading anything
+    keep_config = KeepConfig(keep, keep_rule, per_layer=keep_per_layer)
     parsed_shard = Shard.parse(shard) if shard else None
     console = stderr_console()
     try:
-        summary = _run(resolve_store(store), codec, limit, parsed_shard, compress, model, dtype, device, console,
-                       show_progress=not as_json or console.is_terminal)
+        summary = _run(resolve_store(store), codec, limit, parsed_shard, compress, keep_config, model, dtype, device,
+                       console, show_progress=not as_json or console.is_terminal)
     except KeyboardInterrupt as exc:  # before the first chunk (loading the model), nothing was stored
         stored = exc.stored if isinstance(exc, PrecomputeInterrupted) else 0
         raise Interrupted(f"interrupted; {stored} chunks stored, run again to resume") from None
@@ -69,9 +78,13 @@ def precompute_command(
     table = Table(title="precompute", show_header=False)
     table.add_row("model", summary.model_fp)
     table.add_row("codec", summary.codec)
+    if summary.variant:
+        table.add_row("variant", summary.variant)
     table.add_row("indexed chunks", str(summary.indexed_chunks))
     table.add_row("already stored", str(summary.already_stored))
     table.add_row("computed now", f"{summary.computed} ({summary.tokens:,} tokens)")
+    if summary.variant:
+        table.add_row("kept", f"{summary.kept_tokens:,} tokens")
     if summary.skipped_by_others:
         table.add_row("left to other processes", str(summary.skipped_by_others))
     table.add_row("throughput", f"{summary.tokens_per_s:,.0f} tok/s")
@@ -80,7 +93,7 @@ def precompute_command(
     console.print(table)
 
 
-def _run(store_dir: Path, codec: str, limit, shard, compress: bool, model, dtype, device, console,
+def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model, dtype, device, console,
          show_progress: bool):
     """Load the model and precompute, with a progress bar on stderr."""
     from kvrag.blend.precompute import precompute
@@ -105,4 +118,4 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, model, dtype
             progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
 
         with progress:
-            return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress)
+            return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress, keep)

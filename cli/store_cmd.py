@@ -38,7 +38,8 @@ def stats_command(
     store: Path | None = STORE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
-    """Chunks, tokens and bytes per token of the stored KV, per model and codec, with per-layer sizes.
+    """Chunks, tokens and bytes per token of the stored KV, per model, codec and variant (full chunks, or a
+    reduced `precompute --keep` form with the share of tokens it kept), with per-layer sizes.
 
     Example: kvrag store stats --store ./my-store
     """
@@ -75,7 +76,7 @@ def verify_command(
     else:
         _print_verify(err, report)
     if not report.ok and not repair:
-        chunks = len({(p.model_fp, p.codec, p.chunk_id) for p in report.problems})
+        chunks = len({(p.model_fp, p.codec, p.variant, p.chunk_id) for p in report.problems})
         raise KvragError(f"{len(report.problems)} problem(s) in {chunks} chunk(s); "
                          "`kvrag store verify --repair` deletes them so the next precompute redoes them")
 
@@ -118,6 +119,7 @@ def _stats_json(result: StoreStats) -> dict:
     out = asdict(result)
     for group, raw in zip(result.groups, out["groups"], strict=True):
         raw["bytes_per_token"] = round(group.bytes_per_token, 1)
+        raw["kept_share"] = round(group.kept_share, 4)
     return out
 
 
@@ -127,16 +129,17 @@ def _print_stats(err: Console, result: StoreStats) -> None:
     if not result.groups:
         err.print("no KV stored yet (run `kvrag precompute`)")
         return
-    table = Table("model", "codec", "chunks", "tokens", "size", "bytes/token", "layers", "preamble")
+    table = Table("model", "codec", "variant", "chunks", "tokens", "kept", "size", "bytes/token", "layers", "preamble")
     for g in result.groups:
-        table.add_row(g.model_fp, g.codec, f"{g.chunks:,}", f"{g.tokens:,}", _mib(g.bytes),
-                      f"{g.bytes_per_token:,.0f}", str(len(g.layer_bytes)),
-                      f"{g.preamble_tokens} tokens" if g.preamble_tokens else "missing")
+        preamble = f"{g.preamble_tokens} tokens" if g.preamble_tokens else "missing" if not g.variant else "-"
+        table.add_row(g.model_fp, g.codec, g.variant or "full", f"{g.chunks:,}", f"{g.tokens:,}",
+                      f"{g.kept_share:.0%}", _mib(g.bytes), f"{g.bytes_per_token:,.0f}", str(len(g.layer_bytes)),
+                      preamble)
     err.print(table)
     for g in result.groups:
         if g.layer_bytes:
             sizes = " ".join(f"{b / (1 << 20):.1f}" for b in g.layer_bytes)
-            err.print(f"{g.model_fp} {g.codec} per-layer MiB: {sizes}")
+            err.print(f"{g.model_fp} {g.codec} {g.variant or 'full'} per-layer MiB: {sizes}")
         if g.damaged_records:
             err.print(f"[red]{g.damaged_records} damaged chunk record(s): run `kvrag store verify`[/red]")
 
@@ -146,9 +149,10 @@ def _print_verify(err: Console, report: VerifyReport) -> None:
     if report.ok:
         err.print("[green]no problems[/green]")
         return
-    table = Table("model", "codec", "chunk", "layer", "problem")
+    table = Table("model", "codec", "variant", "chunk", "layer", "problem")
     for p in report.problems[:_SHOWN_PROBLEMS]:
-        table.add_row(p.model_fp, p.codec, p.chunk_id, "-" if p.layer is None else str(p.layer), p.reason)
+        table.add_row(p.model_fp, p.codec, p.variant or "full", p.chunk_id, "-" if p.layer is None else str(p.layer),
+                      p.reason)
     err.print(table)
     if len(report.problems) > _SHOWN_PROBLEMS:
         err.print(f"… and {len(report.problems) - _SHOWN_PROBLEMS} more (see --json)")

@@ -2,13 +2,18 @@
 
 Byte layout, chosen so that plain byte order groups what scans need together:
 
-    len(model_fp) model_fp  codec_id  len(chunk_id) chunk_id  tag [layer]
-    `-- model prefix ------------'                            |
-    `-- chunk prefix ------------------------------------------'
+    len(model_fp) model_fp  codec_id  [len(variant) variant]  len(chunk_id) chunk_id  tag [layer]
+    `-- model prefix ------------------------------------'                      |
+    `-- chunk prefix ------------------------------------------------------------'
 
 tag b"C" = claim, b"L" + u16 big-endian layer = one layer's KV, b"R" = the chunk record. Lengths are one
 byte, so no id can be a prefix of another; all layers of a chunk sit together, in layer order, followed
-by its record; all chunks of one (model, codec) form one contiguous range.
+by its record; all chunks of one (model, codec, variant) form one contiguous range.
+
+A variant is a reduced (Keyformer) form of the chunks, e.g. "keyformer:keep=0.5:...". It is a codec-like
+qualifier: full chunks (variant "") keep the original key bytes, and a variant sets the codec byte's high bit
+(VARIANT_BIT) and follows it, so stores written before variants existed read unchanged, a reader of full chunks
+never meets a reduced one (another key range), and one store holds both side by side, as it holds two codecs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ PREAMBLE_PREFIX = "~preamble:"  # reserved chunk ids; `~` never occurs in the in
 
 TAG_CLAIM, TAG_LAYER, TAG_RECORD = b"C", b"L", b"R"
 MAX_LAYERS = 1 << 16
+VARIANT_BIT = 0x80  # on the codec byte: a length-prefixed variant follows (codec ids stay below it)
 
 
 def _lp(text: str, what: str) -> bytes:
@@ -43,10 +49,14 @@ def codec_id(codec: str) -> int:
     return CODEC_IDS[codec]
 
 
-def model_prefix(model_fp: str, codec: str | None = None) -> bytes:
-    """Key prefix of every entry of one model (and, given a codec, of one model+codec)."""
+def model_prefix(model_fp: str, codec: str | None = None, variant: str = "") -> bytes:
+    """Key prefix of every entry of one model (and, given a codec, of one model+codec+variant: "" = full chunks)."""
     prefix = _lp(model_fp, "model fingerprint")
-    return prefix if codec is None else prefix + bytes([codec_id(codec)])
+    if codec is None:
+        return prefix
+    if not variant:
+        return prefix + bytes([codec_id(codec)])
+    return prefix + bytes([codec_id(codec) | VARIANT_BIT]) + _lp(variant, "variant")
 
 
 def preamble_chunk_id(preamble_hash: str) -> str:
@@ -65,19 +75,20 @@ class ChunkKey:
     model_fp: str
     codec: str
     chunk_id: str
+    variant: str = ""  # "": the full chunk; else a reduced form's id (see the module doc)
 
     def __post_init__(self) -> None:
         _ = self.prefix  # validates lengths and codec now, not at first use
 
     @property
     def prefix(self) -> bytes:
-        return model_prefix(self.model_fp, self.codec) + _lp(self.chunk_id, "chunk id")
+        return model_prefix(self.model_fp, self.codec, self.variant) + _lp(self.chunk_id, "chunk id")
 
     def to_bytes(self) -> bytes:
         return self.prefix + TAG_RECORD
 
     def layer(self, layer: int) -> KVKey:
-        return KVKey(self.model_fp, self.codec, self.chunk_id, layer)
+        return KVKey(self.model_fp, self.codec, self.chunk_id, layer, self.variant)
 
     def claim_key(self) -> bytes:
         return self.prefix + TAG_CLAIM
@@ -98,6 +109,7 @@ class KVKey:
     codec: str
     chunk_id: str
     layer: int
+    variant: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer < MAX_LAYERS:
@@ -106,7 +118,7 @@ class KVKey:
 
     @property
     def chunk(self) -> ChunkKey:
-        return ChunkKey(self.model_fp, self.codec, self.chunk_id)
+        return ChunkKey(self.model_fp, self.codec, self.chunk_id, self.variant)
 
     def to_bytes(self) -> bytes:
         return self.chunk.prefix + TAG_LAYER + self.layer.to_bytes(2, "big")
@@ -143,22 +155,27 @@ def parse_key(raw: bytes) -> ChunkKey | KVKey | ClaimKey:
     """Decode any key of the `kv` database; ValueError on bytes that are not one."""
     raw = bytes(raw)
     try:
-        n = raw[0]
-        model_fp = raw[1 : 1 + n].decode()
-        pos = 1 + n
-        codec = CODEC_NAMES[raw[pos]]
-        m = raw[pos + 1]
-        chunk_id = raw[pos + 2 : pos + 2 + m].decode()
-        if len(chunk_id.encode()) != m or len(model_fp.encode()) != n:
-            raise ValueError("short key")
-        tail = raw[pos + 2 + m :]
+        model_fp, pos = _read_lp(raw, 0)
+        codec = CODEC_NAMES[raw[pos] & ~VARIANT_BIT]
+        variant, pos = _read_lp(raw, pos + 1) if raw[pos] & VARIANT_BIT else ("", pos + 1)
+        chunk_id, pos = _read_lp(raw, pos)
+        tail = raw[pos:]
     except (IndexError, KeyError, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"malformed kv key {raw!r}: {exc}") from None
-    chunk = ChunkKey(model_fp, codec, chunk_id)
+    chunk = ChunkKey(model_fp, codec, chunk_id, variant)
     if tail == TAG_RECORD:
         return chunk
     if tail == TAG_CLAIM:
         return ClaimKey(chunk)
     if len(tail) == 3 and tail[:1] == TAG_LAYER:
-        return KVKey(model_fp, codec, chunk_id, int.from_bytes(tail[1:], "big"))
+        return KVKey(model_fp, codec, chunk_id, int.from_bytes(tail[1:], "big"), variant)
     raise ValueError(f"malformed kv key {raw!r}: unknown tail {tail!r}")
+
+
+def _read_lp(raw: bytes, pos: int) -> tuple[str, int]:
+    """The length-prefixed string at `pos` and the position after it; ValueError when short or empty."""
+    n = raw[pos]
+    text = raw[pos + 1 : pos + 1 + n].decode()
+    if n == 0 or len(text.encode()) != n:
+        raise ValueError("short key")
+    return text, pos + 1 + n

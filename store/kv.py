@@ -24,7 +24,6 @@ from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (
     ChunkKey,
     chunk_of,
-    codec_id,
     is_preamble_id,
     model_prefix,
     parse_key,
@@ -87,19 +86,20 @@ class RawLayer:
 
 
 class KVTable:
-    """The KV of one (model fingerprint, codec) in a store."""
+    """The KV of one (model fingerprint, codec) in a store; with a `variant`, its reduced (Keyformer) chunks
+    of that name instead of the full ones (keys.py: a key range of their own)."""
 
-    def __init__(self, env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True):
-        codec_id(codec)
-        model_prefix(model_fp)  # validates the fingerprint
+    def __init__(self, env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = ""):
+        model_prefix(model_fp, codec, variant)  # validates the fingerprint, codec and variant
         self.env = env
         self.model_fp = model_fp
         self.codec = codec
+        self.variant = variant
         self.compress = compress  # how new values are written (zstd or as they are); reads take either
         self.db = env.db("kv")
 
     def key(self, chunk_id: str) -> ChunkKey:
-        return ChunkKey(self.model_fp, self.codec, chunk_id)
+        return ChunkKey(self.model_fp, self.codec, chunk_id, self.variant)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -137,7 +137,8 @@ class KVTable:
     def _checked(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value) -> RawLayer:
         """The value, once the chunk's record vouches for it; MissingChunk or CorruptValue otherwise."""
         if rec_raw is None:
-            raise MissingChunk(f"no KV for chunk {chunk_id} (model {self.model_fp}, codec {self.codec})")
+            variant = f", {self.variant}" if self.variant else ""
+            raise MissingChunk(f"no KV for chunk {chunk_id} (model {self.model_fp}, codec {self.codec}{variant})")
         rec = KVRecord.from_bytes(rec_raw)
         if expect_token_ids is not None and not rec.matches(expect_token_ids):
             raise CorruptValue(f"chunk {chunk_id}: stored token ids differ from the expected ones")
@@ -156,7 +157,7 @@ class KVTable:
 
     def iter_chunks(self, *, include_preamble: bool = False) -> Iterator[tuple[str, KVRecord]]:
         """(chunk id, record) of every complete chunk, in key order; damaged records are skipped."""
-        for key, raw in scan_records(self.env, model_prefix(self.model_fp, self.codec)):
+        for key, raw in scan_records(self.env, model_prefix(self.model_fp, self.codec, self.variant)):
             if include_preamble or not is_preamble_id(key.chunk_id):
                 try:
                     yield key.chunk_id, KVRecord.from_bytes(raw)
@@ -182,6 +183,9 @@ class KVTable:
         for i, ((k, v), pos) in enumerate(zip(layers, per_layer, strict=True)):
             if pos is None and k.shape[0] != n_tokens:
                 raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
+            problem = None if pos is None else positions_problem(np.asarray(pos), n_tokens)
+            if problem:
+                raise ValueError(f"layer {i}: {problem}")
             if k.shape[1:] != layers[0][0].shape[1:]:
                 raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
             values.append(encode(k, v, self.codec, pos, compress=self.compress))
@@ -285,6 +289,18 @@ def claim_alive(raw: bytes, me: str, now: float) -> bool:
     except PermissionError:
         return True  # alive, another user's
     return True
+
+
+def positions_problem(positions: np.ndarray, n_tokens: int) -> str | None:
+    """What is wrong with a reduced chunk's positions ([T_kept] or [T_kept, kv_heads] token indices), or None:
+    they must rise strictly (per head) and lie in 0..n_tokens-1, so a loader can place each row at one spot."""
+    if positions.size == 0:
+        return None
+    if positions.min() < 0 or positions.max() >= n_tokens:
+        return f"positions outside 0..{n_tokens - 1}"
+    if positions.shape[0] > 1 and not (np.diff(positions, axis=0) > 0).all():
+        return "positions do not rise strictly"
+    return None
 
 
 def _positions_per_layer(positions: Positions, n_layers: int) -> list[np.ndarray | None]:

@@ -22,7 +22,7 @@ from kvrag.store.keys import (
     parse_key,
     preamble_chunk_id,
 )
-from kvrag.store.kv import claim_alive, delete_prefix, scan_records
+from kvrag.store.kv import claim_alive, delete_prefix, positions_problem, scan_records
 from kvrag.store.manifest import (
     current_chunking,
     drop_manifest,
@@ -37,7 +37,7 @@ DELETE_BATCH = 64  # chunks per write transaction in gc/repair: bounded transact
 
 @dataclass(frozen=True)
 class GroupStats:
-    """The KV of one (model, codec); the preamble is counted apart from the chunks."""
+    """The KV of one (model, codec, variant); the preamble is counted apart from the chunks."""
 
     model_fp: str
     codec: str
@@ -47,10 +47,17 @@ class GroupStats:
     layer_bytes: tuple[int, ...] = ()
     preamble_tokens: int = 0  # 0: no preamble KV stored
     damaged_records: int = 0
+    variant: str = ""  # "": full chunks; else a reduced (Keyformer) form, keyed apart (see store/keys.py)
+    kept_tokens: int = 0  # tokens stored, averaged over layers (= tokens for full chunks)
 
     @property
     def bytes_per_token(self) -> float:
+        """Per chunk token, kept or not: a reduced variant's figure compares directly with the full one's."""
         return self.bytes / self.tokens if self.tokens else 0.0
+
+    @property
+    def kept_share(self) -> float:
+        return self.kept_tokens / self.tokens if self.tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Problem:
     chunk_id: str
     layer: int | None  # None: the chunk as a whole (record, missing layers, stray keys)
     reason: str
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,12 +103,13 @@ class GcReport:
 
 
 def stats(env: StoreEnv) -> StoreStats:
-    """Chunks, tokens, bytes (per token, per layer) per (model, codec); reads records only."""
+    """Chunks, tokens, bytes (per token, per layer) per (model, codec, variant); reads records only."""
     schema = ensure_schema(env)
-    groups: dict[tuple[str, str], dict] = {}
+    groups: dict[tuple[str, str, str], dict] = {}
     for key, raw in scan_records(env, b""):
-        g = groups.setdefault((key.model_fp, key.codec), {"chunks": 0, "tokens": 0, "bytes": 0, "layers": [],
-                                                           "preamble": 0, "damaged": 0})
+        g = groups.setdefault((key.model_fp, key.codec, key.variant),
+                              {"chunks": 0, "tokens": 0, "bytes": 0, "layers": [], "preamble": 0, "damaged": 0,
+                               "kept": 0})
         try:
             rec = KVRecord.from_bytes(raw)
         except CorruptValue:
@@ -111,6 +120,7 @@ def stats(env: StoreEnv) -> StoreStats:
             continue
         g["chunks"] += 1
         g["tokens"] += rec.n_tokens
+        g["kept"] += round(sum(rec.kept) / rec.n_layers)
         g["bytes"] += rec.total_bytes
         layers = g["layers"]
         layers.extend([0] * (rec.n_layers - len(layers)))
@@ -123,9 +133,9 @@ def stats(env: StoreEnv) -> StoreStats:
         schema_version=schema,
         map_size=info["map_size"],
         used_bytes=(info["last_pgno"] + 1) * stat["psize"],
-        models=tuple(sorted(set(manifests) | {fp for fp, _ in groups})),
+        models=tuple(sorted(set(manifests) | {fp for fp, _, _ in groups})),
         groups=tuple(GroupStats(fp, codec, g["chunks"], g["tokens"], g["bytes"], tuple(g["layers"]), g["preamble"],
-                                g["damaged"]) for (fp, codec), g in sorted(groups.items())),
+                                g["damaged"], variant, g["kept"]) for (fp, codec, variant), g in sorted(groups.items())),
     )
 
 
@@ -205,7 +215,7 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
 
 def _check_chunk(chunk: ChunkKey, entries: dict) -> list[Problem]:
     def problem(layer: int | None, reason: str) -> Problem:
-        return Problem(chunk.model_fp, chunk.codec, chunk.chunk_id, layer, reason)
+        return Problem(chunk.model_fp, chunk.codec, chunk.chunk_id, layer, reason, chunk.variant)
 
     raw, layers = entries.get("record"), entries["layers"]
     if raw is None:
@@ -224,10 +234,22 @@ def _check_chunk(chunk: ChunkKey, entries: dict) -> list[Problem]:
             found.append(problem(i, f"{len(value)} bytes, record says {rec.value_sizes[i]}"))
             continue
         try:
-            decode(value, expect_codec=chunk.codec, expect_shape=rec.layer_shape(i))
+            decoded = decode(value, expect_codec=chunk.codec, expect_shape=rec.layer_shape(i))
         except CorruptValue as exc:
             found.append(problem(i, str(exc)))
+            continue
+        reason = _positions_reason(chunk, decoded.positions, rec.n_tokens)
+        if reason:
+            found.append(problem(i, reason))
     return found
+
+
+def _positions_reason(chunk: ChunkKey, positions, n_tokens: int) -> str | None:
+    """A reduced variant's values must carry valid positions (a loader places rows by them); a full chunk's
+    rows are its tokens in order, so positions there are only checked when present."""
+    if positions is None:
+        return "reduced chunk value without token positions" if chunk.variant else None
+    return positions_problem(positions, n_tokens)
 
 
 def _walk(env: StoreEnv) -> Iterator[tuple[ChunkKey | None, dict, list[bytes]]]:

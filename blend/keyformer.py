@@ -154,9 +154,12 @@ class ScoringKV(GrowingKV):
         q_all = q
         if q.shape[0] != len(full):  # the last layer reads one row on; scoring needs every query
             q_all = self.model.queries(layer, self.model.attention_input(layer, full.h), full.rope)
-        view = LayerView(q_all, self.k_rot, full.pos, self.key_pos, self.generator)
-        self.scores.append(RULES[self.cfg.rule][0](view, self.cfg).float())
+        self.scores.append(self.score(LayerView(q_all, self.k_rot, full.pos, self.key_pos, self.generator)))
         return super().attend(layer, q, rows)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """One layer's scores [Hkv, T] (a benchmark overrides it to score several rules in one pass)."""
+        return RULES[self.cfg.rule][0](view, self.cfg).float()
 
 
 def chunk_generator(cfg: KeepConfig, chunk_id: str, device: torch.device) -> torch.Generator:

@@ -1,0 +1,37 @@
+"""bench/keyformer.py: the question's attention against transformers' own, and the run's figures on a tiny model."""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.bench import keyformer as bench
+from kvrag.blend.runtime import Runtime
+
+
+def test_question_attention_is_transformers_attention_summed_over_layers(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    runtime = Runtime.load(str(tiny_llama_dir), "float32")
+    ids = list(range(2000, 2060))
+    with torch.inference_mode():
+        got = bench.question_attention(runtime, ids, 7)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = hf(torch.tensor(ids)[None], output_attentions=True).attentions
+    want = sum(a[0, :, -7:, :].mean(dim=(0, 1)) for a in attentions)  # [S]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_run_on_invented_items(tiny_llama_dir, invented_items):
+    item = invented_items[0]
+    result = bench.run([{**item, "ctxs": item["ctxs"][:3]}], str(tiny_llama_dir), "float32")
+    kept, nbytes = result["attention_kept"], result["bytes_per_token"]
+    for rule in bench.RULE_NAMES:
+        assert kept[f"{rule}@1"] == 1.0
+        assert all(0 < kept[f"{rule}@{k:g}"] < 1 for k in bench.KEEPS[1:])
+    for codec in bench.CODECS:
+        sizes = [nbytes[f"{codec}@{k:g}"] for k in bench.KEEPS]
+        assert sizes == sorted(sizes, reverse=True)
+    assert nbytes["int8@1"] < nbytes["fp16@1"]
+    assert "| 0.5 |" in bench.markdown(result)

@@ -1,20 +1,22 @@
 """`kvrag bench serve`: the measured load test of `kvrag serve` (issue 26), replacing the simulated queue of
 `kvrag bench` (bench/rag/workloads.py) with a real server, a real client and real arrivals.
 
-For each configuration one `kvrag serve` process (bench/serve_server.py) answers Poisson arrivals of questions
-with Zipf-skewed popularity at rising rates (bench/serve_load.py), each rate bounded in requests and seconds;
-a configuration stops rising after its first rate over the TTFT limit or with a failed request (higher rates
-only fail worse). Its throughput is, as RAGCache defines it, the highest rate whose TTFT statistic stays within
-the limit with no failed request. Then, on the warm idle server, single questions end to end against what the
-server reports, and the simulated queue's figures at the same rates from those single questions' times, so
-the simulation is checked point by point.
+Each configuration has a `kvrag serve` process of its own (bench/serve_server.py), all started at once. First,
+on each warm idle server, single questions end to end against what the server reports (bench/serve_single.py).
+Then Poisson arrivals of questions with Zipf-skewed popularity at rising rates (bench/serve_load.py), each rate
+bounded in seconds and requests and run for every configuration in turn before the next rate; a configuration
+stops rising after its first rate over the TTFT limit or with a failed request. Its throughput is, as RAGCache
+defines it, the highest rate whose TTFT statistic stays within the limit with no failed request. Beside each
+measured rate, the simulated queue's figures from the single questions' times check the simulation point by point.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,69 +75,76 @@ class ServeBenchConfig:
 
 
 def run(cfg: ServeBenchConfig, log: Callable[[str], None]) -> dict:
-    """Every configuration in turn, each on a server of its own; the report (bench/serve_report.py renders it)."""
+    """Every configuration's server up at once, the rates interleaved across them (so a shared machine's load,
+    which drifts over the run, weighs on each alike); the report (bench/serve_report.py renders it)."""
     from kvrag.bench.rag.report import machine
 
     if cfg.store is None or not cfg.questions:
         raise KvragError("the load test needs a store and questions to send")
     started, created = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    limit, configs = cfg.ttft_limit_s, {}
-    for name in sorted(cfg.configs, key=lambda n: n != "full"):  # full first: it may set the limit
-        configs[name] = run_config(cfg, name, limit, log)
-        limit = configs[name]["ttft_limit_s"]
+    names = sorted(cfg.configs, key=lambda n: n != "full")  # full first: it may set the limit
+    with ExitStack() as stack:
+        servers = {}
+        for name in names:
+            args = [*CONFIGS[name][1], *cfg.server_args]
+            log(f"{name}: starting kvrag serve {' '.join(args)}".rstrip())
+            servers[name] = stack.enter_context(ServerProcess(cfg.store, [*args, *model_args(cfg.model, cfg.dtype)],
+                                                              cfg.work / "logs" / f"serve-{name}.log"))
+        limit, configs = asyncio.run(_drive(cfg, servers, log))
+    for name, server in servers.items():  # stopped (SIGTERM) on leaving the stack
+        configs[name]["server_exit_status"] = server.exit_code
     configs = {name: configs[name] for name in cfg.configs}
     full, tiers = (configs.get(n, {}).get("throughput_qps") for n in ("full", "blend+tiers"))
     return {"schema": "kvrag.bench-serve/1", "created": created, "wall_s": time.perf_counter() - started,
             "machine": machine(), "config": {**_config_dict(cfg), "ttft_limit_s": limit,
-                                                                       "ttft_limit_rule": _limit_rule(cfg)},
+                                             "ttft_limit_rule": _limit_rule(cfg)},
             "configs": configs,
             "throughput_ratio_tiers_to_full": tiers / full if full and tiers is not None else None}
 
 
-def run_config(cfg: ServeBenchConfig, name: str, limit: float | None, log: Callable[[str], None]) -> dict:
-    """One configuration on a server of its own; `limit` None: this is full prefill, and sets it."""
-    mode, args = CONFIGS[name]
-    log(f"{name}: starting kvrag serve {' '.join((*args, *cfg.server_args))}".rstrip())
-    with ServerProcess(cfg.store, [*args, *cfg.server_args, *model_args(cfg.model, cfg.dtype)],
-                       cfg.work / "logs" / f"serve-{name}.log") as server:
-        result = asyncio.run(_drive(cfg, server, name, {"mode": mode, "k": cfg.k}, limit, log))
-    result["server_exit_status"] = server.exit_code
-    return {"mode": mode, "server_args": list(args), **result}
-
-
-async def _drive(cfg: ServeBenchConfig, server: ServerProcess, name: str, extra: dict, limit: float | None,
-                 log: Callable[[str], None]) -> dict:
-    """Warm-up, single questions on the idle server, then the rates."""
-    api, model = client(server.url), server.model_id()
-    async with api:
-        await run_rate(api, model, cfg.questions, [(0.0, 0)], 1.0, 0.0, extra, cfg.max_tokens)  # first-call costs
-        latency = await single_questions(cfg, api, server.url, model, extra)
-        if limit is None:
-            limit = LIMIT_FACTOR * latency["median"]["client_ttft_s"]
-            log(f"TTFT limit: {LIMIT_FACTOR:g} x full prefill's idle TTFT = {limit:.2f} s")
-        points = []
+async def _drive(cfg: ServeBenchConfig, servers: dict[str, ServerProcess],
+                 log: Callable[[str], None]) -> tuple[float, dict]:
+    """Per configuration a warm-up and the single questions; then each rate for every configuration still
+    rising (one stops after its first rate over the limit: higher rates only queue longer)."""
+    async with AsyncExitStack() as stack:
+        apis = {n: (await stack.enter_async_context(client(s.url)), s.model_id()) for n, s in servers.items()}
+        extra = {n: {"mode": CONFIGS[n][0], "k": cfg.k} for n in servers}
+        limit, single = cfg.ttft_limit_s, {}
+        for n, (api, model) in apis.items():
+            await run_rate(api, model, cfg.questions, [(0.0, 0)], 1.0, 0.0, extra[n], cfg.max_tokens)  # first calls
+            single[n] = await single_questions(cfg, api, servers[n].url, model, extra[n])
+            if limit is None:
+                limit = LIMIT_FACTOR * single[n]["median"]["client_ttft_s"]
+                log(f"TTFT limit: {LIMIT_FACTOR:g} x full prefill's idle TTFT = {limit:.2f} s")
+        points: dict[str, list[dict]] = {n: [] for n in servers}
         for rate in sorted(cfg.rates):
-            point = await _point(cfg, api, server.url, model, rate, extra, limit)
-            points.append(point)
-            log(f"{name} @ {rate:g} q/s: {point['sent']} sent, {point['failed']} failed, TTFT p50 "
-                f"{_s(point['ttft_p50_s'])} mean {_s(point['ttft_mean_s'])} p99 {_s(point['ttft_p99_s'])}, "
-                f"served {point['served_qps']:.3f} q/s")
-            if not point["within_limit"]:
-                break  # higher rates only queue longer
+            for n in [n for n in servers if all(p["within_limit"] for p in points[n])]:
+                point = await _point(cfg, *apis[n], servers[n].url, rate, extra[n], limit)
+                points[n].append(point)
+                log(f"{n} @ {rate:g} q/s: {point['sent']} sent, {point['failed']} failed, TTFT p50 "
+                    f"{_s(point['ttft_p50_s'])} mean {_s(point['ttft_mean_s'])} p99 {_s(point['ttft_p99_s'])}, "
+                    f"served {point['served_qps']:.3f} q/s, load {point['load_average_1m']:.1f}")
+    return limit, {n: _summary(CONFIGS[n], points[n], single[n], limit, cfg.seed) for n in servers}
+
+
+def _summary(config: tuple[str, tuple[str, ...]], points: list[dict], single: dict, limit: float,
+             seed: int) -> dict:
     passing = [p for p in points if p["within_limit"]]
     best = max(passing, key=lambda p: p["rate_qps"], default=None)
-    return {"ttft_limit_s": limit, "throughput_qps": best["rate_qps"] if best else 0.0,
+    return {"mode": config[0], "server_args": list(config[1]), "ttft_limit_s": limit,
+            "throughput_qps": best["rate_qps"] if best else 0.0,
             "served_qps_at_throughput": best["served_qps"] if best else 0.0,
-            "points": points, "single_question": latency, "simulated": simulated(latency, points, limit, cfg.seed)}
+            "points": points, "single_question": single, "simulated": simulated(single, points, limit, seed)}
 
 
-async def _point(cfg: ServeBenchConfig, api, url: str, model: str, rate: float, extra: dict, limit: float) -> dict:
+async def _point(cfg: ServeBenchConfig, api, model: str, url: str, rate: float, extra: dict, limit: float) -> dict:
     arrivals = workload(cfg.requests_per_rate, len(cfg.questions), cfg.zipf, f"{cfg.seed}:{rate}")
     before = await scrape(url)
     results, span = await run_rate(api, model, cfg.questions, arrivals, rate, cfg.seconds_per_rate, extra,
                                    cfg.max_tokens)
     server = metrics_delta(before, await scrape(url))
-    point = {"rate_qps": rate, **summarize(results, span), "server": server}
+    # the machine's load over the last minute: on a shared machine the figures are its as much as the server's
+    point = {"rate_qps": rate, **summarize(results, span), "server": server, "load_average_1m": os.getloadavg()[0]}
     point["within_limit"] = point["failed"] == 0 and point[f"ttft_{cfg.ttft_stat}_s"] is not None \
         and point[f"ttft_{cfg.ttft_stat}_s"] <= limit
     return point

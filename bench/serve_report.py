@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvrag.bench.rag.report import _f, _md_table
 
 POINT_COLUMNS = ("config", "rate q/s", "sent", "failed", "served q/s", "TTFT p50 s", "mean", "p99",
-                 "latency p50 s", "reused %", "memory hit %", "within limit")
+                 "latency p50 s", "reused %", "memory hit %", "load 1m", "within limit")
 
 
 def _ms(x) -> str:
@@ -20,7 +20,7 @@ def point_rows(report: dict) -> list[list[str]]:
             rows.append([name, f"{p['rate_qps']:g}", str(p["sent"]), str(p["failed"]), f"{p['served_qps']:.3f}",
                          _f(p["ttft_p50_s"], ".2f"), _f(p["ttft_mean_s"], ".2f"), _f(p["ttft_p99_s"], ".2f"),
                          _f(p["latency_p50_s"], ".2f"), _f(server["reused_share"], ".0f", 100),
-                         _f(server["tier_hit_rate"].get("memory"), ".0f", 100),
+                         _f(server["tier_hit_rate"].get("memory"), ".0f", 100), _f(p.get("load_average_1m"), ".1f"),
                          "yes" if p["within_limit"] else "no"])
     return rows
 

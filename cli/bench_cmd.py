@@ -99,7 +99,8 @@ def bench_command(
 
     Reports TTFT (mean/median/p90/p99, ratios to full prefill per item), where TTFT went, F1/EM against gold answers and fidelity to full prefill.
 
-    Then a Poisson-arrival throughput and memory-tier hit rates, both simulated from the measured runs.
+    Then a Poisson-arrival throughput and memory-tier hit rates, both simulated from the measured runs (the queue
+    model ignores batched decode and chunked prefill: `kvrag bench serve` measures the real server under load).
 
     Tables on stderr, or --json on stdout (then stderr shows only progress); --out DIR for report.json,
     report.md and plots.

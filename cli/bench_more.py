@@ -1,4 +1,5 @@
-"""`kvrag bench decode | cold | codec | precompute | tiers | model`: the benchmarks besides the RAG comparison.
+"""`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | keyformer`: the benchmarks
+besides the RAG comparison.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
 stdout (or stderr with the progress, where the module says so), --json where the module has a report.
@@ -326,3 +327,24 @@ def bench_search(
     report = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     if as_json:
         print_json(report)
+
+
+@bench_app.command("keyformer")
+def bench_keyformer(
+    items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue tuning items (0-49) to score."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Keyformer's reduced chunks (issue 27, in progress): store bytes per token at keep 1/0.7/0.5/0.3 and the share
+    of the question's attention on the kept tokens, per rule (keyformer, h2o, window). Tuning items only until
+    reduced chunks load. Example: kvrag bench keyformer --items 4"""
+    from kvrag.bench.keyformer import markdown, run
+    from kvrag.bench.rag.datasets import load_dataset
+
+    data = load_dataset("musique")
+    result = run([data.items[i] for i in data.indices("tune")[:items]], model, dtype)
+    if as_json:
+        print_json(result)
+    else:
+        print(markdown(result))

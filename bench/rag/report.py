@@ -169,7 +169,8 @@ def rich_tables(report: dict) -> list:
         out.append(table)
     poisson = report["workloads"].get("poisson")
     if poisson:
-        table = Table(title=f"Poisson arrivals (simulated queue): throughput at {poisson['ttft_stat']} TTFT ≤ "
+        table = Table(title=f"Poisson arrivals (simulated queue, one request at a time; `kvrag bench serve` "
+                            f"measures the real server): throughput at {poisson['ttft_stat']} TTFT ≤ "
                             f"{poisson['ttft_limit_s']:.2f} s")
         table.add_column("method")
         for col in ("capacity q/s", "throughput q/s", "÷ full"):

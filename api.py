@@ -191,6 +191,11 @@ class Generation:
     def __init__(self, rag: KVRag, seq: EngineSequence, retrieve_s: float):
         self._rag, self.seq, self._retrieve_s = rag, seq, retrieve_s
 
+    @property
+    def retrieve_s(self) -> float:
+        """Seconds spent retrieving before the request was submitted (speculation: before its prefill began)."""
+        return self._retrieve_s
+
     def tokens(self) -> Iterator[int]:
         """Token ids as the engine produces them (one reader: the tokens are handed out once)."""
         while (token := self.seq.events.get()) is not DONE:

@@ -143,7 +143,7 @@ class Server:
                 first = False
             if first:  # an empty answer still says who speaks and from what
                 yield sse(stream_chunk(endpoint, ids, "", first=True, sources=run.sources()))
-            yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason))
+            yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason, timings=run.timings()))
             if include_usage:
                 yield sse(usage_chunk(ids, "chat.completion.chunk" if endpoint == "chat" else "text_completion",
                                       run))

@@ -105,6 +105,17 @@ class Run:
         return [{**source, "tier": tiers[i] if i < len(tiers) else None}
                 for i, source in enumerate(self.seq.request.sources)]
 
+    def timings(self) -> dict:
+        """Seconds, as `kvrag ask --json` reports them: retrieval, waiting for a prefill, submission to the first
+        token (the engine's TTFT), first to last token. The server's own time is the client's total less these."""
+        seq = self.seq
+        end = seq.finished_at or seq.first_token_at
+        first = seq.first_token_at or end
+        if first is None:  # not started: nothing to say beyond retrieval
+            return {"retrieve": round(self.gen.retrieve_s, 4)}
+        return {"retrieve": round(self.gen.retrieve_s, 4), "queued": round(seq.queued_s, 4),
+                "ttft": round(first - seq.arrival, 4), "decode": round(end - first, 4)}
+
     def usage(self) -> dict:
         seq = self.seq
         return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.output),

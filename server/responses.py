@@ -1,7 +1,7 @@
 """Response bodies in OpenAI's shapes: chat completions and text completions, whole or as stream chunks.
 
 Each carries kvrag's `sources` (extra field: the chunks the answer was given, with the tier their KV came from),
-and `usage` with `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused rather than computed.
+`timings` (extra field: retrieval, queue, the engine's TTFT and decode, in seconds; a stream's last chunk), and `usage` with `prompt_tokens_details.cached_tokens`: prompt tokens whose KV was reused rather than computed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def chat_completion(ids: Ids, run: Run, text: str) -> dict:
     message = {"role": "assistant", "content": text}
     return {**ids.head("chat.completion"),
             "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}],
-            "usage": run.usage(), "sources": run.sources()}
+            "usage": run.usage(), "sources": run.sources(), "timings": run.timings()}
 
 
 def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, **extra) -> dict:
@@ -38,7 +38,7 @@ def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, **extra)
 def completion(ids: Ids, run: Run, text: str) -> dict:
     return {**ids.head("text_completion"),
             "choices": [{"index": 0, "text": text, "finish_reason": run.finish_reason, "logprobs": None}],
-            "usage": run.usage(), "sources": run.sources()}
+            "usage": run.usage(), "sources": run.sources(), "timings": run.timings()}
 
 
 def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, **extra) -> dict:

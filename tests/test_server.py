@@ -215,6 +215,20 @@ def test_an_api_key_is_required_when_set(rag):
             wrong.models.list()
 
 
+def test_timings_account_for_the_answer(rag, client):
+    """The `timings` extra field: retrieval, queue, the engine's TTFT and decode, which the client's wall time holds."""
+    messages = [{"role": "user", "content": QUESTION}]
+    start = time.perf_counter()
+    reply = client.chat.completions.create(model=MODEL, max_tokens=8, messages=messages)
+    wall = time.perf_counter() - start
+    timings = reply.model_extra["timings"]
+    assert set(timings) == {"retrieve", "queued", "ttft", "decode"} and min(timings.values()) >= 0
+    assert timings["queued"] <= timings["ttft"] and timings["retrieve"] + timings["ttft"] + timings["decode"] <= wall
+    chunks = list(client.chat.completions.create(model=MODEL, max_tokens=8, messages=messages, stream=True))
+    last = chunks[-1]
+    assert last.choices[0].finish_reason is not None and set(last.model_extra["timings"]) == set(timings)
+
+
 # ---- load and faults --------------------------------------------------------------------------------------------
 
 

@@ -33,17 +33,42 @@ QUICK_CACHE_REQUESTS = 800
 QUICK_MAX_TOKENS = 16
 
 
+# the RAG comparison's longer options, declared here so that bench_command reads as its list of settings
+DATASET_OPTION = typer.Option(None, "--dataset", help="musique, cross-passage, sample (named sets, each with a "
+                              "tuning and a report split), or a MuSiQue-format JSON file: items with their own "
+                              "passages.")
+QUESTIONS_OPTION = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL; optional 'answers'), "
+                                "answered over the indexed --store with retrieval.")
+BENCH_STORE_OPTION = typer.Option(None, "--store", help="Store directory (default: <home>/bench-store for --dataset, "
+                            "$KVRAG_STORE or <home>/store for --questions).")
+GRADUAL_OPTION = typer.Option(True, "--gradual/--no-gradual",
+                              help="Blend: gradual filtering, 1.5x the share at the check layer (default).")
+CHUNK_START_ROWS_OPTION = typer.Option(0, "--chunk-start-rows", min=0,
+                                       help="Blend: always recompute the first N tokens of every chunk after the "
+                                            "first.")
+DEVIATION_MASS_OPTION = typer.Option(0.0, "--deviation-mass", min=0.0, max=0.99,
+                                     help="Blend: recompute past --ratio until the kept rows hold this share "
+                                          "of the selection score (0: a fixed ratio).")
+WARM_STORE_OPTION = typer.Option(True, "--warm-store/--cold-store",
+                                 help="Read each item's stored KV once before its runs (page cache warm for "
+                                      "every loaded method), or leave the page cache as it is.")
+PASSAGE_WORDS_OPTION = typer.Option(None, "--passage-words", min=1, help="Cut every passage to its first N "
+                                    "words (quick experiments; not comparable with full runs).")
+RATES_OPTION = typer.Option(None, "--rates", help="Poisson arrival rates in questions/s (default: spread up to "
+                            "the fastest method's capacity).")
+TTFT_LIMIT_OPTION = typer.Option(None, "--ttft-limit", help="TTFT limit in s for throughput (default: 3 x "
+                                 "full prefill's median TTFT).")
+CACHE_REQUESTS_OPTION = typer.Option(None, "--cache-requests", help="Replayed Zipf requests (default 4000; "
+                                     "--quick 800); the first quarter warms the cache.")
+
+
 @bench_app.callback()
 def bench_command(
     ctx: typer.Context,
-    dataset: str = typer.Option(None, "--dataset", help="musique, cross-passage, sample (named sets, each with a "
-                                "tuning and a report split), or a MuSiQue-format JSON file: items with their own "
-                                "passages."),
+    dataset: str = DATASET_OPTION,
     split: str = typer.Option("all", "--split", help="tune, report or all: which of the data set's items run."),
-    questions: Path = typer.Option(None, "--questions", help="Questions (lines, JSON or JSONL; optional 'answers'), "
-                                   "answered over the indexed --store with retrieval."),
-    store: Path = typer.Option(None, "--store", help="Store directory (default: <home>/bench-store for --dataset, "
-                               "$KVRAG_STORE or <home>/store for --questions)."),
+    questions: Path = QUESTIONS_OPTION,
+    store: Path = BENCH_STORE_OPTION,
     k: int = typer.Option(5, "-k", "--top-k", min=1, help="Chunks retrieved per question (--questions)."),
     limit: int = typer.Option(None, "--limit", min=1, help="Run the first N items (with --sample: N at random)."),
     sample: bool = typer.Option(False, "--sample", help="Take a seeded random sample of --limit items."),
@@ -60,34 +85,23 @@ def bench_command(
                                   help="How the setup stores chunks that have no KV yet: zstd, or as they are."),
     check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
-    gradual: bool = typer.Option(True, "--gradual/--no-gradual",
-                                 help="Blend: gradual filtering, 1.5x the share at the check layer (default)."),
+    gradual: bool = GRADUAL_OPTION,
     attention_weight: float = ATTENTION_WEIGHT_OPTION,
     selection: str = SELECTION_OPTION,
-    chunk_start_rows: int = typer.Option(0, "--chunk-start-rows", min=0,
-                                         help="Blend: always recompute the first N tokens of every chunk after the "
-                                              "first."),
-    deviation_mass: float = typer.Option(0.0, "--deviation-mass", min=0.0, max=0.99,
-                                         help="Blend: recompute past --ratio until the kept rows hold this share "
-                                              "of the selection score (0: a fixed ratio)."),
+    chunk_start_rows: int = CHUNK_START_ROWS_OPTION,
+    deviation_mass: float = DEVIATION_MASS_OPTION,
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run each method once, unrecorded, first."),
-    warm_store: bool = typer.Option(True, "--warm-store/--cold-store",
-                                    help="Read each item's stored KV once before its runs (page cache warm for "
-                                         "every loaded method), or leave the page cache as it is."),
-    passage_words: int = typer.Option(None, "--passage-words", min=1, help="Cut every passage to its first N "
-                                      "words (quick experiments; not comparable with full runs)."),
-    rates: str = typer.Option(None, "--rates", help="Poisson arrival rates in questions/s (default: spread up to "
-                              "the fastest method's capacity)."),
-    ttft_limit: float = typer.Option(None, "--ttft-limit", help="TTFT limit in s for throughput (default: 3 x "
-                                     "full prefill's median TTFT)."),
+    warm_store: bool = WARM_STORE_OPTION,
+    passage_words: int = PASSAGE_WORDS_OPTION,
+    rates: str = RATES_OPTION,
+    ttft_limit: float = TTFT_LIMIT_OPTION,
     ttft_stat: str = typer.Option("mean", "--ttft-stat", help="Which TTFT must meet the limit: mean, median, p90, p99."),
     arrivals: int = typer.Option(None, "--arrivals", help="Simulated arrivals per rate (default 2000; --quick 500)."),
     host_cache: str = typer.Option("4GiB", "--host-cache", help="Host tier size for the cache replay."),
     gpu_cache: str = typer.Option("0", "--gpu-cache", help="GPU tier size for the cache replay (simulated)."),
     cache_policy: str = typer.Option("pgdsf", "--cache-policy", help="pgdsf, gdsf, lru or lfu."),
     cache_sizes: str = typer.Option("256MiB,1GiB,4GiB,16GiB", "--cache-sizes", help="Host sizes for hit rate vs size."),
-    cache_requests: int = typer.Option(None, "--cache-requests", help="Replayed Zipf requests (default 4000; "
-                                       "--quick 800); the first quarter warms the cache."),
+    cache_requests: int = CACHE_REQUESTS_OPTION,
     zipf: float = typer.Option(1.0, "--zipf", help="Popularity exponent of the replayed workload."),
     no_workloads: bool = typer.Option(False, "--sequential-only", help="Skip the Poisson and cache simulations."),
     model: str = MODEL_OPTION,
@@ -98,12 +112,8 @@ def bench_command(
     """Run full prefill, prefix caching, full KV reuse and blending on the same questions, and compare.
 
     Reports TTFT (mean/median/p90/p99, ratios to full prefill per item), where TTFT went, F1/EM against gold answers and fidelity to full prefill.
-
-    Then a Poisson-arrival throughput and memory-tier hit rates, both simulated from the measured runs (the queue
-    model ignores batched decode and chunked prefill: `kvrag bench serve` measures the real server under load).
-
-    Tables on stderr, or --json on stdout (then stderr shows only progress); --out DIR for report.json,
-    report.md and plots.
+    Then a Poisson throughput and memory-tier hit rates simulated from the runs (one request at a time: `kvrag bench
+    serve` measures the real server). Tables on stderr, or --json on stdout; --out DIR for report.json, report.md, plots.
 
     Example: kvrag bench --dataset ../shared/data/musique_s.json --limit 50 --out bench-out
     """
@@ -125,13 +135,18 @@ def bench_command(
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     cache_spec = _cache_spec(host_cache, gpu_cache, cache_policy, cache_sizes,
                              cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000), zipf, seed)
-    console = stderr_console()
-    if not console.is_terminal:  # a log file: wide enough for the tables
-        console.width = max(console.width, 120)
+    console = _wide_console()
     report = _measure(console, store, dataset, data, split, questions, chosen, config, poisson, cache_spec,
                       (model, dtype, device), compress, (k, limit, seed, sample, passage_words, quick), no_workloads)
     report["total_wall_s"] = time.perf_counter() - t_start
     _write(report, out, as_json, console)
+
+
+def _wide_console():
+    console = stderr_console()
+    if not console.is_terminal:  # a log file: wide enough for the tables
+        console.width = max(console.width, 120)
+    return console
 
 
 def _cache_spec(host_cache: str, gpu_cache: str, policy: str, sizes: str, requests: int, zipf: float, seed: int):

@@ -21,6 +21,15 @@ DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto
 # The envvar is declared for --help; kvrag.home.default_store_dir reads the same variable when --store is unset.
 STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+# what `ask` and `serve` read: the stored KV's codec and the memory tiers for hot chunks across questions
+CODEC_OPTION = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8.")
+HOST_CACHE_OPTION = typer.Option(None, "--host-cache", envvar="KVRAG_HOST_CACHE",
+                                 help="Memory for hot chunks' KV across questions, e.g. 4GiB (default; 0 turns the "
+                                      "tiers off).")
+GPU_CACHE_OPTION = typer.Option(None, "--gpu-cache", envvar="KVRAG_GPU_CACHE",
+                                help="GPU memory tier on CUDA (default 2GiB).")
+CACHE_POLICY_OPTION = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
+                                   help="pgdsf (default), gdsf, lru or lfu.")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")

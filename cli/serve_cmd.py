@@ -8,8 +8,12 @@ import typer
 
 from kvrag.cli.app import app
 from kvrag.cli.common import (
+    CACHE_POLICY_OPTION,
+    CODEC_OPTION,
     DEVICE_OPTION,
     DTYPE_OPTION,
+    GPU_CACHE_OPTION,
+    HOST_CACHE_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
     resolve_store,
@@ -34,14 +38,10 @@ def serve_command(
     kv_budget: str = typer.Option("1GiB", "--kv-budget", help="Memory for the running sequences' KV."),
     grace: float = typer.Option(10.0, "--grace", min=0.0,
                                 help="Seconds running requests get to finish on SIGTERM or Ctrl-C."),
-    codec: str = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8."),
-    host_cache: str = typer.Option(None, "--host-cache", envvar="KVRAG_HOST_CACHE",
-                                   help="Memory for hot chunks' KV across requests, e.g. 4GiB (default; 0 turns "
-                                        "the tiers off)."),
-    gpu_cache: str = typer.Option(None, "--gpu-cache", envvar="KVRAG_GPU_CACHE",
-                                  help="GPU memory tier on CUDA (default 2GiB)."),
-    cache_policy: str = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
-                                     help="pgdsf (default), gdsf, lru or lfu."),
+    codec: str = CODEC_OPTION,
+    host_cache: str = HOST_CACHE_OPTION,
+    gpu_cache: str = GPU_CACHE_OPTION,
+    cache_policy: str = CACHE_POLICY_OPTION,
     speculate: bool = typer.Option(False, "--speculate",
                                    help="Start a question's prefill on an IVF index's early search stages "
                                         "(RAGCache's speculative pipelining; nothing to gain on a Flat index)."),

@@ -100,15 +100,23 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def times(self) -> dict[str, float]:
+        """Seconds: arrival to the first token, first to last token so far, waiting for a prefill ({} before the
+        first token, or an end without one)."""
+        end = self.finished_at or self.first_token_at
+        first = self.first_token_at or end
+        if first is None:
+            return {}
+        return {"ttft": first - self.arrival, "decode": end - first, "queued": self.queued_s}
+
     def answer(self, tokenizer, retrieve_s: float = 0.0) -> Answer:
         """The finished sequence as `kvrag ask --json`'s record: text, tokens, sources, costs and timings."""
         info, req = self.prefill_info, self.request
         text = tokenizer.decode(self.output, skip_special_tokens=True).strip()
-        first = self.first_token_at or self.finished_at
-        decoding = self.finished_at - first
+        times = self.times()
+        decoding = times["decode"]
         rate = (len(self.output) - 1) / decoding if len(self.output) > 1 and decoding else 0.0
-        timings = {**info.get("timings", {}), "retrieve": retrieve_s, "ttft": first - self.arrival,
-                   "decode": decoding, "queued": self.queued_s, "decode_tokens_per_s": rate}
+        timings = {**info.get("timings", {}), "retrieve": retrieve_s, **times, "decode_tokens_per_s": rate}
         ratio = info.get("ratio")
         if ratio is not None and req.auto_ratio and info.get("chunk_tokens"):  # chosen per prompt: what it was
             ratio = round(info["recomputed_chunk_tokens"] / info["chunk_tokens"], 4)

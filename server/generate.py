@@ -108,13 +108,8 @@ class Run:
     def timings(self) -> dict:
         """Seconds, as `kvrag ask --json` reports them: retrieval, waiting for a prefill, submission to the first
         token (the engine's TTFT), first to last token. The server's own time is the client's total less these."""
-        seq = self.seq
-        end = seq.finished_at or seq.first_token_at
-        first = seq.first_token_at or end
-        if first is None:  # not started: nothing to say beyond retrieval
-            return {"retrieve": round(self.gen.retrieve_s, 4)}
-        return {"retrieve": round(self.gen.retrieve_s, 4), "queued": round(seq.queued_s, 4),
-                "ttft": round(first - seq.arrival, 4), "decode": round(end - first, 4)}
+        times = {"retrieve": self.gen.retrieve_s, **self.seq.times()}
+        return {name: round(value, 4) for name, value in times.items()}
 
     def usage(self) -> dict:
         seq = self.seq

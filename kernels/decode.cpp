@@ -322,7 +322,8 @@ extern "C" int kvrag_decode_attention(const uint16_t* q, const uint16_t* k, cons
 
 // ---- the whole decode step: every layer of a batch of new rows in one call -------------------------------------
 //
-// Row b is one sequence's new token at its own position; its keys and values are addressed through its block
+// Row b is one sequence's new token at its own slot (its row in the sequence's KV) and rotary position (the
+// slot, or past it where a reduced KV dropped earlier rows); its keys and values are addressed through its block
 // table, so a paged pool and a contiguous cache (one block) are both read in place. One OpenMP parallel region
 // a step (OpenMP is torch's own thread pool here, so no thread is made a call): each matrix's rows split over
 // the threads, every row block against all B inputs, a barrier after each product whose whole output the next
@@ -337,7 +338,7 @@ struct StepModel {
   int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab;
   // key (layer l, block b, slot s) at k_base + l * layer_stride + b * block_stride + s * Hkv * hd (v_base alike)
   int64_t n_blocks, block_size, layer_stride, block_stride;
-  int64_t max_pos;   // rows of cos and sin
+  int64_t max_pos;   // rows of cos and sin: rotary positions 0..max_pos-1
   int64_t dot_bf16;  // non-zero: the products with VDPBF16PS (set only where the CPU has AVX512-BF16)
   float eps, scale;
   const uint64_t* layers;  // [L, 7] addresses: attn_norm, wqkv, bqkv (0: none), wo, mlp_norm, w_gate_up, w_down
@@ -422,7 +423,8 @@ constexpr int KEY_PARTS = 2;
 // thread's own. Rows are the batch's B new tokens.
 struct Shared {
   int64_t rows;
-  const int64_t* pos;                       // [B]
+  const int64_t* pos;                       // [B] each row's slot: its keys are 0..pos, its K/V go to pos
+  const int64_t* rot;                       // [B] each row's rotary position (past pos where rows were dropped)
   std::vector<int64_t> key_at, key_first;   // row b's key s at key_at[key_first[b] + s] (elements into a layer)
   std::vector<int64_t> order;               // the rows, most keys first: the attention items' order
   std::vector<std::atomic<int64_t>> taken;  // [L] attention items taken so far, a counter per layer
@@ -452,8 +454,8 @@ void plan(const StepModel& m, const int64_t* tables, int64_t max_blocks, Shared&
   std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) { return s.pos[a] > s.pos[b]; });
 }
 
-// q, k, v of layer `layer` for thread t's heads, every row: k and v into the cache at each row's position,
-// q (rotated) into s.q.
+// q, k, v of layer `layer` for thread t's heads, every row: k and v into the cache at each row's slot, q and k
+// rotated to the row's rotary position, q into s.q.
 void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, Own& o, Inputs x, Span heads) {
   const int64_t hd = m.head_dim, d = m.hidden, nq = m.n_heads * hd;
   const auto* wqkv = reinterpret_cast<const uint16_t*>(w[1]);
@@ -465,12 +467,12 @@ void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, 
     });
     const int64_t kv = head - m.n_heads;  // a key head from 0, then a value head from n_kv_heads
     for (int64_t b = 0; b < s.rows; ++b) {
-      const int64_t p = s.pos[b], at = s.key_at[s.key_first[b] + p];
+      const int64_t at = s.key_at[s.key_first[b] + s.pos[b]], r = s.rot[b];
       const float* x = o.head.data() + b * hd;
       if (kv < 0) {
-        rotate(x, m.cos + p * hd, m.sin + p * hd, hd, s.q.data() + b * nq + head * hd);
+        rotate(x, m.cos + r * hd, m.sin + r * hd, hd, s.q.data() + b * nq + head * hd);
       } else if (kv < m.n_kv_heads) {
-        rotate(x, m.cos + p * hd, m.sin + p * hd, hd, o.rotated.data());
+        rotate(x, m.cos + r * hd, m.sin + r * hd, hd, o.rotated.data());
         for (int64_t e = 0; e < hd; ++e) k[at + kv * hd + e] = to_bf16(o.rotated[e]);
       } else {
         for (int64_t e = 0; e < hd; ++e) v[at + (kv - m.n_kv_heads) * hd + e] = to_bf16(x[e]);
@@ -574,13 +576,14 @@ void step_thread(const StepModel& m, Shared& s, Barrier& barrier, float* logits,
             [&](int64_t b, int64_t r, float sum) { logits[b * m.vocab + r] = round_bf16(sum); });
 }
 
-// 0 when every row's position has rotary angles and a table entry, and every block up to it is in the pool.
-int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const int64_t* tables,
-                int64_t max_blocks) {
+// 0 when every row's slot has a table entry, every block up to it is in the pool, and every rotary position
+// has angles.
+int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const int64_t* rotary,
+                const int64_t* tables, int64_t max_blocks) {
   if (n <= 0 || max_blocks <= 0) return 1;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t p = positions[b];
-    if (p < 0 || p >= m.max_pos || p / m.block_size >= max_blocks) return 2;
+    if (p < 0 || p / m.block_size >= max_blocks || rotary[b] < 0 || rotary[b] >= m.max_pos) return 2;
     for (int64_t j = 0; j <= p / m.block_size; ++j) {
       if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= m.n_blocks) return 3;
     }
@@ -590,18 +593,20 @@ int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const i
 
 }  // namespace
 
-// Feeds n new rows through every layer, row b at positions[b] [n] (int64) over its blocks tables [n, max_blocks]
-// (int64; position p in block tables[b, p / block_size] at slot p % block_size): h [n, D] bf16 holds their
-// embeddings in and the last layer's outputs out; each layer's rotated key and value of row b go to its
-// position, where the caller has a block that no other row of the batch writes; logits [n, V] float32 get the
-// LM head's bf16 values (widened). Row b attends to its keys 0..positions[b]. Shapes were checked by the caller
-// (decode.py); positions and tables are checked here (non-zero: refused, nothing written).
-extern "C" int kvrag_decode_batch(const StepModel* model, int64_t n, const int64_t* positions, const int64_t* tables,
-                                  int64_t max_blocks, uint16_t* h, float* logits, int n_threads) {
+// Feeds n new rows through every layer, row b at slot positions[b] [n] (int64) over its blocks tables
+// [n, max_blocks] (int64; slot p in block tables[b, p / block_size] at row p % block_size), its q and k rotated
+// to rotary[b] [n] (int64; = positions[b] unless earlier rows of the sequence were dropped): h [n, D] bf16 holds
+// their embeddings in and the last layer's outputs out; each layer's rotated key and value of row b go to its
+// slot, where the caller has a block that no other row of the batch writes; logits [n, V] float32 get the LM
+// head's bf16 values (widened). Row b attends to its keys 0..positions[b]. Shapes were checked by the caller
+// (decode.py); positions, rotary and tables are checked here (non-zero: refused, nothing written).
+extern "C" int kvrag_decode_batch(const StepModel* model, int64_t n, const int64_t* positions, const int64_t* rotary,
+                                  const int64_t* tables, int64_t max_blocks, uint16_t* h, float* logits,
+                                  int n_threads) {
   const StepModel& m = *model;
-  if (const int rc = check_batch(m, n, positions, tables, max_blocks)) return rc;
+  if (const int rc = check_batch(m, n, positions, rotary, tables, max_blocks)) return rc;
   Shared s;
-  s.rows = n, s.pos = positions;
+  s.rows = n, s.pos = positions, s.rot = rotary;
   plan(m, tables, max_blocks, s);
   s.taken = std::vector<std::atomic<int64_t>>(m.n_layers);  // (value-initialised: zero)
   s.h.resize(n * m.hidden), s.q.resize(n * m.n_heads * m.head_dim), s.act.resize(n * m.inter);
@@ -619,8 +624,10 @@ extern "C" int kvrag_decode_batch(const StepModel* model, int64_t n, const int64
   return 0;
 }
 
-// One row at `pos` over a contiguous cache: the model's one block (block_size = capacity), h [D], logits [V].
-extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, uint16_t* h, float* logits, int n_threads) {
+// One row at slot `pos` rotated to `rot` over a contiguous cache: the model's one block (block_size = capacity),
+// h [D], logits [V].
+extern "C" int kvrag_decode_step(const StepModel* model, int64_t pos, int64_t rot, uint16_t* h, float* logits,
+                                 int n_threads) {
   const int64_t block = 0;
-  return kvrag_decode_batch(model, 1, &pos, &block, 1, h, logits, n_threads);
+  return kvrag_decode_batch(model, 1, &pos, &rot, &block, 1, h, logits, n_threads);
 }

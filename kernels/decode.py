@@ -129,14 +129,18 @@ class WholeStep:
         self.keep = (model, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
         self.threads = ThreadPicker(torch.get_num_threads())
 
-    def __call__(self, pos: int, h: torch.Tensor, logits: torch.Tensor, n_threads: int | None = None) -> None:
+    def __call__(self, pos: int, h: torch.Tensor, logits: torch.Tensor, n_threads: int | None = None,
+                 rotary: int | None = None) -> None:
         """h [D] bf16: the new row's embedding in, the last layer's output out; logits [V] float32 out (the LM
-        head's bf16 values); K and V into the cache at `pos`, attending to keys 0..pos. n_threads None: the
-        faster of one thread and torch's count, as measured (the numbers are the same on any count)."""
+        head's bf16 values); K and V into the cache at row `pos`, attending to rows 0..pos; q and k rotated to
+        position `rotary` (None: pos; past it where earlier rows were dropped). n_threads None: the faster of
+        one thread and torch's count, as measured (the numbers are the same on any count)."""
+        rotary = pos if rotary is None else rotary
         threads = self.threads.pick() if n_threads is None else n_threads
         start = time.perf_counter()
-        if _step()(ctypes.byref(self.shape), pos, h.data_ptr(), logits.data_ptr(), threads):
-            raise RuntimeError(f"decode step refused position {pos} (capacity {self.capacity})")
+        if _step()(ctypes.byref(self.shape), pos, rotary, h.data_ptr(), logits.data_ptr(), threads):
+            raise RuntimeError(f"decode step refused row {pos} at rotary position {rotary} (capacity "
+                               f"{self.capacity}, rotary tables {self.shape.max_pos})")
         if n_threads is None:
             self.threads.record(threads, time.perf_counter() - start)
 
@@ -150,7 +154,7 @@ class BatchStep:
     def __init__(self, model: Transformer, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  dot_bf16: bool | None = None):
         """cos, sin [max_pos, 1, hd] bf16: `model.positions_cos_sin(torch.arange(max_pos))`, long enough for every
-        position a row will step at. dot_bf16: as WholeStep's (the same choice gives the same bits)."""
+        rotary position a row will step at. dot_bf16: as WholeStep's (the same choice gives the same bits)."""
         assert kv.is_contiguous() and kv.dtype == torch.bfloat16 and kv.dim() == 6
         n_blocks, block_size = kv.shape[2], kv.shape[3]
         block = kv[0, 0, 0].numel()  # [block_size, Hkv, hd]
@@ -163,31 +167,35 @@ class BatchStep:
         self.pickers: dict[int, ThreadPicker] = {}  # by batch size's bit length: a step's time grows with B
 
     def __call__(self, positions: torch.Tensor, tables: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
-                 n_threads: int | None = None) -> None:
-        """positions [B] int64: each row's new position (its sequence's length so far); tables [B, M] int64:
-        row b's blocks in order, the one holding each position up to positions[b] allocated and that position's
-        block written by no other row; h [B, D] bf16: embeddings in, the last layer's outputs out; logits [B, V]
-        float32 out (the LM head's bf16 values). n_threads None: as WholeStep."""
+                 n_threads: int | None = None, rotary: torch.Tensor | None = None) -> None:
+        """positions [B] int64: each row's slot, the row its K/V go to (its sequence's rows so far); tables
+        [B, M] int64: row b's blocks in order, the one holding each slot up to positions[b] allocated and that
+        slot's block written by no other row; h [B, D] bf16: embeddings in, the last layer's outputs out; logits
+        [B, V] float32 out (the LM head's bf16 values). rotary [B] int64: each row's rotary position (None:
+        positions; past them where earlier rows were dropped). n_threads None: as WholeStep."""
         n, (d, vocab) = positions.shape[0], self.dims
-        if not (positions.dtype == tables.dtype == torch.int64 and tables.dim() == 2 and tables.shape[0] == n
-                and h.shape == (n, d) and h.dtype == torch.bfloat16 and logits.shape == (n, vocab)
-                and logits.dtype == torch.float32 and all(t.is_contiguous() for t in (positions, tables, h, logits))):
-            raise ValueError(f"batch step: positions [B], tables [B, M] int64, h [B, {d}] bf16, logits [B, {vocab}] "
-                             f"float32, contiguous; got {tuple(positions.shape)}, {tuple(tables.shape)}, "
-                             f"{tuple(h.shape)}, {tuple(logits.shape)}")
+        rotary = positions if rotary is None else rotary
+        if not (positions.dtype == rotary.dtype == tables.dtype == torch.int64 and rotary.shape == (n,)
+                and tables.dim() == 2 and tables.shape[0] == n and h.shape == (n, d) and h.dtype == torch.bfloat16
+                and logits.shape == (n, vocab) and logits.dtype == torch.float32
+                and all(t.is_contiguous() for t in (positions, rotary, tables, h, logits))):
+            raise ValueError(f"batch step: positions, rotary [B], tables [B, M] int64, h [B, {d}] bf16, logits "
+                             f"[B, {vocab}] float32, contiguous; got {tuple(positions.shape)}, "
+                             f"{tuple(rotary.shape)}, {tuple(tables.shape)}, {tuple(h.shape)}, {tuple(logits.shape)}")
         picker = self.pickers.setdefault(n.bit_length(), ThreadPicker(torch.get_num_threads()))
         threads = picker.pick() if n_threads is None else n_threads
         start = time.perf_counter()
-        rc = _batch()(ctypes.byref(self.shape), n, positions.data_ptr(), tables.data_ptr(), tables.shape[1],
-                      h.data_ptr(), logits.data_ptr(), threads)
+        rc = _batch()(ctypes.byref(self.shape), n, positions.data_ptr(), rotary.data_ptr(), tables.data_ptr(),
+                      tables.shape[1], h.data_ptr(), logits.data_ptr(), threads)
         if rc:
-            raise RuntimeError(f"batch step refused positions {positions.tolist()} over tables of {tables.shape[1]} "
-                               f"blocks (code {rc}: {_REFUSALS.get(rc, '?')})")
+            raise RuntimeError(f"batch step refused slots {positions.tolist()} at rotary positions "
+                               f"{rotary.tolist()} over tables of {tables.shape[1]} blocks (code {rc}: "
+                               f"{_REFUSALS.get(rc, '?')})")
         if n_threads is None:
             picker.record(threads, time.perf_counter() - start)
 
 
-_REFUSALS = {1: "an empty batch or table", 2: "a position past the rotary tables or the table",
+_REFUSALS = {1: "an empty batch or table", 2: "a slot past its table or a rotary position past the rotary tables",
              3: "a block outside the pool"}
 
 
@@ -219,11 +227,12 @@ class ThreadPicker:
 @lru_cache(maxsize=1)
 def _step():
     return native.function("kvrag_decode_step", ctypes.c_int,
-                           [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+                           [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_int])
 
 
 @lru_cache(maxsize=1)
 def _batch():
     return native.function("kvrag_decode_batch", ctypes.c_int,
                            [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])

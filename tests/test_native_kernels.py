@@ -1,5 +1,6 @@
 """kvrag's native kernels against their torch twins: row attention against a float64 softmax over exactly the
-keys each row may see, the fp16-to-bf16 decode against torch's own cast."""
+keys each row may see, the fp16-to-bf16 decode against torch's own cast, the whole decode step's rotary
+position apart from its slot against the torch reference step rotated the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrag.blend.decode import prefill
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import resolve_model
+from kvrag.blend.step import CacheKV, Rows, run_layers
+from kvrag.kernels import decode as native_decode
 from kvrag.kernels import fp16_to_bf16, native, row_attention
+from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.store.tiers.block_pool import BlockPool
 
 pytestmark = pytest.mark.skipif(not row_attention.available(),
                                 reason="needs an x86-64 CPU with AVX-512 and a C++ compiler")
@@ -172,3 +180,150 @@ def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixt
     attention = json.loads(out)["attention"]
     pairs = ", Q.K in bf16 pairs" if dtype == "bfloat16" and row_attention.bf16_dot_available() else ""
     assert attention == (f"kvrag row kernel (AVX-512, float32{pairs})" if kernel else "SDPA (float32)")
+
+
+# ---- the whole decode step: a row's rotary position apart from its slot (a reduced KV holds fewer rows) ----------
+
+needs_native_step = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native decode step is not built")
+
+
+def _load(path, dtype) -> Transformer:
+    local = resolve_model(str(path))
+    model = Transformer.from_safetensors(local.config, local.weight_files(), dtype)
+    if dtype == torch.bfloat16 and not native_decode.step_serves(model):
+        pytest.skip("the native decode step does not serve this model here")
+    return model
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def _reference_step(model, cache, token: int, rotary: int) -> torch.Tensor:
+    """decode_step_reference with q and k rotated to `rotary` (`positions_cos_sin(rotary)`) instead of the slot
+    cache.length, where K/V still go and up to which the row attends: the rescored logits [V]."""
+    slot = torch.tensor([cache.length])
+    rows = Rows(model.embed(torch.tensor([token])), slot, model.positions_cos_sin(torch.tensor([rotary])))
+    logits = run_layers(model, rows, CacheKV(model, cache, slot))
+    cache.length += 1
+    return logits[0]
+
+
+def _native_logits(model, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """A native step's head logits [R, V] rescored from its outputs h [R, D] as RowStep does, a row at a time
+    (so that a batch's rows and a row stepped alone rescore alike)."""
+    return torch.stack([model.rescored(logits[r:r + 1], model._normed(h[r:r + 1]))[0] for r in range(h.shape[0])])
+
+
+def _stepped(model, prompt: torch.Tensor, feed: list[int], offset: int, native: bool):
+    """Prefill `prompt`, then feed token j at slot len(prompt) + j rotated to that + offset, through WholeStep
+    (native) or the torch reference: the logits [V] of every step, and the cache."""
+    _, cache = prefill(model, prompt, extra=len(feed))
+    step = native_decode.WholeStep(model, cache.k, cache.v,
+                                   *model.positions_cos_sin(torch.arange(cache.capacity + offset))) if native else None
+    out = []
+    for token in feed:
+        if step is None:
+            out.append(_reference_step(model, cache, token, cache.length + offset))
+            continue
+        h, logits = model.embed_tokens[token][None].clone(), torch.empty(1, model.lm_head.shape[0])  # [1, D], [1, V]
+        step(cache.length, h[0], logits[0], rotary=cache.length + offset)
+        out.append(_native_logits(model, logits, h)[0])
+        cache.length += 1
+    return out, cache
+
+
+def _check_near_reference(path, prompt, feed, offset, logits: list[torch.Tensor], k, v) -> None:
+    """A native sequence's logits per step and K/V [L, T, Hkv, hd] against the torch reference stepped at the
+    same slots and rotary positions, to native-vs-torch's bounds (tests/test_decode.py): logits within a few
+    bf16 steps of the reference's (as close to the float32 model's as the reference's own are), the prompt's
+    rows untouched, each new key and value within one rounding step in layer 0 and a few in later layers."""
+    (ref, ref_cache), (truth, _) = (_stepped(_load(path, dtype), prompt, feed, offset, native=False)
+                                    for dtype in (torch.bfloat16, torch.float32))
+    for a, b, t in zip(logits, ref, truth, strict=True):
+        ref_err = (b - t).abs().max()
+        assert (a - t).abs().max() <= 1.5 * ref_err + 1e-3
+        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=4 * ref_err)
+    n = len(prompt)
+    for got, want in ((k, ref_cache.k), (v, ref_cache.v)):  # [L, T, Hkv, hd]
+        assert torch.equal(got[:, :n], want[:, :n])
+        new, old = got[:, n:].float(), want[:, n:].float()  # [L, steps, Hkv, hd]
+        scale = old.abs().amax(dim=(-1, -2), keepdim=True)  # [L, steps, 1, 1] each row's largest
+        assert ((new[0] - old[0]).abs() <= 2 ** -8 * (old[0].abs() + scale[0])).all()
+        assert ((new - old).abs() <= 2 ** -5 * (old.abs() + scale)).all()
+
+
+@needs_native_step
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_whole_step_rotates_to_its_rotary_position_not_its_slot(fixture, request):
+    """Rows written at slots 40..47 and rotated to positions 77..84 (37 tokens dropped before them): the torch
+    reference rotated the same way, and not the step rotated at its slot (the keys then differ far past the
+    bound: the rotation is the kernel's, not within tolerance)."""
+    path = request.getfixturevalue(fixture)
+    model, prompt, feed = _load(path, torch.bfloat16), _tokens(40, 20), _tokens(8, 21).tolist()
+    logits, cache = _stepped(model, prompt, feed, 37, native=True)
+    _check_near_reference(path, prompt, feed, 37, logits, cache.k, cache.v)
+    _, at_slot = _stepped(model, prompt, feed, 0, native=True)
+    assert (cache.k[0, 40:].float() - at_slot.k[0, 40:].float()).abs().amax() > 0.1 * cache.k[0, 40:].abs().amax()
+
+
+def _pooled(model, caches: list, steps: int) -> tuple[BlockPool, list]:
+    """The caches' prompt rows in a pool of 16-row blocks, each table with room for `steps` more rows."""
+    c = model.cfg
+    pool = BlockPool(BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, "bfloat16", 16),
+                     sum(-(-cache.capacity // 16) for cache in caches))
+    tables = []
+    for cache in caches:
+        tables.append(pool.allocate(cache.length + steps))
+        layers = [(cache.k[layer], cache.v[layer]) for layer in range(c.n_layers)]
+        pool.write(tables[-1], layers, rows=torch.arange(cache.length))
+    return pool, tables
+
+
+@needs_native_step
+def test_batch_rows_each_rotate_to_their_own_position(tiny_qwen2_dir):
+    """Three sequences in one batch, 0, 9 and 120 tokens dropped before their new rows (rotary positions up to
+    156 over tables of at most 37 slots): each row's logits and K/V near the torch reference rotated as that row
+    is, and the bits of the same sequence stepped alone by WholeStep."""
+    model, lengths, offsets, steps = _load(tiny_qwen2_dir, torch.bfloat16), [5, 20, 33], [0, 9, 120], 4
+    prompts, feeds = [_tokens(n, n) for n in lengths], _tokens(3 * steps, 22).view(3, steps)  # [B, steps]
+    pool, tables = _pooled(model, [prefill(model, p, extra=steps)[1] for p in prompts], steps)
+    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(max(lengths) + 130)))
+    table = torch.tensor([t.blocks + [-1] * (3 - len(t.blocks)) for t in tables])  # [B, 3]
+    logits = torch.empty(steps, 3, model.lm_head.shape[0])  # [steps, B, V]
+    for j in range(steps):
+        positions, h = torch.tensor(lengths) + j, model.embed_tokens[feeds[:, j]].clone()  # [B], [B, D]
+        step(positions, table, h, logits[j], n_threads=2, rotary=positions + torch.tensor(offsets))
+        logits[j] = _native_logits(model, logits[j], h)
+    for b, (prompt, offset) in enumerate(zip(prompts, offsets, strict=True)):
+        kv = pool.gather([tables[b]])  # [L, 2, T, Hkv, hd]
+        alone, cache = _stepped(model, prompt, feeds[b].tolist(), offset, native=True)
+        assert torch.equal(logits[:, b], torch.stack(alone))
+        assert torch.equal(kv[:, 0], cache.k) and torch.equal(kv[:, 1], cache.v)
+        _check_near_reference(tiny_qwen2_dir, prompt, feeds[b].tolist(), offset, list(logits[:, b]), kv[:, 0], kv[:, 1])
+
+
+@needs_native_step
+def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
+    """A rotary position outside the rotary tables is refused before anything is written, whatever the slot;
+    a slot past the tables with its rotary position inside them is taken (a slot needs no angles)."""
+    model = _load(tiny_llama_hd64_dir, torch.bfloat16)
+    c, vocab = model.cfg, model.lm_head.shape[0]
+    pool = BlockPool(BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, "bfloat16", 16), 4)
+    pool.kv.zero_()
+    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(20)))
+    h, logits, table = model.embed_tokens[:2].clone(), torch.empty(2, vocab), torch.tensor([[0, 1], [2, 3]])
+    for rotary in ([3, 20], [-1, 5], [3, 10**6]):
+        with pytest.raises(RuntimeError, match="rotary"):
+            step(torch.tensor([3, 5]), table, h, logits, 1, torch.tensor(rotary))
+    assert not pool.kv.any()
+    for rotary in (torch.tensor([3, 5], dtype=torch.int32), torch.tensor([3])):
+        with pytest.raises(ValueError):
+            step(torch.tensor([3, 5]), table, h, logits, 1, rotary)
+    step(torch.tensor([3, 25]), table, h, logits, 1, torch.tensor([3, 19]))
+    assert pool.kv[:, :, 3, 25 - 16].any() and torch.isfinite(logits).all()
+    _, cache = prefill(model, _tokens(5, 23), extra=1)
+    whole = native_decode.WholeStep(model, cache.k, cache.v, *model.positions_cos_sin(torch.arange(6)))
+    with pytest.raises(RuntimeError, match="rotary"):
+        whole(5, model.embed_tokens[0].clone(), torch.empty(vocab), 1, rotary=6)

@@ -47,16 +47,20 @@ class KVRag:
                  device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
                  host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
                  max_running: int = 32, reorder_window: int = 8, max_waiting: int = 0, native: bool = True,
-                 preload_retriever: bool = True, tune_process: bool = False, speculate: bool = False):
+                 preload_retriever: bool = True, tune_process: bool = False, speculate: bool = False,
+                 keep: float = 1.0, keep_rule: str = "keyformer"):
         """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
         sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
         turns them off). max_waiting: refuse a new request (engine.scheduler.QueueFull) while that many wait
         (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
         first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator
         for the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's
-        prefill on an IVF index's early search stages (engine/speculation.py)."""
+        prefill on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced
+        chunks `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
+        from kvrag.blend.keyformer import KeepConfig
         from kvrag.blend.memory import build_cache
 
+        keep_config = KeepConfig(keep, keep_rule)  # bad settings are said before anything loads
         self.env = StoreEnv.open(store)
         self._retriever = None
         self._retriever_lock = threading.Lock()
@@ -68,7 +72,7 @@ class KVRag:
             start = time.perf_counter()
             self.runtime = Runtime.load(model, dtype, device, tune_process)
             cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
-            prefiller = Engine(self.runtime, self.env, codec, cache=cache)
+            prefiller = Engine(self.runtime, self.env, codec, cache=cache, keep=keep_config)
             config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
                                   reorder_window, max_waiting), codec=codec, native=native)
             self.engine = LLMEngine(prefiller, config)

@@ -34,7 +34,8 @@ class SamplingConfig:
 class DecodeCache:
     """Every layer's rotated keys and values, preallocated for the prompt plus the answer.
 
-    Positions are 0..length-1, so a new token's position is `length`.
+    Row i holds position i, except after a reduced prompt: its rows skip the dropped tokens' positions, and a new
+    token (row `length`) is at position `length + offset`.
     """
 
     def __init__(self, model: Transformer, capacity: int):
@@ -43,6 +44,7 @@ class DecodeCache:
         self.k = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.v = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.length = 0
+        self.offset = 0  # prompt positions without a row (reduced chunks' dropped tokens), all before new rows
         self.stepper: RowStep | None = None  # the one-row decode's buffers, made at the first decode step
 
     @classmethod
@@ -98,7 +100,7 @@ def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Te
 
 @torch.inference_mode()
 def decode_step(model: Transformer, cache: DecodeCache, token: int, native: bool = True) -> torch.Tensor:
-    """Feed one token at position `cache.length`; returns the next-token logits [V] (float32).
+    """Feed one token at row `cache.length` (position length + offset); returns the next-token logits [V] (float32).
 
     native (default): the whole step in one call into kernels/decode.cpp where it serves (see RowStep), else
     torch's ops. It is faster but not the reference's bits, so greedy answers can part from it at near-ties;
@@ -119,8 +121,8 @@ def decode_step_reference(model: Transformer, cache: DecodeCache, token: int) ->
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")
     n = cache.length
-    rows = Rows.at(model, torch.tensor([token]), torch.tensor([n]))
-    logits = run_layers(model, rows, CacheKV(model, cache, rows.pos))
+    rows = Rows.at(model, torch.tensor([token]), torch.tensor([n + cache.offset]))
+    logits = run_layers(model, rows, CacheKV(model, cache, rows.pos, cache.offset))
     cache.length = n + 1
     return logits[0]
 

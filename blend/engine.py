@@ -10,23 +10,26 @@ and the chunks read from the store are kept in memory for the next question.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvrag import KvragError
+from kvrag.blend import keyformer
 from kvrag.blend.controller import LoadComputeProfile, cached_profile
 from kvrag.blend.decode import ChunkedPrefill, DecodeCache, stop_ids
 from kvrag.blend.fusion import BlendConfig, fused_prefill
+from kvrag.blend.keyformer import KeepConfig
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
 from kvrag.blend.prefill import LayerKV, extend
 from kvrag.blend.runtime import Runtime
+from kvrag.store.codec import CorruptValue, stored_positions
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import KVTable, MissingChunk
 from kvrag.store.manifest import check_or_record
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import STORE
@@ -47,6 +50,12 @@ class Prefilled:
     bytes_loaded: int = 0
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: "tree" (exact), "gpu"/"host", "store"
+
+    @property
+    def offset(self) -> int:
+        """Prompt positions without a row in the cache (reduced chunks' dropped tokens): a new token's position is
+        its row plus this."""
+        return self.cache.offset
 
 
 class FullPrefill:
@@ -78,8 +87,13 @@ class FullPrefill:
 
 class Engine:
     def __init__(self, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
-                 cache=None, compress: bool = True):
+                 cache=None, compress: bool = True, keep: KeepConfig | None = None):
         self.runtime = runtime
+        # reduced chunks (Keyformer, `precompute --keep`): blend, reuse and prefix read that variant of the store
+        self.keep = keep if keep is not None and keep.reduced else None
+        if self.keep is not None and self.keep.per_layer:
+            raise KvragError("questions read reduced chunks with one token set per chunk; a --keep-per-layer store "
+                             "is for measurement only")
         self.cache = cache  # TieredKVCache or None: no memory tiers
         self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
         self.model = runtime.model
@@ -88,11 +102,13 @@ class Engine:
         if env is not None:
             check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                             tokenizer_fp=runtime.local.tokenizer_fingerprint)
-            self.table = KVTable(env, runtime.fingerprint, codec, compress)  # compress: how write-backs are stored
+            # compress: how write-backs are stored
+            self.table = KVTable(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "")
         self.load_delay_s = load_delay_s
         with torch.inference_mode():
             _, self.preamble = extend(self.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))
-        self._write_back: dict[str, tuple[Sequence[int], LayerKV]] = {}
+        # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None)
+        self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
         self._profiles: dict[str, LoadComputeProfile] = {}  # by codec: what `--ratio auto` predicts costs from
@@ -118,28 +134,48 @@ class Engine:
             if i < len(in_memory) and in_memory[i] is not None:
                 refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
             elif chunk_id in missing or chunk_id in self._write_back:
-                kv = self._compute_chunk(chunk_id, ids)
-                refs.append(ChunkRef(chunk_id, ids, kv))
+                kv, kept = self._compute_chunk(chunk_id, ids)
+                refs.append(ChunkRef(chunk_id, ids, kv, kept))
             else:
-                refs.append(ChunkRef(chunk_id, ids))
+                refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
         return refs, time.perf_counter() - start
 
-    def _compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> LayerKV:
+    def _compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
+        """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
         if chunk_id in self._write_back:
-            return self._write_back[chunk_id][1]
-        kv = chunk_kv(self.runtime, self.preamble, ids)
-        self._write_back[chunk_id] = (ids, kv)
-        return kv
+            return self._write_back[chunk_id][1:]
+        if self.keep is None:
+            kv, kept = chunk_kv(self.runtime, self.preamble, ids), None
+        else:
+            full, kept = keyformer.reduce_chunk(self.model, self.preamble, self.runtime.ids_tensor(list(ids)),
+                                                self.keep, chunk_id)
+            kv = keyformer.narrow(full, kept)
+        self._write_back[chunk_id] = (ids, kv, kept)
+        return kv, kept
+
+    def _stored_kept(self, chunk_id: str, ids: Sequence[int]) -> np.ndarray | None:
+        """The tokens a stored reduced chunk keeps (from its first layer, read without decoding K and V); None
+        for full chunks. A prompt's rows are laid out from them before any layer loads."""
+        if self.keep is None:
+            return None
+        try:
+            head, body = self.table.get_layer_raw(chunk_id, 0, expect_token_ids=ids).body()
+        except (MissingChunk, CorruptValue) as exc:
+            raise CorruptChunk(chunk_id, str(exc)) from None
+        kept = stored_positions(head, body)
+        if kept is not None and kept.ndim != 1:
+            raise CorruptChunk(chunk_id, "keeps a token set per KV head, which questions cannot read")
+        return kept
 
     def flush_write_back(self) -> int:
         """Store the chunks computed on the fly, replacing damaged ones (called between questions,
         never while a loader reads: LMDB cannot grow its map under an open read transaction)."""
         written = 0
         if self.table is not None:
-            for chunk_id, (ids, kv) in self._write_back.items():
+            for chunk_id, (ids, kv, kept) in self._write_back.items():
                 if chunk_id in self._repair:
                     self.table.delete_chunk(chunk_id)
-                written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec)))
+                written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec), kept))
         self._write_back.clear()
         self._repair.clear()
         self._fill_cache()
@@ -245,7 +281,7 @@ class Engine:
             return job.advance(job.remaining)
 
         lease = None
-        if self.cache is not None and mode in ("blend", "reuse"):
+        if self.cache is not None and mode in ("blend", "reuse") and self.keep is None:  # tiers hold full chunks
             lease = self.cache.acquire([c for c, _ in chunks], [len(ids) for _, ids in chunks], len(suffix))
         try:
             return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start)
@@ -260,19 +296,17 @@ class Engine:
         matched = lease.matched if lease is not None else 0
         exact = self._exact_prefix(lease)
         rest = list(chunks[matched:])
-        chunk_ids = [i for _, ids in rest for i in ids]
-        n_chunk = len(chunk_ids)
         memory = self._memory_kv(lease) if lease is not None else [None] * len(rest)
         refs, missing_s = self.chunk_refs(rest, memory)
         if mode == "blend" and config.ratio == 0:
             mode = "reuse"  # ratio 0 is full KV reuse, by definition
         if mode == "prefix":
-            refs, loaded_rows, blend_cfg = refs[:1], len(chunks[0][1]) if chunks else 0, None
-        elif mode == "reuse":
-            loaded_rows, blend_cfg = n_chunk, None
-        else:
-            loaded_rows, blend_cfg = n_chunk, config
-        exact_rows = self._exact_first_rows(rest, matched, blend_cfg)
+            refs = refs[:1]
+        layout = RowLayout.of(rest, refs, len(exact), suffix)
+        n_chunk = layout.n_chunk
+        loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
+            n_chunk, config if mode == "blend" else None)
+        exact_rows = self._exact_first_rows(refs, matched, blend_cfg)
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None
@@ -280,16 +314,15 @@ class Engine:
             # keys rotated to their places as they load, unless the memory tiers keep this prompt's keys (before
             # rotary) afterwards
             rope = None
-            if lease is None:  # the loader's rows are chunk rows 0 .. loaded_rows-1, right after the exact prefix
-                rope = self.model.positions_cos_sin(torch.arange(len(exact), len(exact) + loaded_rows))
+            if lease is None:  # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix
+                rope = self.model.positions_cos_sin(layout.positions[:loaded_rows])
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
                                  delay_s=self.load_delay_s, rope=rope).start()
         try:
-            starts = torch.tensor([0, *itertools.accumulate(len(ids) for _, ids in rest)][:-1], dtype=torch.long,
-                                  device=self.model.device)  # where each chunk begins among the chunk tokens
-            fused = fused_prefill(self.model, exact, rt.ids_tensor(chunk_ids + suffix), n_chunk,
+            fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
-                                  exact_rows=exact_rows, chunk_starts=starts)
+                                  exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),
+                                  rest_positions=layout.positions)
         finally:
             if loader is not None:
                 loader.close()
@@ -303,21 +336,51 @@ class Engine:
         if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
             not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
             self._pending_cache.append((lease, rest, fused.rest_kv, not_in_memory, elapsed))
-        return Prefilled(fused.logits, fused.cache, len(exact) + n_chunk + len(suffix),
+        return Prefilled(fused.logits, fused.cache, fused.cache.length,
                          n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
                          int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers)
 
-    def _exact_first_rows(self, rest, matched: int, config: BlendConfig | None) -> int:
+    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
         follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
         after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
         (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
         (at 1 every chunk token is recomputed, as a full prefill)."""
-        if config is None or not config.exact_first_chunk or matched or not rest or not 0 < config.ratio < 1:
+        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1:
             return 0
-        return len(rest[0][1]) if self.table is None or self.table.codec in ("fp16", "bf16") else 0
+        return refs[0].n_rows if self.table is None or self.table.codec in ("fp16", "bf16") else 0
 
 
 def ref_tier(ref: ChunkRef) -> str:
     """Where a chunk's KV came from when no memory tier had it: the store, or computed now."""
     return STORE if ref.in_memory is None else "computed"
+
+
+@dataclass
+class RowLayout:
+    """The rows after the exact prefix: each chunk's tokens (the kept ones of a reduced chunk) at their positions
+    in the whole prompt, the dropped tokens' places left as gaps, then the suffix's."""
+
+    ids: list[int]  # [C] the chunk rows' token ids
+    positions: torch.Tensor  # [C + S] absolute positions of the chunk rows, then of the suffix's
+    starts: torch.Tensor  # [K] where each chunk's rows begin among the chunk rows
+
+    @property
+    def n_chunk(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, chunks: Sequence[tuple[str, Sequence[int]]], refs: Sequence[ChunkRef], start: int,
+           suffix: Sequence[int]) -> RowLayout:
+        """Chunks after `start` prefix positions; chunk i keeps refs[i].kept where it has a ref (prefix caching
+        loads the first chunk alone: the others are computed, every token)."""
+        ids, positions, starts, at = [], [], [], start
+        for i, (_, chunk) in enumerate(chunks):
+            kept = refs[i].kept if i < len(refs) else None
+            rows = range(len(chunk)) if kept is None else kept.tolist()
+            starts.append(len(ids))
+            ids.extend(chunk[j] for j in rows)
+            positions.extend(at + j for j in rows)
+            at += len(chunk)
+        positions.extend(range(at, at + len(suffix)))
+        return cls(ids, torch.tensor(positions, dtype=torch.long), torch.tensor(starts, dtype=torch.long))

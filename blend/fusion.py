@@ -226,7 +226,7 @@ class Selector:
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
-                  chunk_starts: torch.Tensor | None = None) -> FusionResult:
+                  chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -234,15 +234,18 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     are computed at every layer. `config` None means no selection: loaded rows are reused at every
     layer (full reuse or prefix caching); otherwise CacheBlend selection over the loaded rows after the first
     `exact_rows`, which are reused as loaded at every layer (see the module doc). `chunk_starts` [K]: where each
-    chunk begins among the chunk tokens (for `config.chunk_start_rows`).
+    chunk begins among the chunk tokens (for `config.chunk_start_rows`). `rest_positions` [C + S]: the rows'
+    absolute positions when they have gaps (reduced chunks: their kept tokens alone), else right after the preamble.
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
     n_total = n_pre + n_rest
     positions = torch.arange(n_total, device=dev)
+    if rest_positions is not None:
+        positions[n_pre:] = rest_positions.to(dev)
     rope = model.positions_cos_sin(positions)
     cache = DecodeCache(model, n_total + extra)
-    cache.length = n_total
+    cache.length, cache.offset = n_total, int(positions[-1]) + 1 - n_total
     # chunk rows computed at every layer: those not loaded (all of them in a full prefill)
     result = FusionResult(torch.empty(0), cache, torch.arange(loaded_rows, n_chunk, device=dev))
     # loaded keys already at their positions: only the preamble's and the computed rows' are rotated here

@@ -181,6 +181,20 @@ def score_chunk(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor, c
     return LayerKV(kv.new_k, kv.new_v, rows.pos), torch.stack(kv.scores)
 
 
+def reduce_chunk(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor, cfg: KeepConfig,
+                 chunk_id: str) -> tuple[LayerKV, np.ndarray | list[np.ndarray]]:
+    """A chunk's full LayerKV after `prefix` and the positions it keeps (`positions`), its noise drawn from
+    (cfg.seed, chunk_id): what precompute stores and what a question computes for a chunk missing from the store."""
+    kv, scores = score_chunk(model, prefix, ids, cfg, chunk_generator(cfg, chunk_id, model.device))
+    return kv, positions(scores, cfg)
+
+
+def narrow(kv: LayerKV, kept: np.ndarray) -> LayerKV:
+    """kv's rows of the kept token indices [T_kept] (into its rows), at their own positions."""
+    rows = torch.from_numpy(kept.astype(np.int64)).to(kv.positions.device)
+    return LayerKV([k[rows] for k in kv.k], [v[rows] for v in kv.v], kv.positions[rows])
+
+
 def kept_count(keep: float, n_tokens: int) -> int:
     """round(keep * T) tokens, at least one."""
     return max(1, min(n_tokens, round(keep * n_tokens)))

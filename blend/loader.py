@@ -40,7 +40,7 @@ from kvrag import KvragError
 from kvrag.blend import rotary
 from kvrag.blend.prefill import LayerKV
 from kvrag.kernels import fp16_to_bf16
-from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue
+from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue, stored_positions
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
 DECODE_MODES = ("thread", "hand-over", "idle")
@@ -59,11 +59,17 @@ class CorruptChunk(KvragError):
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of the prompt: its id and token ids, and its KV when it is already in memory."""
+    """One chunk of the prompt: its id and token ids, and its KV when it is already in memory. A reduced
+    (Keyformer) chunk holds the rows of the tokens `kept` alone (indices into token_ids, rising; None: every token)."""
 
     chunk_id: str
     token_ids: Sequence[int]
     in_memory: LayerKV | None = None
+    kept: np.ndarray | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.token_ids) if self.kept is None else len(self.kept)
 
 
 class _LayerWork:
@@ -132,7 +138,7 @@ class LayerLoader:
         self.rope = rope
         self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
         for ref in self.chunks:
-            self._starts.append(self._starts[-1] + len(ref.token_ids))
+            self._starts.append(self._starts[-1] + ref.n_rows)
         self._ready = {layer: threading.Event() for layer in self.layers}
         # a read layer, (k, v, keys rotated) once decoded and transferred (CUDA), or the failure to hand on
         self._results: dict[int, _LayerWork | tuple[torch.Tensor, torch.Tensor, bool] | BaseException] = {}
@@ -332,8 +338,7 @@ class LayerLoader:
             head, body = fetched[i].body()
         except CorruptValue as exc:
             raise CorruptChunk(ref.chunk_id, str(exc)) from None
-        if head.has_positions:
-            raise CorruptChunk(ref.chunk_id, "holds a reduced (Keyformer) subset, which blending cannot use yet")
+        _check_kept(ref, stored_positions(head, body))
         self._check_rows(i, head.shape, starts, shape)
         rows, planes = slice(starts[i], starts[i + 1]), bool(head.flags & FLAG_SHUFFLED)
         if self.rope is None:
@@ -351,8 +356,7 @@ class LayerLoader:
             decoded = raw.decode(copy=False)  # views, when uncompressed: `put` copies them into the layer buffer
         except CorruptValue as exc:
             raise CorruptChunk(ref.chunk_id, str(exc)) from None
-        if decoded.positions is not None:
-            raise CorruptChunk(ref.chunk_id, "holds a reduced (Keyformer) subset, which blending cannot use yet")
+        _check_kept(ref, decoded.positions)
         return decoded.k, decoded.v
 
     def _read(self, ref: ChunkRef, layer: int) -> RawLayer:
@@ -365,6 +369,14 @@ class LayerLoader:
             raise CorruptChunk(ref.chunk_id, str(exc)) from None
         self.bytes_read += len(raw.value)
         return raw
+
+
+def _check_kept(ref: ChunkRef, positions: np.ndarray | None) -> None:
+    """A stored layer must hold the rows the prompt was laid out for: all of them, or the same kept tokens."""
+    if positions is None and ref.kept is None:
+        return
+    if positions is None or ref.kept is None or not np.array_equal(positions, ref.kept):
+        raise CorruptChunk(ref.chunk_id, "its stored layers do not keep the same tokens")
 
 
 def idle_priority_available() -> bool:

@@ -167,10 +167,7 @@ def chunk_layers(runtime: Runtime, preamble: LayerKV, chunk_id: str, token_ids, 
     """One chunk's per-layer (K, V) for the store's codec, and the kept positions (None: every token)."""
     if not keep.reduced:
         return layers_to_numpy(chunk_kv(runtime, preamble, token_ids), codec), None
-    model = runtime.model
-    kv, scores = keyformer.score_chunk(model, preamble, runtime.ids_tensor(list(token_ids)), keep,
-                                       keyformer.chunk_generator(keep, chunk_id, model.device))
-    kept = keyformer.positions(scores, keep)
+    kv, kept = keyformer.reduce_chunk(runtime.model, preamble, runtime.ids_tensor(list(token_ids)), keep, chunk_id)
     return keyformer.reduce_layers(layers_to_numpy(kv, codec), kept), kept
 
 

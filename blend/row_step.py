@@ -42,7 +42,8 @@ class RowStep:
         c = self.cfg = model.cfg
         self.model, self.cache, self.wants_native = model, cache, native
         self.native = native and native_decode.step_serves(model)
-        self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity))  # [cap, 1, hd] each
+        # [cap + offset, 1, hd] each: every position a row of this cache can take
+        self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity + cache.offset))
         self.whole = native_decode.WholeStep(model, cache.k, cache.v, self.cos, self.sin) if self.native else None
         new = partial(torch.empty, dtype=model.dtype, device=model.device)
         self.h = new(1, c.hidden_size)  # [1, D] the residual stream
@@ -60,12 +61,13 @@ class RowStep:
         self.synced = cache.length  # rows below this are in k32 and v32 (rows written elsewhere later are not)
 
     def step(self, token: int) -> torch.Tensor:
-        """Feed `token` at position cache.length: its K and V into the cache, the next-token logits [V] out."""
+        """Feed `token` at row cache.length (position length + offset): its K and V into the cache, the next-token
+        logits [V] out."""
         n = self.cache.length
         if self.whole is not None:
             self.h.copy_(self.model.embed_tokens[token])
             out = torch.empty(self.model.lm_head.shape[0])  # [V] the head's bf16 logits, widened
-            self.whole(n, self.h[0], out)
+            self.whole(n, self.h[0], out, rotary=n + self.cache.offset)
             self.cache.length = self.synced = n + 1
             return self._rescored(out, self.model._normed(self.h))
         with _threads(DECODE_THREADS):
@@ -82,7 +84,8 @@ class RowStep:
         nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self._linear(m.rms_norm(self.h, w.attn_norm), w.wqkv, w.bqkv, self.qkv)
         qk = self.qkv[:, :nq + nk].view(1, -1, c.head_dim)  # [1, Hq + Hkv, hd] before rotary
-        rotary.rotate(qk, self.cos[n:n + 1], self.sin[n:n + 1], out=self.qk)
+        p = n + cache.offset
+        rotary.rotate(qk, self.cos[p:p + 1], self.sin[p:p + 1], out=self.qk)
         cache.k[layer, n] = self.qk[0, c.n_heads:]
         cache.v[layer, n] = self.qkv[0, nq + nk:].view(c.n_kv_heads, c.head_dim)
         q = self.qk[0, :c.n_heads]  # [Hq, hd]

@@ -84,13 +84,15 @@ def run_layers(model: Transformer, rows: Rows, kv: KVTarget, all_rows: bool = Fa
 
 
 class CacheKV:
-    """Rows written straight into a DecodeCache at their positions (0 .. capacity-1, one slot each) and attending
-    to every slot up to theirs: a full prefill into a fresh cache, or the reference decode step."""
+    """Rows written straight into a DecodeCache at their positions less `offset` (one slot each) and attending
+    to every slot up to theirs: a full prefill into a fresh cache, or the reference decode step (offset: the
+    cache's, a reduced prompt's dropped positions, all before these rows)."""
 
-    def __init__(self, model: Transformer, cache: DecodeCache, positions: torch.Tensor):
+    def __init__(self, model: Transformer, cache: DecodeCache, positions: torch.Tensor, offset: int = 0):
         self.model, self.cache = model, cache
-        start, self.stop = int(positions[0]), int(positions[-1]) + 1
+        start, self.stop = int(positions[0]) - offset, int(positions[-1]) + 1 - offset
         self.slots = slice(start, self.stop)  # the new rows: consecutive positions
+        # the mask's key positions: slot numbers, at or below the real ones, so every earlier slot stays visible
         self.key_pos = torch.arange(self.stop, device=model.device)  # [S]
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:

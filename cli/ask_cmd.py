@@ -24,6 +24,8 @@ from kvrag.cli.common import (
     GPU_CACHE_OPTION,
     HOST_CACHE_OPTION,
     JSON_OPTION,
+    KEEP_OPTION,
+    KEEP_RULE_OPTION,
     MODEL_OPTION,
     SELECTION_OPTION,
     STORE_OPTION,
@@ -112,6 +114,8 @@ def ask_command(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     seed: int = typer.Option(None, "--seed", help="Seed for sampling."),
     codec: str = CODEC_OPTION,
+    keep: float = KEEP_OPTION,
+    keep_rule: str = KEEP_RULE_OPTION,
     show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
     host_cache: str = HOST_CACHE_OPTION,
     gpu_cache: str = GPU_CACHE_OPTION,
@@ -143,7 +147,7 @@ def ask_command(
     _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
-                         (model, dtype, device))
+                         (model, dtype, device), (keep, keep_rule))
     answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
@@ -162,6 +166,7 @@ class _Settings:
     codec: str
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
     model_options: tuple  # --model, --dtype, --device
+    keep_options: tuple  # --keep, --keep-rule
 
     def request_options(self) -> dict:
         """The API's options for how to answer."""
@@ -181,7 +186,7 @@ def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings
     rag = KVRag(store, model=s.model_options[0], dtype=s.model_options[1], device=s.model_options[2], codec=s.codec,
                 host_cache=host_cache if len(todo) > 1 else "0",  # the tiers pay off from the second question on
                 gpu_cache=gpu_cache, cache_policy=policy, preload_retriever=any(map(finder.retrieves, todo)),
-                tune_process=True)
+                tune_process=True, keep=s.keep_options[0], keep_rule=s.keep_options[1])
     answers = []
     try:
         for n, q in enumerate(todo):

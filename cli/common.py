@@ -30,6 +30,12 @@ GPU_CACHE_OPTION = typer.Option(None, "--gpu-cache", envvar="KVRAG_GPU_CACHE",
                                 help="GPU memory tier on CUDA (default 2GiB).")
 CACHE_POLICY_OPTION = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_POLICY",
                                    help="pgdsf (default), gdsf, lru or lfu.")
+# Keyformer's reduced chunks: what `precompute --keep` stores and `ask`/`serve` read (their store variant)
+KEEP_OPTION = typer.Option(1.0, "--keep", help="Share of each chunk's tokens whose KV is kept, in (0, 1]: below 1, "
+                                               "the key tokens' KV alone (Keyformer), stored apart from full "
+                                               "chunks by `precompute --keep`. 1 (default): full chunks.")
+KEEP_RULE_OPTION = typer.Option("keyformer", "--keep-rule", help="How --keep picks tokens: keyformer (default), "
+                                                                 "h2o or window (first + recent tokens).")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")

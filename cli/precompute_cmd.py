@@ -21,6 +21,8 @@ from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
     JSON_OPTION,
+    KEEP_OPTION,
+    KEEP_RULE_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
     Interrupted,
@@ -39,11 +41,8 @@ def precompute_command(
                                        "half as large again, decoded with no CPU work at question time."),
     limit: int = typer.Option(None, "--limit", min=1, help="Compute at most N chunks this run."),
     shard: str = typer.Option(None, "--shard", help="i/N: compute only this process's share (run N of them)."),
-    keep: float = typer.Option(1.0, "--keep", help="Share of each chunk's tokens to store, in (0, 1]: below 1, "
-                                                   "only the key tokens' KV (Keyformer), keyed apart from full "
-                                                   "chunks. 1 (default): full chunks."),
-    keep_rule: str = typer.Option("keyformer", "--keep-rule", help="How --keep picks tokens: keyformer (default), "
-                                                                   "h2o or window (first + recent tokens)."),
+    keep: float = KEEP_OPTION,
+    keep_rule: str = KEEP_RULE_OPTION,
     keep_per_layer: bool = typer.Option(False, "--keep-per-layer",
                                         help="With --keep: one token set per layer instead of one per chunk."),
     model: str = MODEL_OPTION,

@@ -14,6 +14,8 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     GPU_CACHE_OPTION,
     HOST_CACHE_OPTION,
+    KEEP_OPTION,
+    KEEP_RULE_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
     resolve_store,
@@ -39,6 +41,8 @@ def serve_command(
     grace: float = typer.Option(10.0, "--grace", min=0.0,
                                 help="Seconds running requests get to finish on SIGTERM or Ctrl-C."),
     codec: str = CODEC_OPTION,
+    keep: float = KEEP_OPTION,
+    keep_rule: str = KEEP_RULE_OPTION,
     host_cache: str = HOST_CACHE_OPTION,
     gpu_cache: str = GPU_CACHE_OPTION,
     cache_policy: str = CACHE_POLICY_OPTION,
@@ -74,7 +78,8 @@ def serve_command(
         console.print(f"loading the model for {path} ...", soft_wrap=True)
         with KVRag(path, model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
                    host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running,
-                   max_waiting=max_waiting, tune_process=True, speculate=speculate) as rag:
+                   max_waiting=max_waiting, tune_process=True, speculate=speculate, keep=keep,
+                   keep_rule=keep_rule) as rag:
             settings = ServerSettings(model_name or rag.runtime.local.name, api_key or None, max_tokens)
             console.print(f"serving {settings.model_name} on {listen(sock)}/v1"
                           f"{' (API key required)' if settings.api_key else ''}; SIGTERM or Ctrl-C stops",

@@ -30,15 +30,18 @@ class BatchDecoder:
             self.native = native_decode.BatchStep(model, kv.pool.kv, self.cos, self.sin)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int], tables: Sequence[BlockTable]) -> torch.Tensor:
-        """Feed tokens[b] at position tables[b].n_tokens - 1 (the slot `SequenceKV.grow` made for it); returns the
-        next-token logits [B, V] float32."""
-        positions = torch.tensor([t.n_tokens - 1 for t in tables], dtype=torch.long)  # [B]
+    def step(self, tokens: Sequence[int], tables: Sequence[BlockTable], offsets: Sequence[int] | None = None
+             ) -> torch.Tensor:
+        """Feed tokens[b] at row tables[b].n_tokens - 1 (the slot `SequenceKV.grow` made for it), position that row
+        + offsets[b] (a reduced prompt's dropped tokens; None: 0); returns the next-token logits [B, V] float32."""
+        slots = torch.tensor([t.n_tokens - 1 for t in tables], dtype=torch.long)  # [B]
+        positions = slots if offsets is None else slots + torch.tensor(list(offsets), dtype=torch.long)  # [B]
         if self.native is not None:
-            return self._native(tokens, positions, tables)
+            return self._native(tokens, slots, positions, tables)
         return self._torch(torch.tensor(list(tokens), dtype=torch.long), positions, tables)
 
-    def _native(self, tokens: Sequence[int], positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
+    def _native(self, tokens: Sequence[int], slots: torch.Tensor, positions: torch.Tensor,
+                tables: Sequence[BlockTable]) -> torch.Tensor:
         m = self.model
         width = max(len(t.blocks) for t in tables)
         block_table = torch.zeros(len(tables), width, dtype=torch.long)  # [B, M]
@@ -46,7 +49,7 @@ class BatchDecoder:
             block_table[b, :len(t.blocks)] = torch.tensor(t.blocks)
         h = m.embed_tokens[torch.tensor(list(tokens))].contiguous()  # [B, D]
         logits = torch.empty(len(tables), m.lm_head.shape[0])  # [B, V] the head's bf16 logits, widened
-        self.native(positions, block_table, h, logits)
+        self.native(slots, block_table, h, logits, rotary=positions)
         return m.rescored(logits, m._normed(h))
 
     def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:

@@ -167,11 +167,11 @@ class LLMEngine:
                 if not self.scheduler.running:
                     raise
                 self.scheduler.preempt(self.scheduler.running[-1])
-        seq.length = pre.prompt_tokens
+        seq.length, seq.offset = pre.prompt_tokens, pre.offset
         self.scheduler.start(seq)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs])  # [B, V]
+        logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs], [s.offset for s in seqs])
         for seq, row in zip(seqs, logits, strict=True):
             seq.length += 1
             if seq.replay:

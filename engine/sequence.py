@@ -52,6 +52,7 @@ class Sequence:
         self.status = Status.WAITING
         self.table: BlockTable | None = None  # its KV in the pool, while running
         self.length = 0  # tokens whose KV is in the pool
+        self.offset = 0  # prompt positions without KV (a reduced chunk's dropped tokens): a row's position less this
         self.output: list[int] = []  # generated tokens
         self.replay = 0  # generated tokens fed again after a recompute preemption, before new ones come
         self.finish_reason: str | None = None  # stop, length, cancelled, error

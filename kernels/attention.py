@@ -22,6 +22,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     (None: every key visible, as in decoding) -> [R, Hq * hd], in the inputs' or the attention dtype (the caller
     casts). Runs in `attn_dtype`; `row_kernel`: the native row kernel serves this model (row_kernel_serves);
     `plans`: the caller's cache of key-segment plans."""
+    if k_pos is not None and not _is_arange(k_pos) and _is_rising(k_pos):
+        # keys with gaps (a Keyformer-reduced chunk's dropped tokens): a query sees the keys up to the last one at
+        # or before its position, as a query at that key's index does over keys 0..S-1, which every path serves
+        q_pos = torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True) - 1
+        k_pos = torch.arange(k_pos.shape[0], device=k_pos.device)
     if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
         return attend_few_rows(q, k, v, group)  # a decode step, or the last row of a prefill
     if (k_pos is not None and row_kernel and _is_sorted(q_pos) and _is_arange(k_pos)
@@ -221,6 +226,10 @@ def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Te
 
 def _is_sorted(pos: torch.Tensor) -> bool:
     return pos.numel() > 0 and bool((pos[1:] >= pos[:-1]).all())
+
+
+def _is_rising(pos: torch.Tensor) -> bool:
+    return pos.numel() > 0 and bool((pos[1:] > pos[:-1]).all())
 
 
 def _is_arange(pos: torch.Tensor) -> bool:

@@ -174,12 +174,8 @@ def decode(
     head, body = checked_body(raw, expect_codec=expect_codec, expect_shape=expect_shape)
     if copy and head.flags & FLAG_RAW:
         body = bytearray(body)  # a bytearray: writable arrays
-    k, v, rest = _decode_kv(head, body)
-    positions = None
-    if head.has_positions:
-        t, h, _ = head.shape
-        pshape = (t, h) if head.flags & FLAG_POSITIONS_PER_HEAD else (t,)
-        positions = np.frombuffer(rest, dtype="<i4").astype(np.int32).reshape(pshape)
+    k, v, _ = _decode_kv(head, body)
+    positions = stored_positions(head, body)
     if dtype is not None:
         k, v = k.astype(dtype, copy=False), v.astype(dtype, copy=False)
     return DecodedKV(k, v, positions)
@@ -207,6 +203,17 @@ def checked_body(raw: bytes | memoryview, *, expect_codec: str | None = None,
     if len(body) != head.raw_len:
         raise CorruptValue(f"payload decompressed to {len(body)} bytes, expected {head.raw_len}")
     return head, body
+
+
+def stored_positions(head: ValueHeader, body: bytes | bytearray | memoryview) -> np.ndarray | None:
+    """A checked body's kept positions (int32 [T] or [T, kv_heads], the payload's last section), None for a full
+    chunk: readable without decoding K and V."""
+    if not head.has_positions:
+        return None
+    t, h, _ = head.shape
+    pshape = (t, h) if head.flags & FLAG_POSITIONS_PER_HEAD else (t,)
+    size = 4 * t * (h if len(pshape) == 2 else 1)
+    return np.frombuffer(memoryview(body)[len(body) - size:], dtype="<i4").astype(np.int32).reshape(pshape)
 
 
 def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray, memoryview]:
@@ -309,4 +316,5 @@ def _checksum(header: bytes, payload: bytes | memoryview) -> int:
     return digest.intdigest()
 
 
-__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "ValueHeader", "checked_body", "decode", "encode", "read_header"]
+__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "ValueHeader", "checked_body", "decode", "encode", "read_header",
+           "stored_positions"]

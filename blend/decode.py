@@ -44,8 +44,19 @@ class DecodeCache:
         self.k = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.v = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
         self.length = 0
-        self.offset = 0  # prompt positions without a row (reduced chunks' dropped tokens), all before new rows
+        self.offset = 0  # prompt positions without a row (dropped tokens' places), all before new rows
         self.stepper: RowStep | None = None  # the one-row decode's buffers, made at the first decode step
+
+    @torch.inference_mode()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Only these rows stay (indices [m], ascending), moved to the front; the dropped ones' positions become
+        gaps. Rows after the last kept one would need their own offsets: keep the last row."""
+        n, m = self.length, int(rows.shape[0])
+        for layer in range(self.k.shape[0]):
+            self.k[layer, :m] = self.k[layer, rows]
+            self.v[layer, :m] = self.v[layer, rows]
+        self.length, self.offset = m, self.offset + n - m
+        self.stepper = None  # its float32 copies hold the old rows
 
     @classmethod
     def from_prompt(cls, model: Transformer, layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -69,8 +80,8 @@ class ChunkedPrefill:
     attending to every token before them in the cache. An engine decodes its running sequences between the pieces
     of a long prompt instead of stalling them all for its whole prefill."""
 
-    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int):
-        self.model, self.ids = model, ids
+    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None):
+        self.model, self.ids, self.tap = model, ids, tap  # tap: sees every layer's queries and keys, where set
         self.cache = DecodeCache(model, ids.shape[0] + extra)
         self.logits: torch.Tensor | None = None  # [V] at the last position, once every piece has run
 
@@ -84,7 +95,9 @@ class ChunkedPrefill:
         start = self.cache.length
         stop = min(start + max(tokens, 1), self.ids.shape[0])
         rows = Rows.at(self.model, self.ids[start:stop], torch.arange(start, stop))
-        logits = run_layers(self.model, rows, CacheKV(self.model, self.cache, rows.pos))  # [1, V]
+        kv = CacheKV(self.model, self.cache, rows.pos)
+        kv.tap = self.tap
+        logits = run_layers(self.model, rows, kv)  # [1, V]
         self.cache.length = stop
         if self.done:
             self.logits = logits[0]

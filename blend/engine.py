@@ -22,7 +22,7 @@ from kvrag.blend import keyformer
 from kvrag.blend.controller import LoadComputeProfile, cached_profile
 from kvrag.blend.decode import ChunkedPrefill, DecodeCache, stop_ids
 from kvrag.blend.fusion import BlendConfig, fused_prefill
-from kvrag.blend.keyformer import KeepConfig
+from kvrag.blend.keyformer import AttentionScore, KeepConfig
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
 from kvrag.blend.precompute import chunk_kv, layers_to_numpy
 from kvrag.blend.prefill import LayerKV, extend
@@ -50,6 +50,7 @@ class Prefilled:
     bytes_loaded: int = 0
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: "tree" (exact), "gpu"/"host", "store"
+    attention: AttentionScore | None = None  # the question's Keyformer scores of the rows, when asked to observe
 
     @property
     def offset(self) -> int:
@@ -62,11 +63,11 @@ class FullPrefill:
     """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
 
     def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
-                 start: float):
+                 start: float, tap: AttentionScore | None = None):
         chunk_ids = [i for _, ids in chunks for i in ids]
         self.chunk_tokens = len(chunk_ids)
         self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(runtime.prompts.preamble_ids + chunk_ids + suffix),
-                                  extra)
+                                  extra, tap)
         self.start, self.compute_s = start, 0.0
 
     @property
@@ -82,7 +83,8 @@ class FullPrefill:
             return None
         timings = {"prefill": time.perf_counter() - self.start, "compute": self.compute_s}
         n = self.job.cache.length
-        return Prefilled(self.job.logits, self.job.cache, n, self.chunk_tokens, self.chunk_tokens, timings)
+        return Prefilled(self.job.logits, self.job.cache, n, self.chunk_tokens, self.chunk_tokens, timings,
+                         attention=self.job.tap)
 
 
 class Engine:
@@ -251,8 +253,9 @@ class Engine:
     # ---- prefill ------------------------------------------------------------------------------
 
     def prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str = "blend",
-                config: BlendConfig | None = None, extra: int = 64) -> Prefilled:
-        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk."""
+                config: BlendConfig | None = None, extra: int = 64, observe: bool = False) -> Prefilled:
+        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk. observe: score the
+        rows by the question's attention (Prefilled.attention), for a decode-time budget."""
         if mode not in MODES:
             raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
         config = config or BlendConfig()
@@ -260,7 +263,8 @@ class Engine:
         for _ in range(len(chunks) + 1):
             try:
                 with torch.inference_mode():
-                    return self._prefill_once(chunks, suffix, mode, config, extra)
+                    tap = self._observer(chunks, suffix) if observe else None
+                    return self._prefill_once(chunks, suffix, mode, config, extra, tap)
             except CorruptChunk as exc:
                 # never use a damaged value: compute that chunk now and repair the store afterwards
                 ids = dict(chunks)[exc.chunk_id]
@@ -269,29 +273,36 @@ class Engine:
                 self._repair.add(exc.chunk_id)
         raise KvragError("could not prefill: the store keeps returning damaged values")
 
-    def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64) -> FullPrefill:
+    def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64,
+                     observe: bool = False) -> FullPrefill:
         """A full prefill of preamble + chunks + suffix(question) to run a piece at a time (`FullPrefill.advance`)."""
         suffix = self.runtime.prompts.build([], question).suffix
-        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter())
+        tap = self._observer(chunks, suffix) if observe else None
+        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap)
 
-    def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int) -> Prefilled:
+    def _observer(self, chunks, suffix: list[int]) -> AttentionScore:
+        """Scores of a prompt's rows by its question's (the suffix's) attention."""
+        return AttentionScore(len(self.preamble) + sum(len(ids) for _, ids in chunks), self.model.device)
+
+    def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
+                      tap: AttentionScore | None = None) -> Prefilled:
         start = time.perf_counter()
         if mode == "full":
-            job = FullPrefill(self.runtime, chunks, suffix, extra, start)
+            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap)
             return job.advance(job.remaining)
 
         lease = None
         if self.cache is not None and mode in ("blend", "reuse") and self.keep is None:  # tiers hold full chunks
             lease = self.cache.acquire([c for c, _ in chunks], [len(ids) for _, ids in chunks], len(suffix))
         try:
-            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start)
+            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap)
         except BaseException:
             if lease is not None:
                 self.cache.release(lease)
             raise
 
     def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
-                            start: float) -> Prefilled:
+                            start: float, tap: AttentionScore | None = None) -> Prefilled:
         rt = self.runtime
         matched = lease.matched if lease is not None else 0
         exact = self._exact_prefix(lease)
@@ -322,7 +333,7 @@ class Engine:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
                                   exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),
-                                  rest_positions=layout.positions)
+                                  rest_positions=layout.positions, tap=tap)
         finally:
             if loader is not None:
                 loader.close()
@@ -338,7 +349,7 @@ class Engine:
             self._pending_cache.append((lease, rest, fused.rest_kv, not_in_memory, elapsed))
         return Prefilled(fused.logits, fused.cache, fused.cache.length,
                          n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
-                         int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers)
+                         int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers, tap)
 
     def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it

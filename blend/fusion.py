@@ -152,6 +152,7 @@ class BlendKV:
         self.positions, self.rope, self.rotated_source = positions, rope, rotated_source  # [N], cos/sin [N, 1, hd]
         self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's loaded (k, v), set by the caller
         self.k_rot = self.v = None  # this layer's [N, Hkv, hd] each, between place and attend
+        self.tap = None  # called with each layer's queries and keys (keyformer.AttentionScore), where set
 
     def place(self, layer: int, rows: Rows, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         m, pre, loaded = self.model, self.preamble, self.loaded
@@ -181,6 +182,8 @@ class BlendKV:
         self.k_rot = m.rotate_keys(k_all, self.positions, self.rope, out=self.cache.k[layer, :n_total])
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
+        if self.tap is not None:
+            self.tap(q, rows.pos, self.k_rot, self.positions)
         return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions)
 
 
@@ -226,7 +229,8 @@ class Selector:
 def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
-                  chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None) -> FusionResult:
+                  chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None,
+                  tap=None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -236,6 +240,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     `exact_rows`, which are reused as loaded at every layer (see the module doc). `chunk_starts` [K]: where each
     chunk begins among the chunk tokens (for `config.chunk_start_rows`). `rest_positions` [C + S]: the rows'
     absolute positions when they have gaps (reduced chunks: their kept tokens alone), else right after the preamble.
+    `tap`: sees every layer's queries and keys (a decode-time budget's scores).
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -255,6 +260,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
             raise ValueError("keep_rest keeps keys before rotary: give a source that hands them out so")
         result.rest_kv = []
     kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
+    kv.tap = tap
     selector = Selector(model, config, n_chunk, chunk_starts, result.selected) if config is not None else None
     # the rows (indices into rest) that go through attention and the MLP at the first layer
     index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)

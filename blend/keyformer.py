@@ -105,13 +105,18 @@ class LayerView:
         return probs.sum(dim=(1, 2))[:, -self.n_chunk:]
 
 
-def keyformer(view: LayerView, cfg: KeepConfig) -> torch.Tensor:
-    """Keyformer's score: the Gumbel-regularised softmax softmax((logits + g) / tau), g ~ Gumbel(0, 1) drawn
-    per (head, query, key) as the paper's code (torch's gumbel_softmax) does, accumulated over queries: [Hkv, T]."""
-    logits = view.logits()
-    noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=view.generator)
+def gumbel_softmax(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
+    """softmax((logits + g) / tau) over the last dimension, g ~ Gumbel(0, 1) drawn per element as the paper's code
+    (torch's gumbel_softmax) does."""
+    noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
     noise.log_().neg_()  # -log(Exp(1)) ~ Gumbel(0, 1)
-    return view.accumulated(((logits + noise) / cfg.tau).softmax(-1))
+    return ((logits + noise) / tau).softmax(-1)
+
+
+def keyformer(view: LayerView, cfg: KeepConfig) -> torch.Tensor:
+    """Keyformer's score: the Gumbel-regularised softmax of each (head, query, key), accumulated over queries:
+    [Hkv, T]."""
+    return view.accumulated(gumbel_softmax(view.logits(), cfg.tau, view.generator))
 
 
 def h2o(view: LayerView, cfg: KeepConfig) -> torch.Tensor:
@@ -239,3 +244,52 @@ def kept_layers(stored: Sequence[DecodedKV], device: torch.device | str = "cpu",
         k, v = (torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype) for x in value)
         out.append((k, v, torch.from_numpy(value.positions.astype(np.int64)).to(device)))
     return out
+
+
+# ---- a decode-time budget: Keyformer's eviction while a sequence generates ----------------------------------
+
+
+class AttentionScore:
+    """Keyformer's score of a sequence's KV rows, accumulated as queries attend to them: each observed query
+    adds the Gumbel-regularised softmax of its logits over the rows it sees, summed over its heads, at every
+    layer. The prompt's rows from `from_position` on (the question) observe at prefill, at tau 1; each generated
+    token observes as it decodes, at the `tau` its engine sets (rising from 1 to 2 over the generation, as the
+    paper's schedule does)."""
+
+    def __init__(self, from_position: int, device: torch.device | str = "cpu", seed: int = 0):
+        self.from_position, self.tau = from_position, TAU_PROMPT
+        self.scores = torch.zeros(0, device=device)  # [S] float32, one per KV row
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor | None) -> None:
+        """Queries q [R, Hq, hd] at q_pos [R] over rotated keys k [S, Hkv, hd] at k_pos [S] (None: all visible)."""
+        observed = q_pos >= self.from_position  # [R]
+        if not bool(observed.any()):
+            return
+        q_pos = q_pos[observed]
+        k_pos = torch.zeros(k.shape[0], dtype=q_pos.dtype, device=q_pos.device) if k_pos is None else k_pos
+        logits = LayerView(q[observed], k, q_pos, k_pos.to(q_pos.device)).logits()  # [Hkv, g, R, S]
+        added = gumbel_softmax(logits, self.tau, self.generator).sum(dim=(0, 1, 2))  # [S]
+        if added.shape[0] > self.scores.shape[0]:
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(added.shape[0] - self.scores.shape[0])])
+        self.scores[:added.shape[0]] += added
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows stay (the others were dropped): their scores, in order."""
+        self.scores = self.scores[rows.to(self.scores.device)]
+
+
+def budget_rows(scores: torch.Tensor, budget: int, protected: int, recent: float = RECENT_SHARE) -> torch.Tensor:
+    """The rows a sequence keeps when its KV is cut to `budget` rows: the first `protected` (the preamble, shared
+    by every sequence and the attention sinks), the most recent round(recent * budget), and the best-scoring of
+    the rest. scores [S] -> kept row indices [min(S, budget)], ascending."""
+    n = scores.shape[0]
+    if n <= budget:
+        return torch.arange(n, device=scores.device)
+    if budget <= protected:
+        raise KvragError(f"a KV budget of {budget} tokens does not exceed the {protected} tokens of the preamble")
+    n_recent = min(budget - protected, round(recent * budget))
+    top = scores[protected:n - n_recent].topk(budget - protected - n_recent).indices + protected
+    rows = torch.cat([torch.arange(protected, device=scores.device), top,
+                      torch.arange(n - n_recent, n, device=scores.device)])
+    return rows.sort().values

@@ -331,19 +331,43 @@ def bench_search(
 
 @bench_app.command("keyformer")
 def bench_keyformer(
-    items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue tuning items (0-49) to score."),
+    items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue items of the split to run."),
+    split: str = typer.Option("tune", "--split", help="tune (items 0-49) or report (50-99)."),
+    load: bool = typer.Option(False, "--load", help="Load and blend the reduced chunks (needs --store): store and "
+                                                    "load bytes, TTFT, first-token fidelity and F1 per variant."),
+    store: Path = typer.Option(None, "--store", help="With --load: a bench store, filled on first use (resumable)."),
+    codecs: str = typer.Option("fp16,int8", "--codecs", help="With --load: the codecs to compare."),
+    plot_path: Path = typer.Option(None, "--plot", help="With --load: write the fidelity-against-bytes plot here."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="With --load: longest answer for F1, in tokens."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """Keyformer's reduced chunks (issue 27, in progress): store bytes per token at keep 1/0.7/0.5/0.3 and the share
-    of the question's attention on the kept tokens, per rule (keyformer, h2o, window). Tuning items only until
-    reduced chunks load. Example: kvrag bench keyformer --items 4"""
-    from kvrag.bench.keyformer import markdown, run
+    """Keyformer's reduced chunks (issue 27). Without --load: store bytes per token at keep 1/0.7/0.5/0.3 and the
+    share of the question's attention on the kept tokens, per rule (keyformer, h2o, window). With --load: every
+    (codec, rule, keep) loaded and blended at 0.15 against a full prefill.
+    Example: kvrag bench keyformer --load --split report --items 50 --store /tmp/kf-store --plot kf.png"""
     from kvrag.bench.rag.datasets import load_dataset
 
+    if split not in ("tune", "report"):
+        raise KvragError(f"--split must be tune or report, got {split!r}")
     data = load_dataset("musique")
-    result = run([data.items[i] for i in data.indices("tune")[:items]], model, dtype)
+    chosen = [data.items[i] for i in data.indices(split)[:items]]
+    if not load:
+        from kvrag.bench.keyformer import markdown, run
+
+        result = run(chosen, model, dtype)
+    else:
+        from kvrag.bench import keyformer_load
+
+        if store is None:
+            raise KvragError("--load needs --store DIR (a bench store, filled on first use)")
+        console = stderr_console()
+        result = keyformer_load.run(chosen, store.expanduser(), model, dtype, codecs.split(","), max_tokens=max_tokens,
+                                    on_item=lambda n, total: console.print(f"item {n}/{total}", highlight=False))
+        markdown = keyformer_load.markdown
+        if plot_path is not None:
+            keyformer_load.plot(result, plot_path)
     if as_json:
         print_json(result)
     else:

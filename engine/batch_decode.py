@@ -30,15 +30,17 @@ class BatchDecoder:
             self.native = native_decode.BatchStep(model, kv.pool.kv, self.cos, self.sin)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int], tables: Sequence[BlockTable], offsets: Sequence[int] | None = None
-             ) -> torch.Tensor:
+    def step(self, tokens: Sequence[int], tables: Sequence[BlockTable], offsets: Sequence[int] | None = None,
+             taps: Sequence | None = None) -> torch.Tensor:
         """Feed tokens[b] at row tables[b].n_tokens - 1 (the slot `SequenceKV.grow` made for it), position that row
-        + offsets[b] (a reduced prompt's dropped tokens; None: 0); returns the next-token logits [B, V] float32."""
+        + offsets[b] (dropped tokens' places before it; None: 0); returns the next-token logits [B, V] float32.
+        taps[b], where set, sees sequence b's queries and keys at every layer (a decode-time budget's scores): the
+        native step does not expose them, so such a batch runs the torch step."""
         slots = torch.tensor([t.n_tokens - 1 for t in tables], dtype=torch.long)  # [B]
         positions = slots if offsets is None else slots + torch.tensor(list(offsets), dtype=torch.long)  # [B]
-        if self.native is not None:
+        if self.native is not None and not any(t is not None for t in taps or ()):
             return self._native(tokens, slots, positions, tables)
-        return self._torch(torch.tensor(list(tokens), dtype=torch.long), positions, tables)
+        return self._torch(torch.tensor(list(tokens), dtype=torch.long), positions, tables, taps)
 
     def _native(self, tokens: Sequence[int], slots: torch.Tensor, positions: torch.Tensor,
                 tables: Sequence[BlockTable]) -> torch.Tensor:
@@ -52,18 +54,21 @@ class BatchDecoder:
         self.native(slots, block_table, h, logits, rotary=positions)
         return m.rescored(logits, m._normed(h))
 
-    def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable]) -> torch.Tensor:
+    def _torch(self, tokens: torch.Tensor, positions: torch.Tensor, tables: Sequence[BlockTable],
+               taps: Sequence | None = None) -> torch.Tensor:
         m = self.model
         rows = Rows(m.embed(tokens), positions, (self.cos[positions], self.sin[positions]))  # h [B, D]
-        return run_layers(m, rows, PoolKV(m, self.kv, tables), all_rows=True)  # each row is its sequence's last
+        kv = PoolKV(m, self.kv, tables, taps)
+        return run_layers(m, rows, kv, all_rows=True)  # each row is its sequence's last
 
 
 class PoolKV:
     """The paged pool as the layer step's KV target (blend/step.py): each sequence's new row goes to the slot its
     table made for it, and attends to its own slots alone."""
 
-    def __init__(self, model: Transformer, kv: SequenceKV, tables: Sequence[BlockTable]):
+    def __init__(self, model: Transformer, kv: SequenceKV, tables: Sequence[BlockTable], taps: Sequence | None = None):
         self.model = model
+        self.taps = taps or [None] * len(tables)
         self.k_all, self.v_all = kv.layer_views()  # [L, slots, Hkv, hd] each
         self.slots = [kv.rows(t) for t in tables]  # per sequence [n_b] its slots, the new token's last
         self.new_slots = torch.stack([r[-1] for r in self.slots])  # [B]
@@ -74,4 +79,7 @@ class PoolKV:
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         k, v, group = self.k_all[layer], self.v_all[layer], self.model.cfg.group_size
+        for b, tap in enumerate(self.taps):
+            if tap is not None:
+                tap(q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
         return torch.cat([attend_few_rows(q[b:b + 1], k[r], v[r], group) for b, r in enumerate(self.slots)])

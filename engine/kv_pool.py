@@ -77,6 +77,25 @@ class SequenceKV:
             self.pool.make_private(table, [len(table.blocks) - 1])
         table.n_tokens += 1
 
+    def keep_rows(self, table: BlockTable, rows: torch.Tensor) -> None:
+        """Only a table's rows `rows` [m] (ascending) stay, moved to its first m slots, and the blocks past them go
+        back to the pool. The rows below the first dropped one stay where they are, so shared blocks (the
+        preamble's, which a decode-time budget never drops) are never written."""
+        m = int(rows.shape[0])
+        stays = rows == torch.arange(m, device=rows.device)  # [m] rows already in their place
+        first_moved = m if bool(stays.all()) else int((~stays).nonzero()[0])
+        self.pool.make_private(table, table.blocks_of(range(first_moved, m)))
+        slots = self.rows(table)  # [T], after any private copy
+        k, v = self.layer_views()
+        src, dst = slots[rows[first_moved:]], slots[first_moved:m]  # [m - first_moved]
+        for layer in range(k.shape[0]):
+            k[layer].index_copy_(0, dst, k[layer, src])
+            v[layer].index_copy_(0, dst, v[layer, src])
+        n_blocks = self.pool.layout.blocks_for(m)
+        self.pool.allocator.decref(table.blocks[n_blocks:])
+        del table.blocks[n_blocks:]
+        table.n_tokens = m
+
     def free(self, table: BlockTable) -> None:
         self.pool.free(table)
 

@@ -17,6 +17,7 @@ from kvrag import KvragError
 from kvrag.blend.answer import resolve_ratio
 from kvrag.blend.decode import DecodeCache, choose
 from kvrag.blend.engine import MODES, Engine, FullPrefill, Prefilled
+from kvrag.blend.keyformer import budget_rows
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
@@ -68,6 +69,10 @@ class LLMEngine:
         if request.mode not in MODES:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         prompts = self.prefiller.runtime.prompts
+        if 0 < request.kv_tokens <= len(prompts.preamble_ids) + self.kv.block_size:
+            raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
+                             f"{len(prompts.preamble_ids)}-token preamble; give more than "
+                             f"{len(prompts.preamble_ids) + self.kv.block_size}")
         suffix = prompts.build([], request.question).suffix
         prompt = len(prompts.preamble_ids) + sum(len(ids) for _, ids in request.chunks) + len(suffix)
         longest = prompt + request.sampling.max_tokens
@@ -127,10 +132,11 @@ class LLMEngine:
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
-                self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0))
+                self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0,
+                                                                    observe=req.kv_tokens > 0))
                 self._next_piece()
                 return
-            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0)
+            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=req.kv_tokens > 0)
         except KvragError as exc:
             seq.error = str(exc)
             self._finish(seq, "error")
@@ -159,25 +165,45 @@ class LLMEngine:
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
+        if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
+            rows = budget_rows(pre.attention.scores[:pre.cache.length], req.kv_tokens, len(self.prefiller.preamble))
+            pre.cache.keep_rows(rows)
+            pre.attention.keep(rows)
+            seq.attention = pre.attention
         while True:  # the pool had room when the prefill began; a chunked one's neighbours may have grown since
             try:
-                seq.table = self.kv.admit(pre.cache, pre.prompt_tokens)
+                seq.table = self.kv.admit(pre.cache, pre.cache.length)
                 break
             except OutOfBlocks:
                 if not self.scheduler.running:
                     raise
                 self.scheduler.preempt(self.scheduler.running[-1])
-        seq.length, seq.offset = pre.prompt_tokens, pre.offset
+        seq.length, seq.offset = pre.cache.length, pre.offset
         self.scheduler.start(seq)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs], [s.offset for s in seqs])
+        for s in seqs:
+            if s.attention is not None:  # Keyformer's temperature, rising from 1 to 2 over the generation
+                s.attention.tau = 1.0 + len(s.output) / s.request.sampling.max_tokens
+        logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs], [s.offset for s in seqs],
+                                   [s.attention for s in seqs])
         for seq, row in zip(seqs, logits, strict=True):
             seq.length += 1
+            if seq.attention is not None and seq.length >= seq.request.kv_tokens + self.kv.block_size:
+                self._evict(seq)
             if seq.replay:
                 seq.replay -= 1
                 continue
             self._emit(seq, choose(row, seq.request.sampling, seq.generator))
+
+    def _evict(self, seq: Sequence) -> None:
+        """Cut a budgeted sequence's KV back to its budget: the lowest-scoring rows go and their blocks are freed
+        (a block at a time: the rows move, and moving them each step would cost more than the step)."""
+        rows = budget_rows(seq.attention.scores[:seq.length], seq.request.kv_tokens, len(self.prefiller.preamble))
+        self.kv.keep_rows(seq.table, rows)
+        seq.attention.keep(rows)
+        seq.offset += seq.length - int(rows.shape[0])
+        seq.length = int(rows.shape[0])
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """A sampled token: the end (a stop token), or one more, which may be the last allowed."""

@@ -33,6 +33,9 @@ class Request:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sources: tuple[dict, ...] = ()  # what the caller wants back with the answer (retrieval hits)
     keep_first_logits: bool = False  # keep the prefill's next-token logits on the sequence (benchmarks' fidelity)
+    # a decode-time KV budget (Keyformer): past this many rows (and a block more), the lowest-scoring are dropped
+    # down to it and their blocks freed (0: none)
+    kv_tokens: int = 0
 
 
 class Status(enum.Enum):
@@ -52,7 +55,8 @@ class Sequence:
         self.status = Status.WAITING
         self.table: BlockTable | None = None  # its KV in the pool, while running
         self.length = 0  # tokens whose KV is in the pool
-        self.offset = 0  # prompt positions without KV (a reduced chunk's dropped tokens): a row's position less this
+        self.offset = 0  # positions without KV before the newest row (dropped tokens): its position less its row
+        self.attention = None  # keyformer.AttentionScore of its rows, under a decode-time budget
         self.output: list[int] = []  # generated tokens
         self.replay = 0  # generated tokens fed again after a recompute preemption, before new ones come
         self.finish_reason: str | None = None  # stop, length, cancelled, error

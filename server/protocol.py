@@ -75,6 +75,7 @@ class _Generate(_Body):
     passages: list[Passage | str] | None = None
     mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
     ratio: float | Literal["auto"] = "auto"
+    kv_tokens: int = Field(0, ge=0)  # a decode-time KV budget (Keyformer), in tokens; 0: none
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -95,7 +96,7 @@ class _Generate(_Body):
         return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
                 "passages": passages, "mode": self.mode, "ratio": self.ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
-                "top_p": self.top_p or 1.0, "seed": self.seed}
+                "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens}
 
 
 class ChatRequest(_Generate):

@@ -91,12 +91,12 @@ class KVRag:
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
-               kv_tokens: int = 0, listener: Callable[[], None] | None = None) -> Generation:
+               kv_tokens: int = 0, kv_rule: str = "keyformer", listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
-        (0: none). `listener`: called with no arguments from the engine's thread after each token and at the end
+        (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `listener`: called with no arguments from the engine's thread after each token and at the end
         (to wake an event loop that reads `Generation.seq.events` without blocking)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
@@ -110,7 +110,7 @@ class KVRag:
 
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto, sampling,
-                           tuple(sources), kv_tokens=kv_tokens)
+                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule)
 
         if self.speculator is not None and chunk_ids is None and passages is None:
             stages = self._stages(question, k, relative_cutoff, request)

@@ -21,8 +21,11 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
+    min_tokens: int = 0  # no stop token before this many (vLLM's min_tokens: long generations for benchmarks)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise KvragError(f"min_tokens must be in 0..max_tokens, got {self.min_tokens}")
         if self.max_tokens < 1:
             raise KvragError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

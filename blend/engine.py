@@ -43,8 +43,8 @@ class Prefilled:
 
     logits: torch.Tensor  # [V] at the last prompt position
     cache: DecodeCache
-    prompt_tokens: int
-    chunk_tokens: int
+    prompt_tokens: int  # rows in the cache: the prompt's tokens, less a reduced chunk's dropped ones
+    chunk_tokens: int  # chunk rows (kept tokens, for reduced chunks)
     recomputed_chunk_tokens: int
     timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, load, load_wait, compute, ...
     bytes_loaded: int = 0
@@ -253,9 +253,10 @@ class Engine:
     # ---- prefill ------------------------------------------------------------------------------
 
     def prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str = "blend",
-                config: BlendConfig | None = None, extra: int = 64, observe: bool = False) -> Prefilled:
-        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk. observe: score the
-        rows by the question's attention (Prefilled.attention), for a decode-time budget."""
+                config: BlendConfig | None = None, extra: int = 64, observe: str | None = None) -> Prefilled:
+        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk. observe (a rule:
+        keyformer, h2o, window): score the rows by the question's attention (Prefilled.attention), for a
+        decode-time budget."""
         if mode not in MODES:
             raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
         config = config or BlendConfig()
@@ -263,7 +264,7 @@ class Engine:
         for _ in range(len(chunks) + 1):
             try:
                 with torch.inference_mode():
-                    tap = self._observer(chunks, suffix) if observe else None
+                    tap = self._observer(chunks, observe) if observe else None
                     return self._prefill_once(chunks, suffix, mode, config, extra, tap)
             except CorruptChunk as exc:
                 # never use a damaged value: compute that chunk now and repair the store afterwards
@@ -274,15 +275,15 @@ class Engine:
         raise KvragError("could not prefill: the store keeps returning damaged values")
 
     def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64,
-                     observe: bool = False) -> FullPrefill:
+                     observe: str | None = None) -> FullPrefill:
         """A full prefill of preamble + chunks + suffix(question) to run a piece at a time (`FullPrefill.advance`)."""
         suffix = self.runtime.prompts.build([], question).suffix
-        tap = self._observer(chunks, suffix) if observe else None
+        tap = self._observer(chunks, observe) if observe else None
         return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap)
 
-    def _observer(self, chunks, suffix: list[int]) -> AttentionScore:
+    def _observer(self, chunks, rule: str) -> AttentionScore:
         """Scores of a prompt's rows by its question's (the suffix's) attention."""
-        return AttentionScore(len(self.preamble) + sum(len(ids) for _, ids in chunks), self.model.device)
+        return AttentionScore(len(self.preamble) + sum(len(ids) for _, ids in chunks), self.model.device, rule=rule)
 
     def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
                       tap: AttentionScore | None = None) -> Prefilled:

@@ -254,29 +254,49 @@ class AttentionScore:
     adds the Gumbel-regularised softmax of its logits over the rows it sees, summed over its heads, at every
     layer. The prompt's rows from `from_position` on (the question) observe at prefill, at tau 1; each generated
     token observes as it decodes, at the `tau` its engine sets (rising from 1 to 2 over the generation, as the
-    paper's schedule does)."""
+    paper's schedule does). rule "h2o" adds the plain softmax (no noise); "window" scores nothing (the budget then
+    keeps the most recent rows, `recent`)."""
 
-    def __init__(self, from_position: int, device: torch.device | str = "cpu", seed: int = 0):
-        self.from_position, self.tau = from_position, TAU_PROMPT
+    def __init__(self, from_position: int, device: torch.device | str = "cpu", seed: int = 0,
+                 rule: str = "keyformer"):
+        if rule not in RULES:
+            raise KvragError(f"unknown KV budget rule {rule!r} (choose {', '.join(RULES)})")
+        self.from_position, self.tau, self.rule = from_position, TAU_PROMPT, rule
         self.scores = torch.zeros(0, device=device)  # [S] float32, one per KV row
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor | None) -> None:
         """Queries q [R, Hq, hd] at q_pos [R] over rotated keys k [S, Hkv, hd] at k_pos [S] (None: all visible)."""
         observed = q_pos >= self.from_position  # [R]
-        if not bool(observed.any()):
+        if self.rule == "window" or not bool(observed.any()):
             return
         q_pos = q_pos[observed]
         k_pos = torch.zeros(k.shape[0], dtype=q_pos.dtype, device=q_pos.device) if k_pos is None else k_pos
         logits = LayerView(q[observed], k, q_pos, k_pos.to(q_pos.device)).logits()  # [Hkv, g, R, S]
-        added = gumbel_softmax(logits, self.tau, self.generator).sum(dim=(0, 1, 2))  # [S]
+        probs = gumbel_softmax(logits, self.tau, self.generator) if self.rule == "keyformer" else logits.softmax(-1)
+        added = probs.sum(dim=(0, 1, 2))  # [S]
         if added.shape[0] > self.scores.shape[0]:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(added.shape[0] - self.scores.shape[0])])
         self.scores[:added.shape[0]] += added
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows stay (the others were dropped): their scores, in order."""
-        self.scores = self.scores[rows.to(self.scores.device)]
+        self.scores = self._padded(int(rows.max()) + 1 if rows.numel() else 0)[rows.to(self.scores.device)]
+
+    @property
+    def recent(self) -> float:
+        """The budget's share for the most recent rows: Keyformer's split, or all of it for the window."""
+        return 1.0 if self.rule == "window" else RECENT_SHARE
+
+    def budget_rows(self, n_rows: int, budget: int, protected: int) -> torch.Tensor:
+        """The rows of the first n_rows to keep under `budget` (see `budget_rows`)."""
+        return budget_rows(self._padded(n_rows)[:n_rows], budget, protected, self.recent)
+
+    def _padded(self, n_rows: int) -> torch.Tensor:
+        """The scores of at least n_rows rows: 0 for rows no query has seen yet (every row, under the window)."""
+        if self.scores.shape[0] >= n_rows:
+            return self.scores
+        return torch.cat([self.scores, self.scores.new_zeros(n_rows - self.scores.shape[0])])
 
 
 def budget_rows(scores: torch.Tensor, budget: int, protected: int, recent: float = RECENT_SHARE) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kvrag.cli.common import (
     JSON_OPTION,
     KEEP_OPTION,
     KEEP_RULE_OPTION,
+    KV_RULE_OPTION,
     KV_TOKENS_OPTION,
     MODEL_OPTION,
     SELECTION_OPTION,
@@ -118,6 +119,7 @@ def ask_command(
     keep: float = KEEP_OPTION,
     keep_rule: str = KEEP_RULE_OPTION,
     kv_tokens: int = KV_TOKENS_OPTION,
+    kv_rule: str = KV_RULE_OPTION,
     show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
     host_cache: str = HOST_CACHE_OPTION,
     gpu_cache: str = GPU_CACHE_OPTION,
@@ -149,7 +151,7 @@ def ask_command(
     _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
-                         (model, dtype, device), (keep, keep_rule), kv_tokens)
+                         (model, dtype, device), (keep, keep_rule), (kv_tokens, kv_rule))
     answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
@@ -169,14 +171,14 @@ class _Settings:
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
     model_options: tuple  # --model, --dtype, --device
     keep_options: tuple  # --keep, --keep-rule
-    kv_tokens: int
+    kv_budget: tuple  # --kv-tokens, --kv-rule
 
     def request_options(self) -> dict:
         """The API's options for how to answer."""
         sp = self.sampling
         return {"mode": self.mode, "ratio": "auto" if self.auto_ratio else self.config.ratio, "selection": self.config,
                 "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
-                "kv_tokens": self.kv_tokens}
+                "kv_tokens": self.kv_budget[0], "kv_rule": self.kv_budget[1]}
 
 
 def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings, as_json: bool,

@@ -335,40 +335,50 @@ def bench_keyformer(
     split: str = typer.Option("tune", "--split", help="tune (items 0-49) or report (50-99)."),
     load: bool = typer.Option(False, "--load", help="Load and blend the reduced chunks (needs --store): store and "
                                                     "load bytes, TTFT, first-token fidelity and F1 per variant."),
-    store: Path = typer.Option(None, "--store", help="With --load: a bench store, filled on first use (resumable)."),
+    budget: bool = typer.Option(False, "--budget", help="The decode-time budget (needs --store, filled by --load): "
+                                                        "ROUGE-L of long generations against the unbudgeted one."),
+    store: Path = typer.Option(None, "--store", help="The bench store, filled on first use by --load (resumable)."),
     codecs: str = typer.Option("fp16,int8", "--codecs", help="With --load: the codecs to compare."),
     plot_path: Path = typer.Option(None, "--plot", help="With --load: write the fidelity-against-bytes plot here."),
-    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="With --load: longest answer for F1, in tokens."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1,
+                                   help="With --load: longest answer for F1; with --budget: tokens generated."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """Keyformer's reduced chunks (issue 27). Without --load: store bytes per token at keep 1/0.7/0.5/0.3 and the
-    share of the question's attention on the kept tokens, per rule (keyformer, h2o, window). With --load: every
-    (codec, rule, keep) loaded and blended at 0.15 against a full prefill.
+    """Keyformer (issue 27). Alone: store bytes per token at keep 1/0.7/0.5/0.3 and the share of the question's
+    attention on the kept tokens, per rule (keyformer, h2o, window). --load: every (codec, rule, keep) loaded and
+    blended at 0.15 against a full prefill. --budget: long generations under a decode-time budget.
     Example: kvrag bench keyformer --load --split report --items 50 --store /tmp/kf-store --plot kf.png"""
     from kvrag.bench.rag.datasets import load_dataset
 
     if split not in ("tune", "report"):
         raise KvragError(f"--split must be tune or report, got {split!r}")
+    if (load or budget) and store is None:
+        raise KvragError("--load and --budget need --store DIR (a bench store, filled on first use by --load)")
     data = load_dataset("musique")
     chosen = [data.items[i] for i in data.indices(split)[:items]]
-    if not load:
-        from kvrag.bench.keyformer import markdown, run
+    progress = stderr_console()
 
-        result = run(chosen, model, dtype)
-    else:
-        from kvrag.bench import keyformer_load
+    def on_item(n: int, total: int) -> None:
+        progress.print(f"item {n}/{total}", highlight=False)
 
-        if store is None:
-            raise KvragError("--load needs --store DIR (a bench store, filled on first use)")
-        console = stderr_console()
-        result = keyformer_load.run(chosen, store.expanduser(), model, dtype, codecs.split(","), max_tokens=max_tokens,
-                                    on_item=lambda n, total: console.print(f"item {n}/{total}", highlight=False))
-        markdown = keyformer_load.markdown
+    if load:
+        from kvrag.bench import keyformer_load as bench
+
+        result = bench.run(chosen, store.expanduser(), model, dtype, codecs.split(","), max_tokens=max_tokens,
+                           on_item=on_item)
         if plot_path is not None:
-            keyformer_load.plot(result, plot_path)
+            bench.plot(result, plot_path)
+    elif budget:
+        from kvrag.bench import keyformer_budget as bench
+
+        result = bench.run(chosen, store.expanduser(), model, dtype, max_tokens, on_item=on_item)
+    else:
+        from kvrag.bench import keyformer as bench
+
+        result = bench.run(chosen, model, dtype)
     if as_json:
         print_json(result)
     else:
-        print(markdown(result))
+        print(bench.markdown(result))

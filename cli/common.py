@@ -39,6 +39,9 @@ KEEP_RULE_OPTION = typer.Option("keyformer", "--keep-rule", help="How --keep pic
 KV_TOKENS_OPTION = typer.Option(0, "--kv-tokens", min=0,
                                 help="A decode-time KV budget per answer, in tokens: past it, the lowest-scoring "
                                      "tokens' KV is dropped (Keyformer's score) and its memory freed. 0: none.")
+KV_RULE_OPTION = typer.Option("keyformer", "--kv-rule",
+                              help="With --kv-tokens: which tokens go first: keyformer (default), h2o "
+                                   "(accumulated attention) or window (all but the most recent).")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")

@@ -8,6 +8,7 @@ every running sequence. Single-threaded: callers on other threads go through eng
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from kvrag import KvragError
 from kvrag.blend.answer import resolve_ratio
 from kvrag.blend.decode import DecodeCache, choose
 from kvrag.blend.engine import MODES, Engine, FullPrefill, Prefilled
-from kvrag.blend.keyformer import budget_rows
+from kvrag.blend.keyformer import RULES
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
@@ -69,6 +70,8 @@ class LLMEngine:
         if request.mode not in MODES:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         prompts = self.prefiller.runtime.prompts
+        if request.kv_rule not in RULES:
+            raise KvragError(f"unknown KV budget rule {request.kv_rule!r} (choose {', '.join(RULES)})")
         if 0 < request.kv_tokens <= len(prompts.preamble_ids) + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
                              f"{len(prompts.preamble_ids)}-token preamble; give more than "
@@ -133,10 +136,10 @@ class LLMEngine:
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
                 self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0,
-                                                                    observe=req.kv_tokens > 0))
+                                                                    observe=_observe(req)))
                 self._next_piece()
                 return
-            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=req.kv_tokens > 0)
+            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req))
         except KvragError as exc:
             seq.error = str(exc)
             self._finish(seq, "error")
@@ -161,12 +164,12 @@ class LLMEngine:
                                 "reused_tokens": self._reused_tokens(req, pre)}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
-            self._emit(seq, choose(pre.logits, req.sampling, seq.generator))
+            self._emit(seq, self._choose(seq, pre.logits))
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
         if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
-            rows = budget_rows(pre.attention.scores[:pre.cache.length], req.kv_tokens, len(self.prefiller.preamble))
+            rows = pre.attention.budget_rows(pre.cache.length, req.kv_tokens, len(self.prefiller.preamble))
             pre.cache.keep_rows(rows)
             pre.attention.keep(rows)
             seq.attention = pre.attention
@@ -194,16 +197,24 @@ class LLMEngine:
             if seq.replay:
                 seq.replay -= 1
                 continue
-            self._emit(seq, choose(row, seq.request.sampling, seq.generator))
+            self._emit(seq, self._choose(seq, row))
 
     def _evict(self, seq: Sequence) -> None:
         """Cut a budgeted sequence's KV back to its budget: the lowest-scoring rows go and their blocks are freed
         (a block at a time: the rows move, and moving them each step would cost more than the step)."""
-        rows = budget_rows(seq.attention.scores[:seq.length], seq.request.kv_tokens, len(self.prefiller.preamble))
+        rows = seq.attention.budget_rows(seq.length, seq.request.kv_tokens, len(self.prefiller.preamble))
         self.kv.keep_rows(seq.table, rows)
         seq.attention.keep(rows)
         seq.offset += seq.length - int(rows.shape[0])
         seq.length = int(rows.shape[0])
+
+    def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The next token from logits [V]; no stop token before the request's min_tokens."""
+        sampling = seq.request.sampling
+        if len(seq.output) < sampling.min_tokens:
+            logits = logits.clone()
+            logits[list(self.prefiller.stop_ids)] = -math.inf
+        return choose(logits, sampling, seq.generator)
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """A sampled token: the end (a stop token), or one more, which may be the last allowed."""
@@ -249,6 +260,11 @@ class LLMEngine:
         chunks = seq.request.chunks
         cached, compute = cache.peek([c for c, _ in chunks], [len(ids) for _, ids in chunks])
         return order_priority(cached, compute)
+
+
+def _observe(req: Request) -> str | None:
+    """The rule a prefill scores its rows by, for a request with a decode-time budget."""
+    return req.kv_rule if req.kv_tokens > 0 else None
 
 
 def _rotated_prefix(prefiller: Engine) -> DecodeCache:

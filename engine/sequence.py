@@ -36,6 +36,7 @@ class Request:
     # a decode-time KV budget (Keyformer): past this many rows (and a block more), the lowest-scoring are dropped
     # down to it and their blocks freed (0: none)
     kv_tokens: int = 0
+    kv_rule: str = "keyformer"  # how the budget scores rows: keyformer, h2o (no noise) or window (recent rows)
 
 
 class Status(enum.Enum):

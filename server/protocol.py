@@ -76,6 +76,7 @@ class _Generate(_Body):
     mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
     ratio: float | Literal["auto"] = "auto"
     kv_tokens: int = Field(0, ge=0)  # a decode-time KV budget (Keyformer), in tokens; 0: none
+    kv_rule: Literal["keyformer", "h2o", "window"] = "keyformer"
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -96,7 +97,8 @@ class _Generate(_Body):
         return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
                 "passages": passages, "mode": self.mode, "ratio": self.ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
-                "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens}
+                "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
+                "kv_rule": self.kv_rule}
 
 
 class ChatRequest(_Generate):

@@ -46,7 +46,8 @@ def requests(runtime, invented_items) -> list[Request]:
 
 
 def new_engine(runtime, budget_blocks: int = 4096, max_running: int = 32, prefill_chunk: int = 512) -> LLMEngine:
-    block = 16 * 2 * runtime.model.cfg.n_layers * runtime.model.cfg.n_kv_heads * runtime.model.cfg.head_dim * 2
+    c = runtime.model.cfg  # the model's own dtype: bf16 where the CPU has it, float32 elsewhere
+    block = 16 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * runtime.model.dtype.itemsize
     return LLMEngine(Engine(runtime, None), EngineConfig(budget_blocks * block, 16, SchedulerConfig(max_running),
                                                          prefill_chunk=prefill_chunk))
 

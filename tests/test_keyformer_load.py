@@ -234,3 +234,26 @@ def test_the_engine_decodes_reduced_prompts_in_a_batch_as_each_alone_and_as_the_
                                       request.blend, sampling)
         assert answer.token_ids == tokens and len(tokens) == 6
         assert (pre.offset > 0) == (request.mode != "full")
+
+
+def test_ask_reads_the_reduced_chunks_precompute_stored(kvrag, store_copy, tiny_llama_dir):
+    """The CLI end to end: `precompute --keep 0.5` then `ask --keep 0.5` loads those (fewer bytes than full
+    chunks); a budget inside the preamble or a bad keep is one line on stderr."""
+    import json
+
+    model = ("--model", str(tiny_llama_dir), "--dtype", "float32")
+    for keep in ("1", "0.5"):
+        kvrag("precompute", "--store", str(store_copy), "--keep", keep, *model)
+    answers = {}
+    for keep in ("1", "0.5"):
+        proc = kvrag("ask", "Which lake is the deepest?", "--store", str(store_copy), "-k", "3", "--json",
+                     "--max-tokens", "6", "--keep", keep, "--kv-tokens", "120", *model)
+        answers[keep] = json.loads(proc.stdout)
+    full, reduced = answers["1"], answers["0.5"]
+    assert {s["tier"] for s in reduced["sources"]} == {"store"} and reduced["computed_chunks"] == []
+    assert 0 < reduced["bytes_loaded"] < 0.7 * full["bytes_loaded"]
+    assert reduced["tokens"]["chunks"] < full["tokens"]["chunks"] and reduced["tokens"]["prompt"] == full["tokens"][
+        "prompt"]
+    for bad, says in ((("--kv-tokens", "5"), "preamble"), (("--keep", "1.5"), "--keep")):
+        proc = kvrag("ask", "Which lake?", "--store", str(store_copy), *bad, *model, check=False)
+        assert proc.returncode != 0 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -83,7 +83,7 @@ def test_a_cut_prompt_decodes_as_transformers_with_the_dropped_tokens_masked(tin
                                               attn_implementation="eager").eval()
     engine = Engine(tiny, None)
     chunks = [(c, list(ids)) for c, ids in _chunks(tiny, invented_items)]
-    pre = engine.prefill(chunks, QUESTION, mode="full", extra=4, observe=True)
+    pre = engine.prefill(chunks, QUESTION, mode="full", extra=4, observe="keyformer")
     n = pre.cache.length
     rows = budget_rows(pre.attention.scores[:n], n // 2, len(engine.preamble))
     pre.cache.keep_rows(rows)
@@ -125,7 +125,8 @@ def test_the_engine_holds_a_sequence_to_its_budget_and_answers_as_alone(tiny, in
     budget = 200  # under the prompt's rows: cut at once, and again as the answer grows
     requests = [Request(QUESTION, chunks, "blend", BlendConfig(0.3), auto_ratio=False, sampling=sampling,
                         kv_tokens=budget),
-                Request(QUESTION, chunks, "full", sampling=sampling, kv_tokens=budget),
+                Request(QUESTION, chunks, "full", sampling=sampling, kv_tokens=budget, kv_rule="h2o"),
+                Request(QUESTION, chunks, "reuse", sampling=sampling, kv_tokens=budget, kv_rule="window"),
                 Request(QUESTION, chunks, "full", sampling=sampling)]
     engine = _engine(tiny)
     most = []
@@ -141,9 +142,28 @@ def test_the_engine_holds_a_sequence_to_its_budget_and_answers_as_alone(tiny, in
     assert engine.sequence_blocks == 0
     # a budget that the whole sequence fits in changes nothing
     roomy = Request(QUESTION, chunks, "full", sampling=sampling, kv_tokens=5000)
-    assert _run(_engine(tiny), [roomy])[0] == together[2]
+    assert _run(_engine(tiny), [roomy])[0] == together[3]
 
 
 def test_a_budget_inside_the_preamble_is_refused(tiny, invented_items):
     with pytest.raises(KvragError, match="preamble"):
         _engine(tiny).add(Request(QUESTION, _chunks(tiny, invented_items), kv_tokens=10))
+
+
+def test_the_baselines_score_without_noise_or_not_at_all():
+    gen = torch.Generator().manual_seed(1)
+    q, k, pos = torch.randn(3, 4, 8, generator=gen), torch.randn(6, 2, 8, generator=gen), torch.arange(3, 6)
+    h2o = [AttentionScore(0, seed=s, rule="h2o") for s in (0, 1)]
+    noisy = [AttentionScore(0, seed=s) for s in (0, 1)]
+    for score in h2o + noisy:
+        score(q, pos, k, torch.arange(6))
+    assert torch.equal(h2o[0].scores, h2o[1].scores) and not torch.equal(noisy[0].scores, noisy[1].scores)
+    # H2O's score is the attention itself: each query head's softmax over the keys it sees, summed
+    logits = torch.einsum("rgd,sgd->grs", q.view(3, 2, 2, 8).reshape(3, 4, 8), k.repeat_interleave(2, 1)) * 8 ** -0.5
+    logits = logits.masked_fill(torch.arange(6)[None, None, :] > pos[None, :, None], float("-inf"))
+    torch.testing.assert_close(h2o[0].scores, logits.softmax(-1).sum(dim=(0, 1)))
+    window = AttentionScore(0, rule="window")
+    window(q, pos, k, torch.arange(6))
+    assert window.budget_rows(10, 6, 2).tolist() == [0, 1, 6, 7, 8, 9]  # the protected rows, then the most recent
+    window.keep(torch.tensor([0, 1, 6, 7, 8, 9]))
+    assert window.scores.tolist() == [0.0] * 6

@@ -53,8 +53,7 @@ class KeepConfig:
     def __post_init__(self) -> None:
         if not 0 < self.keep <= 1:  # NaN fails too
             raise KvragError(f"--keep must be in (0, 1], got {self.keep}")
-        if self.rule not in RULES:
-            raise KvragError(f"unknown keep rule {self.rule!r} (choose {', '.join(RULES)})")
+        check_rule(self.rule, "keep rule")
         if not 0 <= self.recent <= 1 or not self.tau > 0 or self.sinks < 0:
             raise KvragError(f"bad keep settings: recent {self.recent} (0..1), tau {self.tau} (> 0), "
                              f"sinks {self.sinks} (>= 0)")
@@ -138,6 +137,12 @@ RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "h2o": (h2o, ("recent",)),
     "window": (window, ("sinks",)),
 }
+
+
+def check_rule(rule: str, what: str) -> None:
+    """KvragError unless `rule` names one of RULES."""
+    if rule not in RULES:
+        raise KvragError(f"unknown {what} {rule!r} (choose {', '.join(RULES)})")
 
 
 class ScoringKV(GrowingKV):
@@ -259,8 +264,7 @@ class AttentionScore:
 
     def __init__(self, from_position: int, device: torch.device | str = "cpu", seed: int = 0,
                  rule: str = "keyformer"):
-        if rule not in RULES:
-            raise KvragError(f"unknown KV budget rule {rule!r} (choose {', '.join(RULES)})")
+        check_rule(rule, "KV budget rule")
         self.from_position, self.tau, self.rule = from_position, TAU_PROMPT, rule
         self.scores = torch.zeros(0, device=device)  # [S] float32, one per KV row
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -275,8 +279,7 @@ class AttentionScore:
         logits = LayerView(q[observed], k, q_pos, k_pos.to(q_pos.device)).logits()  # [Hkv, g, R, S]
         probs = gumbel_softmax(logits, self.tau, self.generator) if self.rule == "keyformer" else logits.softmax(-1)
         added = probs.sum(dim=(0, 1, 2))  # [S]
-        if added.shape[0] > self.scores.shape[0]:
-            self.scores = torch.cat([self.scores, self.scores.new_zeros(added.shape[0] - self.scores.shape[0])])
+        self.scores = self._padded(added.shape[0])
         self.scores[:added.shape[0]] += added
 
     def keep(self, rows: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from kvrag import KvragError
 from kvrag.blend.answer import resolve_ratio
 from kvrag.blend.decode import DecodeCache, choose
 from kvrag.blend.engine import MODES, Engine, FullPrefill, Prefilled
-from kvrag.blend.keyformer import RULES
+from kvrag.blend.keyformer import check_rule
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,8 +70,7 @@ class LLMEngine:
         if request.mode not in MODES:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         prompts = self.prefiller.runtime.prompts
-        if request.kv_rule not in RULES:
-            raise KvragError(f"unknown KV budget rule {request.kv_rule!r} (choose {', '.join(RULES)})")
+        check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
         if 0 < request.kv_tokens <= len(prompts.preamble_ids) + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
                              f"{len(prompts.preamble_ids)}-token preamble; give more than "

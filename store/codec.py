@@ -174,7 +174,7 @@ def decode(
     head, body = checked_body(raw, expect_codec=expect_codec, expect_shape=expect_shape)
     if copy and head.flags & FLAG_RAW:
         body = bytearray(body)  # a bytearray: writable arrays
-    k, v, _ = _decode_kv(head, body)
+    k, v = _decode_kv(head, body)
     positions = stored_positions(head, body)
     if dtype is not None:
         k, v = k.astype(dtype, copy=False), v.astype(dtype, copy=False)
@@ -216,7 +216,7 @@ def stored_positions(head: ValueHeader, body: bytes | bytearray | memoryview) ->
     return np.frombuffer(memoryview(body)[len(body) - size:], dtype="<i4").astype(np.int32).reshape(pshape)
 
 
-def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray, memoryview]:
+def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
     t, h, d = head.shape
     n = t * h * d
     buf = memoryview(body)
@@ -228,7 +228,7 @@ def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple
         ks = ks.reshape(1, h, d) if head.flags & FLAG_K_PER_CHANNEL else ks.reshape(t, h, 1)
         k = q[0].astype(np.float32) * ks  # [T, H, D]
         v = q[1].astype(np.float32) * vs.reshape(t, h, 1)  # [T, H, D]
-        return k, v, buf[2 * n + 4 * (k_scale_len + t * h) :]
+        return k, v
     if head.flags & FLAG_SHUFFLED:  # byte planes apart (every compressed 16-bit value)
         planes = np.frombuffer(buf[: 4 * n], dtype=np.uint8).reshape(2, 2 * n)  # [low bytes; high bytes]
         bits = planes[1].astype(np.uint16)  # 10x faster than transposing the byte planes
@@ -241,7 +241,7 @@ def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple
         kv = bits.view(np.float16)
     else:  # bf16: the upper half of a float32
         kv = (bits.astype(np.uint32) << 16).view(np.float32)
-    return kv[0], kv[1], buf[4 * n :]
+    return kv[0], kv[1]
 
 
 def _int8_sections(k: np.ndarray, v: np.ndarray, k_per_channel: bool) -> list[bytes]:

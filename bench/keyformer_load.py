@@ -14,19 +14,22 @@ reference: first-token logits and a greedy answer) and blended at a fixed ratio 
                     distributions
     F1              of the greedy answer (up to `max_tokens`) against the gold answers
 
-Run: kvrag bench keyformer --load --split report --items 50 --store DIR [--plot FILE] --json
+Run: kvrag bench keyformer --load --split report --items 50 --store DIR [--records FILE] [--plot FILE] --json
+(with --records, each item's records are appended to FILE as it ends, and a rerun skips the items FILE holds)
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvrag import KvragError
 from kvrag.bench.keyformer import CODECS, KEEPS, RULE_NAMES, chunk_scores
 from kvrag.bench.rag.metrics import best_f1, kl_divergence, top1_agrees
 from kvrag.blend import keyformer
@@ -112,35 +115,71 @@ def _answer(engine: Engine, pre, max_tokens: int) -> str:
     return engine.runtime.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
+class RecordLog:
+    """Per-item records appended to a JSON-lines file as each item ends, so an interrupted run resumes: a header line
+    (ratio, max_tokens, variants) that a resumed run must match, then one {"question", "records"} line per item."""
+
+    def __init__(self, path: Path | None, header: dict):
+        self.path, self.header, self.done = path, header, {}
+        if path is None or not path.exists():
+            return
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if lines and lines[0] != header:
+            raise KvragError(f"{path} holds records of another run ({lines[0]}); give a new --records file")
+        self.done = {line["question"]: line["records"] for line in lines[1:]}
+
+    def add(self, question: str, records: dict[str, dict]) -> None:
+        self.done[question] = records
+        if self.path is None:
+            return
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        with self.path.open("a") as f:
+            if new:
+                f.write(json.dumps(self.header) + "\n")
+            f.write(json.dumps({"question": question, "records": records}) + "\n")
+
+
+def _item_records(engines: dict, reference: Engine, vs: list[Variant], chunks, item: dict, n: int,
+                  config: BlendConfig, max_tokens: int) -> dict[str, dict]:
+    """One item: the full prefill, then a blend over every variant (a different one first each item)."""
+    golds = item.get("answers") or [item.get("answer", "")]
+    out = {}
+    with torch.inference_mode():
+        full = reference.prefill(chunks, item["question"], "full", extra=max_tokens)
+        ref_logits = full.logits.float().cpu()
+        out["full prefill"] = {"ttft_s": full.timings["prefill"], "top1": 1.0, "kl": 0.0,
+                               "f1": best_f1(_answer(reference, full, max_tokens), golds)}
+        for v in vs[n % len(vs):] + vs[:n % len(vs)]:
+            engine = engines[v]
+            start = time.perf_counter()
+            pre = engine.prefill(chunks, item["question"], "blend", config, extra=max_tokens)
+            ttft = time.perf_counter() - start
+            logits = pre.logits.float().cpu()
+            out[v.name] = {
+                "ttft_s": ttft, "bytes_loaded": pre.bytes_loaded, "rows": pre.chunk_tokens,
+                "recomputed": pre.recomputed_chunk_tokens, "top1": float(top1_agrees(ref_logits, logits)),
+                "kl": kl_divergence(ref_logits, logits), "f1": best_f1(_answer(engine, pre, max_tokens), golds)}
+            engine.flush_write_back()
+    return out
+
+
 def run_items(runtime: Runtime, env: StoreEnv, items: list[dict], vs: list[Variant], ratio: float = 0.15,
-              max_tokens: int = 32, on_item=None) -> dict[str, list[dict]]:
-    """Per variant, one record per item: ttft_s, bytes_loaded, rows, top1, kl, f1 (and the full prefill's)."""
+              max_tokens: int = 32, on_item: Callable | None = None,
+              log: RecordLog | None = None) -> dict[str, list[dict]]:
+    """Per variant, one record per item: ttft_s, bytes_loaded, rows, top1, kl, f1 (and the full prefill's). Items
+    the log already holds are taken from it."""
+    log = log or RecordLog(None, {})
     engines = {v: Engine(runtime, env, v.codec, keep=v.keep_config) for v in vs}
     reference = Engine(runtime, None)
-    records: dict[str, list[dict]] = {v.name: [] for v in vs} | {"full prefill": []}
     config = BlendConfig(ratio)
     for n, item in enumerate(items):
-        chunks, golds = item_chunks(runtime, item), item.get("answers") or [item.get("answer", "")]
-        with torch.inference_mode():
-            full = reference.prefill(chunks, item["question"], "full", extra=max_tokens)
-            ref_logits = full.logits.float().cpu()
-            records["full prefill"].append({"ttft_s": full.timings["prefill"], "top1": 1.0, "kl": 0.0,
-                                            "f1": best_f1(_answer(reference, full, max_tokens), golds)})
-            order = vs[n % len(vs):] + vs[:n % len(vs)]  # a different one first each item
-            for v in order:
-                engine = engines[v]
-                start = time.perf_counter()
-                pre = engine.prefill(chunks, item["question"], "blend", config, extra=max_tokens)
-                ttft = time.perf_counter() - start
-                logits = pre.logits.float().cpu()
-                records[v.name].append({
-                    "ttft_s": ttft, "bytes_loaded": pre.bytes_loaded, "rows": pre.chunk_tokens,
-                    "recomputed": pre.recomputed_chunk_tokens, "top1": float(top1_agrees(ref_logits, logits)),
-                    "kl": kl_divergence(ref_logits, logits), "f1": best_f1(_answer(engine, pre, max_tokens), golds)})
-                engine.flush_write_back()
+        if item["question"] not in log.done:
+            chunks = item_chunks(runtime, item)
+            log.add(item["question"], _item_records(engines, reference, vs, chunks, item, n, config, max_tokens))
         if on_item is not None:
             on_item(n + 1, len(items))
-    return records
+    names = [v.name for v in vs] + ["full prefill"]
+    return {name: [log.done[item["question"]][name] for item in items] for name in names}
 
 
 def store_bytes(runtime: Runtime, env: StoreEnv, items: list[dict], vs: list[Variant]) -> dict[str, float]:
@@ -173,14 +212,15 @@ def summarize(records: dict[str, list[dict]], per_token: dict[str, float]) -> di
 
 def run(items: list[dict], store: Path, model: str | None = None, dtype: str | None = None,
         codecs: Sequence[str] = CODECS, rules: Sequence[str] = RULE_NAMES, keeps: Sequence[float] = KEEPS,
-        ratio: float = 0.15, max_tokens: int = 32, on_item=None) -> dict:
+        ratio: float = 0.15, max_tokens: int = 32, on_item=None, records: Path | None = None) -> dict:
     runtime = Runtime.load(model, dtype, tune_process=True)
     vs = variants(codecs, rules, keeps)
+    log = RecordLog(records, {"ratio": ratio, "max_tokens": max_tokens, "variants": [v.name for v in vs]})
     with StoreEnv.open(store, create=True) as env:
         t0 = time.perf_counter()
         built = build_store(runtime, env, items, vs)
         build_s = time.perf_counter() - t0
-        records = run_items(runtime, env, items, vs, ratio, max_tokens, on_item)
+        records = run_items(runtime, env, items, vs, ratio, max_tokens, on_item, log)
         per_token = store_bytes(runtime, env, items, vs)
     return {"items": len(items), "ratio": ratio, "max_tokens": max_tokens, "passages_computed": built,
             "build_s": build_s, "summary": summarize(records, per_token), "records": records}

@@ -338,6 +338,8 @@ def bench_keyformer(
     budget: bool = typer.Option(False, "--budget", help="The decode-time budget (needs --store, filled by --load): "
                                                         "ROUGE-L of long generations against the unbudgeted one."),
     store: Path = typer.Option(None, "--store", help="The bench store, filled on first use by --load (resumable)."),
+    records: Path = typer.Option(None, "--records", help="With --load: append each item's records to this JSON-lines "
+                                                         "file as it ends; a rerun skips the items it holds."),
     codecs: str = typer.Option("fp16,int8", "--codecs", help="With --load: the codecs to compare."),
     plot_path: Path = typer.Option(None, "--plot", help="With --load: write the fidelity-against-bytes plot here."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1,
@@ -367,7 +369,7 @@ def bench_keyformer(
         from kvrag.bench import keyformer_load as bench
 
         result = bench.run(chosen, store.expanduser(), model, dtype, codecs.split(","), max_tokens=max_tokens,
-                           on_item=on_item)
+                           on_item=on_item, records=records.expanduser() if records else None)
         if plot_path is not None:
             bench.plot(result, plot_path)
     elif budget:

@@ -36,11 +36,11 @@ KEEP_OPTION = typer.Option(1.0, "--keep", help="Share of each chunk's tokens who
                                                "chunks by `precompute --keep`. 1 (default): full chunks.")
 KEEP_RULE_OPTION = typer.Option("keyformer", "--keep-rule", help="How --keep picks tokens: keyformer (default), "
                                                                  "h2o or window (first + recent tokens).")
-KV_TOKENS_OPTION = typer.Option(0, "--kv-tokens", min=0,
+KV_TOKENS_OPTION = typer.Option(0, "--kv-budget", "--kv-tokens", min=0,
                                 help="A decode-time KV budget per answer, in tokens: past it, the lowest-scoring "
                                      "tokens' KV is dropped (Keyformer's score) and its memory freed. 0: none.")
 KV_RULE_OPTION = typer.Option("keyformer", "--kv-rule",
-                              help="With --kv-tokens: which tokens go first: keyformer (default), h2o "
+                              help="With --kv-budget: which tokens go first: keyformer (default), h2o "
                                    "(accumulated attention) or window (all but the most recent).")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "

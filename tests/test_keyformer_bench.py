@@ -35,3 +35,32 @@ def test_run_on_invented_items(tiny_llama_dir, invented_items):
         assert sizes == sorted(sizes, reverse=True)
     assert nbytes["int8@1"] < nbytes["fp16@1"]
     assert "| 0.5 |" in bench.markdown(result)
+
+
+def test_the_load_bench_resumes_from_its_records(tiny_llama_dir, invented_items, tmp_path):
+    """bench keyformer --load --records: each item's records land in the file as it ends; a rerun over more items
+    takes the finished ones from the file (the file grows by the new item only) and a file of another run is
+    refused."""
+    import json
+
+    import pytest
+
+    from kvrag import KvragError
+    from kvrag.bench import keyformer_load
+
+    items = [{**item, "ctxs": item["ctxs"][:2]} for item in invented_items[:2]]
+    records = tmp_path / "records.jsonl"
+    kwargs = {"store": tmp_path / "store", "model": str(tiny_llama_dir), "dtype": "float32", "codecs": ["fp16"],
+              "rules": ["window"], "keeps": [1.0, 0.5], "max_tokens": 2, "records": records}
+    first = keyformer_load.run(items[:1], **kwargs)
+    assert len(records.read_text().splitlines()) == 2  # the header and item 0
+    second = keyformer_load.run(items, **kwargs)
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [line["question"] for line in lines[1:]] == [item["question"] for item in items]
+    for name, rows in first["records"].items():
+        assert second["records"][name][0] == rows[0]  # item 0 read back, not run again
+    summary = second["summary"]
+    assert summary["fp16:window@0.5"]["store_bytes_per_token"] < summary["fp16:full"]["store_bytes_per_token"]
+    assert summary["fp16:window@0.5"]["load_bytes_mean"] < summary["fp16:full"]["load_bytes_mean"]
+    with pytest.raises(KvragError, match="another run"):
+        keyformer_load.run(items, **{**kwargs, "max_tokens": 3})

@@ -247,7 +247,7 @@ def test_ask_reads_the_reduced_chunks_precompute_stored(kvrag, store_copy, tiny_
     answers = {}
     for keep in ("1", "0.5"):
         proc = kvrag("ask", "Which lake is the deepest?", "--store", str(store_copy), "-k", "3", "--json",
-                     "--max-tokens", "6", "--keep", keep, "--kv-tokens", "120", *model)
+                     "--max-tokens", "6", "--keep", keep, "--kv-budget", "120", *model)
         answers[keep] = json.loads(proc.stdout)
     full, reduced = answers["1"], answers["0.5"]
     assert {s["tier"] for s in reduced["sources"]} == {"store"} and reduced["computed_chunks"] == []

@@ -1,0 +1,222 @@
+"""Triton attention over the paged KV pool (issue 28, kernels 2 and 3), each with its torch twin: the spec, and the
+path where no GPU runs Triton.
+
+Layouts (engine/kv_pool.py, store/tiers/allocator.py):
+    k_pool, v_pool  [num_blocks, block_size, Hkv, hd]  keys already rotated; float16, bfloat16 or float32;
+                    any outer strides (a layer's view of the engine's pool), the last dimension contiguous
+    block_table     [M] int32: a sequence's key row r lives in block block_table[r // block_size], slot r % block_size
+    Hq = Hkv * group: query head h reads KV head h // group (grouped-query attention, K/V never expanded)
+
+- `rows_attention`: one sequence's query rows q [R, Hq, hd] (a blend's recomputed rows and the suffix, sorted by
+  position) over its paged keys; row i sees exactly key rows 0..visible[i]-1 (`visible_keys` derives that from
+  positions: q_pos + 1 for keys at rows = positions, and through searchsorted for keys with gaps, as
+  kernels/attention.attend does). A program takes a tile of query rows x the group's heads for one KV head and
+  runs an online softmax over tiles of key rows, up to the tile's largest `visible`.
+- `decode_attention`: one query row per sequence, q [B, Hq, hd], block_tables [B, M] int32 (padded: entries past
+  a sequence's last block are never read), seq_lens [B]; sequence b sees its rows 0..seq_lens[b]-1. One program
+  per (sequence, KV head), the group's query heads together.
+
+Both return float32 [rows, Hq, hd] (what kernels/row_attention returns; the caller casts). Scores, softmax and
+accumulation run in float32 (fp32 dots at IEEE precision, not TF32), scale hd**-0.5. A query that sees no key
+(visible 0, seq_len 0) gets zeros, where softmax over nothing is undefined.
+
+Tolerance (tests/test_triton_attention.py, TRITON_INTERPRET=1 on the CPU): the online softmax rescales and sums
+in another order than the twin's one softmax, so kernel and twin are not bit-equal; the tests hold them to
+2e-5 absolute on outputs of unit-scale random data; the largest error measured over the test cases is 7.2e-7
+(float32 and float16 pools), 4.8e-7 (bfloat16): the pool's values widen exactly to float32, so the dtype matters
+little. Not yet run on a GPU, where the same fp32 IEEE dots should give errors of the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ROWS_PER_TILE = 16  # query rows a rows_attention program takes (times the group's heads, padded to a power of 2)
+KEYS_PER_TILE = 32  # key rows per step of the online softmax, gathered across blocks of any block_size
+
+
+@triton.jit
+def _attend_keys(q, vis, table_ptr, k_ptr, v_ptr, stride_kb, stride_ks, block_size, scale, offs_d, d_ok,
+                 BLOCK_N: tl.constexpr):
+    """Online softmax of q [BLOCK_Q, BLOCK_D] (float32) over key rows 0..max(vis)-1 of one sequence, one KV head
+    (k_ptr/v_ptr already at it); query i sees rows < vis[i]. Returns [BLOCK_Q, BLOCK_D] float32, zeros where vis 0."""
+    m_i = tl.full([q.shape[0]], -1.0e30, tl.float32)  # finite, so a fully masked tile rescales by exp(0), not NaN
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    hi = tl.max(vis)
+    for start in range(0, hi, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows
+        key_ok = rows < hi
+        blk = tl.load(table_ptr + rows // block_size, mask=key_ok, other=0).to(tl.int64)
+        slot = blk * stride_kb + (rows % block_size) * stride_ks  # [BLOCK_N]
+        kv_ok = key_ok[None, :] & d_ok[:, None]  # [BLOCK_D, BLOCK_N]
+        k_t = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=kv_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, k_t, input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
+        s = tl.where(rows[None, :] < vis[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    return tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group, head_dim, block_size, scale,
+                 stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_or, stride_oh,
+                 BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(R, BLOCK_M), Hkv): query rows BLOCK_M * pid0.. x the group's heads of KV head pid1."""
+    kvh = tl.program_id(1)
+    i = tl.arange(0, BLOCK_M * GROUP_P)  # tile row i: query row r, head kvh * group + j
+    r = tl.program_id(0) * BLOCK_M + i // GROUP_P
+    h = kvh * group + i % GROUP_P
+    q_ok = (r < n_rows) & (i % GROUP_P < group)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    qo_ok = q_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + r[:, None] * stride_qr + h[:, None] * stride_qh + offs_d[None, :], mask=qo_ok, other=0.0)
+    vis = tl.load(vis_ptr + r, mask=q_ok, other=0)
+    out = _attend_keys(q.to(tl.float32), vis, table_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
+                       stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N)
+    tl.store(out_ptr + r[:, None] * stride_or + h[:, None] * stride_oh + offs_d[None, :], out, mask=qo_ok)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, group, head_dim, block_size, scale,
+                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B, Hkv): sequence pid0's query heads of KV head pid1 (BLOCK_G >= 16 rows for tl.dot, the group's
+    first)."""
+    b, kvh = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, BLOCK_G)
+    h = kvh * group + j
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    qo_ok = (j < group)[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=qo_ok, other=0.0)
+    vis = tl.where(j < group, tl.load(lens_ptr + b), 0)  # [BLOCK_G]
+    out = _attend_keys(q.to(tl.float32), vis, table_ptr + b * stride_tb, k_ptr + kvh * stride_kh,
+                       v_ptr + kvh * stride_kh, stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N)
+    tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], out, mask=qo_ok)
+
+
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """How many key rows each query sees: keys at rising positions k_pos [S], queries at q_pos [R] -> [R] int32.
+    Keys at rows = positions give q_pos + 1 (capped at S); with gaps (Keyformer-dropped tokens), the keys up to the
+    last one at or before the query's position."""
+    return torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True).to(torch.int32)
+
+
+def rows_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                        visible: torch.Tensor) -> torch.Tensor:
+    """The spec of `rows_attention`: q [R, Hq, hd], pools [N, bs, Hkv, hd], block_table [M], visible [R]
+    -> [R, Hq, hd] float32, gathering the sequence's key rows and taking one float32 softmax."""
+    n_rows, n_q, hd = q.shape
+    bs, n_kv = k_pool.shape[1], k_pool.shape[2]
+    group = n_q // n_kv
+    n = int(visible.max()) if n_rows else 0
+    idx = torch.arange(n, device=q.device)
+    blocks, offsets = block_table.to(q.device).long()[idx // bs], idx % bs
+    k, v = k_pool[blocks, offsets].float(), v_pool[blocks, offsets].float()  # [n, Hkv, hd]
+    qg = q.float().view(n_rows, n_kv, group, hd).permute(1, 0, 2, 3).reshape(n_kv, n_rows * group, hd)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * hd ** -0.5  # [Hkv, R * group, n]
+    seen = idx[None, :] < visible.to(q.device).repeat_interleave(group)[:, None]  # [R * group, n]
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    probs = torch.where(seen.any(-1, keepdim=True), probs, 0.0)  # a row seeing no key: zeros, not NaN
+    out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, R * group, hd]
+    return out.view(n_kv, n_rows, group, hd).permute(1, 0, 2, 3).reshape(n_rows, n_q, hd)
+
+
+def decode_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor) -> torch.Tensor:
+    """The spec of `decode_attention`: q [B, Hq, hd], block_tables [B, M], seq_lens [B] -> [B, Hq, hd] float32."""
+    outs = [rows_attention_twin(q[b:b + 1], k_pool, v_pool, block_tables[b], seq_lens[b:b + 1])
+            for b in range(q.shape[0])]
+    return torch.cat(outs) if outs else torch.zeros(q.shape, device=q.device)
+
+
+def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                   visible: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel for `rows_attention_twin` (same arguments, same result within the module's tolerance)."""
+    n_kv, hd = _check_pools(q, k_pool, v_pool)
+    _check_index("block_table", block_table, 1, q.device)
+    _check_index("visible", visible, 1, q.device)
+    if visible.shape[0] != q.shape[0]:
+        raise ValueError(f"visible has {visible.shape[0]} entries for {q.shape[0]} query rows")
+    _check_reach(visible, block_table.shape[0] * k_pool.shape[1], "visible")
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [R, Hq, hd]
+    if q.shape[0] == 0:
+        return out
+    group = q.shape[1] // n_kv
+    grid = (triton.cdiv(q.shape[0], ROWS_PER_TILE), n_kv)
+    _rows_kernel[grid](q, k_pool, v_pool, block_table, visible, out, q.shape[0], group, hd, k_pool.shape[1],
+                       hd ** -0.5, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                       out.stride(0), out.stride(1), BLOCK_M=ROWS_PER_TILE, GROUP_P=triton.next_power_of_2(group),
+                       BLOCK_N=KEYS_PER_TILE, BLOCK_D=triton.next_power_of_2(hd))
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel for `decode_attention_twin` (same arguments, same result within the module's tolerance)."""
+    n_kv, hd = _check_pools(q, k_pool, v_pool)
+    _check_index("block_tables", block_tables, 2, q.device)
+    _check_index("seq_lens", seq_lens, 1, q.device)
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+                         f"must have one row per sequence of q ({q.shape[0]})")
+    _check_reach(seq_lens, block_tables.shape[1] * k_pool.shape[1], "seq_lens")
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [B, Hq, hd]
+    if q.shape[0] == 0:
+        return out
+    group = q.shape[1] // n_kv
+    _decode_kernel[(q.shape[0], n_kv)](
+        q, k_pool, v_pool, block_tables, seq_lens, out, group, hd, k_pool.shape[1], hd ** -0.5,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=KEYS_PER_TILE,
+        BLOCK_D=triton.next_power_of_2(hd))
+    return out
+
+
+def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
+    """ValueError unless q [rows, Hq, hd] and the pools [N, bs, Hkv, hd] fit the kernels; returns (Hkv, hd)."""
+    if q.dim() != 3 or k_pool.dim() != 4:
+        raise ValueError(f"q must be [rows, Hq, hd] and the pools [blocks, block_size, Hkv, hd], got "
+                         f"{tuple(q.shape)} and {tuple(k_pool.shape)}")
+    if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride():
+        raise ValueError(f"k_pool and v_pool differ in shape or strides: {tuple(k_pool.shape)} {k_pool.stride()} "
+                         f"vs {tuple(v_pool.shape)} {v_pool.stride()}")
+    n_kv, hd = k_pool.shape[2], k_pool.shape[3]
+    if q.shape[2] != hd or q.shape[1] % n_kv != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools of {n_kv} KV heads of dim {hd}")
+    if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype or q.dtype not in POOL_DTYPES:
+        raise ValueError(f"q, k_pool and v_pool must be float16, bfloat16 or float32 (the pools alike), got "
+                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if q.stride(-1) != 1 or k_pool.stride(-1) != 1:
+        raise ValueError(f"q and the pools must be contiguous in the head dim, got strides {q.stride()} and "
+                         f"{k_pool.stride()}")
+    if k_pool.device != q.device or v_pool.device != q.device:
+        raise ValueError(f"q, k_pool and v_pool must share a device, got {q.device}, {k_pool.device}, {v_pool.device}")
+    if q.device.type != "cuda" and not isinstance(_rows_kernel, InterpretedFunction):
+        raise ValueError(f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {q.device}: "
+                         f"use the twin")
+    return n_kv, hd
+
+
+def _check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
+    if t.dim() != dims or t.dtype != torch.int32 or t.device != device or (t.numel() and t.stride(-1) != 1):
+        raise ValueError(f"{name} must be a {dims}-d int32 tensor on {device}, contiguous in its last dim, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_reach(counts: torch.Tensor, capacity: int, name: str) -> None:
+    """ValueError when some count of key rows is negative or past what the table's width holds (one host sync)."""
+    if counts.numel() and not bool(((counts >= 0) & (counts <= capacity)).all()):
+        raise ValueError(f"{name} must lie in 0..{capacity} (table width x block_size), got "
+                         f"{int(counts.min())}..{int(counts.max())}")

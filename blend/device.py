@@ -29,6 +29,22 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def triton_available() -> bool:
+    """Whether Triton's GPU kernels can run: a CUDA device and the triton package (a CUDA torch brings it)."""
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def resolve_triton(choice: str | None, device: torch.device) -> bool:
+    """`$KVRAG_KERNELS`: auto (Triton's attention kernels on a GPU where Triton is installed) or torch (SDPA and the
+    per-sequence decode, as on a CPU)."""
+    choice = (choice or os.environ.get("KVRAG_KERNELS") or "auto").lower()
+    if choice not in ("auto", "torch"):
+        raise KvragError(f"unknown kernels '{choice}' (use auto or torch)")
+    return choice == "auto" and device.type == "cuda" and triton_available()
+
+
 def resolve_device(choice: str | None = None) -> torch.device:
     choice = choice or os.environ.get("KVRAG_DEVICE") or "auto"
     if choice == "auto":

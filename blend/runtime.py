@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.blend.device import resolve_device, resolve_dtype, set_cpu_threads
+from kvrag.blend.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
 from kvrag.blend.model import Transformer
 from kvrag.blend.model_files import LocalModel, resolve_model
 from kvrag.blend.prepared import load_weights
@@ -26,9 +26,10 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
-             tune_process: bool = False) -> Runtime:
+             tune_process: bool = False, kernels: str | None = None) -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute. tune_process: also set the
-        process's torch threads and keep freed memory in the allocator (device.set_cpu_threads), as the CLI does."""
+        process's torch threads and keep freed memory in the allocator (device.set_cpu_threads), as the CLI does.
+        kernels: auto or torch (device.resolve_triton; default $KVRAG_KERNELS, else auto)."""
         if tune_process:
             set_cpu_threads()
         local = resolve_model(model)
@@ -37,6 +38,7 @@ class Runtime:
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts)
         weights = load_weights(local, resolve_dtype(dtype, dev), dev)
+        weights.triton = resolve_triton(kernels, dev)
         return cls(local, weights, tokenizer, prompts)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:

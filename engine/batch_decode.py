@@ -72,6 +72,7 @@ class PoolKV:
         self.k_all, self.v_all = kv.layer_views()  # [L, slots, Hkv, hd] each
         self.slots = [kv.rows(t) for t in tables]  # per sequence [n_b] its slots, the new token's last
         self.new_slots = torch.stack([r[-1] for r in self.slots])  # [B]
+        self.paged = _paged_tables(kv, tables) if model.triton else None
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_all[layer].index_copy_(0, self.new_slots, self.model.rotate_keys(k, rows.pos, rows.rope))
@@ -82,4 +83,22 @@ class PoolKV:
         for b, tap in enumerate(self.taps):
             if tap is not None:
                 tap(q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
+        if self.paged is not None:  # Triton: every sequence at once, K/V read in place through the block tables
+            from kvrag.kernels import triton_attention  # imports Triton: only where it runs
+
+            pool = self.paged[0]  # [L, 2, N, bs, Hkv, hd]
+            out = triton_attention.decode_attention(q.to(pool.dtype), pool[layer, 0], pool[layer, 1], *self.paged[1:])
+            return out.view(q.shape[0], -1).to(q.dtype)  # [B, Hq * hd]
         return torch.cat([attend_few_rows(q[b:b + 1], k[r], v[r], group) for b, r in enumerate(self.slots)])
+
+
+def _paged_tables(kv: SequenceKV, tables: Sequence[BlockTable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pool [L, 2, N, bs, Hkv, hd], the tables padded to one width [B, M] int32, and the lengths [B] int32, as
+    the Triton decode kernel reads them."""
+    device = kv.pool.kv.device
+    width = max(len(t.blocks) for t in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)  # [B, M]
+    for b, t in enumerate(tables):
+        padded[b, :len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
+    lens = torch.tensor([t.n_tokens for t in tables], dtype=torch.int32)  # [B]
+    return kv.pool.kv, padded.to(device), lens.to(device)

@@ -17,11 +17,13 @@ from kvrag.kernels import row_attention
 
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
-           group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: SegmentPlans) -> torch.Tensor:
+           group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: SegmentPlans,
+           triton: bool = False) -> torch.Tensor:
     """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd] at k_pos [S]
     (None: every key visible, as in decoding) -> [R, Hq * hd], in the inputs' or the attention dtype (the caller
     casts). Runs in `attn_dtype`; `row_kernel`: the native row kernel serves this model (row_kernel_serves);
-    `plans`: the caller's cache of key-segment plans."""
+    `plans`: the caller's cache of key-segment plans; `triton`: scattered rows go through the Triton rows kernel
+    (on a GPU; on a CPU only under TRITON_INTERPRET, to test it)."""
     if k_pos is not None and not _is_arange(k_pos) and _is_rising(k_pos):
         # keys with gaps (a Keyformer-reduced chunk's dropped tokens): a query sees the keys up to the last one at
         # or before its position, as a query at that key's index does over keys 0..S-1, which every path serves
@@ -35,6 +37,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
         out = row_attention.row_attention(q, q_pos.to(q.device), k, v)  # [R, Hq, hd] float32
         return out.view(q.shape[0], -1)
+    if triton and k_pos is not None and _is_sorted(q_pos) and _is_arange(k_pos) and not _is_plain_causal(q_pos, k_pos):
+        return _attend_triton(q, q_pos, k, v)  # plainly causal stays with SDPA's flash kernel
     q, k, v = (x.to(attn_dtype) for x in (q, k, v))  # no copy unless they differ
     # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
     # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
@@ -63,6 +67,17 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         mask = k_pos.to(q.device)[None, :] <= q_pos.to(q.device)[:, None]  # [R, S]
         out = sdpa(qh, kh, vh, attn_mask=mask)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+
+def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Scattered rows (sorted q_pos over keys at 0..S-1) through the Triton rows kernel: the contiguous cache is a
+    pool of one block of S rows -> [R, Hq * hd] float32."""
+    from kvrag.kernels import triton_attention  # imports Triton: only where it runs
+
+    visible = (q_pos.to(q.device) + 1).clamp(max=k.shape[0]).to(torch.int32)  # [R] keys each row sees
+    table = torch.zeros(1, dtype=torch.int32, device=q.device)  # [1]: block 0 holds every row
+    out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible)  # [R, Hq, hd]
+    return out.view(q.shape[0], -1)
 
 
 def row_kernel_serves(head_dim: int, attn_dtype: torch.dtype, device: torch.device) -> bool:

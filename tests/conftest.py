@@ -19,12 +19,18 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton's kernels run in its interpreter on the CPU, exactly enough to test them against their torch twins
+    # (triton decides when a kernel is decorated, so before any kvrag.kernels.triton_* module is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MUSIQUE_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmark_data: reads the real MuSiQue file (KVRAG_TEST_DATA); skips without it")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skips without one")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,142 @@
+"""The Triton kernels inside the engine (issue 28): a blend and a batched decode through them against the torch paths
+they replace, on the CPU under TRITON_INTERPRET (conftest sets it without a GPU); and, marked `cuda`, the whole
+`ask` and the server on a GPU, which skip without one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from kvrag.blend.decode import prefill
+from kvrag.blend.engine import Engine
+from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.precompute import chunk_kv, layers_to_numpy
+from kvrag.blend.runtime import Runtime
+from kvrag.engine.batch_decode import BatchDecoder
+from kvrag.engine.kv_pool import SequenceKV
+from kvrag.kernels import triton_attention
+from kvrag.store.chunks import chunk_id_for
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import KVTable
+
+QUESTION = "Who was the spouse of the performer?"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_llama_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_dir), "float32", device="cpu")
+
+
+@contextmanager
+def triton_on(model, monkeypatch, kernel: str):
+    """The model's attention through Triton, counting the kernel's calls (the real kernel runs)."""
+    calls = []
+    real = getattr(triton_attention, kernel)
+    monkeypatch.setattr(triton_attention, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.triton = True
+    try:
+        yield calls
+    finally:
+        model.triton = False
+
+
+@pytest.fixture
+def stored(tmp_path, runtime, invented_items):
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    engine = Engine(runtime, env)
+    table = KVTable(env, runtime.fingerprint, "fp16")
+    chunks = []
+    for ctx in invented_items[0]["ctxs"][:4]:
+        ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:50]))
+        chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
+        with torch.inference_mode():
+            table.put_chunk(chunks[-1][0], ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids)))
+    yield engine, chunks
+    env.close()
+
+
+def test_a_blend_through_the_triton_rows_kernel_equals_the_torch_blend(stored, runtime, monkeypatch):
+    engine, chunks = stored
+    with torch.inference_mode():
+        want = {r: engine.prefill(chunks, QUESTION, "blend", BlendConfig(r)) for r in (0.15, 1.0)}
+        full = engine.prefill(chunks, QUESTION, "full")
+        with triton_on(runtime.model, monkeypatch, "rows_attention") as calls:
+            got = {r: engine.prefill(chunks, QUESTION, "blend", BlendConfig(r)) for r in (0.15, 1.0)}
+    assert calls, "the blend's scattered rows never reached the Triton kernel"
+    for r in want:
+        assert got[r].recomputed_chunk_tokens == want[r].recomputed_chunk_tokens
+        torch.testing.assert_close(got[r].logits, want[r].logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1.0].logits, full.logits, rtol=1e-4, atol=2e-4)  # ratio 1 is a full prefill
+
+
+def test_a_batched_decode_through_the_triton_decode_kernel_equals_the_torch_step(runtime, monkeypatch):
+    """Three sequences of 5, 19 and 40 prompt tokens decode 6 steps together over a pool of 8-token blocks."""
+    model, steps = runtime.model, 6
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (5, 19, 40)]
+    feeds = torch.randint(0, model.cfg.vocab_size, (len(prompts), steps), generator=g)
+
+    def run() -> list[torch.Tensor]:
+        kv = SequenceKV(model, budget_bytes=64 * 8 * model.cfg.n_layers * 2 * model.cfg.n_kv_heads
+                        * model.cfg.head_dim * 4, block_size=8)
+        with torch.inference_mode():
+            tables = [kv.admit(prefill(model, ids, extra=steps)[1], len(ids)) for ids in prompts]
+            decoder, out = BatchDecoder(model, kv, 64, native=False), []
+            for j in range(steps):
+                for t in tables:
+                    kv.grow(t)
+                out.append(decoder.step(feeds[:, j].tolist(), tables))
+        return out
+
+    want = run()
+    with triton_on(model, monkeypatch, "decode_attention") as calls:
+        got = run()
+    assert len(calls) == steps * model.cfg.n_layers
+    for g_step, w_step in zip(got, want, strict=True):
+        torch.testing.assert_close(g_step, w_step, rtol=1e-4, atol=1e-4)
+
+
+# ---- on a GPU (skip without one) -------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.cuda
+def test_ask_on_the_gpu_blends_at_ratio_one_as_a_full_prefill(kvrag, indexed_store, tiny_llama_dir, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(indexed_store, store)
+    args = ("ask", "Where does the Nile flow?", "--store", str(store), "--model", str(tiny_llama_dir), "--json",
+            "--max-tokens", "12", "--device", "cuda")
+    full = json.loads(kvrag(*args, "--mode", "full").stdout)
+    blend = json.loads(kvrag(*args, "--ratio", "1.0").stdout)
+    again = json.loads(kvrag(*args, "--ratio", "0.15").stdout)
+    assert blend["token_ids"] == full["token_ids"]
+    assert again["computed_chunks"] == [] and again["bytes_loaded"] > 0  # the second ask loads what the first stored
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_server_on_the_gpu_answers_as_kvrag_ask(indexed_store, tiny_llama_dir, tmp_path):
+    """A real uvicorn server on 127.0.0.1 over a GPU engine (Triton decode over the paged pool), the real openai
+    client, against KVRag.ask on the same engine."""
+    import openai
+
+    from kvrag import KVRag
+    from kvrag.server.app import ServerSettings
+    from kvrag.server.run import BackgroundServer
+
+    shutil.copytree(indexed_store, tmp_path / "store")
+    question = "How deep is Lake Baikal?"
+    with KVRag(tmp_path / "store", model=str(tiny_llama_dir), device="cuda", host_cache="0") as rag:
+        assert rag.runtime.model.triton
+        reference = rag.ask(question, k=2, max_tokens=16)
+        with BackgroundServer(rag, ServerSettings("tiny")) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            replies = [client.chat.completions.create(model="tiny", max_tokens=16, extra_body={"k": 2},
+                                                      messages=[{"role": "user", "content": question}])
+                       for _ in range(2)]
+    assert [r.choices[0].message.content for r in replies] == [reference.text] * 2

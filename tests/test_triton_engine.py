@@ -140,3 +140,39 @@ def test_the_server_on_the_gpu_answers_as_kvrag_ask(indexed_store, tiny_llama_di
                                                       messages=[{"role": "user", "content": question}])
                        for _ in range(2)]
     assert [r.choices[0].message.content for r in replies] == [reference.text] * 2
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir, invented_items, tmp_path):
+    """The memory tiers on a GPU: a GPU budget of about a third of five chunks' KV over a host tier; the chunks go
+    to the GPU, the overflow swaps out to host (each node once), and a second question over them reads memory and
+    gives the logits of an engine without tiers."""
+    from kvrag.blend.memory import build_cache
+
+    runtime = Runtime.load(str(tiny_llama_dir), "float32", device="cuda")
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    plain = Engine(runtime, env)
+    table, chunks = KVTable(env, runtime.fingerprint, "fp16"), []
+    for ctx in invented_items[1]["ctxs"][:5]:
+        ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
+        chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
+        with torch.inference_mode():
+            table.put_chunk(chunks[-1][0], ids, layers_to_numpy(chunk_kv(runtime, plain.preamble, ids)))
+    c = runtime.model.cfg
+    per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    gpu_bytes = per_token * sum(len(ids) for _, ids in chunks) // 3
+    tiered = Engine(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", gpu_cache=str(gpu_bytes)))
+    config = BlendConfig(attention_weight=0)
+    with torch.inference_mode():
+        for chunk in chunks:  # one chunk a question: each lands in the GPU tier, the oldest swap out to host
+            tiered.prefill([chunk], QUESTION, "blend", config)
+            tiered.flush_write_back()
+        second = tiered.prefill(chunks, "Where was the performer born?", "blend", config)
+        reference = plain.prefill(chunks, "Where was the performer born?", "blend", config)
+    stats = tiered.cache.stats
+    assert stats.swap_outs > 0 and tiered.cache.used_bytes("gpu") > 0
+    assert "store" not in second.chunk_tiers
+    torch.testing.assert_close(second.logits, reference.logits, rtol=1e-3, atol=2e-3)
+    tiered.cache.check()
+    env.close()

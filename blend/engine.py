@@ -323,13 +323,14 @@ class Engine:
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None
         if loaded_rows:
-            # keys rotated to their places as they load, unless the memory tiers keep this prompt's keys (before
-            # rotary) afterwards
-            rope = None
+            # keys rotated to their places as they load (with Triton, by the fused load kernel), unless the memory
+            # tiers keep this prompt's keys (before rotary) afterwards
+            positions = None
             if lease is None:  # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix
-                rope = self.model.positions_cos_sin(layout.positions[:loaded_rows])
+                positions = layout.positions[:loaded_rows]
             loader = LayerLoader(self.table, refs, layers, self.model.dtype, self.model.device,
-                                 delay_s=self.load_delay_s, rope=rope).start()
+                                 delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
+                                 fused=self.model.triton).start()
         try:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,

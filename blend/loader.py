@@ -16,9 +16,13 @@ workers may claim, so that where it runs depends on who else wants the cores:
              off (decoding at hand-over, in new loaders too, for a minute).
 The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model on the
 CPU over fp16 values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload.
-Given the chunk rows' rotary angles (`rope`), the loader hands out keys rotated to their places in the prompt:
-that native pass rotates them on the way (the same bits as torch's rotary), elsewhere the consumer rotates the
-layer with torch as it takes it.
+Given the chunk rows' positions (or their rotary angles, `rope`), the loader hands out keys rotated to their places
+in the prompt: that native pass rotates them on the way (the same bits as torch's rotary), elsewhere the consumer
+rotates the layer with torch as it takes it.
+Fused (on a GPU with Triton; on the CPU only when asked, under TRITON_INTERPRET): a stored chunk goes to the device
+as stored (int8 with its scales, 4x fewer bytes than dequantised on the host), the host doing zstd, the checksum
+and (16-bit) the byte planes alone, and one launch of kernels/triton_load.load_chunk dequantises it, rotates its
+keys to the rows' positions and writes it in the model's dtype into the layer's rows on the device.
 A value that fails its checksum is never handed out: the consumer gets `CorruptChunk` naming the chunk, and
 recomputes it.
 """
@@ -31,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +43,17 @@ import torch
 
 from kvrag import KvragError
 from kvrag.blend import rotary
+from kvrag.blend.device import triton_available
 from kvrag.blend.prefill import LayerKV
 from kvrag.kernels import fp16_to_bf16
-from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue, stored_positions
+from kvrag.store.codec import (
+    DECODED_DTYPES,
+    FLAG_SHUFFLED,
+    CorruptValue,
+    StoredKV,
+    stored_kv,
+    stored_positions,
+)
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
 DECODE_MODES = ("thread", "hand-over", "idle")
@@ -77,9 +90,10 @@ class _LayerWork:
     into the layer's buffers k, v [C, Hkv, hd]."""
 
     def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
-                 rotates: bool = False):
+                 rotates: bool = False, staged: dict[int, StoredKV] | None = None):
         self.fetched, self.k, self.v, self.put = fetched, k, v, put
         self.rotates = rotates  # `put` writes keys rotated (and in-memory chunks are rotated as they are copied in)
+        self.staged = staged  # fused: `put` parses chunk i into staged[i], which `_finish` loads on the device
         self._items = stored  # chunk indices still to claim
         self._left = len(stored)  # items not finished
         self._lock = threading.Lock()
@@ -118,8 +132,11 @@ class LayerLoader:
     """Loads layers `layers` of `chunks` (concatenated in prompt order) ahead of the consumer.
 
     At most `lookahead` layers wait read (or decoded) in memory. `delay_s` slows each layer's read (tests).
-    `rope`: cos, sin [C, 1, hd] of the chunk rows' absolute positions (model.positions_cos_sin), in the model's
-    dtype: keys are then handed out rotated to them (`rotated`), else before rotary.
+    `positions` [C] and `inv_freq` [hd/2] float32 (the model's): the chunk rows' absolute positions, to which keys
+    are then handed out rotated (`rotated`), else before rotary; or `rope` instead: their cos, sin [C, 1, hd] in the
+    model's dtype (model.positions_cos_sin).
+    `fused` (see the module doc; only where `positions` are given): stored chunks loaded by the Triton kernel; None
+    picks it on CUDA where Triton is installed. On the CPU it needs TRITON_INTERPRET=1.
     `decode` (see the module doc): "thread" (the reader decodes), "hand-over" (the consumer decodes), "idle" (a
     decoder thread at idle priority decodes ahead, the consumer the rest); None picks "thread" on CUDA, "idle"
     on a CPU where idle priority exists, else "hand-over".
@@ -127,7 +144,9 @@ class LayerLoader:
 
     def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
                  dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
-                 decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
+                 fused: bool | None = None):
         if decode is None:
             idle = idle_priority_available() and time.monotonic() >= _idle_paused_until
             decode = "thread" if device.type == "cuda" else "idle" if idle else "hand-over"
@@ -135,7 +154,12 @@ class LayerLoader:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode}")
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
-        self.rope = rope
+        self.fused = _wants_fused(fused, device, positions, inv_freq)
+        if positions is not None:
+            positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)  # [C], [hd/2]
+            if rope is None:  # in-memory chunks (and a load that is not fused) are rotated with torch
+                rope = rotary.cos_sin(inv_freq, positions, dtype)  # as model.positions_cos_sin
+        self.rope, self.positions, self.inv_freq = rope, positions, inv_freq
         self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
         for ref in self.chunks:
             self._starts.append(self._starts[-1] + ref.n_rows)
@@ -149,7 +173,11 @@ class LayerLoader:
         self.spans: list[tuple[str, int, float, float]] = []
         self.ahead_cpu_s = 0.0  # the idle-priority decoder's CPU time
         self.bytes_read = 0
+        # fused: the block table of the layer viewed as a pool of one block
+        self._one_block = torch.zeros(1, dtype=torch.int32, device=device) if self.fused else None
         self._stream = torch.cuda.Stream() if device.type == "cuda" else None
+        if self._stream is not None:  # its work reads what the caller's stream made (rope, in-memory chunks)
+            self._stream.wait_stream(torch.cuda.current_stream())
         self._pool_threads = 1 if decode == "thread" else max(1, torch.get_num_threads())
         self._pool = None if self._pool_threads == 1 else ThreadPoolExecutor(self._pool_threads - 1,
                                                                              thread_name_prefix="kvrag-decode")
@@ -182,7 +210,11 @@ class LayerLoader:
             result = result.k, result.v, result.rotates
         k, v, rotated = result
         if self._stream is not None:
-            torch.cuda.current_stream().wait_stream(self._stream)
+            current = torch.cuda.current_stream()
+            current.wait_stream(self._stream)
+            for x in (k, v):  # made on the side stream, used (and freed) on this one
+                if x.is_cuda:
+                    x.record_stream(current)
         if self.rope is not None and not rotated:
             k = rotary.rotate(k.to(self.dtype), *self.rope)
         return k, v
@@ -265,17 +297,50 @@ class LayerLoader:
             self._pause_decoder()
         if work.error is not None:
             raise work.error
+        with self._side_stream() if work.k.is_cuda else nullcontext():
+            if work.staged:
+                self._load_staged(work)
+            self._copy_in_memory(work)
+        return did
+
+    def _copy_in_memory(self, work: _LayerWork) -> None:
+        """The in-memory chunks into their rows of the layer, keys rotated where the layer's are."""
         starts, shape = self._starts, work.k.shape[1:]
         for i, item in enumerate(work.fetched):  # a torch copy here, never in a pool thread (see `_work`)
             if not isinstance(item, RawLayer):
                 self._check_rows(i, item[0].shape, starts, shape)
                 rows = slice(starts[i], starts[i + 1])
                 if work.rotates:
-                    rotary.rotate(item[0].to(work.k.dtype), self.rope[0][rows], self.rope[1][rows], out=work.k[rows])
+                    rotary.rotate(item[0].to(work.k.device, work.k.dtype), self.rope[0][rows], self.rope[1][rows],
+                                  out=work.k[rows])
                 else:
                     work.k[rows] = item[0]
                 work.v[rows] = item[1]
-        return did
+
+    def _load_staged(self, work: _LayerWork) -> None:
+        """Fused: each staged chunk's payload to the device as stored, then one kernel launch that dequantises it,
+        rotates its keys and writes its rows of work.k, work.v [C, Hkv, hd] (viewed as a pool of one block)."""
+        from kvrag.kernels import triton_load  # imports Triton: only where it runs
+
+        n_rows = work.k.shape[0]
+        for i, kv in sorted(work.staged.items()):
+            start, end = self._starts[i], self._starts[i + 1]
+            k, v, k_scale, v_scale = (self._upload(a) for a in (kv.k, kv.v, kv.k_scale, kv.v_scale))
+            triton_load.load_chunk(k, v, k_scale, v_scale, self.positions[start:end], self.inv_freq, work.k[None],
+                                   work.v[None], self._one_block, start, n_rows, k_per_channel=kv.k_per_channel)
+
+    def _upload(self, array: np.ndarray | None) -> torch.Tensor | None:
+        """A host array on the device: copied into a fresh (on CUDA pinned) tensor, then sent on the current
+        stream. The copy makes the array's bytes writable torch memory: it may view the read-only stored value."""
+        if array is None:
+            return None
+        host = torch.empty(array.shape, dtype=_TORCH_DTYPES[array.dtype],
+                           pin_memory=self._stream is not None)
+        host.numpy()[...] = array
+        return host.to(self.device, non_blocking=True)
+
+    def _side_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     def _pause_decoder(self) -> None:
         """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,
@@ -286,7 +351,7 @@ class LayerLoader:
 
     def _transfer(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On CUDA: pinned and copied to the device on the side stream; elsewhere as they are."""
-        if self._stream is None:
+        if self._stream is None or k.is_cuda:  # the fused load writes on the device
             return k, v
         with torch.cuda.stream(self._stream):
             return k.pin_memory().to(self.device, non_blocking=True), v.pin_memory().to(self.device, non_blocking=True)
@@ -309,6 +374,13 @@ class LayerLoader:
         stored = [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)]
         shape = _layer_shape(fetched)
         rows = self._starts[-1]
+        if self.fused:
+            with self._side_stream():  # made where the kernel writes them (see `layer`)
+                k_out = torch.empty((rows, *shape), dtype=self.dtype, device=self.device)  # [C, Hkv, hd]
+                v_out = torch.empty_like(k_out)
+            staged: dict[int, StoredKV] = {}
+            return _LayerWork(fetched, stored, k_out, v_out, lambda i: self._stage(fetched, i, staged, shape),
+                              rotates=True, staged=staged)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and fp16_to_bf16.available() and all(
                 fetched[i].codec == "fp16" for i in stored):
             k_out = torch.empty((rows, *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
@@ -333,18 +405,29 @@ class LayerLoader:
     def _put_bf16(self, fetched: list, i: int, k_out: torch.Tensor, v_out: torch.Tensor, shape) -> None:
         """Stored fp16 chunk i straight to bf16 rows of k_out, v_out [C, Hkv, hd] in one native pass (the numpy
         decode and a torch cast took ≈5 ms a layer of 6.3k tokens), keys rotated on the way when `rope` is given."""
-        ref, starts = self.chunks[i], self._starts
-        try:
-            head, body = fetched[i].body()
-        except CorruptValue as exc:
-            raise CorruptChunk(ref.chunk_id, str(exc)) from None
-        _check_kept(ref, stored_positions(head, body))
-        self._check_rows(i, head.shape, starts, shape)
+        head, body = self._checked_body(fetched, i, shape)
+        starts = self._starts
         rows, planes = slice(starts[i], starts[i + 1]), bool(head.flags & FLAG_SHUFFLED)
         if self.rope is None:
             fp16_to_bf16.convert(body, planes, k_out[rows], v_out[rows])
         else:
             fp16_to_bf16.convert_rotated(body, planes, k_out[rows], v_out[rows], self.rope[0][rows], self.rope[1][rows])
+
+    def _stage(self, fetched: list, i: int, staged: dict[int, StoredKV], shape) -> None:
+        """Fused: stored chunk i checked and decompressed, its K and V as stored (int8 not dequantised) into
+        staged[i], for `_load_staged` to load on the device."""
+        staged[i] = stored_kv(*self._checked_body(fetched, i, shape))
+
+    def _checked_body(self, fetched: list, i: int, shape):
+        """Stored chunk i's header and checked, decompressed payload, once its kept tokens and shape hold."""
+        ref = self.chunks[i]
+        try:
+            head, body = fetched[i].body()
+        except CorruptValue as exc:
+            raise CorruptChunk(ref.chunk_id, str(exc)) from None
+        _check_kept(ref, stored_positions(head, body))
+        self._check_rows(i, head.shape, self._starts, shape)
+        return head, body
 
     def _check_rows(self, i: int, kv_shape, starts: list[int], shape) -> None:
         if kv_shape[0] != starts[i + 1] - starts[i] or tuple(kv_shape[1:]) != tuple(shape):
@@ -379,6 +462,20 @@ def _check_kept(ref: ChunkRef, positions: np.ndarray | None) -> None:
         raise CorruptChunk(ref.chunk_id, "its stored layers do not keep the same tokens")
 
 
+def _wants_fused(fused: bool | None, device: torch.device, positions: torch.Tensor | None,
+                 inv_freq: torch.Tensor | None) -> bool:
+    """Whether stored chunks take the fused load: only where keys are rotated here (positions given)."""
+    if positions is None:
+        return False
+    if inv_freq is None:
+        raise ValueError("positions need the model's inv_freq to rotate keys to")
+    if fused is None:
+        return device.type == "cuda" and triton_available()
+    if fused and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the fused load runs on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter)")
+    return fused
+
+
 def idle_priority_available() -> bool:
     """Whether a thread can lower itself to idle priority here (Linux SCHED_IDLE)."""
     return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
@@ -387,6 +484,10 @@ def idle_priority_available() -> bool:
 def _layer_shape(fetched: list) -> tuple[int, int]:
     """(Hkv, hd) of a layer's chunks: the first chunk's, which `_check_rows` holds every other chunk to."""
     return next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:]) for item in fetched)
+
+
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                 np.dtype(np.int8): torch.int8}  # what codec.stored_kv gives
 
 
 def _array_dtype(item) -> np.dtype:

@@ -18,7 +18,8 @@ the blend's compute, and zstd plus the byte planes cost about 20 % of a blended 
 Decoded arrays are fresh and writable (unless `copy=False` lets an uncompressed value decode to views).
 Their dtype, unless `dtype` asks otherwise: fp16 → float16 (the stored values exactly; the loader
 converts once to its compute dtype, so a float32 detour would only add a copy), bf16 → float32 (exact),
-int8 → float32.
+int8 → float32. `stored_kv` gives a checked payload's K and V without dequantising int8 (the values and their
+scales), for a load that dequantises on the device (blend/loader.py's fused path).
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ class DecodedKV:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return iter((self.k, self.v))
+
+
+@dataclass(frozen=True)
+class StoredKV:
+    """One layer's K and V as stored (see `stored_kv`): x = q * scale for int8, the values themselves otherwise."""
+
+    k: np.ndarray  # [T, kv_heads, head_dim] float16, float32 (bf16) or int8
+    v: np.ndarray  # [T, kv_heads, head_dim]
+    k_scale: np.ndarray | None = None  # int8: float32 [kv_heads, head_dim] (k_per_channel) or [T, kv_heads]
+    v_scale: np.ndarray | None = None  # int8: float32 [T, kv_heads]
+    k_per_channel: bool = False
 
 
 def encode(
@@ -216,19 +228,20 @@ def stored_positions(head: ValueHeader, body: bytes | bytearray | memoryview) ->
     return np.frombuffer(memoryview(body)[len(body) - size:], dtype="<i4").astype(np.int32).reshape(pshape)
 
 
-def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
+def stored_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> StoredKV:
+    """A checked body's K and V as stored, not dequantised (what a device-side dequantising load takes): fp16 as
+    float16, bf16 as float32 (exact), int8 as int8 with its float32 scales. Views of `body` where it holds them
+    in natural order (int8, uncompressed 16-bit values); 16-bit byte planes are put back together."""
     t, h, d = head.shape
     n = t * h * d
     buf = memoryview(body)
     if head.codec == "int8":
         q = np.frombuffer(buf[: 2 * n], dtype=np.int8).reshape(2, t, h, d)
-        k_scale_len = h * d if head.flags & FLAG_K_PER_CHANNEL else t * h
+        per_channel = bool(head.flags & FLAG_K_PER_CHANNEL)
+        k_scale_len = h * d if per_channel else t * h
         scales = np.frombuffer(buf[2 * n : 2 * n + 4 * (k_scale_len + t * h)], dtype="<f4")
-        ks, vs = scales[:k_scale_len], scales[k_scale_len:]
-        ks = ks.reshape(1, h, d) if head.flags & FLAG_K_PER_CHANNEL else ks.reshape(t, h, 1)
-        k = q[0].astype(np.float32) * ks  # [T, H, D]
-        v = q[1].astype(np.float32) * vs.reshape(t, h, 1)  # [T, H, D]
-        return k, v
+        ks = scales[:k_scale_len].reshape((h, d) if per_channel else (t, h))
+        return StoredKV(q[0], q[1], ks, scales[k_scale_len:].reshape(t, h), per_channel)
     if head.flags & FLAG_SHUFFLED:  # byte planes apart (every compressed 16-bit value)
         planes = np.frombuffer(buf[: 4 * n], dtype=np.uint8).reshape(2, 2 * n)  # [low bytes; high bytes]
         bits = planes[1].astype(np.uint16)  # 10x faster than transposing the byte planes
@@ -241,7 +254,15 @@ def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple
         kv = bits.view(np.float16)
     else:  # bf16: the upper half of a float32
         kv = (bits.astype(np.uint32) << 16).view(np.float32)
-    return kv[0], kv[1]
+    return StoredKV(kv[0], kv[1])
+
+
+def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
+    kv = stored_kv(head, body)
+    if kv.k_scale is None:
+        return kv.k, kv.v
+    ks = kv.k_scale[None] if kv.k_per_channel else kv.k_scale[..., None]  # [1, H, D] or [T, H, 1]
+    return kv.k.astype(np.float32) * ks, kv.v.astype(np.float32) * kv.v_scale[..., None]  # [T, H, D] each
 
 
 def _int8_sections(k: np.ndarray, v: np.ndarray, k_per_channel: bool) -> list[bytes]:
@@ -316,5 +337,5 @@ def _checksum(header: bytes, payload: bytes | memoryview) -> int:
     return digest.intdigest()
 
 
-__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "ValueHeader", "checked_body", "decode", "encode", "read_header",
-           "stored_positions"]
+__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "StoredKV", "ValueHeader", "checked_body", "decode", "encode",
+           "read_header", "stored_kv", "stored_positions"]

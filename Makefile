@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-search
+	bench-serve bench-search bench-gpu
 
 install: $(STAMP)
 
@@ -118,6 +118,13 @@ bench-serve: bench-data $(STAMP)
 # (built once into /tmp/kvrag-search-bench).
 bench-search: $(STAMP)
 	$(BIN)/kvrag bench search --nprobe 128,1024
+
+# On a CUDA machine (`make install TORCH=cu126` first; sized for 5-8 minutes on one H100): each Triton kernel's GB/s
+# and TFLOP/s against the device's measured peaks and torch SDPA, then TTFT of full prefill and blend@0.15 on
+# MuSiQue's report items, SmolLM2 and a random Llama-3.1-8B-shaped model, against the floor (max(bytes / H2D,
+# FLOPs / peak)). The markdown report on stdout, the JSON in bench-gpu.json. Without a GPU: one line, exit 1.
+bench-gpu: bench-data $(STAMP)
+	$(BIN)/kvrag bench gpu --dataset $(BENCH_DATA) --out bench-gpu.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

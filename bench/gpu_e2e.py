@@ -1,0 +1,263 @@
+"""`kvrag bench gpu`, end to end: TTFT of a full prefill and of blend@0.15 per MuSiQue item, against the physical
+floor (issue 28).
+
+Models: SmolLM2 (the default, its real weights) and a Llama-3.1-8B-shaped model whose bf16 weights are drawn at
+random on the device (speed only: it answers nothing), prompted through SmolLM2's tokenizer (ids < its vocab). A
+model's store is filled first (every passage's KV after the preamble, fp16, uncompressed, into a temporary
+directory: timed apart), then each item is prefilled in full and blended at 0.15, in alternating order, each
+between torch.cuda.synchronize() calls, after one untimed item that warms both up.
+
+The floor of a prefill is max(bytes loaded / host-to-device GB/s, FLOPs / bf16 matmul TFLOP/s), both measured
+(bench/gpu_kernels.py), with FLOPs = 2 * params_per_token * rows + attention FLOPs, counted per layer:
+    a layer computing r rows whose queries see k keys on average:  2 P r + 4 Hq hd r k
+        P = D Hq hd (q) + 2 D Hkv hd (k, v) + Hq hd D (o) + 3 D I (MLP): the matmul weights a row passes through
+    the last layer:  K and V of its r rows (2 * 2 D Hkv hd r), the rest of the layer for the last row alone
+        (2 (P - 2 D Hkv hd) + 4 Hq hd N), and the LM head (2 V D)
+    full prefill:  r = N at every layer, k = (N + 1) / 2 (the row at position p sees p + 1 keys)
+    blend:  before the check layer, the chunk rows but the first chunk's (reused exactly as loaded) and the suffix;
+        from it on, the selected chunk rows and the suffix, selected rows taken at the middle of the chunk rows
+        that can be selected. The check layers' wider selection and their unselected rows' K/V are left out: the
+        floor is a bound from below.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvrag.bench.keyformer_load import item_chunks
+from kvrag.blend.config import ModelConfig, RopeScaling
+from kvrag.blend.device import resolve_triton
+from kvrag.blend.engine import Engine
+from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.model import Transformer
+from kvrag.blend.model_files import LocalModel, resolve_model
+from kvrag.blend.precompute import chunk_kv, layers_to_numpy
+from kvrag.blend.prompt import PromptBuilder
+from kvrag.blend.runtime import Runtime
+from kvrag.store.env import StoreEnv
+
+RATIO = 0.15
+CODEC = "fp16"  # its first chunk is reused exactly (Engine._exact_first_rows), as in `kvrag ask`
+EXTRA = 16  # decode slots a prefill reserves past the prompt
+TARGET_FLOOR, TARGET_FULL = 1.3, 0.3  # blend@0.15 on the 8B-shaped model: within 1.3x its floor, <= 0.3x full's
+FLOOR = ("floor = max(bytes loaded / pinned H2D GB/s, FLOPs / bf16 matmul TFLOP/s); FLOPs = 2 * params_per_token "
+         "* rows + 4 Hq hd * rows * visible keys, per layer (rows: every prompt row for a full prefill; for the "
+         "blend, its chunk rows but the first chunk's and the suffix before the check layer, the selected rows "
+         "and the suffix after), + 2 V D for the LM head")
+
+
+def llama8b_config() -> ModelConfig:
+    """Llama-3.1-8B's shape, written out (nothing downloaded)."""
+    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, rms_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), qkv_bias=False,
+                       tie_embeddings=False, max_positions=131072)
+
+
+def smoke_config() -> ModelConfig:
+    """The same architecture at CPU-smoke size (SmolLM2's vocab: its tokenizer's ids must fit)."""
+    return replace(llama8b_config(), vocab_size=49152, hidden_size=64, intermediate_size=128, n_layers=2,
+                   n_heads=4, n_kv_heads=2, head_dim=16)
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Llama checkpoint by its Hugging Face name, with its shape."""
+    d, q, kv, inter = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                       p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+                       p + "mlp.down_proj.weight": (d, inter), p + "input_layernorm.weight": (d,),
+                       p + "post_attention_layernorm.weight": (d,)})
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(shape) for shape in hf_shapes(cfg).values())
+
+
+class RandomWeights(Mapping):
+    """A checkpoint's tensors by HF name, each drawn on the device when Transformer takes it (std 0.02, norms 1),
+    so the q/k/v and gate/up it fuses never stand beside the whole model."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
+        self.shapes, self.dtype, self.device, self.seed = hf_shapes(cfg), dtype, device, seed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        gen = torch.Generator(self.device).manual_seed(self.seed + list(self.shapes).index(name))
+        return torch.randn(shape, generator=gen, dtype=self.dtype, device=self.device).mul_(0.02)
+
+    def __contains__(self, name: object) -> bool:  # without drawing the tensor, as Mapping's would
+        return name in self.shapes
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def random_runtime(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Runtime:
+    """A Runtime of random weights of the shape cfg, with SmolLM2's tokenizer and prompts."""
+    smol = resolve_model(None)
+    model = Transformer(cfg, RandomWeights(cfg, dtype, device), dtype, device)
+    model.triton = resolve_triton(None, device)
+    local = LocalModel(f"random {cfg.n_layers}x{cfg.hidden_size}", smol.path, cfg,
+                       f"random-{cfg.n_layers}x{cfg.hidden_size}-{cfg.vocab_size}", smol.tokenizer_fingerprint)
+    tokenizer = smol.load_tokenizer()
+    return Runtime(local, model, tokenizer, PromptBuilder(tokenizer))
+
+
+# ---- the floor -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    preamble: int
+    chunks: int  # chunk rows
+    exact: int  # leading chunk rows a blend reuses exactly (the first chunk's)
+    suffix: int
+
+    @property
+    def total(self) -> int:
+        return self.preamble + self.chunks + self.suffix
+
+
+def layer_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(P, the K/V part of P): the matmul weights a row passes through in one layer (module doc)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    kv = 2 * d * cfg.n_kv_heads * hd
+    return 2 * d * cfg.n_heads * hd + kv + 3 * d * cfg.intermediate_size, kv
+
+
+def forward_flops(cfg: ModelConfig, layers: list[tuple[float, float]], last_rows: float, n_keys: int) -> float:
+    """FLOPs of a prefill: `layers` (rows, their mean visible keys) for every layer but the last; the last one
+    computes K/V of last_rows rows and the rest (over n_keys keys) for the last row, then the LM head."""
+    per_row, kv = layer_params(cfg)
+    attn = 4 * cfg.n_heads * cfg.head_dim  # per (query row, visible key): q.k and p.v
+    body = sum(2 * per_row * rows + attn * rows * keys for rows, keys in layers)
+    return body + 2 * kv * last_rows + 2 * (per_row - kv) + attn * n_keys + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def full_flops(cfg: ModelConfig, p: PromptRows) -> float:
+    n = p.total
+    return forward_flops(cfg, [(n, (n + 1) / 2)] * (cfg.n_layers - 1), n, n)
+
+
+def blend_flops(cfg: ModelConfig, p: PromptRows, selected: int, check_layer: int = 1) -> float:
+    """A blend recomputing `selected` chunk rows from the check layer on (module doc)."""
+    chunk_keys = p.preamble + (p.exact + p.chunks + 1) / 2  # mean visible keys of a computed chunk row
+    suffix_keys = p.preamble + p.chunks + (p.suffix + 1) / 2
+
+    def rows(chunk_rows: int) -> tuple[float, float]:
+        n = chunk_rows + p.suffix
+        return n, (chunk_rows * chunk_keys + p.suffix * suffix_keys) / max(n, 1)
+
+    before, after = rows(p.chunks - p.exact), rows(selected)
+    layers = [before] * check_layer + [after] * (cfg.n_layers - 1 - check_layer)
+    return forward_flops(cfg, layers, after[0], p.total)
+
+
+def floor_s(bytes_loaded: int, flops: float, peaks: dict) -> float:
+    return max(bytes_loaded / (peaks["h2d_gbps"] * 1e9), flops / (peaks["matmul_tflops"] * 1e12))
+
+
+# ---- the runs --------------------------------------------------------------------------------------------------
+
+
+def fill_store(runtime: Runtime, engine: Engine, items: list[dict]) -> dict:
+    """Every distinct passage's KV, computed after the preamble, into the engine's store."""
+    start, seen, tokens = _now(), set(), 0
+    with torch.inference_mode():
+        for item in items:
+            for cid, ids in item_chunks(runtime, item):
+                if cid not in seen:
+                    seen.add(cid)
+                    tokens += len(ids)
+                    engine.table.put_chunk(cid, ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids), CODEC))
+    return {"passages": len(seen), "tokens": tokens, "seconds": _now() - start}
+
+
+def _now() -> float:
+    """perf_counter once the device's queued work is done."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def time_item(runtime: Runtime, reference: Engine, engine: Engine, item: dict, blend_first: bool) -> dict:
+    """One item's full prefill and blend@RATIO: TTFTs and what the floor needs."""
+    chunks = item_chunks(runtime, item)
+    runs = {"full": lambda: reference.prefill(chunks, item["question"], "full", extra=EXTRA),
+            "blend": lambda: engine.prefill(chunks, item["question"], "blend", BlendConfig(RATIO), extra=EXTRA)}
+    seconds, done = {}, {}
+    for mode in (("blend", "full") if blend_first else ("full", "blend")):
+        start = _now()
+        done[mode] = runs[mode]()
+        seconds[mode] = _now() - start
+    blend = done["blend"]
+    n_pre = len(runtime.prompts.preamble_ids)
+    rows = PromptRows(n_pre, blend.chunk_tokens, len(chunks[0][1]) if chunks else 0,
+                      done["full"].prompt_tokens - n_pre - blend.chunk_tokens)
+    cfg = runtime.model.cfg
+    return {"full_s": seconds["full"], "blend_s": seconds["blend"], "bytes_loaded": blend.bytes_loaded,
+            "prompt_tokens": rows.total, "chunk_rows": rows.chunks, "recomputed": blend.recomputed_chunk_tokens,
+            "full_flops": full_flops(cfg, rows), "blend_flops": blend_flops(cfg, rows, blend.recomputed_chunk_tokens)}
+
+
+def run_model(name: str, runtime: Runtime, items: list[dict], peaks: dict, log: Callable[[str], None]) -> dict:
+    """The store filled, a warm-up item, then every item timed (see the module doc)."""
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-gpu-") as tmp, \
+            StoreEnv.open(Path(tmp) / "store", create=True) as env:
+        engine, reference = Engine(runtime, env, CODEC, compress=False), Engine(runtime, None)
+        store = fill_store(runtime, engine, items)
+        log(f"{name}: store of {store['passages']} passages ({store['tokens']} tokens) in {store['seconds']:.1f} s")
+        time_item(runtime, reference, engine, items[0], False)
+        records = []
+        for n, item in enumerate(items):
+            r = time_item(runtime, reference, engine, item, n % 2 == 1)
+            r["floor_full_s"] = floor_s(0, r["full_flops"], peaks)
+            r["floor_blend_s"] = floor_s(r["bytes_loaded"], r["blend_flops"], peaks)
+            records.append(r)
+        log(f"{name}: {len(items)} items timed")
+    return summarize(name, runtime.model.cfg, store, records)
+
+
+def summarize(name: str, cfg: ModelConfig, store: dict, records: list[dict]) -> dict:
+    def median(f) -> float:
+        return float(np.median([f(r) for r in records]))
+
+    return {"model": name, "params": param_count(cfg), "layers": cfg.n_layers, "items": len(records),
+            "store": store, "prompt_tokens_median": median(lambda r: r["prompt_tokens"]),
+            "full_ms": 1e3 * median(lambda r: r["full_s"]), "blend_ms": 1e3 * median(lambda r: r["blend_s"]),
+            "blend_vs_full": median(lambda r: r["blend_s"] / r["full_s"]),
+            "floor_full_ms": 1e3 * median(lambda r: r["floor_full_s"]),
+            "floor_blend_ms": 1e3 * median(lambda r: r["floor_blend_s"]),
+            "full_vs_floor": median(lambda r: r["full_s"] / r["floor_full_s"]),
+            "blend_vs_floor": median(lambda r: r["blend_s"] / r["floor_blend_s"]),
+            "loaded_mb_mean": float(np.mean([r["bytes_loaded"] for r in records])) / 1e6,
+            "recomputed_share": median(lambda r: r["recomputed"] / max(r["chunk_rows"], 1)),
+            "records": records}
+
+
+def targets(model: dict) -> dict:
+    """The issue's targets for blend@0.15 on the 8B-shaped model, judged on the medians."""
+    return {"blend_vs_floor": model["blend_vs_floor"], "blend_vs_floor_target": TARGET_FLOOR,
+            "blend_vs_floor_met": model["blend_vs_floor"] <= TARGET_FLOOR,
+            "blend_vs_full": model["blend_vs_full"], "blend_vs_full_target": TARGET_FULL,
+            "blend_vs_full_met": model["blend_vs_full"] <= TARGET_FULL}

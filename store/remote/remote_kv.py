@@ -1,0 +1,307 @@
+"""The KV of one (model fingerprint, codec, variant) on object storage: one object per chunk (layout.py), under
+
+    <prefix>/kv/<model_fp>/<codec>[/<variant>]/<chunk_id>
+
+`RemoteKVTable` has the surface of the local KVTable that `ask` and `precompute` use (has, missing, record,
+get_layer_raw, put_chunk, delete_chunk, claim, the preamble) and adds what a network wants: `get_layers`, one
+layer of several chunks as concurrent ranged GETs, and `get_chunk`, a chunk whole in one GET.
+
+Reads: a chunk's index (header + record) comes from one ranged GET of its first INDEX_PROBE bytes and is kept
+(bounded); a layer is then one ranged GET, conditional on the index's ETag. Every value read is checked (length,
+checksum, codec, shape) before it is handed out. An object that fails a check is reported in `damaged` and
+treated as missing: `has` says False, reads raise DamagedObject, and the next put replaces it.
+Writes: one PUT of the whole object, only where none is (If-None-Match): a PUT is atomic, so no reader ever
+sees part of an object, and two writers of one chunk leave one whole object (the same bytes, in practice).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvrag.store.codec import CorruptValue, DecodedKV, encode
+from kvrag.store.keys import is_preamble_id, model_prefix
+from kvrag.store.kv import (
+    KVTable,
+    Layers,
+    MissingChunk,
+    Positions,
+    RawLayer,
+    Shard,
+    _positions_per_layer,
+    positions_problem,
+)
+from kvrag.store.record import KVRecord, TokenIds
+from kvrag.store.remote.layout import (
+    INDEX_PROBE,
+    ChunkIndex,
+    check_value,
+    index_length,
+    pack_chunk,
+    parse_index,
+)
+from kvrag.store.remote.object_store import ObjectChanged, ObjectStore
+
+INDEX_CACHE = 4096  # chunk indexes kept (a record is ~2-3 KB for a 512-token chunk)
+LIST_ABOVE = 64  # `missing` over more ids than this lists the folder instead of reading each index
+
+
+class DamagedObject(CorruptValue):
+    """A chunk object failed a check (size, header, record or a value): never served; recompute the chunk."""
+
+    def __init__(self, chunk_id: str, where: str, reason: str):
+        super().__init__(f"chunk {chunk_id}: object {where} is damaged ({reason}); it counts as missing")
+        self.chunk_id = chunk_id
+
+
+@dataclass(frozen=True)
+class RemoteChunk:
+    """A chunk read whole and checked: its record (and its bytes) and every layer's value."""
+
+    record: KVRecord
+    record_bytes: bytes
+    values: list[bytes]
+
+    def raw_layer(self, layer: int, codec: str) -> RawLayer:
+        return RawLayer(self.values[layer], codec, self.record.layer_shape(layer))
+
+
+class RemoteKVTable:
+    # the preamble's KV under its reserved chunk id, as the local table stores it (those methods only call
+    # put_chunk, has and get_layer, which this table has too)
+    put_preamble, has_preamble, get_preamble_layer = KVTable.put_preamble, KVTable.has_preamble, KVTable.get_preamble_layer
+
+    def __init__(self, objects: ObjectStore, model_fp: str, codec: str = "fp16", compress: bool = True,
+                 variant: str = ""):
+        model_prefix(model_fp, codec, variant)  # validates them as the local store does
+        if any("/" in part for part in (model_fp, variant)):
+            raise ValueError(f"a model fingerprint or variant with '/' cannot name an object: {model_fp!r} {variant!r}")
+        self.objects = objects
+        self.model_fp, self.codec, self.variant, self.compress = model_fp, codec, variant, compress
+        self.folder = "/".join(["kv", model_fp, codec] + ([variant] if variant else []))
+        self.damaged: dict[str, str] = {}  # chunk id -> what was wrong with its object, as last found
+        self._indexes: OrderedDict[str, ChunkIndex] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def key(self, chunk_id: str) -> str:
+        if not chunk_id or "/" in chunk_id:
+            raise ValueError(f"chunk id {chunk_id!r} cannot name an object")
+        return f"{self.folder}/{chunk_id}"
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def has(self, chunk_id: str) -> bool:
+        """Whether a whole, healthy-looking object is there (its index read and checked; values at read)."""
+        try:
+            self._index(chunk_id)
+            return True
+        except (MissingChunk, DamagedObject):
+            return False
+
+    def missing(self, chunk_ids: Iterable[str], shard: Shard | None = None) -> list[str]:
+        """The ids (in order, of this shard only) with no healthy object. A few: each index read at once (and
+        kept for the reads that follow); many: one LIST of the folder (existence only)."""
+        ids = [c for c in chunk_ids if shard is None or shard.owns(c)]
+        if len(ids) <= LIST_ABOVE:
+            present = self.objects.map(self.has, ids)
+            return [c for c, ok in zip(ids, present, strict=True) if not ok]
+        stored = set(self.chunk_ids(include_preamble=True)) - set(self.damaged)
+        return [c for c in ids if c not in stored]
+
+    def record(self, chunk_id: str) -> KVRecord | None:
+        try:
+            return self._index(chunk_id).record
+        except (MissingChunk, DamagedObject):
+            return None
+
+    def get_layer_raw(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None) -> RawLayer:
+        """One layer's value (one ranged GET once the index is known), checked. MissingChunk when there is no
+        object; DamagedObject when it fails a check; CorruptValue for other token ids or a layer out of range."""
+        for attempt in range(2):
+            index = self._index(chunk_id)
+            try:
+                _check_request(chunk_id, index.record, layer, expect_token_ids)
+                start, end = index.layer_range(layer)
+                value = self.objects.get_range(self.key(chunk_id), start, end, if_match=index.etag)
+            except (ObjectChanged, CorruptValue):  # a kept index may be stale (the object replaced): read it anew
+                self._forget(chunk_id)
+                if attempt:
+                    raise
+                continue
+            if value is None:
+                self._forget(chunk_id)
+                raise self._missing(chunk_id)
+            self._check_value(chunk_id, layer, value, index.record)
+            return RawLayer(value, self.codec, index.record.layer_shape(layer))
+        raise AssertionError("unreachable")
+
+    def get_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None,
+                  dtype: type | None = None) -> DecodedKV:
+        return self.get_layer_raw(chunk_id, layer, expect_token_ids).decode(dtype)
+
+    def get_layers(self, chunk_ids: Sequence[str], layer: int,
+                   expect_token_ids: Sequence[TokenIds | None] | None = None) -> list[RawLayer]:
+        """One layer of several chunks: a ranged GET per chunk, all in flight at once (S3 reads one object, or
+        one byte range of it, per request)."""
+        expect = list(expect_token_ids) if expect_token_ids is not None else [None] * len(chunk_ids)
+        return self.objects.map(lambda i: self.get_layer_raw(chunk_ids[i], layer, expect[i]), range(len(chunk_ids)))
+
+    def get_chunk(self, chunk_id: str, expect_token_ids: TokenIds | None = None) -> RemoteChunk:
+        """The chunk whole, in one GET, every value checked."""
+        got = self.objects.fetch(self.key(chunk_id))
+        if got is None:
+            self._forget(chunk_id)
+            raise self._missing(chunk_id)
+        data, info = got
+        index = self._parsed(chunk_id, data[:self._index_end(chunk_id, data)], info.size, info.etag)
+        _check_request(chunk_id, index.record, 0, expect_token_ids)
+        values = []
+        for layer in range(index.record.n_layers):
+            start, end = index.layer_range(layer)
+            values.append(data[start:end])
+            self._check_value(chunk_id, layer, values[-1], index.record)
+        return RemoteChunk(index.record, index.record_bytes, values)
+
+    def get_chunks(self, chunk_ids: Sequence[str]) -> list[RemoteChunk]:
+        return self.objects.map(self.get_chunk, chunk_ids)
+
+    def chunk_ids(self, *, include_preamble: bool = False) -> list[str]:
+        """The ids of every object in the folder (one LIST; sub-folders of variants left out)."""
+        ids = (info.key[len(self.folder) + 1:] for info in self.objects.list(self.folder))
+        return [c for c in ids if "/" not in c and (include_preamble or not is_preamble_id(c))]
+
+    def iter_chunks(self, *, include_preamble: bool = False) -> Iterator[tuple[str, KVRecord]]:
+        """(chunk id, record) of every healthy chunk object: a LIST, then each index (a request per chunk)."""
+        ids = self.chunk_ids(include_preamble=include_preamble)
+        for i in range(0, len(ids), LIST_ABOVE):
+            batch = ids[i:i + LIST_ABOVE]
+            for chunk_id, record in zip(batch, self.objects.map(self.record, batch), strict=True):
+                if record is not None:
+                    yield chunk_id, record
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def put_chunk(self, chunk_id: str, token_ids: TokenIds, layers: Layers, positions: Positions = None) -> bool:
+        """Encode and store a chunk as one object; False when a healthy one was already there."""
+        if self.has(chunk_id):
+            return False  # skip the encoding and the upload too
+        record, values = encode_chunk(token_ids, layers, positions, self.codec, self.compress)
+        return self.put_encoded(chunk_id, record, values)
+
+    def put_encoded(self, chunk_id: str, record: bytes, values: Sequence[bytes]) -> bool:
+        """Store a chunk already encoded (its record bytes and values): one PUT, replacing the object only when
+        it was found damaged; False when another writer's object was there first."""
+        replace = chunk_id in self.damaged
+        stored = self.objects.put(self.key(chunk_id), pack_chunk(record, values), create=not replace)
+        self._forget(chunk_id)
+        if stored:
+            self.damaged.pop(chunk_id, None)
+        return stored
+
+    def delete_chunk(self, chunk_id: str) -> int:
+        """Delete the chunk's object; 1 if there was one, else 0."""
+        existed = self.objects.head(self.key(chunk_id)) is not None
+        self.objects.delete(self.key(chunk_id))
+        self._forget(chunk_id)
+        return int(existed)
+
+    def claim(self, chunk_ids: Iterable[str], **_) -> list[str]:
+        """Those still missing. Object storage has no locks: machines split work with --shard, and a chunk two
+        of them compute is stored once (a create-only PUT)."""
+        return self.missing(chunk_ids)
+
+    def release(self, chunk_ids: Iterable[str], **_) -> None:
+        """Nothing to release (see `claim`)."""
+
+    # --- the index -------------------------------------------------------------------------------
+
+    def _index(self, chunk_id: str) -> ChunkIndex:
+        """The chunk's index, kept or read (one ranged GET, two when the record outgrows the probe); a chunk
+        found damaged stays so until it is put again."""
+        if chunk_id in self.damaged:
+            raise DamagedObject(chunk_id, f"{self.objects.url}/{self.key(chunk_id)}", self.damaged[chunk_id])
+        with self._lock:
+            if chunk_id in self._indexes:
+                self._indexes.move_to_end(chunk_id)
+                return self._indexes[chunk_id]
+        key = self.key(chunk_id)
+        got = self.objects.fetch(key, INDEX_PROBE)
+        if got is None:
+            raise self._missing(chunk_id)
+        head, info = got
+        end = self._index_end(chunk_id, head)
+        if len(head) < end <= info.size:
+            head += self.objects.get_range(key, len(head), end, if_match=info.etag) or b""
+        return self._parsed(chunk_id, head, info.size, info.etag)
+
+    def _parsed(self, chunk_id: str, head: bytes, size: int, etag: str | None) -> ChunkIndex:
+        try:
+            index = parse_index(head, size, etag)
+        except CorruptValue as exc:
+            raise self._damaged(chunk_id, str(exc)) from None
+        with self._lock:
+            self._indexes[chunk_id] = index
+            while len(self._indexes) > INDEX_CACHE:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _index_end(self, chunk_id: str, head: bytes) -> int:
+        try:
+            return index_length(head)
+        except CorruptValue as exc:
+            raise self._damaged(chunk_id, str(exc)) from None
+
+    def _forget(self, chunk_id: str) -> None:
+        with self._lock:
+            self._indexes.pop(chunk_id, None)
+
+    def _check_value(self, chunk_id: str, layer: int, value: bytes, record: KVRecord) -> None:
+        if len(value) != record.value_sizes[layer]:
+            raise self._damaged(chunk_id, f"layer {layer}: {len(value)} bytes, record says {record.value_sizes[layer]}")
+        try:
+            check_value(value, self.codec, record.layer_shape(layer))
+        except CorruptValue as exc:
+            raise self._damaged(chunk_id, f"layer {layer}: {exc}") from None
+
+    def _damaged(self, chunk_id: str, reason: str) -> DamagedObject:
+        self._forget(chunk_id)
+        self.damaged[chunk_id] = reason
+        return DamagedObject(chunk_id, f"{self.objects.url}/{self.key(chunk_id)}", reason)
+
+    def _missing(self, chunk_id: str) -> MissingChunk:
+        variant = f", {self.variant}" if self.variant else ""
+        return MissingChunk(f"no KV for chunk {chunk_id} in {self.objects.url} (model {self.model_fp}, "
+                            f"codec {self.codec}{variant})")
+
+
+def _check_request(chunk_id: str, record: KVRecord, layer: int, expect_token_ids: TokenIds | None) -> None:
+    """The stored chunk must be the one asked for (a chunk id is a hash) and have the layer."""
+    if expect_token_ids is not None and not record.matches(expect_token_ids):
+        raise CorruptValue(f"chunk {chunk_id}: stored token ids differ from the expected ones")
+    if not 0 <= layer < record.n_layers:
+        raise CorruptValue(f"chunk {chunk_id} has {record.n_layers} layers, layer {layer} asked")
+
+
+def encode_chunk(token_ids: TokenIds, layers: Layers, positions: Positions, codec: str,
+                 compress: bool) -> tuple[bytes, list[bytes]]:
+    """A chunk's record bytes and per-layer values, checked as KVTable.put_chunk checks them."""
+    if not layers:
+        raise ValueError("a chunk needs at least one layer")
+    n_tokens = len(token_ids)
+    values, kept = [], []
+    for i, ((k, v), pos) in enumerate(zip(layers, _positions_per_layer(positions, len(layers)), strict=True)):
+        if pos is None and k.shape[0] != n_tokens:
+            raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
+        problem = None if pos is None else positions_problem(np.asarray(pos), n_tokens)
+        if problem:
+            raise ValueError(f"layer {i}: {problem}")
+        if k.shape[1:] != layers[0][0].shape[1:]:
+            raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
+        values.append(encode(k, v, codec, pos, compress=compress))
+        kept.append(k.shape[0])
+    _, heads, dim = layers[0][0].shape
+    return KVRecord.build(token_ids, heads, dim, kept, [len(v) for v in values]).to_bytes(), values

@@ -48,6 +48,10 @@ def precompute_command(
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
+    ray: str = typer.Option(None, "--ray", metavar="local|ADDRESS",
+                            help="Prefill on Ray actors (pip install 'kvrag[ray]'): `local` starts a local cluster of "
+                                 "--ray-workers CPUs; `auto` or ray://host:10001 joins a running one."),
+    ray_workers: int = typer.Option(2, "--ray-workers", min=1, help="With --ray: actors, one CPU and model each."),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Precompute the KV cache of every indexed chunk, so `ask` never prefills a stored passage again.
@@ -55,6 +59,7 @@ def precompute_command(
     Interrupted (Ctrl-C) and run again, it resumes; several processes may share one store.
 
     Example: kvrag precompute --store ./store --codec int8 --keep 0.5
+    Example: kvrag precompute --store ./store --ray local --ray-workers 4
     """
     from kvrag.blend.keyformer import KeepConfig
     from kvrag.blend.precompute import PrecomputeInterrupted
@@ -62,12 +67,16 @@ def precompute_command(
     from kvrag.store.kv import Shard
 
     codec_id(codec)  # validate before loading anything
+    if ray is not None:
+        from kvrag.blend.precompute_ray import import_ray
+
+        import_ray()  # without Ray: one line saying how to install it
     keep_config = KeepConfig(keep, keep_rule, per_layer=keep_per_layer)
     parsed_shard = Shard.parse(shard) if shard else None
     console = stderr_console()
     try:
         summary = _run(resolve_store(store), codec, limit, parsed_shard, compress, keep_config, model, dtype, device,
-                       console, show_progress=not as_json or console.is_terminal)
+                       console, show_progress=not as_json or console.is_terminal, ray=(ray, ray_workers))
     except KeyboardInterrupt as exc:  # before the first chunk (loading the model), nothing was stored
         stored = exc.stored if isinstance(exc, PrecomputeInterrupted) else 0
         raise Interrupted(f"interrupted; {stored} chunks stored, run again to resume") from None
@@ -93,14 +102,13 @@ def precompute_command(
 
 
 def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model, dtype, device, console,
-         show_progress: bool):
-    """Load the model and precompute, with a progress bar on stderr."""
+         show_progress: bool, ray: tuple[str | None, int] = (None, 1)):
+    """Load the model and precompute (on Ray actors when `ray` names an address), with a progress bar on stderr."""
     from kvrag.blend.precompute import precompute
     from kvrag.blend.runtime import Runtime
     from kvrag.store.env import StoreEnv
 
     with StoreEnv.open(store_dir) as env:
-        runtime = Runtime.load(model, dtype, device, tune_process=True)
         progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=console, disable=not show_progress)
@@ -116,5 +124,13 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model,
             rate = tokens / max(1e-9, time.perf_counter() - t0)
             progress.update(task, completed=done, rate=f"{rate:,.0f} tok/s")
 
+        address, workers = ray
+        if address is not None:
+            from kvrag.blend.precompute_ray import precompute_ray
+
+            with progress:  # the workers load the model (on CPUs); --device does not apply
+                return precompute_ray(env, model, dtype, codec, keep, address, workers, on_progress=on_progress,
+                                      on_start=on_start, limit=limit, shard=shard, compress=compress)
+        runtime = Runtime.load(model, dtype, device, tune_process=True)
         with progress:
             return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress, keep)

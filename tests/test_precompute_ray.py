@@ -1,0 +1,134 @@
+"""precompute --ray: a local Ray cluster's actors store byte for byte what the single-process precompute stores;
+reruns, an interrupted driver and a worker killed mid-batch still end with every chunk stored once."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag.blend.keyformer import KeepConfig
+from kvrag.blend.precompute import PrecomputeInterrupted, precompute
+from kvrag.blend.precompute_ray import precompute_ray
+from kvrag.blend.runtime import Runtime
+from kvrag.store.env import StoreEnv
+from kvrag.store.maintenance import verify
+from kvrag.tests.conftest import run_cli_in_process
+
+ray = pytest.importorskip("ray")
+
+VARIANTS = {"fp16": KeepConfig(), "keep0.5": KeepConfig(0.5)}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(session_home):
+    """A local cluster of 2 CPUs for the module (its workers inherit KVRAG_HOME and the offline settings)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(indexed_store, tiny_llama_dir, tmp_path_factory) -> dict[str, dict[bytes, bytes]]:
+    """Per variant, every entry of the kv database after the single-process precompute (one thread, as a
+    Ray worker of one CPU computes)."""
+    runtime = Runtime.load(str(tiny_llama_dir), "float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for name, keep in VARIANTS.items():
+            store = tmp_path_factory.mktemp("reference") / "store"
+            shutil.copytree(indexed_store, store)
+            with StoreEnv.open(store) as env:
+                precompute(env, runtime, "fp16", keep=keep)
+            out[name] = kv_entries(store)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def kv_entries(store: Path) -> dict[bytes, bytes]:
+    with StoreEnv.open(store) as env, env.reader() as txn:
+        return {bytes(k): bytes(v) for k, v in txn.cursor(db=env.db("kv"))}
+
+
+def _run(store: Path, model: Path, **kwargs):
+    with StoreEnv.open(store) as env:
+        return precompute_ray(env, str(model), "float32", workers=2, batch=2, **kwargs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_same_store_as_single_process_and_rerun_stores_nothing(ray_cluster, reference, store_copy, tiny_llama_dir,
+                                                               variant):
+    progress = []
+    summary = _run(store_copy, tiny_llama_dir, keep=VARIANTS[variant],
+                   on_progress=lambda *args: progress.append(args))
+    assert (summary.indexed_chunks, summary.computed, summary.already_stored) == (5, 5, 0)
+    assert summary.variant == VARIANTS[variant].variant and summary.skipped_by_others == 0
+    assert [done for done, _, _ in progress] == [1, 2, 3, 4, 5] and progress[-1][1:] == (summary.tokens, 5)
+    if variant != "fp16":
+        assert 0 < summary.kept_tokens < summary.tokens
+    assert kv_entries(store_copy) == reference[variant]  # every layer value and record, byte for byte
+
+    again = _run(store_copy, tiny_llama_dir, keep=VARIANTS[variant])
+    assert (again.computed, again.already_stored) == (0, 5)
+    assert kv_entries(store_copy) == reference[variant]
+
+
+def test_interrupted_driver_resumes_with_every_chunk_once(ray_cluster, reference, store_copy, tiny_llama_dir):
+    def interrupt(done, tokens, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(PrecomputeInterrupted) as interrupted:
+        _run(store_copy, tiny_llama_dir, on_progress=interrupt)
+    assert interrupted.value.stored == 2
+    with StoreEnv.open(store_copy) as env:
+        assert verify(env).ok
+    # the claims of the batches in flight were freed: the rerun (same process) takes every chunk left
+    rest = _run(store_copy, tiny_llama_dir)
+    assert (rest.already_stored, rest.computed, rest.skipped_by_others) == (2, 3, 0)
+    assert kv_entries(store_copy) == reference["fp16"]
+
+
+def _die_once(flag: str, chunk_ids: list[str]) -> None:
+    """In a Ray worker, before a batch: the first time (while `flag` exists), end the process as a kill would."""
+    try:
+        os.unlink(flag)
+    except FileNotFoundError:
+        return
+    os._exit(1)
+
+
+def test_worker_killed_mid_batch_is_restarted_and_its_batch_retried(ray_cluster, reference, store_copy,
+                                                                    tiny_llama_dir, tmp_path):
+    flag = tmp_path / "die-once"
+    flag.touch()
+    summary = _run(store_copy, tiny_llama_dir, on_batch=functools.partial(_die_once, str(flag)))
+    assert not flag.exists()  # a worker did die holding a batch
+    assert (summary.computed, summary.skipped_by_others) == (5, 0)
+    assert kv_entries(store_copy) == reference["fp16"]
+
+
+def test_cli_ray_local_end_to_end(reference, store_copy, tiny_llama_dir, kvrag):
+    """`--ray local` in its own process starts (and stops) its own cluster."""
+    proc = kvrag("precompute", "--store", str(store_copy), "--model", str(tiny_llama_dir), "--dtype", "float32",
+                 "--ray", "local", "--ray-workers", "2", "--json")
+    done = json.loads(proc.stdout)
+    assert (done["computed"], done["indexed_chunks"], done["already_stored"]) == (5, 5, 0)
+    assert kv_entries(store_copy) == reference["fp16"]
+
+
+def test_cli_without_ray_says_how_to_install(monkeypatch, capsys, store_copy):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is not installed
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "precompute_cmd", "precompute", "--store", str(store_copy),
+                                      "--ray", "local")
+    assert code == 1 and err.count("\n") == 1 and "pip install 'kvrag[ray]'" in err

@@ -172,34 +172,23 @@ class KVTable:
         `positions` (a Keyformer subset): None (all tokens), one int array for every layer, or one per
         layer; each is [T_kept] or [T_kept, kv_heads] original token positions.
         """
-        key = self.key(chunk_id)
-        if not layers:
-            raise ValueError("a chunk needs at least one layer")
         if self.has(chunk_id):
             return False  # skip the encoding too
-        n_tokens = len(token_ids)
-        per_layer = _positions_per_layer(positions, len(layers))
-        values, kept = [], []
-        for i, ((k, v), pos) in enumerate(zip(layers, per_layer, strict=True)):
-            if pos is None and k.shape[0] != n_tokens:
-                raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
-            problem = None if pos is None else positions_problem(np.asarray(pos), n_tokens)
-            if problem:
-                raise ValueError(f"layer {i}: {problem}")
-            if k.shape[1:] != layers[0][0].shape[1:]:
-                raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
-            values.append(encode(k, v, self.codec, pos, compress=self.compress))
-            kept.append(k.shape[0])
-        _, heads, dim = layers[0][0].shape
-        record = KVRecord.build(token_ids, heads, dim, kept, [len(v) for v in values]).to_bytes()
+        record, values = encode_chunk(token_ids, layers, positions, self.codec, self.compress)
+        return self.put_encoded(chunk_id, record, values)
+
+    def put_encoded(self, chunk_id: str, record: bytes, values: Sequence[bytes]) -> bool:
+        """Store an encoded chunk (its record bytes and per-layer values) in ONE transaction, the record last as
+        the "complete" mark; False when it was there (another process finished it meanwhile)."""
+        key = self.key(chunk_id)
         claim = key.claim_key()
 
         def write(txn: lmdb.Transaction) -> bool:
             if txn.get(key.to_bytes(), db=self.db) is not None:
-                return False  # another process finished it meanwhile
+                return False
             for layer, value in enumerate(values):
                 txn.put(key.layer(layer).to_bytes(), value, db=self.db)
-            txn.put(key.to_bytes(), record, db=self.db)  # last: the "complete" mark
+            txn.put(key.to_bytes(), record, db=self.db)
             txn.delete(claim, db=self.db)
             return True
 
@@ -289,6 +278,28 @@ def claim_alive(raw: bytes, me: str, now: float) -> bool:
     except PermissionError:
         return True  # alive, another user's
     return True
+
+
+def encode_chunk(token_ids: TokenIds, layers: Layers, positions: Positions, codec: str,
+                 compress: bool) -> tuple[bytes, list[bytes]]:
+    """A chunk's record bytes and per-layer values, checked: every layer one row per token (or per kept token, with
+    positions: None, one array for every layer, or one per layer), one shape of heads."""
+    if not layers:
+        raise ValueError("a chunk needs at least one layer")
+    n_tokens = len(token_ids)
+    values, kept = [], []
+    for i, ((k, v), pos) in enumerate(zip(layers, _positions_per_layer(positions, len(layers)), strict=True)):
+        if pos is None and k.shape[0] != n_tokens:
+            raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
+        problem = None if pos is None else positions_problem(np.asarray(pos), n_tokens)
+        if problem:
+            raise ValueError(f"layer {i}: {problem}")
+        if k.shape[1:] != layers[0][0].shape[1:]:
+            raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
+        values.append(encode(k, v, codec, pos, compress=compress))
+        kept.append(k.shape[0])
+    _, heads, dim = layers[0][0].shape
+    return KVRecord.build(token_ids, heads, dim, kept, [len(v) for v in values]).to_bytes(), values
 
 
 def positions_problem(positions: np.ndarray, n_tokens: int) -> str | None:

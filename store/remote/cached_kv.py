@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvrag.store.codec import DecodedKV
-from kvrag.store.kv import KVTable, Layers, MissingChunk, Positions, RawLayer, Shard
+from kvrag.store.kv import KVTable, Layers, MissingChunk, Positions, RawLayer, Shard, encode_chunk
 from kvrag.store.record import KVRecord, TokenIds
-from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable, encode_chunk
+from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable
 from kvrag.store.tiers.policies import AccessStats, Policy, make_policy
 
 
@@ -139,7 +139,7 @@ class CachedKVTable:
             if stored_bytes(chunk.record) > self.max_bytes:
                 self.counters.not_kept += 1
                 return
-            put_raw(self.local, chunk_id, chunk.record_bytes, chunk.values)
+            self.local.put_encoded(chunk_id, chunk.record_bytes, chunk.values)
             self._track(chunk_id, chunk.record, cost_s)
             self._evict(keep=chunk_id)
 
@@ -184,20 +184,3 @@ class CachedKVTable:
 def stored_bytes(record: KVRecord) -> int:
     """What a chunk takes in a store: its record and its values."""
     return len(record.to_bytes()) + record.total_bytes
-
-
-def put_raw(table: KVTable, chunk_id: str, record: bytes, values: Sequence[bytes]) -> bool:
-    """Store an encoded chunk (record bytes and values, as read from elsewhere) in ONE transaction, as
-    KVTable.put_chunk does; False when it was there."""
-    key = table.key(chunk_id)
-
-    def write(txn) -> bool:
-        if txn.get(key.to_bytes(), db=table.db) is not None:
-            return False
-        for layer, value in enumerate(values):
-            txn.put(key.layer(layer).to_bytes(), value, db=table.db)
-        txn.put(key.to_bytes(), record, db=table.db)  # last: the "complete" mark
-        txn.delete(key.claim_key(), db=table.db)
-        return True
-
-    return table.env.write(write)

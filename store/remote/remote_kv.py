@@ -21,9 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvrag.store.codec import CorruptValue, DecodedKV, encode
+from kvrag.store.codec import CorruptValue, DecodedKV
 from kvrag.store.keys import is_preamble_id, model_prefix
 from kvrag.store.kv import (
     KVTable,
@@ -32,8 +30,7 @@ from kvrag.store.kv import (
     Positions,
     RawLayer,
     Shard,
-    _positions_per_layer,
-    positions_problem,
+    encode_chunk,
 )
 from kvrag.store.record import KVRecord, TokenIds
 from kvrag.store.remote.layout import (
@@ -286,22 +283,3 @@ def _check_request(chunk_id: str, record: KVRecord, layer: int, expect_token_ids
         raise CorruptValue(f"chunk {chunk_id} has {record.n_layers} layers, layer {layer} asked")
 
 
-def encode_chunk(token_ids: TokenIds, layers: Layers, positions: Positions, codec: str,
-                 compress: bool) -> tuple[bytes, list[bytes]]:
-    """A chunk's record bytes and per-layer values, checked as KVTable.put_chunk checks them."""
-    if not layers:
-        raise ValueError("a chunk needs at least one layer")
-    n_tokens = len(token_ids)
-    values, kept = [], []
-    for i, ((k, v), pos) in enumerate(zip(layers, _positions_per_layer(positions, len(layers)), strict=True)):
-        if pos is None and k.shape[0] != n_tokens:
-            raise ValueError(f"layer {i}: K has {k.shape[0]} tokens, the chunk {n_tokens}")
-        problem = None if pos is None else positions_problem(np.asarray(pos), n_tokens)
-        if problem:
-            raise ValueError(f"layer {i}: {problem}")
-        if k.shape[1:] != layers[0][0].shape[1:]:
-            raise ValueError(f"layer {i}: K shape {k.shape} differs from layer 0's {layers[0][0].shape}")
-        values.append(encode(k, v, codec, pos, compress=compress))
-        kept.append(k.shape[0])
-    _, heads, dim = layers[0][0].shape
-    return KVRecord.build(token_ids, heads, dim, kept, [len(v) for v in values]).to_bytes(), values

@@ -37,6 +37,7 @@ from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.engine.speculation import Speculator, Stage
 from kvrag.store.env import StoreEnv
+from kvrag.store.remote import local_store
 from kvrag.store.tiers.config import parse_bytes
 
 Passage = tuple[str, str]  # (title, text)
@@ -61,7 +62,7 @@ class KVRag:
         from kvrag.blend.memory import build_cache
 
         keep_config = KeepConfig(keep, keep_rule)  # bad settings are said before anything loads
-        self.env = StoreEnv.open(store)
+        self.env = StoreEnv.open(local_store(store))  # s3://...: its local mirror, brought up to date
         self._retriever = None
         self._retriever_lock = threading.Lock()
         self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds

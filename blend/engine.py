@@ -29,8 +29,9 @@ from kvrag.blend.prefill import LayerKV, extend
 from kvrag.blend.runtime import Runtime
 from kvrag.store.codec import CorruptValue, stored_positions
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, MissingChunk
+from kvrag.store.kv import MissingChunk
 from kvrag.store.manifest import check_or_record
+from kvrag.store.remote import store_table
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import STORE
 
@@ -105,7 +106,7 @@ class Engine:
             check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                             tokenizer_fp=runtime.local.tokenizer_fingerprint)
             # compress: how write-backs are stored
-            self.table = KVTable(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "")
+            self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "")
         self.load_delay_s = load_delay_s
         with torch.inference_mode():
             _, self.preamble = extend(self.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))

@@ -31,6 +31,7 @@ from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard
 from kvrag.store.manifest import check_or_record, preamble_hash
+from kvrag.store.remote import store_table
 
 CLAIM_BATCH = 4  # chunks claimed per transaction: small, so a crash strands little work
 WRITES_IN_FLIGHT = 2  # chunks encoded/written behind the forward passes; bounds the memory held
@@ -114,8 +115,8 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     check_or_record(store, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                     tokenizer_fp=runtime.local.tokenizer_fingerprint)
     keep = keep or KeepConfig()
-    full = KVTable(store, runtime.fingerprint, codec, compress)
-    table = KVTable(store, runtime.fingerprint, codec, compress, keep.variant) if keep.reduced else full
+    full = store_table(store, runtime.fingerprint, codec, compress)  # a mirror's: the object store, cached here
+    table = store_table(store, runtime.fingerprint, codec, compress, keep.variant) if keep.reduced else full
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
     if limit is not None:

@@ -38,6 +38,7 @@ from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard
 from kvrag.store.manifest import check_or_record, preamble_hash
+from kvrag.store.remote import store_table
 
 RAY_BATCH = 4  # chunks per Ray task: few, so a killed worker redoes little and results stay small
 IN_FLIGHT_PER_WORKER = 2  # batches queued per actor: one computing, one ready to start; bounds the driver's memory
@@ -123,8 +124,8 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     check_or_record(store, local.fingerprint, prompts.template.preamble, codec,
                     tokenizer_fp=local.tokenizer_fingerprint)
     keep = keep or KeepConfig()
-    full = KVTable(store, local.fingerprint, codec, compress)
-    table = KVTable(store, local.fingerprint, codec, compress, keep.variant) if keep.reduced else full
+    full = store_table(store, local.fingerprint, codec, compress)  # a mirror's: the object store, cached here
+    table = store_table(store, local.fingerprint, codec, compress, keep.variant) if keep.reduced else full
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
     todo = todo if limit is None else todo[:limit]

@@ -19,7 +19,9 @@ MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
 # The envvar is declared for --help; kvrag.home.default_store_dir reads the same variable when --store is unset.
-STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE", help="Store directory (default: <home>/store).")
+STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE",
+                            help="Store directory (default: <home>/store), or s3://bucket/prefix: a shared store on "
+                                 "object storage, mirrored locally (pip install 'kvrag[s3]').")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 # what `ask` and `serve` read: the stored KV's codec and the memory tiers for hot chunks across questions
 CODEC_OPTION = typer.Option("fp16", "--codec", help="Which stored KV to use: fp16, bf16 or int8.")
@@ -65,9 +67,18 @@ class Interrupted(Exception):
         super().__init__(message)
 
 
-def resolve_store(store: Path | None) -> Path:
-    """--store, else $KVRAG_STORE, else <home>/store; `~` expanded (click does not expand it)."""
-    return (store or default_store_dir()).expanduser()
+def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path:
+    """--store, else $KVRAG_STORE, else <home>/store; `~` expanded (click does not expand it). s3://bucket/prefix:
+    its local mirror, brought up to the corpus published there (store/remote/mirror.py; `need_corpus`: a store
+    with none is one line)."""
+    text = str(store or default_store_dir())
+    if text.startswith("s3:/") and not text.startswith("s3://"):  # a Path (click's, KVRAG_STORE's) folds the //
+        text = "s3://" + text[len("s3:/"):]
+    if not text.startswith("s3://"):
+        return Path(text).expanduser()
+    from kvrag.store.remote import local_store
+
+    return local_store(text, need_corpus=need_corpus)
 
 
 def stderr_console() -> Console:

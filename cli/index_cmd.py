@@ -100,7 +100,7 @@ def index_command(
         fields=JsonFields(text_field, title_field, id_field),
         prune=prune, rechunk=rechunk, index_factory=index_factory,
     )
-    store_dir = resolve_store(store)
+    store_dir = resolve_store(store, need_corpus=False)  # s3://...: its mirror, holding the published corpus
     files = expand_paths(paths, exclude=store_dir)  # a wrong path fails here, before models load
     if not files:
         raise KvragError(f"no files found in {', '.join(paths)}")
@@ -110,10 +110,26 @@ def index_command(
         embedder = load_embedder()
     with _Bars(err) as bars:
         summary = index_corpus(files, store_dir, passages, embedder, options, progress=bars)
+    published = _publish(store_dir, err)
     if json_out:  # skipped inputs are listed there too
-        print_json(summary.to_json())
+        print_json(summary.to_json() | ({"published": published} if published else {}))
     else:
         _print_summary(err, summary)
+        if published:
+            err.print(f"published {published}", highlight=False, soft_wrap=True)
+
+
+def _publish(store_dir: Path, console: Console) -> str | None:
+    """For a mirror (--store s3://...): its corpus uploaded as the store's current snapshot; its URL."""
+    from kvrag.store.remote import remote_url
+
+    url = remote_url(store_dir)
+    if url is None:
+        return None
+    from kvrag.store.remote.mirror import Mirror
+
+    with console.status("publishing the corpus"):
+        return Mirror.open(url).publish()
 
 
 @app.command("search")

@@ -4,30 +4,99 @@
     layout.py        one chunk = one object: header, KVRecord, every layer's value; its checks
     remote_kv.py     RemoteKVTable: KVTable's surface over those objects, plus get_layers / get_chunk
     cached_kv.py     CachedKVTable: the local LMDB KVTable as a size-bounded read-through tier in front of it
+    mirror.py        the local mirror of a remote store: its corpus (a published snapshot) and its kv cache
 
-obstore is an optional dependency (the `s3` extra): importing this package needs it, `kvrag.store` does not.
+`local_store` and `store_table` are what the commands and the API call: a local store gives a plain directory and
+KVTable, as ever. obstore is an optional dependency (the `s3` extra): only the remote path imports it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvrag import KvragError
 from kvrag.store.kv import KVTable
-from kvrag.store.remote.cached_kv import CachedKVTable
-from kvrag.store.remote.object_store import ObjectStore
-from kvrag.store.remote.remote_kv import DamagedObject, RemoteKVTable
+
+if TYPE_CHECKING:
+    from kvrag.store.env import StoreEnv
+    from kvrag.store.remote.cached_kv import CachedKVTable
+    from kvrag.store.remote.remote_kv import RemoteKVTable
+
+MARKER = "remote.json"  # in a mirror directory: {"url": "s3://bucket/prefix"}
+INSTALL_HINT = "--store s3://... needs obstore: pip install 'kvrag[s3]'"
+_LAZY = {"CachedKVTable": "cached_kv", "ObjectStore": "object_store", "DamagedObject": "remote_kv",
+         "RemoteKVTable": "remote_kv"}
 
 
-def is_remote(store: str) -> bool:
+def is_remote(store: str | Path) -> bool:
     """Whether a --store value names object storage rather than a local directory."""
     return str(store).startswith("s3://")
+
+
+def remote_url(store_dir: str | Path) -> str | None:
+    """The URL of the remote store a directory mirrors; None for an ordinary local store."""
+    try:
+        return json.loads((Path(store_dir) / MARKER).read_text())["url"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvragError(f"{Path(store_dir) / MARKER} is damaged ({exc}); delete the mirror directory") from None
+
+
+def local_store(store: str | Path, *, need_corpus: bool = True) -> Path:
+    """A --store value as a local store directory: the directory itself, or for s3://bucket/prefix its mirror,
+    brought up to the corpus published there (`need_corpus`: a store with none is a KvragError)."""
+    if not is_remote(store):
+        return Path(store).expanduser()
+    _require_obstore()
+    from kvrag.store.remote.mirror import Mirror
+
+    return Mirror.open(str(store)).sync(need_corpus)
+
+
+def store_table(env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True,
+             variant: str = "") -> KVTable | CachedKVTable:
+    """The KV table of a store: its KVTable; for a mirror, the remote table with that KVTable as its cache."""
+    table = KVTable(env, model_fp, codec, compress, variant)
+    url = remote_url(env.path)
+    if url is None:
+        return table
+    _require_obstore()
+    from kvrag.store.remote.mirror import cache_bytes
+
+    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=cache_bytes())
 
 
 def open_table(url: str, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "", *,
                cache: KVTable | None = None, cache_bytes: int = 0) -> RemoteKVTable | CachedKVTable:
     """The table `ask` and `precompute` read and write for --store s3://...: the remote one, behind the local
     `cache` table (same model, codec and variant) when one is given, bounded to `cache_bytes`."""
+    from kvrag.store.remote.cached_kv import CachedKVTable
+    from kvrag.store.remote.object_store import ObjectStore
+    from kvrag.store.remote.remote_kv import RemoteKVTable
+
     remote = RemoteKVTable(ObjectStore.from_url(url), model_fp, codec, compress, variant)
     remote.objects.check()  # wrong bucket or credentials: one clear line now, not at the first read
     return remote if cache is None else CachedKVTable(remote, cache, cache_bytes)
 
 
-__all__ = ["CachedKVTable", "DamagedObject", "ObjectStore", "RemoteKVTable", "is_remote", "open_table"]
+def _require_obstore() -> None:
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        raise KvragError(INSTALL_HINT) from None
+
+
+def __getattr__(name: str):
+    """The obstore-bound classes, imported on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
+
+__all__ = ["CachedKVTable", "DamagedObject", "ObjectStore", "RemoteKVTable", "is_remote", "store_table",
+           "local_store", "open_table", "remote_url"]

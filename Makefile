@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-search bench-gpu
+	bench-serve bench-search bench-index bench-gpu
 
 install: $(STAMP)
 
@@ -118,6 +118,13 @@ bench-serve: bench-data $(STAMP)
 # (built once into /tmp/kvrag-search-bench).
 bench-search: $(STAMP)
 	$(BIN)/kvrag bench search --nprobe 128,1024
+
+# The vector index at 1M x 384 (issue 29): build time, peak memory, index bytes, single-query p50/p99 and
+# recall@10 against exact search for the default (IVF-PQ with an exact re-rank), IVF-Flat and HNSW32. About
+# 10 minutes on 2 idle cores and 3.5 GB of memory, extrapolated from 100k (1 minute of CPU there: training
+# grows 16x, adding 40x, HNSW ~12x at 1M); INDEX_ARGS='--n 100000' for a quick run, '--json' for the report.
+bench-index: $(STAMP)
+	$(BIN)/kvrag bench index --n 1000000 --queries 1000 $(INDEX_ARGS)
 
 # On a CUDA machine (`make install TORCH=cu126` first; sized for 5-8 minutes on one H100): each Triton kernel's GB/s
 # and TFLOP/s against the device's measured peaks and torch SDPA, then TTFT of full prefill and blend@0.15 on

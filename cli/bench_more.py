@@ -1,4 +1,4 @@
-"""`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | keyformer | gpu`: the
+"""`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | index | keyformer | gpu`: the
 benchmarks besides the RAG comparison.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
@@ -327,6 +327,44 @@ def bench_search(
     report = run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     if as_json:
         print_json(report)
+
+
+@bench_app.command("index")
+def bench_index(
+    n: int = typer.Option(1_000_000, "--n", min=1, help="Synthetic vectors indexed."),
+    dim: int = typer.Option(384, "--dim", min=2, help="Their dimension (all-MiniLM-L6-v2's: 384)."),
+    queries: int = typer.Option(1000, "--queries", min=1, help="Queries timed one at a time and scored for recall."),
+    factory: list[str] = typer.Option(None, "--factory", help="A faiss factory to measure, repeatable (default: "
+                                      "`kvrag index`'s choice at --n, its IVF-Flat and HNSW32)."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """The vector index at scale: build time, peak memory, index bytes, single-query latency p50/p99 and recall@10
+    against exact search, per factory (progress on stderr, the markdown table or --json on stdout).
+
+    Example: kvrag bench index --n 100000 --factory IVF1024,PQ192x4fs,RFlat --factory IVF1024,Flat
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvrag.bench.index_scale import IndexScaleConfig, markdown, run
+
+    console = stderr_console()
+    cfg = IndexScaleConfig(n=n, dim=dim, queries=queries, factories=tuple(factory or ()))
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+    tasks: dict[str, int] = {}
+
+    def progress(name: str, added: int, total: int) -> None:  # a bar per build, shown once training is done
+        if name not in tasks:
+            tasks[name] = bars.add_task(f"adding to {name}", total=total)
+        bars.update(tasks[name], completed=added)
+
+    with bars:
+        report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
+                  **run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress)}
+    if as_json:
+        print_json(report)
+    else:
+        typer.echo(markdown(report))
 
 
 @bench_app.command("keyformer")

@@ -30,6 +30,8 @@ from kvrag import KvragError
 from kvrag.corpus.staged_search import staged_search
 from kvrag.corpus.vector_index import check_factory, choose_factory, default_nprobe
 
+IVF_FLAT_ALWAYS = 1 << 62  # choose_factory's PQ threshold out of reach: this bench stages and times IVF-Flat lists
+
 QUERY_SPREAD = {"near": 1.0, "far": 2.0, "random": None}  # noise/centre norm ratio of a query; None: uniform
 
 
@@ -78,7 +80,7 @@ def corpus_block(cfg: SearchBenchConfig, subs: np.ndarray, block: int, size: int
 def build_index(cfg: SearchBenchConfig, subs: np.ndarray, log) -> faiss.Index:
     """The cached index, or a new one: trained on ~40 vectors a list (the first rows are a fair sample), then
     filled block by block so the corpus is never whole in memory twice."""
-    factory = cfg.factory or choose_factory(cfg.count)
+    factory = cfg.factory or choose_factory(cfg.count, pq_min=IVF_FLAT_ALWAYS)  # the staged bench times IVF-Flat
     shape = f"{cfg.count}x{cfg.dim}-t{cfg.topics}-s{cfg.subtopics}-sp{cfg.spread}-seed{cfg.seed}"
     path = cfg.work / f"{factory.replace(',', '_')}-{shape}.faiss"
     if path.exists():
@@ -173,7 +175,7 @@ def run(cfg: SearchBenchConfig, log=print) -> dict:
     finally:
         faiss.omp_set_num_threads(threads)
     return {"config": {**asdict(cfg), "work": str(cfg.work)},
-            "factory": cfg.factory or choose_factory(cfg.count),
+            "factory": cfg.factory or choose_factory(cfg.count, pq_min=IVF_FLAT_ALWAYS),
             "nlist": nlist, "cpu": _cpu(), "cells": cells}
 
 

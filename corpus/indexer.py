@@ -252,7 +252,7 @@ class _Run:
         previous = VectorIndex.load(store_dir)
         if previous is not None and previous.embedder != embedder.fingerprint:
             previous = None  # vectors of another model: embed everything again
-        factory = choose_factory(len(target), self.config.index_factory or None)
+        factory = choose_factory(len(target), self.config.index_factory or None, dim=embedder.dim)
         old_rows = {chunk_id: row for row, chunk_id in enumerate(previous.ids)} if previous else {}
         missing = [chunk_id for chunk_id in target if chunk_id not in old_rows]
         if previous is not None and not missing and len(target) == len(previous.ids) and previous.factory == factory:
@@ -265,7 +265,14 @@ class _Run:
                 vectors[row] = fresh[fresh_rows[chunk_id]]
             else:
                 vectors[row] = previous.vectors[old_rows[chunk_id]]
-        index = VectorIndex.build(target, vectors, factory, embedder.fingerprint, previous=previous)
+        self.progress.start("indexing", len(target))
+        reported = [0]
+
+        def advance(added: int, _total: int) -> None:  # the build reports totals; the bar takes steps
+            self.progress.advance("indexing", added - reported[0])
+            reported[0] = added
+
+        index = VectorIndex.build(target, vectors, factory, embedder.fingerprint, previous=previous, progress=advance)
         index.save(store_dir)
         return index, len(missing)
 

@@ -17,7 +17,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+import signal  # noqa: E402
+
 import torch  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would every CLI
+    # it starts: the Ctrl-C tests could not interrupt them. A handler (unlike SIG_IGN) resets to the default in a child.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     # Triton's kernels run in its interpreter on the CPU, exactly enough to test them against their torch twins

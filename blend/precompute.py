@@ -96,6 +96,36 @@ def chunk_kv(runtime: Runtime, preamble: LayerKV, token_ids: list[int] | tuple[i
     return kv
 
 
+@dataclass
+class RunPlan:
+    """What a precompute run stores: the chunk table, the full and the (maybe reduced) KV tables, the chunks still
+    to compute (after shard and limit), and the summary counting what was there already."""
+
+    chunks: ChunkTable
+    full: KVTable
+    table: KVTable
+    todo: list[str]
+    summary: PrecomputeSummary
+
+
+def plan_run(store: StoreEnv, local, preamble_text: str, codec: str, compress: bool, keep: KeepConfig,
+             shard: Shard | None, limit: int | None) -> RunPlan:
+    """The indexed chunks without KV for this model, codec and `keep` variant (the store's manifest checked or
+    recorded first); shared by precompute and precompute_ray. `local`: the model's LocalModel."""
+    chunks = ChunkTable(store)
+    ids = sorted(chunks.ids())
+    if not ids:
+        raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
+    check_or_record(store, local.fingerprint, preamble_text, codec, tokenizer_fp=local.tokenizer_fingerprint)
+    full = store_table(store, local.fingerprint, codec, compress)  # a mirror's: the object store, cached here
+    table = store_table(store, local.fingerprint, codec, compress, keep.variant) if keep.reduced else full
+    todo = table.missing(ids, shard)
+    already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
+    summary = PrecomputeSummary(local.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
+                                variant=keep.variant)
+    return RunPlan(chunks, full, table, todo if limit is None else todo[:limit], summary)
+
+
 def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: int | None = None,
                shard: Shard | None = None,
                on_progress: Callable[[int, int, int], None] | None = None,
@@ -108,29 +138,15 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     on_start(n_todo); on_progress(chunks_done, tokens_done, n_todo) after each stored chunk.
     """
     start = time.perf_counter()
-    chunks = ChunkTable(store)
-    ids = sorted(chunks.ids())
-    if not ids:
-        raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
-    check_or_record(store, runtime.fingerprint, runtime.prompts.template.preamble, codec,
-                    tokenizer_fp=runtime.local.tokenizer_fingerprint)
     keep = keep or KeepConfig()
-    full = store_table(store, runtime.fingerprint, codec, compress)  # a mirror's: the object store, cached here
-    table = store_table(store, runtime.fingerprint, codec, compress, keep.variant) if keep.reduced else full
-    todo = table.missing(ids, shard)
-    already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
-    if limit is not None:
-        todo = todo[:limit]
+    run = plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit)
     if on_start:
-        on_start(len(todo))
-
-    summary = PrecomputeSummary(runtime.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
-                                variant=keep.variant)
-    writer = ChunkWriter(table)
+        on_start(len(run.todo))
+    summary, writer = run.summary, ChunkWriter(run.table)
     try:
         with torch.inference_mode(), writer:
-            preamble = preamble_kv(runtime, full)
-            _compute_all(runtime, chunks, table, writer, todo, summary, on_progress, preamble, keep)
+            preamble = preamble_kv(runtime, run.full)
+            _compute_all(runtime, run.chunks, run.table, writer, run.todo, summary, on_progress, preamble, keep)
     except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
         raise PrecomputeInterrupted(writer.stored) from exc
     summary.writer_busy_s = writer.busy_s

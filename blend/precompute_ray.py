@@ -31,14 +31,14 @@ from kvrag.blend.precompute import (
     chunk_kv,
     chunk_layers,
     layers_to_numpy,
+    plan_run,
 )
 from kvrag.blend.prompt import PromptBuilder
 from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard
-from kvrag.store.manifest import check_or_record, preamble_hash
-from kvrag.store.remote import store_table
+from kvrag.store.manifest import preamble_hash
 
 RAY_BATCH = 4  # chunks per Ray task: few, so a killed worker redoes little and results stay small
 IN_FLIGHT_PER_WORKER = 2  # batches queued per actor: one computing, one ready to start; bounds the driver's memory
@@ -116,21 +116,10 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     if workers < 1 or batch < 1:
         raise KvragError(f"--ray-workers and the batch must be at least 1, got {workers} and {batch}")
     local = resolve_model(model)  # once here: a first-use conversion is not raced by the workers
-    chunks = ChunkTable(store)
-    ids = sorted(chunks.ids())
-    if not ids:
-        raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
     prompts = PromptBuilder(local.load_tokenizer())
-    check_or_record(store, local.fingerprint, prompts.template.preamble, codec,
-                    tokenizer_fp=local.tokenizer_fingerprint)
     keep = keep or KeepConfig()
-    full = store_table(store, local.fingerprint, codec, compress)  # a mirror's: the object store, cached here
-    table = store_table(store, local.fingerprint, codec, compress, keep.variant) if keep.reduced else full
-    todo = table.missing(ids, shard)
-    already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
-    todo = todo if limit is None else todo[:limit]
-    summary = PrecomputeSummary(local.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
-                                variant=keep.variant)
+    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit)
+    chunks, full, table, todo, summary = run.chunks, run.full, run.table, run.todo, run.summary
     if todo or not full.has_preamble(preamble_hash(prompts.template.preamble)):
         with _connected(ray, address, workers):
             actors = _start_workers(ray, local, dtype, codec, keep, workers, on_batch)

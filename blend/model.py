@@ -28,7 +28,7 @@ from safetensors import safe_open
 from kvrag import KvragError
 from kvrag.blend import rotary, step
 from kvrag.blend.config import ModelConfig
-from kvrag.blend.device import attention_dtype, triton_available
+from kvrag.blend.device import attention_dtype
 from kvrag.kernels import attention
 
 
@@ -76,9 +76,9 @@ class Transformer:
         self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
         self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [hd/2]
         self.segment_plans = attention.SegmentPlans()  # the last scattered-row attention plan, for the next layer's call
-        # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: on a GPU by default
-        # (KVRAG_KERNELS=torch turns them off: Runtime.load); on a CPU only in tests, under TRITON_INTERPRET
-        self.triton = self.device.type == "cuda" and triton_available()
+        # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: Runtime.load sets it
+        # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
+        self.triton = False
 
     def compute_state(self) -> dict[str, torch.Tensor]:
         """Every weight as the forward uses it (fused, cast): what blend/prepared.py caches on disk."""

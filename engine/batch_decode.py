@@ -45,10 +45,7 @@ class BatchDecoder:
     def _native(self, tokens: Sequence[int], slots: torch.Tensor, positions: torch.Tensor,
                 tables: Sequence[BlockTable]) -> torch.Tensor:
         m = self.model
-        width = max(len(t.blocks) for t in tables)
-        block_table = torch.zeros(len(tables), width, dtype=torch.long)  # [B, M]
-        for b, t in enumerate(tables):
-            block_table[b, :len(t.blocks)] = torch.tensor(t.blocks)
+        block_table = padded_tables(tables, torch.long)  # [B, M]
         h = m.embed_tokens[torch.tensor(list(tokens))].contiguous()  # [B, D]
         logits = torch.empty(len(tables), m.lm_head.shape[0])  # [B, V] the head's bf16 logits, widened
         self.native(slots, block_table, h, logits, rotary=positions)
@@ -96,9 +93,14 @@ def _paged_tables(kv: SequenceKV, tables: Sequence[BlockTable]) -> tuple[torch.T
     """The pool [L, 2, N, bs, Hkv, hd], the tables padded to one width [B, M] int32, and the lengths [B] int32, as
     the Triton decode kernel reads them."""
     device = kv.pool.kv.device
-    width = max(len(t.blocks) for t in tables)
-    padded = torch.zeros(len(tables), width, dtype=torch.int32)  # [B, M]
-    for b, t in enumerate(tables):
-        padded[b, :len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
     lens = torch.tensor([t.n_tokens for t in tables], dtype=torch.int32)  # [B]
-    return kv.pool.kv, padded.to(device), lens.to(device)
+    return kv.pool.kv, padded_tables(tables, torch.int32).to(device), lens.to(device)
+
+
+def padded_tables(tables: Sequence[BlockTable], dtype: torch.dtype) -> torch.Tensor:
+    """The tables' block ids as one [B, M] tensor, M the longest table's blocks, zeros past each one's end (never
+    read: each sequence reads only its own rows)."""
+    padded = torch.zeros(len(tables), max(len(t.blocks) for t in tables), dtype=dtype)  # [B, M]
+    for b, t in enumerate(tables):
+        padded[b, :len(t.blocks)] = torch.tensor(t.blocks, dtype=dtype)
+    return padded

@@ -25,11 +25,12 @@ from kvrag.store.kv import KVTable
 
 QUESTION = "Who was the spouse of the performer?"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled there, else interpreted here
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_llama_dir) -> Runtime:
-    return Runtime.load(str(tiny_llama_dir), "float32", device="cpu")
+    return Runtime.load(str(tiny_llama_dir), "float32", device=DEVICE, kernels="torch")  # triton_on turns it on
 
 
 @contextmanager
@@ -78,7 +79,7 @@ def test_a_batched_decode_through_the_triton_decode_kernel_equals_the_torch_step
     """Three sequences of 5, 19 and 40 prompt tokens decode 6 steps together over a pool of 8-token blocks."""
     model, steps = runtime.model, 6
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (5, 19, 40)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).to(DEVICE) for n in (5, 19, 40)]
     feeds = torch.randint(0, model.cfg.vocab_size, (len(prompts), steps), generator=g)
 
     def run() -> list[torch.Tensor]:

@@ -36,41 +36,69 @@ from triton.runtime.interpreter import InterpretedFunction
 
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROWS_PER_TILE = 16  # query rows a rows_attention program takes (times the group's heads, padded to a power of 2)
-KEYS_PER_TILE = 32  # key rows per step of the online softmax, gathered across blocks of any block_size
+KEYS_PER_TILE = 64  # key rows per step of the online softmax, gathered across blocks of any block_size
+SPLIT_PROGRAMS = 2  # decode: split each sequence's keys until there are this many programs per multiprocessor
 
 
 @triton.jit
-def _attend_keys(q, vis, table_ptr, k_ptr, v_ptr, stride_kb, stride_ks, block_size, scale, offs_d, d_ok,
-                 BLOCK_N: tl.constexpr):
-    """Online softmax of q [BLOCK_Q, BLOCK_D] (float32) over key rows 0..max(vis)-1 of one sequence, one KV head
-    (k_ptr/v_ptr already at it); query i sees rows < vis[i]. Returns [BLOCK_Q, BLOCK_D] float32, zeros where vis 0."""
+def _dot16(a, b, WIDEN: tl.constexpr):
+    """a @ b for 16-bit a, b with float32 sums; WIDEN computes the same in float32 (exact: a 16-bit product fits
+    float32), for Triton's interpreter, whose bfloat16 dot returns garbage."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_keys(q, vis, lo, hi, table_ptr, k_ptr, v_ptr, stride_kb, stride_ks, block_size, scale, offs_d, d_ok,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, WIDEN: tl.constexpr):
+    """Online softmax of q [BLOCK_Q, BLOCK_D] over key rows lo..hi-1 of one sequence, one KV head (k_ptr/v_ptr
+    already at it); query i sees rows < vis[i]. Returns the unnormalised (acc [BLOCK_Q, BLOCK_D], m, l [BLOCK_Q]).
+    HALF: q and the pool are one 16-bit dtype, so q.k runs on tensor cores (exact products, float32 sums) and p.v
+    takes p as a high and a low 16-bit part (p to ~2^-17); else float32 dots at IEEE precision."""
     m_i = tl.full([q.shape[0]], -1.0e30, tl.float32)  # finite, so a fully masked tile rescales by exp(0), not NaN
     l_i = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros(q.shape, tl.float32)
-    hi = tl.max(vis)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows
         key_ok = rows < hi
         blk = tl.load(table_ptr + rows // block_size, mask=key_ok, other=0).to(tl.int64)
         slot = blk * stride_kb + (rows % block_size) * stride_ks  # [BLOCK_N]
-        kv_ok = key_ok[None, :] & d_ok[:, None]  # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=kv_ok, other=0.0).to(tl.float32)
-        s = tl.dot(q, k_t, input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
-        s = tl.where(rows[None, :] < vis[:, None], s, float("-inf"))
+        kv_ok = key_ok[:, None] & d_ok[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
+        if HALF:
+            s = _dot16(q, tl.trans(k), WIDEN)  # [BLOCK_Q, BLOCK_N] float32
+        else:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = tl.where(rows[None, :] < vis[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if HALF:
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            pv = _dot16(p_hi, v, WIDEN) + _dot16(p_lo, v, WIDEN)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _normalised(acc, l_i):
+    """acc / l, zeros where a query saw no key."""
     return tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
 
 
 @triton.jit
 def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group, head_dim, block_size, scale,
                  stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_or, stride_oh,
-                 BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HALF: tl.constexpr, WIDEN: tl.constexpr):
     """Grid (cdiv(R, BLOCK_M), Hkv): query rows BLOCK_M * pid0.. x the group's heads of KV head pid1."""
     kvh = tl.program_id(1)
     i = tl.arange(0, BLOCK_M * GROUP_P)  # tile row i: query row r, head kvh * group + j
@@ -82,28 +110,60 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group
     qo_ok = q_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + r[:, None] * stride_qr + h[:, None] * stride_qh + offs_d[None, :], mask=qo_ok, other=0.0)
     vis = tl.load(vis_ptr + r, mask=q_ok, other=0)
-    out = _attend_keys(q.to(tl.float32), vis, table_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
-                       stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N)
-    tl.store(out_ptr + r[:, None] * stride_or + h[:, None] * stride_oh + offs_d[None, :], out, mask=qo_ok)
+    acc, m_i, l_i = _attend_keys(q, vis, 0, tl.max(vis), table_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
+                                 stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N, HALF, WIDEN)
+    tl.store(out_ptr + r[:, None] * stride_or + h[:, None] * stride_oh + offs_d[None, :], _normalised(acc, l_i),
+             mask=qo_ok)
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, group, head_dim, block_size, scale,
-                   stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B, Hkv): sequence pid0's query heads of KV head pid1 (BLOCK_G >= 16 rows for tl.dot, the group's
-    first)."""
-    b, kvh = tl.program_id(0), tl.program_id(1)
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, n_heads, group, head_dim,
+                   block_size, scale, keys_per_split, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_tb, stride_ob, stride_oh, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, HALF: tl.constexpr, WIDEN: tl.constexpr):
+    """Grid (B, Hkv, SPLITS): sequence pid0's query heads of KV head pid1 (BLOCK_G >= 16 rows for tl.dot, the
+    group's first) over its keys in split pid2. One split writes the output; several write their unnormalised
+    parts [B, Hq, SPLITS, hd] and (m, l) [B, Hq, SPLITS, 2] for _combine_kernel (flash-decoding)."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     j = tl.arange(0, BLOCK_G)
     h = kvh * group + j
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    qo_ok = (j < group)[:, None] & d_ok[None, :]
+    g_ok = j < group
+    qo_ok = g_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + offs_d[None, :], mask=qo_ok, other=0.0)
-    vis = tl.where(j < group, tl.load(lens_ptr + b), 0)  # [BLOCK_G]
-    out = _attend_keys(q.to(tl.float32), vis, table_ptr + b * stride_tb, k_ptr + kvh * stride_kh,
-                       v_ptr + kvh * stride_kh, stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N)
-    tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], out, mask=qo_ok)
+    n = tl.load(lens_ptr + b)
+    vis = tl.where(g_ok, n, 0)  # [BLOCK_G]
+    lo = split * keys_per_split
+    acc, m_i, l_i = _attend_keys(q, vis, lo, tl.minimum(lo + keys_per_split, n), table_ptr + b * stride_tb,
+                                 k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh, stride_kb, stride_ks,
+                                 block_size, scale, offs_d, d_ok, BLOCK_N, HALF, WIDEN)
+    if SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], _normalised(acc, l_i),
+                 mask=qo_ok)
+    else:
+        row = (b * n_heads + h) * SPLITS + split  # [BLOCK_G] rows of the parts
+        tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=qo_ok)
+        tl.store(ml_ptr + row * 2, m_i, mask=g_ok)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, head_dim, n_splits,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B * Hq): one query head's split parts merged by their maxima (out is contiguous [B, Hq, hd])."""
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < n_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.load(ml_ptr + (row * n_splits + s) * 2, mask=s_ok, other=-1.0e30)
+    l_s = tl.load(ml_ptr + (row * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
+    w = tl.exp(m - tl.max(m))  # [BLOCK_S]
+    part = tl.load(part_ptr + (row * n_splits + s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None],
+                   other=0.0)
+    total = tl.sum(w * l_s)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * head_dim + offs_d, tl.where(total > 0, out, 0.0), mask=offs_d < head_dim)
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -158,30 +218,61 @@ def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     _rows_kernel[grid](q, k_pool, v_pool, block_table, visible, out, q.shape[0], group, hd, k_pool.shape[1],
                        hd ** -0.5, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                        out.stride(0), out.stride(1), BLOCK_M=ROWS_PER_TILE, GROUP_P=triton.next_power_of_2(group),
-                       BLOCK_N=KEYS_PER_TILE, BLOCK_D=triton.next_power_of_2(hd))
+                       BLOCK_N=KEYS_PER_TILE, BLOCK_D=triton.next_power_of_2(hd), HALF=_half(q, k_pool),
+                       WIDEN=_interpreted())
     return out
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel for `decode_attention_twin` (same arguments, same result within the module's tolerance)."""
+                     seq_lens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel for `decode_attention_twin` (same arguments, same result within the module's tolerance).
+    splits: how many parts each sequence's keys are cut into (default: enough programs to fill the GPU)."""
     n_kv, hd = _check_pools(q, k_pool, v_pool)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
     if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must have one row per sequence of q ({q.shape[0]})")
-    _check_reach(seq_lens, block_tables.shape[1] * k_pool.shape[1], "seq_lens")
+    capacity = block_tables.shape[1] * k_pool.shape[1]
+    _check_reach(seq_lens, capacity, "seq_lens")
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [B, Hq, hd]
     if q.shape[0] == 0:
         return out
-    group = q.shape[1] // n_kv
-    _decode_kernel[(q.shape[0], n_kv)](
-        q, k_pool, v_pool, block_tables, seq_lens, out, group, hd, k_pool.shape[1], hd ** -0.5,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=KEYS_PER_TILE,
-        BLOCK_D=triton.next_power_of_2(hd))
+    (batch, n_q, _), group, block_d = q.shape, q.shape[1] // n_kv, triton.next_power_of_2(hd)
+    per_split = _keys_per_split(capacity, batch * n_kv, q.device, splits)
+    n_splits = max(1, triton.cdiv(capacity, per_split))
+    parts = torch.empty((batch, n_q, n_splits, block_d) if n_splits > 1 else (0,), dtype=torch.float32,
+                        device=q.device)  # unnormalised outputs per split
+    ml = torch.empty((batch, n_q, n_splits, 2) if n_splits > 1 else (0,), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, n_kv, n_splits)](
+        q, k_pool, v_pool, block_tables, seq_lens, out, parts, ml, n_q, group, hd, k_pool.shape[1], hd ** -0.5,
+        per_split, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=KEYS_PER_TILE, BLOCK_D=block_d, SPLITS=n_splits, HALF=_half(q, k_pool), WIDEN=_interpreted())
+    if n_splits > 1:
+        _combine_kernel[(batch * n_q,)](parts, ml, out, hd, n_splits, BLOCK_S=triton.next_power_of_2(n_splits),
+                                        BLOCK_D=block_d)
     return out
+
+
+def _half(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether the kernels take their tensor-core path: q and the pool one 16-bit dtype."""
+    return q.dtype == k_pool.dtype and k_pool.dtype != torch.float32
+
+
+def _interpreted() -> bool:
+    return isinstance(_rows_kernel, InterpretedFunction)
+
+
+def _keys_per_split(capacity: int, programs: int, device: torch.device, splits: int | None) -> int:
+    """Keys per decode split (a multiple of KEYS_PER_TILE): enough splits that (sequences x KV heads x splits)
+    reaches SPLIT_PROGRAMS per multiprocessor, since one program per sequence and head leaves most of a GPU idle
+    at small batches (flash-decoding)."""
+    if splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        splits = triton.cdiv(SPLIT_PROGRAMS * sms, programs)
+    splits = max(1, min(splits, triton.cdiv(capacity, KEYS_PER_TILE)))
+    return triton.cdiv(triton.cdiv(capacity, splits), KEYS_PER_TILE) * KEYS_PER_TILE
 
 
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:
@@ -203,7 +294,7 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
                          f"{k_pool.stride()}")
     if k_pool.device != q.device or v_pool.device != q.device:
         raise ValueError(f"q, k_pool and v_pool must share a device, got {q.device}, {k_pool.device}, {v_pool.device}")
-    if q.device.type != "cuda" and not isinstance(_rows_kernel, InterpretedFunction):
+    if q.device.type != "cuda" and not _interpreted():
         raise ValueError(f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {q.device}: "
                          f"use the twin")
     return n_kv, hd

@@ -184,8 +184,10 @@ def test_twin_reads_the_stores_int8(k_per_channel):
     ks = scales[:ks_len].view((h, hd) if k_per_channel else (t, h))
     decoded = codec.decode(raw)
     args = make_load("fp32", torch.float32, t=t, h=h, hd=hd, block_size=5, first_row=2)
-    from_raw = run(load_chunk_twin, dict(args, k=q[0], v=q[1], k_scale=ks, v_scale=scales[ks_len:].view(t, h)))
-    from_decoded = run(load_chunk_twin, dict(args, k=torch.from_numpy(decoded.k), v=torch.from_numpy(decoded.v)))
+    raw_args = dict(k=q[0], v=q[1], k_scale=ks, v_scale=scales[ks_len:].view(t, h))
+    from_raw = run(load_chunk_twin, dict(args, **{name: x.to(DEVICE) for name, x in raw_args.items()}))
+    from_decoded = run(load_chunk_twin, dict(args, k=torch.from_numpy(decoded.k).to(DEVICE),
+                                             v=torch.from_numpy(decoded.v).to(DEVICE)))
     assert all(torch.equal(a, b) for a, b in zip(from_raw, from_decoded, strict=True))
 
 

@@ -1,6 +1,7 @@
 """`kvrag bench gpu` (`make bench-gpu`): the Triton kernels against the device's peaks and torch SDPA, then TTFT
 of full prefill and blend@0.15 against the physical floor, on SmolLM2 and a random Llama-3.1-8B-shaped model
-(issue 28). One markdown report and one JSON; sized for 5-8 minutes on one H100 (not yet run on a GPU).
+(issue 28). One markdown report and one JSON; sized for 5-8 minutes on one H100 (docs/gpu.md has
+the first run, on an H200).
 
 bench/gpu_kernels.py holds the peaks, the kernel cases and their byte and FLOP formulas; bench/gpu_e2e.py the
 models, the stores, the per-item timing and the floor. `--cpu-smoke` runs every part at tiny sizes on the CPU

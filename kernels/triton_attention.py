@@ -14,17 +14,19 @@ Layouts (engine/kv_pool.py, store/tiers/allocator.py):
   runs an online softmax over tiles of key rows, up to the tile's largest `visible`.
 - `decode_attention`: one query row per sequence, q [B, Hq, hd], block_tables [B, M] int32 (padded: entries past
   a sequence's last block are never read), seq_lens [B]; sequence b sees its rows 0..seq_lens[b]-1. One program
-  per (sequence, KV head), the group's query heads together.
+  per (sequence, KV head, split), the group's query heads together; at small batches each sequence's keys are cut
+  into splits (flash-decoding) whose parts a second kernel merges by their softmax maxima.
 
 Both return float32 [rows, Hq, hd] (what kernels/row_attention returns; the caller casts). Scores, softmax and
-accumulation run in float32 (fp32 dots at IEEE precision, not TF32), scale hd**-0.5. A query that sees no key
-(visible 0, seq_len 0) gets zeros, where softmax over nothing is undefined.
+accumulation run in float32, scale hd**-0.5. Where q and the pool share a 16-bit dtype (a GPU's bf16 model), q.k
+runs on tensor cores (16-bit products are exact in float32) and p.v takes p as a high and a low 16-bit part; a
+float32 pool gets float32 dots at IEEE precision (not TF32). A query that sees no key (visible 0, seq_len 0) gets
+zeros, where softmax over nothing is undefined.
 
-Tolerance (tests/test_triton_attention.py, TRITON_INTERPRET=1 on the CPU): the online softmax rescales and sums
-in another order than the twin's one softmax, so kernel and twin are not bit-equal; the tests hold them to
-2e-5 absolute on outputs of unit-scale random data; the largest error measured over the test cases is 7.2e-7
-(float32 and float16 pools), 4.8e-7 (bfloat16): the pool's values widen exactly to float32, so the dtype matters
-little. Not yet run on a GPU, where the same fp32 IEEE dots should give errors of the same order.
+Tolerance (tests/test_triton_attention.py; the interpreter on the CPU, compiled on the H200): the online softmax
+sums in another order than the twin's one softmax, and p's two parts hold it to 2^-18 relative (bfloat16) or 2^-22
+(float16), so kernel and twin are not bit-equal: the tests hold them to 2e-5 absolute (4e-5 for bfloat16 pools,
+whose bound times max|v| is 1.7e-5 on their unit-scale random data).
 """
 
 from __future__ import annotations

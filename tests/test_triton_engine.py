@@ -146,9 +146,11 @@ def test_the_server_on_the_gpu_answers_as_kvrag_ask(indexed_store, tiny_llama_di
 @cuda
 @pytest.mark.cuda
 def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir, invented_items, tmp_path):
-    """The memory tiers on a GPU: a GPU budget of about a third of five chunks' KV over a host tier; the chunks go
-    to the GPU, the overflow swaps out to host (each node once), and a second question over them reads memory and
-    gives the logits of an engine without tiers."""
+    """The memory tiers on a GPU: a GPU budget of about a third of five chunks' KV over a host tier; four chunks go
+    to the GPU, the overflow swaps out to host (each node once), and a question over all five reads them from memory
+    and gives the logits of an engine without tiers. Its first chunk is one never asked: a chunk asked alone is an
+    exact path of depth 1, reused without recompute, which the plain engine would recompute (as on the CPU,
+    tests/test_engine_tiers.py)."""
     from kvrag.blend.memory import build_cache
 
     runtime = Runtime.load(str(tiny_llama_dir), "float32", device="cuda")
@@ -166,14 +168,15 @@ def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir
     tiered = Engine(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", gpu_cache=str(gpu_bytes)))
     config = BlendConfig(attention_weight=0)
     with torch.inference_mode():
-        for chunk in chunks:  # one chunk a question: each lands in the GPU tier, the oldest swap out to host
+        for chunk in chunks[1:]:  # one chunk a question: each lands in the GPU tier, the oldest swap out to host
             tiered.prefill([chunk], QUESTION, "blend", config)
             tiered.flush_write_back()
         second = tiered.prefill(chunks, "Where was the performer born?", "blend", config)
         reference = plain.prefill(chunks, "Where was the performer born?", "blend", config)
     stats = tiered.cache.stats
     assert stats.swap_outs > 0 and tiered.cache.used_bytes("gpu") > 0
-    assert "store" not in second.chunk_tiers
+    assert second.chunk_tiers[0] == "store" and set(second.chunk_tiers[1:]) <= {"gpu", "host"}
+    assert "gpu" in second.chunk_tiers and second.recomputed_chunk_tokens == reference.recomputed_chunk_tokens
     torch.testing.assert_close(second.logits, reference.logits, rtol=1e-3, atol=2e-3)
     tiered.cache.check()
     env.close()

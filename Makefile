@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-search bench-index bench-gpu
+	bench-serve bench-search bench-index bench-remote bench-gpu
 
 install: $(STAMP)
 
@@ -125,6 +125,12 @@ bench-search: $(STAMP)
 # grows 16x, adding 40x, HNSW ~12x at 1M); INDEX_ARGS='--n 100000' for a quick run, '--json' for the report.
 bench-index: $(STAMP)
 	$(BIN)/kvrag bench index --n 1000000 --queries 1000 $(INDEX_ARGS)
+
+# `ask` over a store on object storage (issue 29): MuSiQue's report items as the corpus on a SeaweedFS started on
+# 127.0.0.1 (REMOTE_ARGS='--url s3://bucket/prefix' for a real one, AWS variables from the environment); TTFT cold
+# in the object store, warm in the local tier, and in memory, with requests and MB per question. About 5 minutes.
+bench-remote: bench-data $(STAMP)
+	$(BIN)/kvrag bench remote --dataset $(BENCH_DATA) --items 10 $(REMOTE_ARGS)
 
 # On a CUDA machine (`make install TORCH=cu126` first; sized for 5-8 minutes on one H100): each Triton kernel's GB/s
 # and TFLOP/s against the device's measured peaks and torch SDPA, then TTFT of full prefill and blend@0.15 on

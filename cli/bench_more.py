@@ -1,4 +1,5 @@
-"""`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | index | keyformer | gpu`: the
+"""`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | index | keyformer | gpu |
+remote`: the
 benchmarks besides the RAG comparison.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
@@ -361,6 +362,32 @@ def bench_index(
     with bars:
         report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
                   **run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress)}
+    if as_json:
+        print_json(report)
+    else:
+        typer.echo(markdown(report))
+
+
+@bench_app.command("remote")
+def bench_remote(
+    items: int = typer.Option(10, "--items", min=1, max=50, help="MuSiQue report items (50-99): their passages are "
+                              "the corpus, their questions asked."),
+    url: str = typer.Option(None, "--url", help="An object store to use (s3://bucket/prefix, the AWS variables "
+                            "from the environment); default: a SeaweedFS started here on 127.0.0.1."),
+    max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens each answer generates."),
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """`ask` over a store on object storage: TTFT with the KV cold in the object store, warm in the local tier and
+    in memory, and the requests and bytes per question (progress on stderr, the markdown table or --json).
+
+    Example: kvrag bench remote --items 10
+    """
+    from kvrag.bench.remote import Plan, markdown, run
+
+    console = stderr_console()
+    report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
+              **run(Plan(items, dataset, url, max_tokens), lambda m: console.print(m, highlight=False))}
     if as_json:
         print_json(report)
     else:

@@ -1,5 +1,5 @@
 """`--store s3://bucket/prefix` end to end: kvrag index, precompute (on Ray), ask and search in subprocesses
-against a real S3 server (SeaweedFS, tests/s3_server.py), each "machine" a mirror directory of its own. The
+against a real S3 server (SeaweedFS, store/remote/local_s3.py), each "machine" a mirror directory of its own. The
 reference is the same flow on a local store: the answers' token ids must be the same."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The KV store on object storage, against a real S3-compatible server: SeaweedFS (`weed mini`) on 127.0.0.1,
-started once for this module (tests/s3_server.py). The reference is the local LMDB KVTable fed the same chunks:
+started once for this module (store/remote/local_s3.py). The reference is the local LMDB KVTable fed the same chunks:
 the remote must hand out the same bytes. No part of the S3 API is mocked; request counts come from a counting
 wrapper around the real client."""
 
@@ -17,9 +17,9 @@ from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, MissingChunk
 from kvrag.store.remote import CachedKVTable, DamagedObject, ObjectStore, RemoteKVTable
+from kvrag.store.remote import local_s3 as s3_server
 from kvrag.store.remote.cached_kv import stored_bytes
 from kvrag.store.remote.layout import HEAD_SIZE
-from kvrag.tests import s3_server
 from kvrag.tests.test_store_kv import layers_for, tokens_for
 
 MODEL = "model-a"
@@ -160,6 +160,22 @@ def test_one_layer_is_one_ranged_request_once_the_index_is_known(objects, local_
     got = remote.get_layer_raw("c1", 3)
     assert counting.requests == {"get_range": 1}
     assert counting.bytes_read == len(got.value) == local.record("c1").value_sizes[3]
+
+
+def test_the_store_counts_its_own_requests_as_a_wrapper_counts_them(objects, local_env):
+    """ObjectStore.counts (what `kvrag bench remote` reports) against the wrapper's independent tally."""
+    local, counting = KVTable(local_env, MODEL), CountingObjectStore(objects)
+    put_both(local, RemoteKVTable(objects, MODEL), "c1", seed=7, n_tokens=30)
+    before = objects.counts.snapshot()
+    remote = RemoteKVTable(counting, MODEL)
+    for layer in range(N_LAYERS):
+        remote.get_layer_raw("c1", layer)
+    assert remote.get_layer_raw("c1", 0) is not None and not remote.has("absent")
+    after = objects.counts.snapshot()
+    gets = counting.requests["fetch"] + counting.requests["get_range"] + counting.requests["get"]
+    assert after["requests"].get("GET", 0) - before["requests"].get("GET", 0) == gets
+    assert after["bytes_in"] - before["bytes_in"] == counting.bytes_read
+    assert after["bytes_out"] == before["bytes_out"]  # reads send nothing
 
 
 def test_get_layers_reads_one_layer_of_several_chunks(objects, local_env):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -62,12 +63,34 @@ class S3Location:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
+@dataclass
+class RequestCounts:
+    """What this client asked of the store: requests by method, bytes received and sent (answered or not)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, method: str, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self._lock:  # `map` requests from several threads
+            self.requests[method] = self.requests.get(method, 0) + 1
+            self.bytes_in += bytes_in
+            self.bytes_out += bytes_out
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"requests": dict(self.requests), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+
 class ObjectStore:
-    """get, ranged get, put, head, list and delete on one bucket and prefix; `map` runs requests at once."""
+    """get, ranged get, put, head, list and delete on one bucket and prefix; `map` runs requests at once.
+    `counts` tallies the requests made (`kvrag bench remote` reports them per question)."""
 
     def __init__(self, client: S3Store, location: S3Location, concurrency: int = CONCURRENCY):
         self.client = client
         self.location = location
+        self.counts = RequestCounts()
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvrag-s3")
 
     @classmethod
@@ -109,8 +132,11 @@ class ObjectStore:
         None when there is no object."""
         try:
             result = obstore.get(self.client, key, options={"range": (0, length)} if length else None)
-            return bytes(result.bytes()), _info(result.meta)
+            data = bytes(result.bytes())
+            self.counts.add("GET", len(data))
+            return data, _info(result.meta)
         except NOT_FOUND:
+            self.counts.add("GET")
             return None
         except BaseError as exc:
             info = self.head(key) if length else None  # an empty object refuses any range (416): look first
@@ -123,15 +149,19 @@ class ObjectStore:
         `if_match` (an ETag), ObjectChanged when the object was replaced since."""
         options = {"range": (start, end)} | ({"if_match": if_match} if if_match else {})
         try:
-            return bytes(obstore.get(self.client, key, options=options).bytes())
+            data = bytes(obstore.get(self.client, key, options=options).bytes())
         except NOT_FOUND:
+            self.counts.add("GET")
             return None
         except PreconditionError:
             raise ObjectChanged(f"{self.url}: {key} changed while it was read") from None
         except BaseError as exc:
             raise self._error("GET", key, exc) from None
+        self.counts.add("GET", len(data))
+        return data
 
     def head(self, key: str) -> ObjectInfo | None:
+        self.counts.add("HEAD")
         try:
             return _info(obstore.head(self.client, key))
         except NOT_FOUND:
@@ -142,6 +172,7 @@ class ObjectStore:
     def put(self, key: str, data: bytes, *, create: bool = False) -> bool:
         """One PUT of the whole object (atomic: readers see the old object, none, or all of it). `create`: only
         where no object is (If-None-Match); False when one already was."""
+        self.counts.add("PUT", bytes_out=len(data))
         try:
             obstore.put(self.client, key, data, mode="create" if create else "overwrite", use_multipart=False)
             return True
@@ -151,6 +182,7 @@ class ObjectStore:
             raise self._error("PUT", key, exc) from None
 
     def delete(self, key: str) -> None:
+        self.counts.add("DELETE")
         try:
             obstore.delete(self.client, key)
         except NOT_FOUND:
@@ -162,12 +194,14 @@ class ObjectStore:
         """Every object under the folder `prefix` (S3 lists up to 1000 keys a request)."""
         try:
             for page in obstore.list(self.client, prefix or None):
+                self.counts.add("LIST")
                 yield from (_info(meta) for meta in page)
         except (*NOT_FOUND, BaseError) as exc:  # not found here: the bucket
             raise self._error("LIST", prefix, exc) from None
 
     def check(self) -> None:
         """One LIST request: KvragError now, in one line, when the bucket or the credentials are wrong."""
+        self.counts.add("LIST")
         try:
             next(iter(obstore.list(self.client, chunk_size=1)), None)
         except (*NOT_FOUND, BaseError) as exc:

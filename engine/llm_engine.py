@@ -77,14 +77,24 @@ class LLMEngine:
                              f"{len(prompts.preamble_ids) + self.kv.block_size}")
         suffix = prompts.build([], request.question).suffix
         prompt = len(prompts.preamble_ids) + sum(len(ids) for _, ids in request.chunks) + len(suffix)
-        longest = prompt + request.sampling.max_tokens
-        if longest > self.max_positions:
+        if prompt + request.sampling.max_tokens > self.max_positions:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
-        if self.kv.blocks_needed(longest) + len(self.kv.shared) > self.kv.pool.num_blocks:
+        rows = prompt - self._dropped_rows(request)
+        if self.kv.blocks_needed(rows + request.sampling.max_tokens) + len(self.kv.shared) > self.kv.pool.num_blocks:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
                              f"than the pool's {self.kv.pool.capacity_bytes} bytes hold")
-        return Sequence(next(self._ids), request, prompt)
+        return Sequence(next(self._ids), request, prompt, rows)
+
+    def _dropped_rows(self, request: Request) -> int:
+        """Prompt tokens with no row in the pool: those the stored reduced chunks left out (Keyformer), by their
+        records; a chunk not stored yet counts whole (an upper bound: it is computed, then reduced)."""
+        table = self.prefiller.table
+        if self.prefiller.keep is None or table is None or request.mode not in ("blend", "reuse"):
+            return 0  # a full prefill keeps every row; prefix caching computes all but its first chunk whole
+        records = (table.record(chunk_id) for chunk_id, _ in request.chunks)
+        return sum(len(ids) - r.kept[0] for (_, ids), r in zip(request.chunks, records, strict=True)
+                   if r is not None and r.kept[0] <= len(ids))
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
@@ -155,6 +165,7 @@ class LLMEngine:
     def _prefilled(self, seq: Sequence, pre: Prefilled, config) -> None:
         """The first token (unless a re-prefill after preemption), then the prompt's KV into the pool."""
         req = seq.request
+        seq.prompt_rows = pre.prompt_tokens  # what the pool holds (the estimate counted unstored chunks whole)
         if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
             seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,

@@ -51,7 +51,7 @@ class Scheduler:
             return None
         chosen = self._pick()
         spare = len(self.running)  # a block per running sequence for its next tokens, so admission never forces
-        if self.kv.blocks_needed(chosen.prompt_tokens + 1) > self.kv.num_free - spare and self.running:
+        if self.kv.blocks_needed(chosen.prompt_rows + 1) > self.kv.num_free - spare and self.running:
             return None  # a preemption at once; with nothing running, try anyway (the engine preempts nothing)
         for seq in self.waiting:
             if seq is chosen:

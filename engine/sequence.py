@@ -49,10 +49,12 @@ DONE = None  # put on a sequence's event queue after its last token
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: Request, prompt_tokens: int):
+    def __init__(self, seq_id: int, request: Request, prompt_tokens: int, prompt_rows: int | None = None):
         self.id = seq_id
         self.request = request
         self.prompt_tokens = prompt_tokens  # preamble + chunks + question suffix
+        # the prompt's rows in the pool: fewer than its tokens where reduced chunks (Keyformer) keep a subset
+        self.prompt_rows = prompt_tokens if prompt_rows is None else prompt_rows
         self.status = Status.WAITING
         self.table: BlockTable | None = None  # its KV in the pool, while running
         self.length = 0  # tokens whose KV is in the pool
@@ -99,8 +101,9 @@ class Sequence:
 
     @property
     def computed_tokens(self) -> int:
-        """Prompt tokens whose KV was computed: recomputed by the blend, or prefilled (0 until prefilled)."""
-        return self.prompt_tokens - self.reused_tokens if self.prefill_info else 0
+        """Prompt tokens whose KV was computed: recomputed by the blend, or prefilled (0 until prefilled). A reduced
+        chunk's dropped tokens are neither computed nor reused."""
+        return self.prompt_rows - self.reused_tokens if self.prefill_info else 0
 
     @property
     def is_finished(self) -> bool:

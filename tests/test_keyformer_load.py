@@ -257,3 +257,23 @@ def test_ask_reads_the_reduced_chunks_precompute_stored(kvrag, store_copy, tiny_
     for bad, says in ((("--kv-tokens", "5"), "preamble"), (("--keep", "1.5"), "--keep")):
         proc = kvrag("ask", "Which lake?", "--store", str(store_copy), *bad, *model, check=False)
         assert proc.returncode != 0 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_scheduler_reserves_a_reduced_prompt_by_its_rows(reduced_store):
+    """A blend over stored reduced chunks asks the pool for its kept rows, not its tokens (the dropped ones have
+    none); after the prefill, its rows are the cache's and its reused and computed tokens add up to them."""
+    from kvrag.blend.decode import SamplingConfig
+    from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+    from kvrag.engine.sequence import Request
+
+    engine, chunks, kept = reduced_store
+    llm = LLMEngine(engine, EngineConfig(1 << 26, 16, native=False))
+    request = Request(QUESTION, tuple((c, tuple(ids)) for c, ids in chunks), "blend", BlendConfig(0.3),
+                      auto_ratio=False, sampling=SamplingConfig(max_tokens=3))
+    seq = llm.add(request)
+    dropped = sum(len(ids) - len(k) for (_, ids), k in zip(chunks, kept, strict=True))
+    assert dropped > 0 and seq.prompt_rows == seq.prompt_tokens - dropped
+    while llm.has_work():
+        llm.step()
+    assert seq.prompt_rows == seq.prompt_tokens - dropped
+    assert seq.reused_tokens + seq.computed_tokens == seq.prompt_rows and seq.computed_tokens > 0

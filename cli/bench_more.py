@@ -1,6 +1,5 @@
 """`kvrag bench decode | cold | codec | precompute | tiers | model | serve | search | index | keyformer | gpu |
-remote`: the
-benchmarks besides the RAG comparison.
+remote`: the benchmarks besides the RAG comparison.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
 stdout (or stderr with the progress, where the module says so), --json where the module has a report.

@@ -58,7 +58,7 @@ def _attend_keys(q, vis, lo, hi, table_ptr, k_ptr, v_ptr, stride_kb, stride_ks, 
     """Online softmax of q [BLOCK_Q, BLOCK_D] over key rows lo..hi-1 of one sequence, one KV head (k_ptr/v_ptr
     already at it); query i sees rows < vis[i]. Returns the unnormalised (acc [BLOCK_Q, BLOCK_D], m, l [BLOCK_Q]).
     HALF: q and the pool are one 16-bit dtype, so q.k runs on tensor cores (exact products, float32 sums) and p.v
-    takes p as a high and a low 16-bit part (p to ~2^-17); else float32 dots at IEEE precision."""
+    takes p as a high and a low 16-bit part (p to 2^-18); else float32 dots at IEEE precision."""
     m_i = tl.full([q.shape[0]], -1.0e30, tl.float32)  # finite, so a fully masked tile rescales by exp(0), not NaN
     l_i = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros(q.shape, tl.float32)
@@ -120,12 +120,13 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, n_heads, group, head_dim,
-                   block_size, scale, keys_per_split, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_tb, stride_ob, stride_oh, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, HALF: tl.constexpr, WIDEN: tl.constexpr):
-    """Grid (B, Hkv, SPLITS): sequence pid0's query heads of KV head pid1 (BLOCK_G >= 16 rows for tl.dot, the
-    group's first) over its keys in split pid2. One split writes the output; several write their unnormalised
-    parts [B, Hq, SPLITS, hd] and (m, l) [B, Hq, SPLITS, 2] for _combine_kernel (flash-decoding)."""
+                   block_size, scale, keys_per_split, n_splits, stride_qb, stride_qh, stride_kb, stride_ks,
+                   stride_kh, stride_tb, stride_ob, stride_oh, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, WIDEN: tl.constexpr):
+    """Grid (B, Hkv, n_splits): sequence pid0's query heads of KV head pid1 (BLOCK_G >= 16 rows for tl.dot, the
+    group's first) over its keys in split pid2. Unsplit (SPLIT false), it writes the output; split, the unnormalised
+    parts [B, Hq, n_splits, hd] and (m, l) [B, Hq, n_splits, 2] for _combine_kernel (flash-decoding). n_splits is a
+    runtime value: it changes as a sequence grows, and a constexpr would compile a kernel for each."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     j = tl.arange(0, BLOCK_G)
     h = kvh * group + j
@@ -140,11 +141,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, 
     acc, m_i, l_i = _attend_keys(q, vis, lo, tl.minimum(lo + keys_per_split, n), table_ptr + b * stride_tb,
                                  k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh, stride_kb, stride_ks,
                                  block_size, scale, offs_d, d_ok, BLOCK_N, HALF, WIDEN)
-    if SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], _normalised(acc, l_i),
                  mask=qo_ok)
     else:
-        row = (b * n_heads + h) * SPLITS + split  # [BLOCK_G] rows of the parts
+        row = (b * n_heads + h) * n_splits + split  # [BLOCK_G] rows of the parts
         tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=qo_ok)
         tl.store(ml_ptr + row * 2, m_i, mask=g_ok)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_ok)
@@ -248,9 +249,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ml = torch.empty((batch, n_q, n_splits, 2) if n_splits > 1 else (0,), dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, n_kv, n_splits)](
         q, k_pool, v_pool, block_tables, seq_lens, out, parts, ml, n_q, group, hd, k_pool.shape[1], hd ** -0.5,
-        per_split, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        per_split, n_splits, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=KEYS_PER_TILE, BLOCK_D=block_d, SPLITS=n_splits, HALF=_half(q, k_pool), WIDEN=_interpreted())
+        BLOCK_N=KEYS_PER_TILE, BLOCK_D=block_d, SPLIT=n_splits > 1, HALF=_half(q, k_pool), WIDEN=_interpreted())
     if n_splits > 1:
         _combine_kernel[(batch * n_q,)](parts, ml, out, hd, n_splits, BLOCK_S=triton.next_power_of_2(n_splits),
                                         BLOCK_D=block_d)

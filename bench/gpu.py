@@ -21,10 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvrag import KvragError
 from kvrag.bench import gpu_e2e, gpu_kernels
 
-REPORT_ITEMS = range(50, 100)  # MuSiQue's report split (bench/rag/datasets.py)
 SMOKE_WORDS = 24  # words kept of each invented passage in the CPU smoke run
 
 
@@ -45,12 +43,9 @@ def report_items(plan: Plan) -> list[dict]:
         items = invented_items(max(plan.items, plan.items_8b), seed=0, passages=(2, 3))
         return [{**item, "ctxs": [{**c, "text": " ".join(c["text"].split()[:SMOKE_WORDS])} for c in item["ctxs"]]}
                 for item in items]
-    from kvrag.bench.rag.items import read_dataset
+    from kvrag.bench.rag.datasets import musique_report_items
 
-    items = read_dataset(plan.dataset)
-    if len(items) <= REPORT_ITEMS.start:
-        raise KvragError(f"the data set has {len(items)} items: none in the report split (items 50-99)")
-    return [items[i] for i in REPORT_ITEMS if i < len(items)]
+    return musique_report_items(plan.dataset)
 
 
 def run(plan: Plan, log: Callable[[str], None]) -> dict:

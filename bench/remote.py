@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag import KvragError
+from kvrag.bench.rag.datasets import MUSIQUE_REPORT
 
-REPORT_ITEMS = range(50, 100)  # MuSiQue's report split (bench/rag/datasets.py)
 RATIO = 0.15
 PASSES = ("cold", "local", "full", "memory")
 
@@ -52,11 +52,9 @@ class Plan:
 
 
 def run(plan: Plan, log: Callable[[str], None]) -> dict:
-    from kvrag.bench.rag.items import read_dataset
+    from kvrag.bench.rag.datasets import musique_report_items
 
-    items = [it for i, it in enumerate(read_dataset(plan.dataset)) if i in REPORT_ITEMS][:plan.items]
-    if not items:
-        raise KvragError("the data set has no items in the report split (items 50-99)")
+    items = musique_report_items(plan.dataset)[:plan.items]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-remote-") as tmp, _object_store(plan, Path(tmp)) as (url, env):
         docs = write_docs(items, Path(tmp) / "docs")
@@ -104,7 +102,7 @@ def ask_one(rag, item: dict, index: int, name: str, mode: str, plan: Plan) -> di
     answer = rag.ask(item["question"], mode=mode, ratio=RATIO, max_tokens=plan.max_tokens)
     after = counts.snapshot()
     requests = {m: n - before["requests"].get(m, 0) for m, n in after["requests"].items()}
-    return {"pass": name, "item": REPORT_ITEMS.start + index, "ttft_s": answer.timings["ttft"],
+    return {"pass": name, "item": MUSIQUE_REPORT.start + index, "ttft_s": answer.timings["ttft"],
             "retrieve_s": answer.timings.get("retrieve", 0.0), "prompt_tokens": answer.prompt_tokens,
             "requests": sum(requests.values()), "requests_by_method": {m: n for m, n in requests.items() if n},
             "bytes_in": after["bytes_in"] - before["bytes_in"], "fill_bytes": fills.fetched_bytes - fetched_before,

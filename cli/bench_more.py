@@ -28,6 +28,19 @@ from kvrag.cli.common import (
 MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
 
 
+def _stamped(report: dict) -> dict:
+    """A bench's report with the command line that made it first."""
+    return {"command": " ".join(["kvrag", *sys.argv[1:]]), **report}
+
+
+def _emit(report: dict, render, as_json: bool) -> None:
+    """The report as JSON on stdout, or its markdown table."""
+    if as_json:
+        print_json(report)
+    else:
+        typer.echo(render(report))
+
+
 @bench_app.command("decode")
 def bench_decode(
     prompts: str = typer.Option(None, "--prompts", help="Prompt (context) lengths, comma-separated "
@@ -179,13 +192,10 @@ def bench_tiers(
                          reorder_window=reorder_window, queue_depth=queue_depth, profile_layers=profile_layers,
                          refresh_profile=refresh_profile, profile=profile, measure_load=measure_load)
     try:
-        report = {"command": " ".join(["kvrag", *sys.argv[1:]]), **run(cfg)}
+        report = _stamped(run(cfg))
     except ValueError as exc:  # k over the passages the data set has
         raise KvragError(str(exc)) from None
-    if as_json:
-        print_json(report)
-    else:
-        typer.echo(render(report))
+    _emit(report, render, as_json)
 
 
 @bench_app.command("model")
@@ -268,14 +278,10 @@ def bench_serve(
         zipf=zipf, k=k, max_tokens=max_tokens, latency_runs=latency_runs, model=model, dtype=dtype)
     store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
                                      lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
-    report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
-              **run(replace(cfg, store=store_dir, questions=texts),
-                    lambda m: log.print(m, soft_wrap=True, highlight=False))}
+    report = _stamped(run(replace(cfg, store=store_dir, questions=texts),
+                          lambda m: log.print(m, soft_wrap=True, highlight=False)))
     (work / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    if as_json:
-        print_json(report)
-    else:
-        typer.echo(markdown(report))
+    _emit(report, markdown, as_json)
 
 
 def _serve_inputs(work: Path, dataset: Path | None, split: str, store: Path | None, questions: Path | None,
@@ -359,12 +365,8 @@ def bench_index(
         bars.update(tasks[name], completed=added)
 
     with bars:
-        report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
-                  **run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress)}
-    if as_json:
-        print_json(report)
-    else:
-        typer.echo(markdown(report))
+        report = _stamped(run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress))
+    _emit(report, markdown, as_json)
 
 
 @bench_app.command("remote")
@@ -385,12 +387,8 @@ def bench_remote(
     from kvrag.bench.remote import Plan, markdown, run
 
     console = stderr_console()
-    report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
-              **run(Plan(items, dataset, url, max_tokens), lambda m: console.print(m, highlight=False))}
-    if as_json:
-        print_json(report)
-    else:
-        typer.echo(markdown(report))
+    report = _stamped(run(Plan(items, dataset, url, max_tokens), lambda m: console.print(m, highlight=False)))
+    _emit(report, markdown, as_json)
 
 
 @bench_app.command("keyformer")
@@ -444,10 +442,7 @@ def bench_keyformer(
         from kvrag.bench import keyformer as bench
 
         result = bench.run(chosen, model, dtype)
-    if as_json:
-        print_json(result)
-    else:
-        print(bench.markdown(result))
+    _emit(result, bench.markdown, as_json)
 
 
 @bench_app.command("gpu")
@@ -483,11 +478,7 @@ def bench_gpu(
     plan = gpu.Plan(smoke=cpu_smoke, items=items or (2 if cpu_smoke else 50),
                     items_8b=items_8b or (2 if cpu_smoke else 10), skip_8b=skip_8b, dataset=dataset)
     progress = stderr_console()
-    report = {"command": " ".join(["kvrag", *sys.argv[1:]]),
-              **gpu.run(plan, lambda m: progress.print(m, highlight=False, soft_wrap=True))}
+    report = _stamped(gpu.run(plan, lambda m: progress.print(m, highlight=False, soft_wrap=True)))
     if out is not None:
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if as_json:
-        print_json(report)
-    else:
-        typer.echo(gpu.markdown(report))
+    _emit(report, gpu.markdown, as_json)

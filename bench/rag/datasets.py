@@ -22,6 +22,7 @@ from kvrag import KvragError
 from kvrag.bench.rag.items import default_dataset, read_dataset
 
 SPLITS = ("tune", "report", "all")
+MUSIQUE_TUNE, MUSIQUE_REPORT = range(0, 50), range(50, 100)  # items 100-149: the held-out release check
 NAMES = ("musique", "cross-passage", "sample")
 _CORPUS = Path(__file__).resolve().parents[2] / "corpus"
 
@@ -43,7 +44,7 @@ def load_dataset(source: str | Path) -> Dataset:
     name = str(source)
     if name == "musique":
         items = read_dataset(default_dataset())
-        return Dataset(name, items, _ranges(len(items), range(0, 50), range(50, 100)))
+        return Dataset(name, items, _ranges(len(items), MUSIQUE_TUNE, MUSIQUE_REPORT))
     if name == "cross-passage":
         from kvrag.bench.rag.cross_passage import make_items
 
@@ -60,6 +61,15 @@ def load_dataset(source: str | Path) -> Dataset:
     items = read_dataset(Path(source))
     every = list(range(len(items)))
     return Dataset(name, items, {"tune": every, "report": every, "all": every})
+
+
+def musique_report_items(path: Path | None) -> list[dict]:
+    """The report split's items (50-99) of a MuSiQue-format file (default: the benchmarks' copy); KvragError when it
+    has none."""
+    items = read_dataset(path)
+    if len(items) <= MUSIQUE_REPORT.start:
+        raise KvragError(f"the data set has {len(items)} items: none in the report split (items 50-99)")
+    return [items[i] for i in MUSIQUE_REPORT if i < len(items)]
 
 
 def _ranges(n: int, tune: range, report: range) -> dict[str, list[int]]:

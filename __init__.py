@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 
-class KvragError(Exception):
-    """A user-facing error: the CLI prints its message as one line on stderr and exits 1."""
+from kvrag.errors import KvragError
+
+__all__ = ["KvragError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -19,28 +19,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from kvrag import KvragError
-from kvrag.blend.answer import Answer
-from kvrag.blend.controller import QUALITY_FLOOR
-from kvrag.blend.decode import SamplingConfig, stream_text
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.runtime import Runtime
-from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.corpus.mirror import local_store
+from kvrag.engine.answer import Answer
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
-from kvrag.engine.scheduler import SchedulerConfig
+from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.engine.speculation import Speculator, Stage
+from kvrag.errors import KvragError
+from kvrag.model.generate import SamplingConfig, stream_text
+from kvrag.model.runtime import Runtime
 from kvrag.store.env import StoreEnv
-from kvrag.store.remote import local_store
 from kvrag.store.tiers.config import parse_bytes
 
 Passage = tuple[str, str]  # (title, text)
+
+
+# What callers above the engine (the server, applications) use: the API, the end-of-stream mark a Generation's
+# events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
+# error every bad input raises, and the `ratio` option as a value.
+__all__ = ["DONE", "Generation", "KVRag", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
 class KVRag:
@@ -59,7 +64,7 @@ class KVRag:
         prefill on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced
         chunks `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
         from kvrag.blend.keyformer import KeepConfig
-        from kvrag.blend.memory import build_cache
+        from kvrag.engine.memory import build_cache
 
         keep_config = KeepConfig(keep, keep_rule)  # bad settings are said before anything loads
         self.env = StoreEnv.open(local_store(store))  # s3://...: its local mirror, brought up to date
@@ -73,7 +78,7 @@ class KVRag:
             start = time.perf_counter()
             self.runtime = Runtime.load(model, dtype, device, tune_process)
             cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
-            prefiller = Engine(self.runtime, self.env, codec, cache=cache, keep=keep_config)
+            prefiller = Prefiller.open(self.runtime, self.env, codec, cache=cache, keep=keep_config)
             config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
                                   reorder_window, max_waiting), codec=codec, native=native)
             self.engine = LLMEngine(prefiller, config)
@@ -90,7 +95,7 @@ class KVRag:
 
     def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5,
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
-               mode: str = "blend", ratio: float | str = "auto", max_tokens: int = 32, temperature: float = 0.0,
+               mode: str = "blend", ratio: float | str | RatioPolicy = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
                kv_tokens: int = 0, kv_rule: str = "keyformer", listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
@@ -102,15 +107,12 @@ class KVRag:
         if not question or not question.strip():
             raise KvragError("the question is empty")
         start = time.perf_counter()
-        auto = ratio == "auto"
-        try:
-            blend = replace(selection or BlendConfig(), ratio=QUALITY_FLOOR if auto else float(ratio))
-        except (TypeError, ValueError):
-            raise KvragError(f"ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
+        policy = ratio if isinstance(ratio, RatioPolicy) else RatioPolicy.parse(ratio, "ratio")
+        blend = policy.start(selection)
         sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
 
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
-            return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, auto, sampling,
+            return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
                            tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule)
 
         if self.speculator is not None and chunk_ids is None and passages is None:

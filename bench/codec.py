@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.engine.prefiller import Prefiller
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 
@@ -27,15 +27,15 @@ def first_token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float(torch.sum(p.exp() * (p - q)))
 
 
-def store_both(runtime: Runtime, reference: Engine, lossy: Engine, chunks) -> None:
+def store_both(runtime: Runtime, reference: Prefiller, lossy: Prefiller, chunks) -> None:
     """Compute each missing chunk's KV once and store it under both codecs (no double rounding)."""
-    missing = set(reference.table.missing([c for c, _ in chunks])) | set(lossy.table.missing([c for c, _ in chunks]))
+    missing = set(reference.source.table.missing([c for c, _ in chunks])) | set(lossy.source.table.missing([c for c, _ in chunks]))
     with torch.inference_mode():
         for chunk_id, ids in chunks:
             if chunk_id in missing:
                 layers = layers_to_numpy(chunk_kv(runtime, reference.preamble, ids))
-                reference.table.put_chunk(chunk_id, ids, layers)
-                lossy.table.put_chunk(chunk_id, ids, layers)
+                reference.source.table.put_chunk(chunk_id, ids, layers)
+                lossy.source.table.put_chunk(chunk_id, ids, layers)
 
 
 def run(items: list[dict], store: Path | None, codec: str, model: str | None, dtype: str | None) -> dict:
@@ -46,7 +46,7 @@ def run(items: list[dict], store: Path | None, codec: str, model: str | None, dt
             return run(items, Path(tmp) / "store", codec, model, dtype)
     runtime = Runtime.load(model, dtype, tune_process=True)
     with StoreEnv.open(store, create=True) as env:
-        reference, lossy = Engine(runtime, env, "fp16"), Engine(runtime, env, codec)
+        reference, lossy = Prefiller.open(runtime, env, "fp16"), Prefiller.open(runtime, env, codec)
         rows = []
         for item in items:
             chunks = []

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 QUESTION = "Who was the last keeper of the Skerry Point lighthouse?"
 PARTS = ("startup", "model_load", "embedder_load", "retrieve", "prefill", "decode", "decode_tokens_per_s")

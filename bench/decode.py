@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvrag.blend.decode import decode_step, decode_step_reference, prefill
-from kvrag.blend.model import Transformer
-from kvrag.kernels import decode as native_decode
+from kvrag.kernels import decode_step as native_decode
+from kvrag.model.generate import decode_step, decode_step_reference, prefill
+from kvrag.model.transformer import Transformer
 
 STEPS = {
     "reference": decode_step_reference,
@@ -105,8 +105,8 @@ def greedy(model: Transformer, step, ids: list[int], n: int) -> list[int]:
 def agreement(model: Transformer, tokenizer, n_items: int, n_tokens: int) -> tuple[int, int]:
     """(identical, items): invented items whose `n_tokens` greedy answer tokens (question over its first two
     passages) the native step decodes exactly as the reference does."""
-    from kvrag.blend.prompt import PromptBuilder
-    from kvrag.tests.invented import invented_items
+    from kvrag.bench.invented import invented_items
+    from kvrag.model.prompt import PromptBuilder
 
     builder, same = PromptBuilder(tokenizer), 0
     items = invented_items(n_items, seed=1)
@@ -194,7 +194,7 @@ def batched(model: Transformer, contexts: list[int], batches: list[int], steps: 
     most = max(contexts) + steps + 1
     n_blocks = max(batches) * -(-most // BLOCK_SIZE)
     kv = scattered_pool(model, n_blocks)
-    step = native_decode.BatchStep(model, kv, *model.positions_cos_sin(torch.arange(most)))
+    step = native_decode.BatchStep(model.step_weights(), kv, *model.positions_cos_sin(torch.arange(most)))
     out(f"{'context':>7} {'B':>3} {'step ms':>8} {'tokens/s':>9} {'vs B=1':>7} {'MB read':>8} {'floor ms':>8} "
         f"{'/ floor':>7}")
     for context in contexts:

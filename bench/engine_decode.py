@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.bench.decode import bytes_per_token, read_bandwidth
-from kvrag.blend.decode import SamplingConfig, prefill
-from kvrag.blend.engine import Engine
-from kvrag.blend.runtime import Runtime
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.scheduler import SchedulerConfig
 from kvrag.engine.sequence import Request, Sequence
+from kvrag.model.generate import SamplingConfig, prefill
+from kvrag.model.runtime import Runtime
 
 
 @dataclass
@@ -44,7 +44,7 @@ def measure(runtime: Runtime, contexts: list[int], batches: list[int], steps: in
     per_token_kv = bytes_per_token(model, 1) - bytes_per_token(model, 0)
     points, path = [], "?"
     for context in contexts:
-        prefiller = Engine(runtime, None)
+        prefiller = Prefiller.open(runtime, None)
         prefiller.stop_ids = set()  # every sequence decodes exactly the steps asked for
         budget = (max(batches) + 1) * (context + steps * rounds + 64) * per_token_kv
         engine = LLMEngine(prefiller, EngineConfig(budget, scheduler=SchedulerConfig(max(batches)), native=native))

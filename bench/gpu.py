@@ -38,7 +38,7 @@ class Plan:
 def report_items(plan: Plan) -> list[dict]:
     """The report split of MuSiQue, or for the smoke run a few short invented items."""
     if plan.smoke:
-        from kvrag.tests.invented import invented_items
+        from kvrag.bench.invented import invented_items
 
         items = invented_items(max(plan.items, plan.items_8b), seed=0, passages=(2, 3))
         return [{**item, "ctxs": [{**c, "text": " ".join(c["text"].split()[:SMOKE_WORDS])} for c in item["ctxs"]]}
@@ -57,7 +57,7 @@ def run(plan: Plan, log: Callable[[str], None]) -> dict:
         f"H2D {peaks['h2d_gbps']:.1f} GB/s")
     kernels = gpu_kernels.run(device, sizes, peaks, log)
     items = report_items(plan)
-    from kvrag.blend.runtime import Runtime
+    from kvrag.model.runtime import Runtime
 
     models = [gpu_e2e.run_model("SmolLM2-135M", Runtime.load(None, None, str(device)), items[:plan.items], peaks,
                                 log)]

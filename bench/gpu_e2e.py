@@ -33,19 +33,19 @@ import numpy as np
 import torch
 
 from kvrag.bench.keyformer_load import item_chunks
-from kvrag.blend.config import ModelConfig, RopeScaling
-from kvrag.blend.device import resolve_triton
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import LocalModel, resolve_model
-from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-from kvrag.blend.prompt import PromptBuilder
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.engine.prefiller import Prefiller
+from kvrag.model.config import ModelConfig, RopeScaling
+from kvrag.model.device import resolve_triton
+from kvrag.model.files import LocalModel, resolve_model
+from kvrag.model.prompt import PromptBuilder
+from kvrag.model.runtime import Runtime
+from kvrag.model.transformer import Transformer
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.env import StoreEnv
 
 RATIO = 0.15
-CODEC = "fp16"  # its first chunk is reused exactly (Engine._exact_first_rows), as in `kvrag ask`
+CODEC = "fp16"  # its first chunk is reused exactly (Prefiller._exact_first_rows), as in `kvrag ask`
 EXTRA = 16  # decode slots a prefill reserves past the prompt
 TARGET_FLOOR, TARGET_FULL = 1.3, 0.3  # blend@0.15 on the 8B-shaped model: within 1.3x its floor, <= 0.3x full's
 FLOOR = ("floor = max(bytes loaded / pinned H2D GB/s, FLOPs / bf16 matmul TFLOP/s); FLOPs = 2 * params_per_token "
@@ -180,7 +180,7 @@ def floor_s(bytes_loaded: int, flops: float, peaks: dict) -> float:
 # ---- the runs --------------------------------------------------------------------------------------------------
 
 
-def fill_store(runtime: Runtime, engine: Engine, items: list[dict]) -> dict:
+def fill_store(runtime: Runtime, engine: Prefiller, items: list[dict]) -> dict:
     """Every distinct passage's KV, computed after the preamble, into the engine's store."""
     start, seen, tokens = _now(), set(), 0
     with torch.inference_mode():
@@ -189,7 +189,7 @@ def fill_store(runtime: Runtime, engine: Engine, items: list[dict]) -> dict:
                 if cid not in seen:
                     seen.add(cid)
                     tokens += len(ids)
-                    engine.table.put_chunk(cid, ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids), CODEC))
+                    engine.source.table.put_chunk(cid, ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids), CODEC))
     return {"passages": len(seen), "tokens": tokens, "seconds": _now() - start}
 
 
@@ -200,7 +200,7 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def time_item(runtime: Runtime, reference: Engine, engine: Engine, item: dict, blend_first: bool) -> dict:
+def time_item(runtime: Runtime, reference: Prefiller, engine: Prefiller, item: dict, blend_first: bool) -> dict:
     """One item's full prefill and blend@RATIO: TTFTs and what the floor needs."""
     chunks = item_chunks(runtime, item)
     runs = {"full": lambda: reference.prefill(chunks, item["question"], "full", extra=EXTRA),
@@ -224,7 +224,7 @@ def run_model(name: str, runtime: Runtime, items: list[dict], peaks: dict, log: 
     """The store filled, a warm-up item, then every item timed (see the module doc)."""
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-gpu-") as tmp, \
             StoreEnv.open(Path(tmp) / "store", create=True) as env:
-        engine, reference = Engine(runtime, env, CODEC, compress=False), Engine(runtime, None)
+        engine, reference = Prefiller.open(runtime, env, CODEC, compress=False), Prefiller.open(runtime, None)
         store = fill_store(runtime, engine, items)
         log(f"{name}: store of {store['passages']} passages ({store['tokens']} tokens) in {store['seconds']:.1f} s")
         time_item(runtime, reference, engine, items[0], False)

@@ -21,10 +21,10 @@ import torch
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import RULES, KeepConfig, LayerView, ScoringKV
-from kvrag.blend.precompute import layers_to_numpy
-from kvrag.blend.prefill import LayerKV, extend
-from kvrag.blend.runtime import Runtime
-from kvrag.blend.step import GrowingKV, Rows, run_layers
+from kvrag.model.prefill import LayerKV, extend
+from kvrag.model.runtime import Runtime
+from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.precompute.plain import layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.codec import encode
 

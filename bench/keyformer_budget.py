@@ -21,12 +21,13 @@ import numpy as np
 
 from kvrag.bench.keyformer import RULE_NAMES
 from kvrag.bench.keyformer_load import item_chunks
-from kvrag.blend.decode import SamplingConfig
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
+from kvrag.model.generate import SamplingConfig
+from kvrag.model.runtime import Runtime
 from kvrag.store.env import StoreEnv
 
 SHARES = (0.7, 0.5, 0.3)
@@ -58,8 +59,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def run_item(llm: LLMEngine, chunks, tokens: int, rules: Sequence[str], shares: Sequence[float]) -> dict:
     """One item: the unbudgeted generation and one per (rule, share), all in one batch."""
     sampling = SamplingConfig(max_tokens=tokens, min_tokens=tokens)
-    base = Request(SUMMARY, tuple((c, tuple(ids)) for c, ids in chunks), "blend", BlendConfig(0.15),
-                   auto_ratio=False, sampling=sampling)
+    base = Request(SUMMARY, tuple((c, tuple(ids)) for c, ids in chunks), "blend", BlendConfig(0.15), RatioPolicy(0.15), sampling=sampling)
     seqs = {("none", 1.0): llm.add(base)}
     positions = seqs["none", 1.0].prompt_tokens + tokens
     for rule in rules:
@@ -83,7 +83,7 @@ def run(items: list[dict], store: Path, model: str | None = None, dtype: str | N
     t0 = time.perf_counter()
     per_item = []
     with StoreEnv.open(store) as env:
-        llm = LLMEngine(Engine(runtime, env, "fp16"), EngineConfig(2 << 30, native=False))
+        llm = LLMEngine(Prefiller.open(runtime, env, "fp16"), EngineConfig(2 << 30, native=False))
         for n, item in enumerate(items):
             per_item.append(run_item(llm, item_chunks(runtime, item), tokens, rules, shares))
             if on_item is not None:

@@ -29,17 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrag import KvragError
 from kvrag.bench.keyformer import CODECS, KEEPS, RULE_NAMES, chunk_scores
 from kvrag.bench.rag.metrics import best_f1, kl_divergence, top1_agrees
 from kvrag.blend import keyformer
-from kvrag.blend.decode import SamplingConfig, generate
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.config import BlendConfig
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.precompute import layers_to_numpy
-from kvrag.blend.prefill import extend
-from kvrag.blend.runtime import Runtime
+from kvrag.engine.prefiller import Prefiller
+from kvrag.errors import KvragError
+from kvrag.model.generate import SamplingConfig, generate
+from kvrag.model.prefill import extend
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -110,7 +110,7 @@ def build_store(runtime: Runtime, env: StoreEnv, items: list[dict], vs: list[Var
     return done
 
 
-def _answer(engine: Engine, pre, max_tokens: int) -> str:
+def _answer(engine: Prefiller, pre, max_tokens: int) -> str:
     tokens = list(generate(engine.model, pre.cache, pre.logits, SamplingConfig(max_tokens), engine.stop_ids))
     return engine.runtime.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -139,7 +139,7 @@ class RecordLog:
             f.write(json.dumps({"question": question, "records": records}) + "\n")
 
 
-def _item_records(engines: dict, reference: Engine, vs: list[Variant], chunks, item: dict, n: int,
+def _item_records(engines: dict, reference: Prefiller, vs: list[Variant], chunks, item: dict, n: int,
                   config: BlendConfig, max_tokens: int) -> dict[str, dict]:
     """One item: the full prefill, then a blend over every variant (a different one first each item)."""
     golds = item.get("answers") or [item.get("answer", "")]
@@ -169,8 +169,8 @@ def run_items(runtime: Runtime, env: StoreEnv, items: list[dict], vs: list[Varia
     """Per variant, one record per item: ttft_s, bytes_loaded, rows, top1, kl, f1 (and the full prefill's). Items
     the log already holds are taken from it."""
     log = log or RecordLog(None, {})
-    engines = {v: Engine(runtime, env, v.codec, keep=v.keep_config) for v in vs}
-    reference = Engine(runtime, None)
+    engines = {v: Prefiller.open(runtime, env, v.codec, keep=v.keep_config) for v in vs}
+    reference = Prefiller.open(runtime, None)
     config = BlendConfig(ratio)
     for n, item in enumerate(items):
         if item["question"] not in log.done:

@@ -10,10 +10,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.table import Table
 
-from kvrag.blend.controller import best_time
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
-from kvrag.blend.prompt import PromptBuilder
+from kvrag.blend.ratio import best_time
+from kvrag.model.files import resolve_model
+from kvrag.model.prompt import PromptBuilder
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import Transformer
 
 
 @dataclass
@@ -72,8 +73,8 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         for dt, m in weights.items():
             name = str(dt).removeprefix("torch.")
             log(f"prefill, ours, {name}")
-            m.full_forward(ids[:256])  # warm-up
-            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / best_time(lambda m=m: m.full_forward(ids), repeats)
+            full_forward(m, ids[:256])  # warm-up
+            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / best_time(lambda m=m: full_forward(m, ids), repeats)
         if with_transformers:
             from transformers import AutoModelForCausalLM
 
@@ -90,8 +91,8 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         for i, item in enumerate(items[:fidelity_items]):
             log(f"bf16 fidelity {i + 1}/{fidelity_items}")
             prompt = torch.tensor(musique_prompt_ids(builder, item))
-            ref = weights[torch.float32].full_forward(prompt)[0][0]
-            got = weights[torch.bfloat16].full_forward(prompt)[0][0]
+            ref = full_forward(weights[torch.float32], prompt)[0][0]
+            got = full_forward(weights[torch.bfloat16], prompt)[0][0]
             agree += int(ref.argmax() == got.argmax())
             kls.append(float(torch.sum(ref.softmax(-1) * (ref.log_softmax(-1) - got.log_softmax(-1)))))
         report.bf16_items = len(kls)

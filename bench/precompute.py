@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kvrag.blend.precompute import chunk_kv, precompute
-from kvrag.blend.prefill import extend
-from kvrag.blend.runtime import Runtime
+from kvrag.model.prefill import extend
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, precompute
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord
 from kvrag.store.env import StoreEnv
 

@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.bench.rag.datasets import MUSIQUE_REPORT
+from kvrag.errors import KvragError
 
 RATIO = 0.15
 PASSES = ("cold", "local", "full", "memory")
@@ -96,7 +96,7 @@ def ask_passes(url: str, items: list[dict], plan: Plan, log: Callable[[str], Non
 
 def ask_one(rag, item: dict, index: int, name: str, mode: str, plan: Plan) -> dict:
     """One question: TTFT, what the object store was asked, and where each chunk's KV came from."""
-    table = rag.engine.prefiller.table  # the mirror's CachedKVTable: the object store behind the local tier
+    table = rag.engine.prefiller.source.table  # the mirror's CachedKVTable: the object store behind the local tier
     counts, fills = table.remote.objects.counts, table.counters
     before, fetched_before = counts.snapshot(), fills.fetched_bytes
     answer = rag.ask(item["question"], mode=mode, ratio=RATIO, max_tokens=plan.max_tokens)

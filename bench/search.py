@@ -26,9 +26,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from kvrag import KvragError
 from kvrag.corpus.staged_search import staged_search
 from kvrag.corpus.vector_index import check_factory, choose_factory, default_nprobe
+from kvrag.errors import KvragError
 
 IVF_FLAT_ALWAYS = 1 << 62  # choose_factory's PQ threshold out of reach: this bench stages and times IVF-Flat lists
 

@@ -20,12 +20,12 @@ from contextlib import AsyncExitStack, ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.bench.rag.metrics import percentile
 from kvrag.bench.serve_load import Result, client, metrics_delta, run_rate, scrape, workload
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_single import simulated, single_questions
 from kvrag.bench.serve_store import model_args
+from kvrag.errors import KvragError
 
 # name -> (the request's mode, kvrag serve's extra options). Full prefill and prefix caching keep the server's
 # default tiers: full prefill reads no stored KV, and prefix caching may find its first chunk in memory.

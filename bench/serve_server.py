@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 START_TIMEOUT_S = 300.0  # a first load may convert the model (20-35 s) on a busy machine
 STOP_TIMEOUT_S = 60.0

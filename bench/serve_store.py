@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 CHUNK_TOKENS = 1024  # MuSiQue passages run 497-887 tokens: one passage per chunk, as CacheBlend evaluates
 

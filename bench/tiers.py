@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.bench.replay import (
     Corpus,
     SimResult,
@@ -34,6 +33,7 @@ from kvrag.bench.replay import (
     top_share,
     zipf_requests,
 )
+from kvrag.errors import KvragError
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
 from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
@@ -72,8 +72,8 @@ class AblationConfig:
 
 def run(opts: AblationConfig) -> dict:
     """Every policy x size, FIFO and reordered, over one Zipf workload; the report `render` prints."""
-    from kvrag.blend.model_files import resolve_model
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.files import resolve_model
+    from kvrag.model.prompt import PromptBuilder
 
     if not opts.data.exists():
         raise KvragError(f"{opts.data} is not there (--data)")
@@ -126,7 +126,7 @@ def profile_key(local, layers: int) -> dict[str, str]:
     """What a kept profile must match to be reused: the model's shapes, the device, dtype, threads, torch."""
     import torch
 
-    from kvrag.blend.device import resolve_device, resolve_dtype
+    from kvrag.model.device import resolve_device, resolve_dtype
 
     dev = resolve_device(None)
     # timing depends on the model's shapes, not on its weights or tokenizer
@@ -157,8 +157,8 @@ def prefill_timer(layers: int):
     """time_prefill(cached, new): seconds of `extend` for `new` tokens after `cached` (scaled to all layers)."""
     import torch
 
-    from kvrag.blend.prefill import LayerKV, extend
-    from kvrag.blend.runtime import Runtime
+    from kvrag.model.prefill import LayerKV, extend
+    from kvrag.model.runtime import Runtime
 
     runtime = Runtime.load(None, None, tune_process=True)
     full = runtime.model
@@ -207,9 +207,9 @@ def measure_load(local, builder, corpus: Corpus, layout: BlockLayout, n_chunks: 
     """Per chunk token: a store hit (KVTable read + fp16 decode, per layer) against a memory hit (gather)."""
     import torch
 
-    from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-    from kvrag.blend.prefill import extend
-    from kvrag.blend.runtime import Runtime
+    from kvrag.model.prefill import extend
+    from kvrag.model.runtime import Runtime
+    from kvrag.precompute.plain import chunk_kv, layers_to_numpy
     from kvrag.store.env import StoreEnv
     from kvrag.store.kv import KVTable
     from kvrag.store.tiers.cache import TieredKVCache

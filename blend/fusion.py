@@ -34,66 +34,13 @@ from typing import Protocol
 
 import torch
 
-from kvrag import KvragError
 from kvrag.blend import selection
-from kvrag.blend.decode import DecodeCache
-from kvrag.blend.model import Transformer
-from kvrag.blend.prefill import LayerKV
+from kvrag.blend.config import BlendConfig
 from kvrag.blend.selection import Check
-from kvrag.blend.step import Rows, layer_step
-
-DEVIATIONS = ("k", "v", "kv")
-WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
-ATTENTION_WEIGHT = 4.0  # first 50 MuSiQue items, ratio 0.15: mean first-token KL 0.041 at 1, 0.037 at 2, 0.035 at 4
-
-
-@dataclass(frozen=True)
-class BlendConfig:
-    ratio: float = 0.15  # share of chunk tokens recomputed from the check layer on
-    check_layer: int = 1  # layers before it are computed for every token
-    deviation: str = "v"  # what ||fresh - loaded|| is measured on
-    gradual: bool = True  # select 1.5x the share at the check layer, `ratio` at the next (CacheBlend's gradual filtering)
-    # rank by deviation x (1 + attention_weight x how much the suffix reads the token / the mean): a token's
-    # error reaches the answer through the question's attention to it; 0 ranks by deviation alone (see the
-    # docs/performance.md's measurements for the default)
-    attention_weight: float = ATTENTION_WEIGHT
-    # reuse the first chunk's KV as loaded when it is exact there (it follows the preamble), as prefix caching
-    # does, instead of computing its rows at the layers up to the check and ranking them
-    exact_first_chunk: bool = True
-    # recompute the first this-many tokens of every chunk after the first at the selected layers, whatever their
-    # deviation (EPIC: the attention sink at each chunk's start carries much of a loaded chunk's error)
-    chunk_start_rows: int = 0
-    # with mass m > 0, the share kept at the last check grows past `ratio` until the kept rows hold m of the
-    # selection score's total on its norm's scale (up to max_ratio): a prompt whose deviation is spread out gets more
-    deviation_mass: float = 0.0
-    max_ratio: float = 0.5
-    selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's RULES)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise KvragError(f"--ratio must be between 0 and 1 (or auto), got {self.ratio}")
-        if self.check_layer < 0:
-            raise KvragError(f"--check-layer must be >= 0, got {self.check_layer}")
-        if self.deviation not in DEVIATIONS:
-            raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
-        if self.selection not in selection.RULES:
-            raise KvragError(f"--selection must be one of {', '.join(selection.RULES)}, got {self.selection}")
-        if not 0.0 <= self.attention_weight < math.inf:
-            raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
-        if self.chunk_start_rows < 0:
-            raise KvragError(f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}")
-        if not 0.0 <= self.deviation_mass < 1.0:
-            raise KvragError(f"--deviation-mass must be in [0, 1), got {self.deviation_mass}")
-
-    def selection_schedule(self) -> dict[int, float]:
-        """Layer -> share of chunk tokens kept after that layer's check."""
-        if not self.gradual or self.ratio >= 1.0:
-            return {self.check_layer: self.ratio}
-        # start wider and narrow down to `ratio` at the next layer. First 50 MuSiQue items, ratio 0.15, attention
-        # weight 4, bf16: mean first-token KL 0.0526 with no narrowing, 0.0442 from 1.5x, 0.0420 from 2x, 0.0349
-        # from 2x over two layers (2x, 1.5x, 1x), top-1 49/50 each; every wider row at a check layer costs a
-        # blended layer's row, so 1.5x over one layer saves about one blended layer (of 30) on the 2x-1.5x schedule
-        return {self.check_layer: min(1.0, self.ratio * WIDER_AT_CHECK), self.check_layer + 1: self.ratio}
+from kvrag.model.cache import DecodeCache
+from kvrag.model.prefill import LayerKV
+from kvrag.model.step import Rows, layer_step
+from kvrag.model.transformer import Transformer
 
 
 class ChunkKVSource(Protocol):
@@ -141,7 +88,7 @@ def keep_count(n_ranked: int, share: float, n_chunk: int, config: BlendConfig, r
 
 
 class BlendKV:
-    """A blend's KV target (blend/step.py): the whole prompt's rotated K and V for each layer, assembled in place in
+    """A blend's KV target (model/step.py): the whole prompt's rotated K and V for each layer, assembled in place in
     the decode cache from the preamble's, the loaded chunk rows' (cast by the copy from the store's dtype) and the
     computed rows' (rows.index: their places among the rows after the preamble). With `rest_kv` the rows' keys
     before rotary are kept there too."""
@@ -188,7 +135,7 @@ class BlendKV:
 
 
 class Selector:
-    """CacheBlend's check at a layer of the selection schedule (blend/step.py's one hook): every remaining row's K/V
+    """CacheBlend's check at a layer of the selection schedule (model/step.py's one hook): every remaining row's K/V
     is computed and placed, the chunk rows are ranked by the selection rule, and only the kept ones and the suffix
     go on. Queries are computed for the kept rows alone: most ranked rows are dropped, and theirs would be 60 % of
     the layer's projection."""

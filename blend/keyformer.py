@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import xxhash
 
-from kvrag import KvragError
-from kvrag.blend.model import Transformer
-from kvrag.blend.prefill import LayerKV
-from kvrag.blend.step import GrowingKV, Rows, run_layers
+from kvrag.errors import KvragError
+from kvrag.model.prefill import LayerKV
+from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.model.transformer import Transformer
 from kvrag.store.codec import DecodedKV
 
 # The kept budget's split: Keyformer keeps a recent window w and the rest by score; the paper finds w at 20-30 %

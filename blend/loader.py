@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrag import KvragError
-from kvrag.blend import rotary
-from kvrag.blend.device import triton_available
-from kvrag.blend.prefill import LayerKV
+from kvrag.errors import KvragError
 from kvrag.kernels import fp16_to_bf16
+from kvrag.model import rotary
+from kvrag.model.device import triton_available
+from kvrag.model.prefill import LayerKV
 from kvrag.store.codec import (
     DECODED_DTYPES,
     FLAG_SHUFFLED,

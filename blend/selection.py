@@ -11,12 +11,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvrag.blend.fusion import BlendConfig
+
+class BlendConfig(Protocol):
+    """What a rule reads of the blend's settings (blend/config.py's BlendConfig)."""
+
+    deviation: str
+    attention_weight: float
+    selection: str
+    chunk_start_rows: int
 
 
 @dataclass(frozen=True)

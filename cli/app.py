@@ -7,13 +7,20 @@ Ctrl-C is one line and status 130.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 import typer
 
-from kvrag import KvragError, __version__
 from kvrag.cli.common import INTERRUPTED_STATUS, Interrupted
+from kvrag.cli.typer_apps import app, model_app
+from kvrag.errors import KvragError
+
+# The benchmarks are a plugin: kvrag.bench is found by name, so nothing in the package imports it, and a package
+# installed without the `bench` extra still runs (`kvrag bench` then says how to get them).
+BENCH_PLUGIN = "kvrag.bench.plugin"
+BENCH_EXTRA = "pip install 'kvrag[bench]'"
 
 
 def _process_settings() -> None:
@@ -30,56 +37,24 @@ def _process_settings() -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
-# Plain click help, not typer's rich panels: typer 0.29's panels print a type after every flag
-# (`--json <bool>`, even `--help <bool>`); plain help lists flags bare, values as `--store <path>`.
-# It uses up to 120 columns of a wide terminal (the command list cuts each summary to fit).
-HELP_STYLE = {"rich_markup_mode": None, "pretty_exceptions_enable": False,
-              "context_settings": {"max_content_width": 120}}
-
-app = typer.Typer(
-    name="kvrag",
-    help="Answer questions over your documents with a local LLM, reusing precomputed KV caches.",
-    no_args_is_help=True,
-    add_completion=True,
-    **HELP_STYLE,
-)
-model_app = typer.Typer(help="Inspect and prepare the LLM.", no_args_is_help=True, **HELP_STYLE)
-store_app = typer.Typer(help="Inspect and maintain a KV store.", no_args_is_help=True, **HELP_STYLE)
-# `kvrag bench` runs the RAG comparison itself (its options); `kvrag bench <what>` runs another benchmark
-bench_app = typer.Typer(help="Benchmarks: `kvrag bench [options]` compares every method on the same questions; "
-                        "`kvrag bench <what>` (engine, decode, cold, codec, precompute, tiers, model) measures one "
-                        "part.", invoke_without_command=True, **HELP_STYLE)
-app.add_typer(model_app, name="model")
-app.add_typer(bench_app, name="bench")
-app.add_typer(store_app, name="store")
-
-
-def _version_callback(value: bool) -> None:
-    if value:
-        typer.echo(f"kvrag {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
-                                 help="Print the version and exit."),
-) -> None:
-    """kvrag: fast-first-token RAG over your own documents."""
-
-
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to `app`, `model_app`, `store_app`, `bench_app`.
-    from kvrag.cli import (  # noqa: F401
-        ask_cmd,
-        bench_cmd,
-        bench_more,
-        index_cmd,
-        model_cmd,
-        precompute_cmd,
-        serve_cmd,
-        store_cmd,
-    )
+    from kvrag.cli import ask_cmd, index_cmd, model_cmd, precompute_cmd, serve_cmd, store_cmd  # noqa: F401
+
+    try:
+        importlib.import_module(BENCH_PLUGIN).register(app, model_app)
+    except ModuleNotFoundError as exc:  # the bench extra's libraries (or kvrag.bench itself) are missing
+        _no_bench(exc.name or "kvrag.bench")
+
+
+def _no_bench(missing: str) -> None:
+    """`kvrag bench` without the bench extra: one line saying how to get it."""
+
+    @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+                 add_help_option=False)
+    def bench(ctx: typer.Context) -> None:
+        """Benchmarks (needs the bench extra)."""
+        raise KvragError(f"the benchmarks need {missing}, which is not installed: {BENCH_EXTRA}")
 
 
 def main() -> None:

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from kvrag import KvragError
-from kvrag.cli.app import app
 from kvrag.cli.common import (
     ATTENTION_WEIGHT_OPTION,
     CACHE_POLICY_OPTION,
@@ -37,10 +35,13 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
+from kvrag.cli.typer_apps import app
+from kvrag.errors import KvragError
 
 if TYPE_CHECKING:  # torch-bound: imported when a command runs, not when the CLI starts
-    from kvrag.blend.decode import SamplingConfig
-    from kvrag.blend.fusion import BlendConfig
+    from kvrag.blend.config import BlendConfig
+    from kvrag.blend.ratio import RatioPolicy
+    from kvrag.model.generate import SamplingConfig
 
 _IMPORTED_AT = time.perf_counter()
 
@@ -133,24 +134,22 @@ def ask_command(
 
     Example: kvrag ask "Who founded the company?" --show-sources
     """
-    from kvrag.blend.decode import SamplingConfig
-    from kvrag.blend.engine import MODES
-    from kvrag.blend.fusion import BlendConfig
+    from kvrag.blend.config import BlendConfig
+    from kvrag.blend.ratio import RatioPolicy
+    from kvrag.engine.prefiller import MODES
+    from kvrag.model.generate import SamplingConfig
     from kvrag.store.keys import codec_id
 
     if mode not in MODES:
         raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
-    auto = ratio == "auto"
-    try:
-        config = BlendConfig(0.15 if auto else float(ratio), check_layer, deviation, gradual,
-                             **attention_weight_override(attention_weight), selection=selection)
-    except ValueError:
-        raise KvragError(f"--ratio takes a number between 0 and 1 or 'auto', got {ratio!r}") from None
+    policy = RatioPolicy.parse(ratio)
+    config = policy.start(BlendConfig(check_layer=check_layer, deviation=deviation, gradual=gradual,
+                                      **attention_weight_override(attention_weight), selection=selection))
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
     codec_id(codec)
     _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
-    settings = _Settings(mode, config, sampling, auto, codec, (host_cache, gpu_cache, cache_policy),
+    settings = _Settings(mode, config, sampling, policy, codec, (host_cache, gpu_cache, cache_policy),
                          (model, dtype, device), (keep, keep_rule), (kv_tokens, kv_rule))
     answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff), settings,
                           as_json, show_sources)
@@ -166,7 +165,7 @@ class _Settings:
     mode: str
     config: BlendConfig
     sampling: SamplingConfig
-    auto_ratio: bool
+    ratio: RatioPolicy
     codec: str
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
     model_options: tuple  # --model, --dtype, --device
@@ -176,7 +175,7 @@ class _Settings:
     def request_options(self) -> dict:
         """The API's options for how to answer."""
         sp = self.sampling
-        return {"mode": self.mode, "ratio": "auto" if self.auto_ratio else self.config.ratio, "selection": self.config,
+        return {"mode": self.mode, "ratio": self.ratio, "selection": self.config,
                 "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed,
                 "kv_tokens": self.kv_budget[0], "kv_rule": self.kv_budget[1]}
 

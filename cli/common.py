@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.home import default_store_dir
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a process stopped by Ctrl-C
@@ -69,14 +69,14 @@ class Interrupted(Exception):
 
 def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path:
     """--store, else $KVRAG_STORE, else <home>/store; `~` expanded (click does not expand it). s3://bucket/prefix:
-    its local mirror, brought up to the corpus published there (store/remote/mirror.py; `need_corpus`: a store
+    its local mirror, brought up to the corpus published there (corpus/mirror.py; `need_corpus`: a store
     with none is one line)."""
     text = str(store or default_store_dir())
     if text.startswith("s3:/") and not text.startswith("s3://"):  # a Path (click's, KVRAG_STORE's) folds the //
         text = "s3://" + text[len("s3:/"):]
     if not text.startswith("s3://"):
         return Path(text).expanduser()
-    from kvrag.store.remote import local_store
+    from kvrag.corpus.mirror import local_store
 
     return local_store(text, need_corpus=need_corpus)
 

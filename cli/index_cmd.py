@@ -10,8 +10,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvrag import KvragError
-from kvrag.cli.app import app
 from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
@@ -20,6 +18,8 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
+from kvrag.cli.typer_apps import app
+from kvrag.errors import KvragError
 
 if TYPE_CHECKING:  # the corpus stack (faiss, semchunk, ...) loads only when a command of this module runs
     from kvrag.corpus.chunking import PassageTokenizer
@@ -30,9 +30,9 @@ _SHOWN_SKIPS = 10  # skipped inputs listed one by one; the rest are counted (all
 
 def load_passage_tokenizer(model: str | None) -> PassageTokenizer:
     """The LLM's tokenizer and the prompt's passage format (chunk token ids are spliced as is)."""
-    from kvrag.blend.model_files import resolve_model
-    from kvrag.blend.prompt import render_passage
     from kvrag.corpus.chunking import PassageTokenizer
+    from kvrag.model.files import resolve_model
+    from kvrag.model.prompt import render_passage
 
     local = resolve_model(model)
     return PassageTokenizer(local.load_tokenizer(), render_passage, local.tokenizer_fingerprint)
@@ -126,7 +126,7 @@ def _publish(store_dir: Path, console: Console) -> str | None:
     url = remote_url(store_dir)
     if url is None:
         return None
-    from kvrag.store.remote.mirror import Mirror
+    from kvrag.corpus.mirror import Mirror
 
     with console.status("publishing the corpus"):
         return Mirror.open(url).publish()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from kvrag.cli.app import model_app
-from kvrag.cli.bench_more import bench_model
 from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
@@ -14,6 +12,7 @@ from kvrag.cli.common import (
     print_json,
     stderr_console,
 )
+from kvrag.cli.typer_apps import model_app
 
 
 @model_app.command("info")
@@ -23,10 +22,10 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
 
     Example: kvrag model info --json
     """
-    from kvrag.blend.device import attention_dtype, resolve_device, resolve_dtype
-    from kvrag.blend.model_files import resolve_model
     from kvrag.kernels import row_attention
     from kvrag.kernels.attention import row_kernel_serves
+    from kvrag.model.device import attention_dtype, resolve_device, resolve_dtype
+    from kvrag.model.files import resolve_model
 
     local = resolve_model(model)
     dev = resolve_device(device)
@@ -60,6 +59,3 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
                                   f"{c.n_kv_heads} KV heads, head dim {c.head_dim}, rope θ {c.rope_theta:g}")
     stderr_console().print(table)
 
-
-# `kvrag model bench` is the old name of `kvrag bench model`: kept for scripts, hidden from the help
-model_app.command("bench", hidden=True)(bench_model)

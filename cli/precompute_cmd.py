@@ -16,7 +16,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvrag.cli.app import app
 from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
@@ -30,6 +29,7 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
+from kvrag.cli.typer_apps import app
 
 
 @app.command("precompute")
@@ -62,13 +62,13 @@ def precompute_command(
     Example: kvrag precompute --store ./store --ray local --ray-workers 4
     """
     from kvrag.blend.keyformer import KeepConfig
-    from kvrag.blend.precompute import PrecomputeInterrupted
+    from kvrag.precompute.plain import PrecomputeInterrupted
     from kvrag.store.keys import codec_id
     from kvrag.store.kv import Shard
 
     codec_id(codec)  # validate before loading anything
     if ray is not None:
-        from kvrag.blend.precompute_ray import import_ray
+        from kvrag.precompute.on_ray import import_ray
 
         import_ray()  # without Ray: one line saying how to install it
     keep_config = KeepConfig(keep, keep_rule, per_layer=keep_per_layer)
@@ -104,8 +104,8 @@ def precompute_command(
 def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model, dtype, device, console,
          show_progress: bool, ray: tuple[str | None, int] = (None, 1)):
     """Load the model and precompute (on Ray actors when `ray` names an address), with a progress bar on stderr."""
-    from kvrag.blend.precompute import precompute
-    from kvrag.blend.runtime import Runtime
+    from kvrag.model.runtime import Runtime
+    from kvrag.precompute.plain import precompute
     from kvrag.store.env import StoreEnv
 
     with StoreEnv.open(store_dir) as env:
@@ -126,7 +126,7 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model,
 
         address, workers = ray
         if address is not None:
-            from kvrag.blend.precompute_ray import precompute_ray
+            from kvrag.precompute.on_ray import precompute_ray
 
             with progress:  # the workers load the model (on CPUs); --device does not apply
                 return precompute_ray(env, model, dtype, codec, keep, address, workers, on_progress=on_progress,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import typer
 
-from kvrag.cli.app import app
 from kvrag.cli.common import (
     CACHE_POLICY_OPTION,
     CODEC_OPTION,
@@ -21,6 +20,7 @@ from kvrag.cli.common import (
     resolve_store,
     stderr_console,
 )
+from kvrag.cli.typer_apps import app
 
 
 @app.command("serve")

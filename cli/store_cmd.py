@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrag import KvragError
-from kvrag.cli.app import store_app
 from kvrag.cli.common import JSON_OPTION, STORE_OPTION, resolve_store
+from kvrag.cli.typer_apps import store_app
+from kvrag.errors import KvragError
 
 if TYPE_CHECKING:  # the store's maintenance code loads when a store command runs, not with every command
     from kvrag.store.env import StoreEnv

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 
 @dataclass(frozen=True)

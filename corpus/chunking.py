@@ -14,8 +14,8 @@ from typing import Any
 
 import semchunk
 
-from kvrag import KvragError
 from kvrag.corpus.documents import Document
+from kvrag.errors import KvragError
 
 _MIN_CHUNK_TOKENS = 16
 _PROBE = ("Probe title", "Probe text.")  # rendered to fingerprint the passage format

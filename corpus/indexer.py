@@ -20,12 +20,12 @@ from typing import Protocol
 
 import numpy as np
 
-from kvrag import KvragError
 from kvrag.corpus.chunking import ChunkConfig, Chunker, PassageTokenizer
 from kvrag.corpus.documents import EMPTY, Document, ReadResult, Skipped
 from kvrag.corpus.read_json import JsonFields
 from kvrag.corpus.sources import read_path
 from kvrag.corpus.vector_index import VectorIndex, check_factory, choose_factory, index_bytes, writer_lock
+from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig, chunk_id_for
 from kvrag.store.env import StoreEnv, is_store
 

@@ -7,7 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.corpus.documents import (
     BROKEN_JSON,
     BROKEN_JSON_LINE,
@@ -20,6 +19,7 @@ from kvrag.corpus.documents import (
     Unreadable,
 )
 from kvrag.corpus.read_text import decode_bytes, read_bytes
+from kvrag.errors import KvragError
 
 
 @dataclass(frozen=True)

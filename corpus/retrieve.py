@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrag import KvragError
 from kvrag.corpus.vector_index import VectorIndex, live_generation
+from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
 

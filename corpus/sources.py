@@ -7,12 +7,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.corpus.documents import UNREADABLE, ReadResult, Skipped, Unreadable
 from kvrag.corpus.read_html import read_html
 from kvrag.corpus.read_json import JsonFields, read_json, read_jsonl
 from kvrag.corpus.read_pdf import read_pdf
 from kvrag.corpus.read_text import read_markdown, read_text
+from kvrag.errors import KvragError
 
 _SINGLE: dict[str, Callable[[Path], object]] = {
     ".md": read_markdown, ".markdown": read_markdown, ".mdown": read_markdown, ".mkd": read_markdown,

@@ -27,8 +27,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from kvrag import KvragError
 from kvrag.corpus.staged_search import Stage, staged_search
+from kvrag.errors import KvragError
 
 # Exact search up to this many chunks. At 100k x 384 float32 the index is 150 MiB and a query scans
 # it in a few ms on one core (see docs/performance.md): below the cost of the embedding and far below a prefill.

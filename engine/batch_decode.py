@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.blend.model import Transformer
-from kvrag.blend.step import Rows, run_layers
 from kvrag.engine.kv_pool import SequenceKV
-from kvrag.kernels import decode as native_decode
+from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import attend_few_rows
+from kvrag.model.step import Rows, run_layers
+from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockTable
 
 
@@ -26,8 +26,8 @@ class BatchDecoder:
         self.model, self.kv = model, kv
         self.cos, self.sin = model.positions_cos_sin(torch.arange(max_positions))  # [P, 1, hd] each
         self.native = None
-        if native and native_decode.step_serves(model) and kv.pool.kv.dtype == torch.bfloat16:
-            self.native = native_decode.BatchStep(model, kv.pool.kv, self.cos, self.sin)
+        if native and native_decode.step_serves(model.step_weights()) and kv.pool.kv.dtype == torch.bfloat16:
+            self.native = native_decode.BatchStep(model.step_weights(), kv.pool.kv, self.cos, self.sin)
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tables: Sequence[BlockTable], offsets: Sequence[int] | None = None,
@@ -60,7 +60,7 @@ class BatchDecoder:
 
 
 class PoolKV:
-    """The paged pool as the layer step's KV target (blend/step.py): each sequence's new row goes to the slot its
+    """The paged pool as the layer step's KV target (model/step.py): each sequence's new row goes to the slot its
     table made for it, and attends to its own slots alone."""
 
     def __init__(self, model: Transformer, kv: SequenceKV, tables: Sequence[BlockTable], taps: Sequence | None = None):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.blend.decode import DecodeCache
-from kvrag.blend.model import Transformer
+from kvrag.model.cache import DecodeCache
+from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockLayout, BlockTable, OutOfBlocks
 from kvrag.store.tiers.block_pool import BlockPool
 

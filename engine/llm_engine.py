@@ -1,7 +1,7 @@
 """The resident engine: many requests at once over one model, one store and one paged KV pool.
 
 Each `step()` cancels what callers gave up on, prefills at most one waiting request (blended, full, prefix or
-reuse, through blend.engine.Engine, whose memory tiers all requests share), then runs one batched decode step of
+reuse, through a Prefiller (engine/prefiller.py), whose memory tiers all requests share), then runs one batched decode step of
 every running sequence. Single-threaded: callers on other threads go through engine/loop.py.
 """
 
@@ -14,18 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag import KvragError
-from kvrag.blend.answer import resolve_ratio
-from kvrag.blend.decode import DecodeCache, choose
-from kvrag.blend.engine import MODES, Engine, FullPrefill, Prefilled
 from kvrag.blend.keyformer import check_rule
+from kvrag.blend.ratio import SUFFIX_GUESS
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
-from kvrag.store.tiers.reorder import order_priority
-
-SUFFIX_GUESS = 40  # question-suffix tokens assumed by the ratio controller before the question is tokenized
+from kvrag.errors import KvragError
+from kvrag.model.cache import DecodeCache
+from kvrag.model.generate import choose
 
 
 class PromptTooLong(KvragError):
@@ -45,9 +43,9 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, prefiller: Engine, config: EngineConfig = EngineConfig()):
+    def __init__(self, prefiller: Prefilling, config: EngineConfig = EngineConfig()):
         self.prefiller, self.config = prefiller, config
-        self.model = prefiller.model
+        self.model = prefiller.runtime.model
         self.max_positions = self.model.cfg.max_positions
         self.kv = SequenceKV(self.model, config.kv_budget_bytes, config.block_size)
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
@@ -87,14 +85,11 @@ class LLMEngine:
         return Sequence(next(self._ids), request, prompt, rows)
 
     def _dropped_rows(self, request: Request) -> int:
-        """Prompt tokens with no row in the pool: those the stored reduced chunks left out (Keyformer), by their
-        records; a chunk not stored yet counts whole (an upper bound: it is computed, then reduced)."""
-        table = self.prefiller.table
-        if self.prefiller.keep is None or table is None or request.mode not in ("blend", "reuse"):
-            return 0  # a full prefill keeps every row; prefix caching computes all but its first chunk whole
-        records = (table.record(chunk_id) for chunk_id, _ in request.chunks)
-        return sum(len(ids) - r.kept[0] for (_, ids), r in zip(request.chunks, records, strict=True)
-                   if r is not None and r.kept[0] <= len(ids))
+        """Prompt tokens with no row in the pool (reduced chunks' dropped tokens): none for a full prefill, which
+        keeps every row, nor for prefix caching, which computes all but its first chunk whole."""
+        if request.mode not in ("blend", "reuse"):
+            return 0
+        return self.prefiller.source.dropped_rows(request.chunks)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
@@ -139,8 +134,8 @@ class LLMEngine:
             config = req.blend
             if req.mode == "blend":
                 n_chunk = sum(len(ids) for _, ids in req.chunks)
-                config = resolve_ratio(self.prefiller, config, req.auto_ratio, n_chunk, SUFFIX_GUESS,
-                                       self.config.codec)
+                config = req.ratio.resolve(config, lambda: self.prefiller.source.profile(self.config.codec),
+                                           self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
@@ -263,13 +258,10 @@ class LLMEngine:
         return len(self.prefiller.preamble) + kept
 
     def _order_priority(self, seq: Sequence) -> float:
-        """RAGCache's order: tokens whose KV the memory tiers hold per token to compute (no tiers: all equal)."""
-        cache = self.prefiller.cache
-        if cache is None or seq.request.mode not in ("blend", "reuse"):
+        """RAGCache's order (ChunkSource.order_priority) for prompts that read the tiers; 0 for the others."""
+        if seq.request.mode not in ("blend", "reuse"):
             return 0.0
-        chunks = seq.request.chunks
-        cached, compute = cache.peek([c for c, _ in chunks], [len(ids) for _, ids in chunks])
-        return order_priority(cached, compute)
+        return self.prefiller.source.order_priority(seq.request.chunks)
 
 
 def _observe(req: Request) -> str | None:
@@ -277,9 +269,9 @@ def _observe(req: Request) -> str | None:
     return req.kv_rule if req.kv_tokens > 0 else None
 
 
-def _rotated_prefix(prefiller: Engine) -> DecodeCache:
+def _rotated_prefix(prefiller: Prefilling) -> DecodeCache:
     """The preamble's KV as a prefill leaves it in a decode cache: keys rotated to positions 0..P-1."""
-    model, pre = prefiller.model, prefiller.preamble
+    model, pre = prefiller.runtime.model, prefiller.preamble
     with torch.inference_mode():
         layers = [(model.rotate_keys(k, pre.positions), v.to(model.dtype)) for k, v in zip(pre.k, pre.v, strict=True)]
     return DecodeCache.from_prompt(model, layers, 0)

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrag import KvragError
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.sequence import Sequence, Status
+from kvrag.errors import KvragError
 
 
 class QueueFull(KvragError):

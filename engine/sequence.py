@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrag.blend.answer import Answer
-from kvrag.blend.decode import SamplingConfig
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.answer import Answer
+from kvrag.model.generate import SamplingConfig
 from kvrag.store.tiers.allocator import BlockTable
 
 
@@ -27,9 +28,9 @@ class Request:
 
     question: str
     chunks: tuple[tuple[str, tuple[int, ...]], ...]
-    mode: str = "blend"  # blend, full, prefix or reuse (blend.engine.MODES)
+    mode: str = "blend"  # blend, full, prefix or reuse (engine.prefiller.Mode)
     blend: BlendConfig = field(default_factory=BlendConfig)
-    auto_ratio: bool = True  # blend: the ratio chosen per prompt (controller), blend.ratio its floor
+    ratio: RatioPolicy = field(default_factory=RatioPolicy)  # blend: auto (chosen per prompt from blend) or fixed
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sources: tuple[dict, ...] = ()  # what the caller wants back with the answer (retrieval hits)
     keep_first_logits: bool = False  # keep the prefill's next-token logits on the sequence (benchmarks' fidelity)
@@ -126,9 +127,7 @@ class Sequence:
         decoding = times["decode"]
         rate = (len(self.output) - 1) / decoding if len(self.output) > 1 and decoding else 0.0
         timings = {**info.get("timings", {}), "retrieve": retrieve_s, **times, "decode_tokens_per_s": rate}
-        ratio = info.get("ratio")
-        if ratio is not None and req.auto_ratio and info.get("chunk_tokens"):  # chosen per prompt: what it was
-            ratio = round(info["recomputed_chunk_tokens"] / info["chunk_tokens"], 4)
+        ratio = req.ratio.report(info.get("ratio"), info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0))
         return Answer(req.question, text, list(self.output), req.mode, ratio, self.prompt_tokens,
                       info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0), info.get("bytes_loaded", 0),
                       timings, list(req.sources), info.get("chunk_tiers", []),

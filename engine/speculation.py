@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvrag import KvragError
 from kvrag.engine.loop import EngineLoop
 from kvrag.engine.sequence import Request, Sequence
+from kvrag.errors import KvragError
 
 
 @dataclass(frozen=True)

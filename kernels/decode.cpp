@@ -333,7 +333,7 @@ extern "C" int kvrag_decode_attention(const uint16_t* q, const uint16_t* k, cons
 
 namespace {
 
-// Mirrored field by field by kernels/decode.py's StepModel.
+// Mirrored field by field by kernels/decode_step.py's StepModel.
 struct StepModel {
   int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, vocab;
   // key (layer l, block b, slot s) at k_base + l * layer_stride + b * block_stride + s * Hkv * hd (v_base alike)

@@ -6,7 +6,7 @@
 // layer); this reads each byte once and writes bf16, rounding to nearest even as torch's cast does.
 //
 // The rotated variant also turns the keys (before rotary, as stored) to their absolute positions in the prompt
-// on the way, rounding each step as blend/rotary.py's bf16 torch ops do (the same bits): the loader then hands
+// on the way, rounding each step as model/rotary.py's bf16 torch ops do (the same bits): the loader then hands
 // out keys ready for the decode cache, and the blend's compute rotates only the rows it recomputes.
 
 #include <immintrin.h>

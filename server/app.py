@@ -23,10 +23,8 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvrag import KvragError
-from kvrag.api import KVRag
-from kvrag.engine.llm_engine import PromptTooLong
-from kvrag.engine.scheduler import QueueFull
+from kvrag.api import KVRag, PromptTooLong, QueueFull
+from kvrag.errors import KvragError
 from kvrag.server.errors import ApiError, error_body, install_handlers
 from kvrag.server.generate import GenerationFailed, Run
 from kvrag.server.metrics import Metrics

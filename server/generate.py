@@ -15,8 +15,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from kvrag.api import Generation, KVRag
-from kvrag.engine.sequence import DONE
+from kvrag.api import DONE, Generation, KVRag
 
 
 class GenerationFailed(Exception):

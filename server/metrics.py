@@ -59,7 +59,7 @@ class _EngineState:
         self.rag = rag
 
     def collect(self):
-        loop, engine, cache = self.rag.loop, self.rag.engine, self.rag.engine.prefiller.cache
+        loop, engine, cache = self.rag.loop, self.rag.engine, self.rag.engine.prefiller.source.cache
         yield GaugeMetricFamily("kvrag_queue_length", "Requests waiting for a prefill", value=loop.waiting())
         yield GaugeMetricFamily("kvrag_running_sequences", "Sequences prefilled and decoding", value=loop.running())
         yield GaugeMetricFamily("kvrag_kv_pool_free_blocks", "Free blocks of the running sequences' KV pool",

@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvrag.api import KvragError, RatioPolicy
+
 
 class BadField(ValueError):
     """A field whose value this server cannot serve, though well-typed: a 400 naming it."""
@@ -85,8 +87,10 @@ class _Generate(_Body):
     def options(self, default_max_tokens: int) -> dict:
         """Keyword arguments for KVRag.submit (the question aside). Unset sampling fields take kvrag's defaults:
         greedy (temperature 0), which answers the same every time, unlike OpenAI's default of 1."""
-        if isinstance(self.ratio, float) and not 0 <= self.ratio <= 1:
-            raise BadField("ratio", f"ratio must be between 0 and 1, or 'auto', got {self.ratio}")
+        try:
+            ratio = RatioPolicy.parse(self.ratio, "ratio")
+        except KvragError as exc:
+            raise BadField("ratio", str(exc)) from None
         if self.n not in (None, 1):
             raise BadField("n", f"this server returns one choice per request (n=1), got n={self.n}")
         if self.logprobs:
@@ -95,7 +99,7 @@ class _Generate(_Body):
         if self.passages is not None:
             passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
         return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
-                "passages": passages, "mode": self.mode, "ratio": self.ratio,
+                "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
                 "kv_rule": self.kv_rule}

@@ -18,8 +18,8 @@ import time
 
 import uvicorn
 
-from kvrag import KvragError
 from kvrag.api import KVRag
+from kvrag.errors import KvragError
 from kvrag.server.app import ServerSettings, create_app
 
 BACKLOG = 2048  # connections the kernel queues before they are accepted (uvicorn's default)

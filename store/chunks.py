@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import lmdb
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.env import StoreEnv
 
 _CHUNK_MAGIC = b"KC\x01"

@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.keys import CODEC_IDS, CODEC_NAMES, codec_id
 
 MAGIC = b"KVRV"

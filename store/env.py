@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import lmdb
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 T = TypeVar("T")
 

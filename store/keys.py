@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 CODEC_IDS = {"fp16": 1, "bf16": 2, "int8": 3}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}

@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue, DecodedKV, ValueHeader, checked_body, decode, encode
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (

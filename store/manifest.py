@@ -23,7 +23,7 @@ from typing import Any
 
 import lmdb
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.chunks import INDEX_CONFIG_KEY, IndexConfig
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import codec_id

@@ -59,7 +59,7 @@ def _isolated_home(session_home, monkeypatch):
 @pytest.fixture(scope="session")
 def smol(session_home):
     """The real default model (SmolLM2-135M-Instruct), converted from its GGUF once per session."""
-    from kvrag.blend.model_files import resolve_model
+    from kvrag.model.files import resolve_model
 
     return resolve_model(None)
 
@@ -140,7 +140,7 @@ def musique_items(musique_path) -> list[dict]:
 @pytest.fixture(scope="session")
 def invented_items() -> list[dict]:
     """40 invented MuSiQue-shaped items (5-10 passages of ≈300-500 tokens each), the same on every run."""
-    from kvrag.tests.invented import invented_items as make
+    from kvrag.bench.invented import invented_items as make
 
     return make(40, seed=0)
 
@@ -194,12 +194,19 @@ def kvrag():
 
 
 def run_cli_in_process(monkeypatch, capsys, module: str, *args: str) -> tuple[int, str, str]:
-    """Run `kvrag *args` in this process with only `kvrag.cli.<module>` registered: (exit code, stdout, stderr)."""
+    """Run `kvrag *args` in this process with only `kvrag.cli.<module>` registered (module "bench": the bench
+    plugin): (exit code, stdout, stderr)."""
     import importlib
 
     import kvrag.cli.app as appmod
 
-    monkeypatch.setattr(appmod, "_register_commands", lambda: importlib.import_module(f"kvrag.cli.{module}"))
+    def register():
+        if module == "bench":
+            importlib.import_module(appmod.BENCH_PLUGIN).register(appmod.app, appmod.model_app)
+        else:
+            importlib.import_module(f"kvrag.cli.{module}")
+
+    monkeypatch.setattr(appmod, "_register_commands", register)
     monkeypatch.setattr(sys, "argv", ["kvrag", *args])
     try:
         appmod.main()

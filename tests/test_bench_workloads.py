@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag import KvragError
 from kvrag.bench.rag.cache_sim import CacheSpec, cache_section, fit_profile
 from kvrag.bench.rag.items import read_items, select
 from kvrag.bench.rag.workloads import PoissonSpec, Service, max_rate, poisson_workload, simulate_queue
+from kvrag.errors import KvragError
 from kvrag.store.tiers.allocator import BlockLayout
 
 

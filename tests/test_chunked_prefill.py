@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvrag.blend.decode import ChunkedPrefill, SamplingConfig, generate, prefill
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
+from kvrag.model.files import resolve_model
+from kvrag.model.generate import ChunkedPrefill, SamplingConfig, generate, prefill
+from kvrag.model.transformer import Transformer
 
 
 def _model(path) -> Transformer:

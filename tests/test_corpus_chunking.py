@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from kvrag import KvragError
-from kvrag.blend.prompt import render_passage
 from kvrag.corpus.chunking import ChunkConfig, Chunker, PassageTokenizer
 from kvrag.corpus.documents import Document
+from kvrag.errors import KvragError
+from kvrag.model.prompt import render_passage
 from kvrag.store.chunks import chunk_id_for
 
 SENTENCES = [f"Sentence number {i} tells of the river {chr(65 + i % 26)}lm and its {i * 7} bridges." for i in range(120)]

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvrag import KvragError
-from kvrag.blend.prompt import render_passage
 from kvrag.corpus.chunking import ChunkConfig, PassageTokenizer
 from kvrag.corpus.embedder import Embedder, bf16_is_fast
 from kvrag.corpus.indexer import IndexOptions, index_corpus
 from kvrag.corpus.retrieve import Retriever
 from kvrag.corpus.sources import expand_paths
 from kvrag.corpus.vector_index import VectorIndex
+from kvrag.errors import KvragError
+from kvrag.model.prompt import render_passage
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.tests.corpus_samples import make_pdf

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvrag import KvragError
 from kvrag.corpus import vector_index
 from kvrag.corpus.vector_index import FLAT_MAX, VectorIndex, choose_factory, writer_lock
+from kvrag.errors import KvragError
 from kvrag.store.chunks import (
     INDEX_CONFIG_KEY,
     ChunkRecord,

@@ -8,9 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvrag import KvragError
-from kvrag.blend.decode import (
-    DecodeCache,
+from kvrag.errors import KvragError
+from kvrag.kernels import decode_step as native_decode
+from kvrag.kernels.attention import attend_few_rows
+from kvrag.model.cache import DecodeCache
+from kvrag.model.files import resolve_model
+from kvrag.model.generate import (
     SamplingConfig,
     choose,
     decode_step,
@@ -19,10 +22,8 @@ from kvrag.blend.decode import (
     prefill,
     stream_text,
 )
-from kvrag.blend.model import RESCORED, Transformer
-from kvrag.blend.model_files import resolve_model
-from kvrag.kernels import decode as native_decode
-from kvrag.kernels.attention import attend_few_rows
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import RESCORED, Transformer
 
 
 def _greedy_ours(path, ids: torch.Tensor, n: int) -> list[int]:
@@ -48,7 +49,7 @@ def test_tiny_greedy_matches_generate(tiny_qwen2_dir):
 
 @pytest.mark.real_model
 def test_real_greedy_32_tokens_match_generate(smol, smol_tokenizer, invented_items):
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
 
     builder = PromptBuilder(smol_tokenizer)
     item = invented_items[1]
@@ -65,7 +66,7 @@ def test_decode_step_logits_equal_full_forward(tiny_llama_dir):
         _, cache = prefill(model, ids[:20], extra=10)
         for t in ids[20:]:
             step_logits = decode_step(model, cache, int(t))
-        ref, _ = model.full_forward(ids)
+        ref, _ = full_forward(model, ids)
     torch.testing.assert_close(step_logits, ref[0], rtol=1e-4, atol=1e-4)
 
 
@@ -308,7 +309,7 @@ PASSAGES = [
 def test_real_row_step_greedy_tokens_equal_the_reference(smol, smol_tokenizer, passage, question):
     """SmolLM2 in bf16 (the demo's dtype here): the same greedy answer, token for token and logit for logit, as
     the reference step; the native kernels' logits stay within bf16 steps of it (teacher-forced on its tokens)."""
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
 
     model = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.bfloat16)
     builder = PromptBuilder(smol_tokenizer)
@@ -335,7 +336,7 @@ def test_real_native_logits_as_close_to_float32_as_the_reference(smol, smol_toke
     (the reference's best RESCORED logits) is as close to the float32 model's as the reference's own (mean error
     within 1.25x, measured 0.21-0.24 for both), so the two bf16 paths differ by independent roundings: at most
     1.25 here (measured up to 0.8, near twice the reference's own largest error of 0.5-0.6)."""
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
 
     model = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.bfloat16)
     exact = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32)
@@ -358,7 +359,7 @@ def test_real_native_greedy_parts_from_the_reference_only_at_near_ties(smol, smo
     """64 greedy tokens on six invented prompts: the native answer is the reference's token for token until, if
     ever, a step whose reference top-2 margin is a near-tie (bf16 noise picks either there). Measured on a
     2-core EPYC: 3 of 6 identical, the others parting at margins of 0.004-0.025; at least 2 must be whole."""
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
 
     model = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.bfloat16)
     builder, whole = PromptBuilder(smol_tokenizer), 0

@@ -10,15 +10,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvrag.blend.answer import answer_question
-from kvrag.blend.decode import SamplingConfig
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.answer import answer_question
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.scheduler import SchedulerConfig
 from kvrag.engine.sequence import Request, Status
-from kvrag.kernels import decode as native_decode
+from kvrag.kernels import decode_step as native_decode
+from kvrag.model.generate import SamplingConfig
+from kvrag.model.runtime import Runtime
 
 pytestmark = pytest.mark.real_model
 MODES = ("blend", "full", "reuse", "prefix", "blend")
@@ -41,14 +42,14 @@ def requests(runtime, invented_items) -> list[Request]:
             chunks.append((f"{i}-{len(chunks)}", tuple(ids)))
         # fixed ratios: `auto` predicts costs from timings measured per engine, so two engines may choose apart
         out.append(Request(item["question"], tuple(chunks), MODES[i % len(MODES)], BlendConfig(0.15 + 0.1 * (i % 3)),
-                           auto_ratio=False, sampling=SamplingConfig(max_tokens=3 + (i * 5) % 12)))
+                           RatioPolicy(0.15 + 0.1 * (i % 3)), sampling=SamplingConfig(max_tokens=3 + (i * 5) % 12)))
     return out
 
 
 def new_engine(runtime, budget_blocks: int = 4096, max_running: int = 32, prefill_chunk: int = 512) -> LLMEngine:
     c = runtime.model.cfg  # the model's own dtype: bf16 where the CPU has it, float32 elsewhere
     block = 16 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * runtime.model.dtype.itemsize
-    return LLMEngine(Engine(runtime, None), EngineConfig(budget_blocks * block, 16, SchedulerConfig(max_running),
+    return LLMEngine(Prefiller.open(runtime, None), EngineConfig(budget_blocks * block, 16, SchedulerConfig(max_running),
                                                          prefill_chunk=prefill_chunk))
 
 
@@ -77,12 +78,12 @@ def test_one_request_answers_as_the_one_question_path_does(runtime, requests, al
     """The engine's decode (batched step, paged KV) against `answer_question`'s (one row, contiguous cache), where
     both run the same arithmetic: both native, or both torch."""
     engine = new_engine(runtime)
-    if (engine.decoder.native is not None) != native_decode.step_serves(runtime.model):
+    if (engine.decoder.native is not None) != native_decode.step_serves(runtime.model.step_weights()):
         pytest.skip("the engine's and the one-question decoder run different arithmetic here")
-    old = Engine(runtime, None)
+    old = Prefiller.open(runtime, None)
     for request, tokens in zip(requests, alone, strict=True):
         answer, _ = answer_question(old, [(c, list(ids)) for c, ids in request.chunks], request.question,
-                                    request.mode, request.blend, request.sampling, auto_ratio=request.auto_ratio)
+                                    request.mode, request.blend, request.sampling, ratio=request.ratio)
         assert answer.token_ids == tokens
 
 
@@ -142,7 +143,7 @@ def pool_is_empty(engine: LLMEngine) -> bool:
 
 
 def test_a_prompt_the_pool_cannot_hold_is_refused_with_one_line(runtime, requests):
-    from kvrag import KvragError
+    from kvrag.errors import KvragError
 
     engine = new_engine(runtime, budget_blocks=4)
     with pytest.raises(KvragError, match="needs more KV than the pool"):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.memory import build_cache
-from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.engine.memory import build_cache
+from kvrag.engine.prefiller import Prefiller
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -27,7 +27,7 @@ def runtime(tiny_llama_dir) -> Runtime:
 @pytest.fixture
 def setup(tmp_path, runtime, invented_items):
     env = StoreEnv.open(tmp_path / "store", create=True)
-    plain = Engine(runtime, env)
+    plain = Prefiller.open(runtime, env)
     chunks = []
     for ctx in invented_items[1]["ctxs"][:5]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
@@ -36,7 +36,7 @@ def setup(tmp_path, runtime, invented_items):
     with torch.inference_mode():
         for chunk_id, ids in chunks:
             table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(runtime, plain.preamble, ids)))
-    tiered = Engine(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", policy="pgdsf"))
+    tiered = Prefiller.open(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", policy="pgdsf"))
     yield plain, tiered, chunks
     env.close()
 
@@ -46,7 +46,7 @@ def setup(tmp_path, runtime, invented_items):
 QUESTION_FREE = BlendConfig(attention_weight=0)
 
 
-def _ask(engine: Engine, chunks, question: str, mode: str = "blend"):
+def _ask(engine: Prefiller, chunks, question: str, mode: str = "blend"):
     out = engine.prefill(chunks, question, mode, QUESTION_FREE)
     engine.flush_write_back()  # what answer_question does after decoding: fills the tiers
     return out
@@ -67,9 +67,9 @@ def test_a_matched_path_is_reused_exactly(setup):
     n = reference.prompt_tokens
     assert second.prompt_tokens == n
     torch.testing.assert_close(second.cache.v[:, :n], reference.cache.v[:, :n], rtol=1e-3, atol=2e-3)
-    stats = tiered.cache.stats
+    stats = tiered.source.cache.stats
     assert stats.requests == 2 and stats.prefix_hits == len(chunks)
-    tiered.cache.check()
+    tiered.source.cache.check()
 
 
 def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
@@ -87,13 +87,13 @@ def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
     # a stored chunk is an exact depth-1 path: a prompt that starts with it reuses it without recompute
     again = _ask(tiered, [chunks[2], chunks[0]], Q1)
     assert again.chunk_tiers == ["tree", "host"]
-    tiered.cache.check()
+    tiered.source.cache.check()
 
 
 def test_a_cache_too_small_for_anything_still_answers_right(setup, runtime):
     plain, _, chunks = setup
-    tiny = Engine(runtime, plain.env, cache=build_cache(runtime, "fp16", host_cache="1KiB"))
+    tiny = Prefiller.open(runtime, plain.source.env, cache=build_cache(runtime, "fp16", host_cache="1KiB"))
     for question in (Q1, Q2):
         out = _ask(tiny, chunks, question)
         torch.testing.assert_close(out.logits, plain.prefill(chunks, question, "blend", QUESTION_FREE).logits)
-    assert tiny.cache.used_bytes() == 0 and tiny.cache.stats.not_inserted > 0
+    assert tiny.source.cache.used_bytes() == 0 and tiny.source.cache.stats.not_inserted > 0

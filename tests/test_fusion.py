@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrag import KvragError
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
+from kvrag.engine.prefiller import Prefiller
+from kvrag.errors import KvragError
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -42,7 +42,7 @@ def tiny_hd64_runtime(tiny_llama_hd64_dir) -> Runtime:
 def _store(path, runtime: Runtime, items):
     """A store holding the KV of four chunks (as precompute would write them), its engine, and the chunks."""
     env = StoreEnv.open(path, create=True)
-    engine = Engine(runtime, env)
+    engine = Prefiller.open(runtime, env)
     chunks = _chunks(runtime, items)
     table = KVTable(env, runtime.fingerprint, "fp16")
     with torch.inference_mode():
@@ -267,7 +267,7 @@ def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
 def test_loader_overlaps_compute(tiny_runtime, stored):
     """With a slow store, each layer's load runs while the previous layer computes (timestamps)."""
     env, _, chunks = stored
-    engine = Engine(tiny_runtime, env, load_delay_s=0.03)
+    engine = Prefiller.open(tiny_runtime, env, load_delay_s=0.03)
     out = engine.prefill(chunks, QUESTION, mode="reuse")
     loads = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "load"}
     computes = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "compute"}
@@ -335,7 +335,7 @@ def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime
     within the codec's rounding."""
     chunks = _chunks(tiny_runtime, invented_items)
     with StoreEnv.open(tmp_path / "store", create=True) as env:
-        engine = Engine(tiny_runtime, env, codec)
+        engine = Prefiller.open(tiny_runtime, env, codec)
         table = KVTable(env, tiny_runtime.fingerprint, codec)
         with torch.inference_mode():
             for chunk_id, ids in chunks:
@@ -343,7 +343,7 @@ def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime
         from_store = engine.prefill(chunks, QUESTION, mode="reuse")
         assert from_store.bytes_loaded > 0 and from_store.chunk_tiers == ["store"] * len(chunks)
     # without a store every chunk is computed now and handed to the loader as fp32 KV in memory
-    exact = Engine(tiny_runtime, None).prefill(chunks, QUESTION, mode="reuse")
+    exact = Prefiller.open(tiny_runtime, None).prefill(chunks, QUESTION, mode="reuse")
     assert from_store.logits.argmax() == exact.logits.argmax()
     torch.testing.assert_close(from_store.logits, exact.logits, rtol=0, atol=atol * exact.logits.abs().max().item())
 
@@ -418,7 +418,7 @@ def test_auto_budget_by_hand():
     """`--ratio auto`'s cap: the largest share whose predicted first token costs no more than r*'s or fits the
     budget. Per layer 0.001 s + 0.0001 s a row, 10 layers, 1 before the check, 1,000 chunk rows, no suffix:
     blend(r) = 0.101 + 9 x (0.001 + 0.1 r) = 0.11 + 0.9 r. r* = 0.15 costs 0.245 s; 0.5 s allows r = 0.4333."""
-    from kvrag.blend.controller import LoadComputeProfile, budget_ratio
+    from kvrag.blend.ratio import LoadComputeProfile, budget_ratio
 
     profile = LoadComputeProfile(compute_base_s=0.001, compute_per_row_s=1e-4, load_per_token_s=0.0, keys=2048)
     assert budget_ratio(profile, 10, 1, 1000, 0) == pytest.approx(0.39 / 0.9)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrag.tests import invented
+from kvrag.bench import invented
 
 
 def test_items_have_musique_shape_and_are_reproducible(invented_items):

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag import KvragError
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.precompute import chunk_kv
-from kvrag.blend.prefill import extend
-from kvrag.blend.runtime import Runtime
+from kvrag.errors import KvragError
+from kvrag.model.prefill import extend
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv
 
 CHUNK = list(range(1000, 1037))  # 37 invented token ids
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.bench import keyformer as bench
-from kvrag.blend.runtime import Runtime
+from kvrag.model.runtime import Runtime
 
 
 def test_question_attention_is_transformers_attention_summed_over_layers(tiny_llama_dir):
@@ -45,8 +45,8 @@ def test_the_load_bench_resumes_from_its_records(tiny_llama_dir, invented_items,
 
     import pytest
 
-    from kvrag import KvragError
     from kvrag.bench import keyformer_load
+    from kvrag.errors import KvragError
 
     items = [{**item, "ctxs": item["ctxs"][:2]} for item in invented_items[:2]]
     records = tmp_path / "records.jsonl"

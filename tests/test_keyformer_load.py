@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag import KvragError
 from kvrag.blend import keyformer
-from kvrag.blend.decode import decode_step, decode_step_reference
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.config import BlendConfig
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.precompute import chunk_layers
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.prefiller import Prefiller
+from kvrag.errors import KvragError
 from kvrag.kernels import attention
+from kvrag.model.generate import decode_step, decode_step_reference
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_layers
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -51,7 +52,7 @@ def reduced_store(tmp_path, tiny, invented_items):
     """A store holding the chunks' reduced KV (as `precompute --keep 0.5` writes it), an engine reading it, the
     chunks and each chunk's kept token indices."""
     env = StoreEnv.open(tmp_path / "store", create=True)
-    engine = Engine(tiny, env, keep=KEEP)
+    engine = Prefiller.open(tiny, env, keep=KEEP)
     table = KVTable(env, tiny.fingerprint, "fp16", variant=KEEP.variant)
     chunks, kept = _chunks(tiny, invented_items), []
     with torch.inference_mode():
@@ -93,7 +94,7 @@ def test_keys_with_gaps_are_attended_as_a_masked_softmax(rows, row_kernel):
 # ---- a reduced prompt against transformers ----------------------------------------------------------------
 
 
-def _layout(engine: Engine, chunks, kept, suffix) -> tuple[list[int], torch.Tensor]:
+def _layout(engine: Prefiller, chunks, kept, suffix) -> tuple[list[int], torch.Tensor]:
     """The whole prompt's ids and which of them have KV in the reduced prompt (preamble, kept, suffix): [T] bool."""
     ids, held = list(engine.runtime.prompts.preamble_ids), [True] * len(engine.preamble)
     for (_, chunk), keep in zip(chunks, kept, strict=True):
@@ -122,11 +123,11 @@ def _reuse_visibility(held: torch.Tensor, n_pre: int, n_chunk: int) -> torch.Ten
 def test_a_reused_reduced_chunk_and_its_decode_are_transformers_without_the_dropped_tokens(tiny, hf, invented_items):
     """With no store the engine computes the chunk now (reduced, float32: exact); the dropped tokens are then
     invisible to the question and every token decoded after it, at the positions a full prompt gives them."""
-    engine = Engine(tiny, None, keep=KEEP)
+    engine = Prefiller.open(tiny, None, keep=KEEP)
     chunks = _chunks(tiny, invented_items)[:1]
     suffix = engine.runtime.prompts.build([], QUESTION).suffix
     pre = engine.prefill(chunks, QUESTION, mode="reuse", extra=4)
-    kept = [engine._write_back[chunks[0][0]][2]]
+    kept = [engine.source._write_back[chunks[0][0]][2]]
     ids, held = _layout(engine, chunks, kept, suffix)
     assert pre.cache.length == int(held.sum()) and pre.offset == len(chunks[0][1]) - len(kept[0]) > 0
     n_pre, n_chunk = len(engine.preamble), len(chunks[0][1])
@@ -143,9 +144,9 @@ def test_reduced_chunks_from_the_store_equal_them_computed_in_memory(reduced_sto
     engine, chunks, kept = reduced_store
     from_store = engine.prefill(chunks, QUESTION, mode="reuse")
     assert from_store.bytes_loaded > 0 and from_store.chunk_tiers == ["store"] * len(chunks)
-    memory = Engine(tiny, None, keep=KEEP)
+    memory = Prefiller.open(tiny, None, keep=KEEP)
     exact = memory.prefill(chunks, QUESTION, mode="reuse")
-    assert [memory._write_back[c][2].tolist() for c, _ in chunks] == [k.tolist() for k in kept]
+    assert [memory.source._write_back[c][2].tolist() for c, _ in chunks] == [k.tolist() for k in kept]
     assert from_store.offset == exact.offset == sum(len(c) - len(k) for (_, c), k in zip(chunks, kept, strict=True))
     torch.testing.assert_close(from_store.logits, exact.logits, rtol=0, atol=2e-3 * exact.logits.abs().max().item())
 
@@ -177,11 +178,11 @@ def test_a_blend_over_reduced_chunks_recomputes_a_share_of_the_kept_rows(reduced
 
 def test_a_chunk_missing_from_the_reduced_store_is_reduced_computed_and_written_back(reduced_store, tiny):
     engine, chunks, kept = reduced_store
-    engine.table.delete_chunk(chunks[1][0])
+    engine.source.table.delete_chunk(chunks[1][0])
     first = engine.prefill(chunks, QUESTION, mode="reuse")
     assert first.chunk_tiers[1] == "computed"
     assert engine.flush_write_back() == 1
-    stored = engine.table.get_layer(chunks[1][0], 2)
+    stored = engine.source.table.get_layer(chunks[1][0], 2)
     assert stored.positions.tolist() == kept[1].tolist()  # the same draw as precompute's: (seed, chunk id)
     again = engine.prefill(chunks, QUESTION, mode="reuse")
     assert again.chunk_tiers == ["store"] * 3
@@ -192,7 +193,7 @@ def test_a_chunk_missing_from_the_reduced_store_is_reduced_computed_and_written_
 
 def test_per_layer_selections_are_refused_for_questions(tiny):
     with pytest.raises(KvragError, match="one token set per chunk"):
-        Engine(tiny, None, keep=KeepConfig(0.5, per_layer=True))
+        Prefiller.open(tiny, None, keep=KeepConfig(0.5, per_layer=True))
 
 
 def test_narrow_keeps_rows_at_their_positions():
@@ -206,14 +207,14 @@ def test_narrow_keeps_rows_at_their_positions():
 def test_the_engine_decodes_reduced_prompts_in_a_batch_as_each_alone_and_as_the_one_question_path(tiny,
                                                                                                    invented_items):
     """Sequences whose rows skip positions (different offsets) and a full one, in one batch of the paged pool."""
-    from kvrag.blend.answer import answer_question
-    from kvrag.blend.decode import SamplingConfig
+    from kvrag.engine.answer import answer_question
     from kvrag.engine.llm_engine import EngineConfig, LLMEngine
     from kvrag.engine.sequence import Request
+    from kvrag.model.generate import SamplingConfig
 
     chunks = [tuple((c, tuple(ids)) for c, ids in _chunks(tiny, invented_items[i:], n=2 + i % 2)) for i in range(3)]
     sampling = SamplingConfig(max_tokens=6)
-    requests = [Request(QUESTION, chunks[0], "blend", BlendConfig(0.3), auto_ratio=False, sampling=sampling),
+    requests = [Request(QUESTION, chunks[0], "blend", BlendConfig(0.3), RatioPolicy(0.3), sampling=sampling),
                 Request(QUESTION, chunks[1], "reuse", sampling=sampling),
                 Request(QUESTION, chunks[2], "full", sampling=sampling)]
 
@@ -224,11 +225,11 @@ def test_the_engine_decodes_reduced_prompts_in_a_batch_as_each_alone_and_as_the_
         return [s.output for s in seqs]
 
     def new_engine():
-        return LLMEngine(Engine(tiny, None, keep=KEEP), EngineConfig(1 << 26, 16, native=False))
+        return LLMEngine(Prefiller.open(tiny, None, keep=KEEP), EngineConfig(1 << 26, 16, native=False))
 
     together = run(new_engine(), requests)
     assert together == [run(new_engine(), [r])[0] for r in requests]
-    one = Engine(tiny, None, keep=KEEP)
+    one = Prefiller.open(tiny, None, keep=KEEP)
     for request, tokens in zip(requests, together, strict=True):
         answer, pre = answer_question(one, [(c, list(ids)) for c, ids in request.chunks], QUESTION, request.mode,
                                       request.blend, sampling)
@@ -262,14 +263,13 @@ def test_ask_reads_the_reduced_chunks_precompute_stored(kvrag, store_copy, tiny_
 def test_the_scheduler_reserves_a_reduced_prompt_by_its_rows(reduced_store):
     """A blend over stored reduced chunks asks the pool for its kept rows, not its tokens (the dropped ones have
     none); after the prefill, its rows are the cache's and its reused and computed tokens add up to them."""
-    from kvrag.blend.decode import SamplingConfig
     from kvrag.engine.llm_engine import EngineConfig, LLMEngine
     from kvrag.engine.sequence import Request
+    from kvrag.model.generate import SamplingConfig
 
     engine, chunks, kept = reduced_store
     llm = LLMEngine(engine, EngineConfig(1 << 26, 16, native=False))
-    request = Request(QUESTION, tuple((c, tuple(ids)) for c, ids in chunks), "blend", BlendConfig(0.3),
-                      auto_ratio=False, sampling=SamplingConfig(max_tokens=3))
+    request = Request(QUESTION, tuple((c, tuple(ids)) for c, ids in chunks), "blend", BlendConfig(0.3), RatioPolicy(0.3), sampling=SamplingConfig(max_tokens=3))
     seq = llm.add(request)
     dropped = sum(len(ids) - len(k) for (_, ids), k in zip(chunks, kept, strict=True))
     assert dropped > 0 and seq.prompt_rows == seq.prompt_tokens - dropped

@@ -9,8 +9,8 @@ import pytest
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.precompute import precompute
-from kvrag.blend.runtime import Runtime
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import precompute
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import ChunkKey, KVKey, model_prefix, parse_key
@@ -102,7 +102,7 @@ def test_precompute_keep_stores_the_full_chunks_kept_rows_and_resumes(store_copy
 
 def test_reduced_positions_are_the_h2o_selection_of_the_chunk(store_copy, tiny):
     """The stored set is select(summed accumulated attention) of a fresh scoring pass (an independent recompute)."""
-    from kvrag.blend.prefill import extend
+    from kvrag.model.prefill import extend
 
     cfg = KeepConfig(0.3, "h2o")
     with StoreEnv.open(store_copy) as env:

@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag import KvragError
-from kvrag.blend.decode import SamplingConfig, decode_step
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.config import BlendConfig
 from kvrag.blend.keyformer import AttentionScore, budget_rows
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
+from kvrag.errors import KvragError
+from kvrag.model.generate import SamplingConfig, decode_step
+from kvrag.model.runtime import Runtime
 from kvrag.store.chunks import chunk_id_for
 
 QUESTION = "What do these passages say about the river?"
@@ -81,7 +82,7 @@ def test_a_cut_prompt_decodes_as_transformers_with_the_dropped_tokens_masked(tin
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32,
                                               attn_implementation="eager").eval()
-    engine = Engine(tiny, None)
+    engine = Prefiller.open(tiny, None)
     chunks = [(c, list(ids)) for c, ids in _chunks(tiny, invented_items)]
     pre = engine.prefill(chunks, QUESTION, mode="full", extra=4, observe="keyformer")
     n = pre.cache.length
@@ -107,7 +108,7 @@ def test_a_cut_prompt_decodes_as_transformers_with_the_dropped_tokens_masked(tin
 
 
 def _engine(runtime: Runtime) -> LLMEngine:
-    return LLMEngine(Engine(runtime, None), EngineConfig(1 << 26, 16, native=False))
+    return LLMEngine(Prefiller.open(runtime, None), EngineConfig(1 << 26, 16, native=False))
 
 
 def _run(engine: LLMEngine, requests: list[Request], watch=None) -> list[list[int]]:
@@ -123,7 +124,7 @@ def test_the_engine_holds_a_sequence_to_its_budget_and_answers_as_alone(tiny, in
     chunks = _chunks(tiny, invented_items)
     sampling = SamplingConfig(max_tokens=40)
     budget = 200  # under the prompt's rows: cut at once, and again as the answer grows
-    requests = [Request(QUESTION, chunks, "blend", BlendConfig(0.3), auto_ratio=False, sampling=sampling,
+    requests = [Request(QUESTION, chunks, "blend", BlendConfig(0.3), RatioPolicy(0.3), sampling=sampling,
                         kv_tokens=budget),
                 Request(QUESTION, chunks, "full", sampling=sampling, kv_tokens=budget, kv_rule="h2o"),
                 Request(QUESTION, chunks, "reuse", sampling=sampling, kv_tokens=budget, kv_rule="window"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
-from kvrag.blend.prefill import LayerKV
+from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 
@@ -174,8 +174,8 @@ def test_a_bf16_model_gets_the_stored_values_rounded_as_torch_does(table, monkey
 def test_keys_come_rotated_to_their_positions_given_the_angles(table, monkeypatch, dtype, native, decode):
     """Given the rows' rotary angles, every key (stored or from memory; rotated by the native pass or by torch at
     hand-over) is bit for bit rotary.rotate of the key it would hand out before rotary; values are untouched."""
-    from kvrag.blend import rotary
     from kvrag.kernels import fp16_to_bf16
+    from kvrag.model import rotary
 
     if native and not fp16_to_bf16.available():
         pytest.skip("needs kvrag's native kernels (x86-64 AVX-512 and a C++ compiler)")

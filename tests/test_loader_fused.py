@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
-from kvrag.blend.prefill import LayerKV
 from kvrag.kernels import triton_load
+from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 
@@ -159,16 +159,16 @@ def test_without_positions_or_the_interpreter_nothing_is_fused(stored, monkeypat
 def test_a_blend_with_the_fused_load_equals_the_torch_blend(tmp_path, tiny_llama_dir, invented_items, calls):
     """int8 chunks (every chunk loaded: int8 never makes the first one exact) blended at 0.3 with the model's
     `triton` set (the fused load, and Triton's rows attention) against the torch blend."""
-    from kvrag.blend.engine import Engine
-    from kvrag.blend.fusion import BlendConfig
-    from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-    from kvrag.blend.runtime import Runtime
+    from kvrag.blend.config import BlendConfig
+    from kvrag.engine.prefiller import Prefiller
+    from kvrag.model.runtime import Runtime
+    from kvrag.precompute.plain import chunk_kv, layers_to_numpy
     from kvrag.store.chunks import chunk_id_for
 
     runtime = Runtime.load(str(tiny_llama_dir), "float32", device=str(DEVICE))
     env = StoreEnv.open(tmp_path / "store", create=True)
     try:
-        engine, table, chunks = Engine(runtime, env, codec="int8"), KVTable(env, runtime.fingerprint, "int8"), []
+        engine, table, chunks = Prefiller.open(runtime, env, codec="int8"), KVTable(env, runtime.fingerprint, "int8"), []
         with torch.inference_mode():
             for ctx in invented_items[0]["ctxs"][:3]:
                 ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from kvrag import KvragError
-from kvrag.blend import model_files
-from kvrag.blend.config import ModelConfig
-from kvrag.blend.device import attention_dtype, resolve_dtype
-from kvrag.blend.model_files import RECORD_NAME, resolve_model
+from kvrag.errors import KvragError
+from kvrag.model import files as model_files
+from kvrag.model.config import ModelConfig
+from kvrag.model.device import attention_dtype, resolve_dtype
+from kvrag.model.files import RECORD_NAME, resolve_model
 
 
 def test_default_model_converts_once_then_uses_the_cache(smol, monkeypatch):
@@ -117,9 +117,9 @@ def test_dtype_choice(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
-    monkeypatch.setattr("kvrag.blend.device.cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr("kvrag.model.device.cpu_has_fast_bf16", lambda: False)
     assert resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr("kvrag.blend.device.cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr("kvrag.model.device.cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     monkeypatch.setenv("KVRAG_DTYPE", "float32")
@@ -131,11 +131,11 @@ def test_dtype_choice(monkeypatch):
 def test_attention_dtype_choice(monkeypatch):
     """bf16 on a CPU without AMX attends in float32 (its flash kernel is faster there); otherwise the model's dtype."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr("kvrag.blend.device.cpu_has_amx", lambda: False)
+    monkeypatch.setattr("kvrag.model.device.cpu_has_amx", lambda: False)
     assert attention_dtype(torch.bfloat16, cpu) == torch.float32
     assert attention_dtype(torch.float32, cpu) == torch.float32
     assert attention_dtype(torch.bfloat16, cuda) == torch.bfloat16
-    monkeypatch.setattr("kvrag.blend.device.cpu_has_amx", lambda: True)
+    monkeypatch.setattr("kvrag.model.device.cpu_has_amx", lambda: True)
     assert attention_dtype(torch.bfloat16, cpu) == torch.bfloat16
 
 

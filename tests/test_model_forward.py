@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from kvrag.blend import model as model_module
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
+from kvrag.model import transformer as model_module
+from kvrag.model.files import resolve_model
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import Transformer
 
 
 def _ours(path, dtype=torch.float32) -> Transformer:
@@ -35,7 +36,7 @@ def test_tiny_logits_match_transformers(fixture, mlp_rows, request, monkeypatch)
     ids = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = _hf(path)(ids[None]).logits[0]  # [T, V]
-        ours, _ = _ours(path).full_forward(ids, all_logits=True)
+        ours, _ = full_forward(_ours(path), ids, all_logits=True)
     assert ours.shape == ref.shape
     assert _rel_err(ours, ref) < 1e-4
 
@@ -100,7 +101,7 @@ def test_replacing_a_layers_kv_changes_only_what_it_should(tiny_llama_dir):
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(64)
     with torch.no_grad():
-        ref_logits, kv = model.full_forward(ids)
+        ref_logits, kv = full_forward(model, ids)
         # recompute only the last row, attending to stored K/V of every other row
         h_last = model.embed(ids)
         h_all = h_last
@@ -119,8 +120,8 @@ def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
     model = _ours(tiny_llama_dir)
     ids = torch.randint(0, 49152, (96,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        every_row, kv_every = model.full_forward(ids, all_logits=True)  # [T, V]
-        last_row, kv = model.full_forward(ids)  # [1, V]
+        every_row, kv_every = full_forward(model, ids, all_logits=True)  # [T, V]
+        last_row, kv = full_forward(model, ids)  # [1, V]
     assert model.rows_read_after(model.cfg.n_layers - 1, 96) == slice(95, 96)
     torch.testing.assert_close(last_row[0], every_row[-1], rtol=1e-5, atol=1e-5)
     for (k, v), (k_ref, v_ref) in zip(kv, kv_every, strict=True):
@@ -129,7 +130,7 @@ def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
 
 @pytest.mark.real_model
 def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenizer, invented_items):
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
 
     builder = PromptBuilder(smol_tokenizer)
     item = invented_items[0]
@@ -138,7 +139,7 @@ def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenize
     assert ids.shape[0] > 1000
     with torch.no_grad():
         ref = _hf(smol.path)(ids[None], logits_to_keep=1).logits[0, -1]
-        ours, _ = Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32).full_forward(ids)
+        ours, _ = full_forward(Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32), ids)
     assert _rel_err(ours[0], ref) < 1e-4
 
 

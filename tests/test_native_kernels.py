@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrag.blend.decode import prefill
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
-from kvrag.blend.step import CacheKV, Rows, run_layers
-from kvrag.kernels import decode as native_decode
+from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels import fp16_to_bf16, native, row_attention
+from kvrag.kernels.cpu import cpu_has_amx
+from kvrag.model.files import resolve_model
+from kvrag.model.generate import prefill
+from kvrag.model.step import CacheKV, Rows, run_layers
+from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.block_pool import BlockPool
 
@@ -149,7 +150,7 @@ def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
 def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(planes, rows, heads, dim, offset):
     """Keys rotated on the way (any head dim, vector and scalar halves; positions far from 0) are bit for bit what
     the bf16 cast followed by rotary.rotate gives; values only convert."""
-    from kvrag.blend import rotary
+    from kvrag.model import rotary
 
     g = torch.Generator().manual_seed(rows + dim)
     kv = (torch.randn(2, rows, heads, dim, generator=g) * 3).half()  # [K|V, T, Hkv, hd]
@@ -169,7 +170,9 @@ def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(planes, rows, he
                                                   ("tiny_llama_hd64_dir", "bfloat16", True)])
 def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixture, dtype, kernel):
     """`kvrag model info` names the attention path: the row kernel for head dim 64 in float32 (with bf16 pair
-    products for a bf16 model where the CPU has them), SDPA for head dim 16 (the kernel takes multiples of 64)."""
+    products for a bf16 model where the CPU has them), SDPA for head dim 16 (the kernel takes multiples of 64).
+    A bf16 model on a CPU with AMX attends in bf16 (model.device.attention_dtype), which the row kernel does not
+    take: SDPA in bfloat16 there, each CPU path against its own answer."""
     import json
 
     from kvrag.tests.conftest import run_cli_in_process
@@ -178,6 +181,9 @@ def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixt
                                         str(request.getfixturevalue(fixture)), "--dtype", dtype, "--device", "cpu")
     assert code == 0, err
     attention = json.loads(out)["attention"]
+    if dtype == "bfloat16" and cpu_has_amx():
+        assert attention == "SDPA (bfloat16)"
+        return
     pairs = ", Q.K in bf16 pairs" if dtype == "bfloat16" and row_attention.bf16_dot_available() else ""
     assert attention == (f"kvrag row kernel (AVX-512, float32{pairs})" if kernel else "SDPA (float32)")
 
@@ -190,7 +196,7 @@ needs_native_step = pytest.mark.skipif(not native_decode.available(), reason="kv
 def _load(path, dtype) -> Transformer:
     local = resolve_model(str(path))
     model = Transformer.from_safetensors(local.config, local.weight_files(), dtype)
-    if dtype == torch.bfloat16 and not native_decode.step_serves(model):
+    if dtype == torch.bfloat16 and not native_decode.step_serves(model.step_weights()):
         pytest.skip("the native decode step does not serve this model here")
     return model
 
@@ -220,7 +226,7 @@ def _stepped(model, prompt: torch.Tensor, feed: list[int], offset: int, native: 
     """Prefill `prompt`, then feed token j at slot len(prompt) + j rotated to that + offset, through WholeStep
     (native) or the torch reference: the logits [V] of every step, and the cache."""
     _, cache = prefill(model, prompt, extra=len(feed))
-    step = native_decode.WholeStep(model, cache.k, cache.v,
+    step = native_decode.WholeStep(model.step_weights(), cache.k, cache.v,
                                    *model.positions_cos_sin(torch.arange(cache.capacity + offset))) if native else None
     out = []
     for token in feed:
@@ -289,7 +295,7 @@ def test_batch_rows_each_rotate_to_their_own_position(tiny_qwen2_dir):
     model, lengths, offsets, steps = _load(tiny_qwen2_dir, torch.bfloat16), [5, 20, 33], [0, 9, 120], 4
     prompts, feeds = [_tokens(n, n) for n in lengths], _tokens(3 * steps, 22).view(3, steps)  # [B, steps]
     pool, tables = _pooled(model, [prefill(model, p, extra=steps)[1] for p in prompts], steps)
-    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(max(lengths) + 130)))
+    step = native_decode.BatchStep(model.step_weights(), pool.kv, *model.positions_cos_sin(torch.arange(max(lengths) + 130)))
     table = torch.tensor([t.blocks + [-1] * (3 - len(t.blocks)) for t in tables])  # [B, 3]
     logits = torch.empty(steps, 3, model.lm_head.shape[0])  # [steps, B, V]
     for j in range(steps):
@@ -312,7 +318,7 @@ def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
     c, vocab = model.cfg, model.lm_head.shape[0]
     pool = BlockPool(BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, "bfloat16", 16), 4)
     pool.kv.zero_()
-    step = native_decode.BatchStep(model, pool.kv, *model.positions_cos_sin(torch.arange(20)))
+    step = native_decode.BatchStep(model.step_weights(), pool.kv, *model.positions_cos_sin(torch.arange(20)))
     h, logits, table = model.embed_tokens[:2].clone(), torch.empty(2, vocab), torch.tensor([[0, 1], [2, 3]])
     for rotary in ([3, 20], [-1, 5], [3, 10**6]):
         with pytest.raises(RuntimeError, match="rotary"):
@@ -324,6 +330,6 @@ def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
     step(torch.tensor([3, 25]), table, h, logits, 1, torch.tensor([3, 19]))
     assert pool.kv[:, :, 3, 25 - 16].any() and torch.isfinite(logits).all()
     _, cache = prefill(model, _tokens(5, 23), extra=1)
-    whole = native_decode.WholeStep(model, cache.k, cache.v, *model.positions_cos_sin(torch.arange(6)))
+    whole = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, *model.positions_cos_sin(torch.arange(6)))
     with pytest.raises(RuntimeError, match="rotary"):
         whole(5, model.embed_tokens[0].clone(), torch.empty(vocab), 1, rotary=6)

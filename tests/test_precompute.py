@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag.blend.precompute import PrecomputeInterrupted, precompute
-from kvrag.blend.runtime import Runtime
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import PrecomputeInterrupted, precompute
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable

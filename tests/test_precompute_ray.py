@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.precompute import PrecomputeInterrupted, precompute
-from kvrag.blend.precompute_ray import precompute_ray
-from kvrag.blend.runtime import Runtime
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.on_ray import precompute_ray
+from kvrag.precompute.plain import PrecomputeInterrupted, precompute
 from kvrag.store.env import StoreEnv
 from kvrag.store.maintenance import verify
 from kvrag.tests.conftest import run_cli_in_process

@@ -1,19 +1,20 @@
-"""Prepared weights (blend/prepared.py): the cached compute layout gives the same model, and damage is rebuilt."""
+"""Prepared weights (model/prepared.py): the cached compute layout gives the same model, and damage is rebuilt."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import resolve_model
-from kvrag.blend.prepared import load_weights, prepared_path
+from kvrag.model.files import resolve_model
+from kvrag.model.prepared import load_weights, prepared_path
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import Transformer
 
 IDS = torch.tensor([1, 503, 2077, 28, 9, 4413, 311, 17, 88, 2])
 
 
 def _logits(model: Transformer) -> torch.Tensor:
-    return model.full_forward(IDS, all_logits=True)[0]
+    return full_forward(model, IDS, all_logits=True)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

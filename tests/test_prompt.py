@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag import KvragError
-from kvrag.blend.prompt import PromptBuilder, check_segmentation, encode, render_passage
+from kvrag.errors import KvragError
+from kvrag.model.prompt import PromptBuilder, check_segmentation, encode, render_passage
 
 
 def test_segments_tokenize_as_the_whole_prompt_on_long_passages(smol_tokenizer, invented_items):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrag.corpus.mirror import CURRENT
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.remote import ObjectStore
-from kvrag.store.remote.mirror import CURRENT
 from kvrag.tests.test_remote_store import _flip, s3  # noqa: F401  (s3: the module's SeaweedFS fixture)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "corpus" / "sample"

@@ -12,7 +12,7 @@ import numpy as np
 import obstore
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, MissingChunk

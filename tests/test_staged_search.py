@@ -150,8 +150,8 @@ def test_vector_index_staged_hits_end_as_search(data):
 def test_search_bench_small(tmp_path):
     """The benchmark end to end on a small IVF: its final stage is the plain search for every query, the index
     is cached, and a non-IVF factory is refused in one line."""
-    from kvrag import KvragError
     from kvrag.bench.search import SearchBenchConfig, run
+    from kvrag.errors import KvragError
 
     cfg = SearchBenchConfig(work=tmp_path, count=6000, dim=32, topics=20, subtopics=200, queries=12,
                             nprobes=(8,), stages=(3,), factory="IVF32,Flat")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.codec import DECODED_DTYPES, HEADER_SIZE, CorruptValue, decode, encode, read_header
 
 ODD_SHAPES = [(1, 1, 2), (7, 3, 64), (33, 2, 10), (5, 5, 3)]

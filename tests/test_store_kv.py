@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvrag.store.env as envmod
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import TAG_RECORD
@@ -259,7 +259,7 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fai
 resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
 import kvrag.store.env as envmod
 envmod.INITIAL_MAP_SIZE = 1 << 20
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig
 from kvrag.store.codec import HEADER_SIZE, CorruptValue
 from kvrag.store.env import StoreEnv

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkTable, IndexConfig
 from kvrag.store.env import StoreEnv
 from kvrag.store.manifest import (

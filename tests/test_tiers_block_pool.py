@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
 from kvrag.store.tiers.block_pool import BlockPool
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers import GPU, HOST, STORE, BlockLayout, CostProfile, TieredKVCache, as_layers
 from kvrag.store.tiers.policies import GDSF, LFU, LRU, PGDSF, AccessStats, make_policy
 

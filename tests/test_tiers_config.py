@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers.config import CacheConfig, format_bytes, parse_bytes
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure, profile_path
 
 

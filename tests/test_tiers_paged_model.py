@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrag.blend.config import ModelConfig, RopeScaling
-from kvrag.blend.decode import DecodeCache, decode_step
-from kvrag.blend.model import Transformer
-from kvrag.blend.prefill import LayerKV, extend
+from kvrag.model.cache import DecodeCache
+from kvrag.model.config import ModelConfig, RopeScaling
+from kvrag.model.generate import decode_step
+from kvrag.model.prefill import LayerKV, extend
+from kvrag.model.transformer import Transformer
 from kvrag.store.tiers import BlockLayout, TieredKVCache, as_layers
 
 CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=48, intermediate_size=96, n_layers=3,

@@ -112,13 +112,13 @@ def test_kvrag_bench_tiers_replays_every_policy_and_size(monkeypatch, capsys, tm
     import json
 
     from kvrag.bench.tiers import profile_key
-    from kvrag.blend.prompt import PromptBuilder
+    from kvrag.model.prompt import PromptBuilder
     from kvrag.tests.conftest import run_cli_in_process
 
     data, profile = tmp_path / "m.json", tmp_path / "profile.json"
     data.write_text(json.dumps(invented_items))
     CostProfile(PROFILE.cached, PROFILE.new, PROFILE.seconds, profile_key(smol, 1)).save(profile)
-    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "tiers", "--data", str(data),
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "tiers", "--data", str(data),
                                         "--profile", str(profile), "--profile-layers", "1", "--requests", "60",
                                         "--warmup", "10", "-k", "2", "--sizes", "1MiB,64MiB",
                                         "--policies", "lru,pgdsf", "--json")

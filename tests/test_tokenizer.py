@@ -1,12 +1,12 @@
-"""Our light tokenizer (blend/tokenizer.py) against transformers' AutoTokenizer on the same files."""
+"""Our light tokenizer (model/tokenizer.py) against transformers' AutoTokenizer on the same files."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer
 
-from kvrag.blend.prompt import PromptTemplate
-from kvrag.blend.tokenizer import Tokenizer, load_tokenizer
+from kvrag.model.prompt import PromptTemplate
+from kvrag.model.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Who was the last keeper of the Skerry Point lighthouse?",

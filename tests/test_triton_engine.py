@@ -11,14 +11,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvrag.blend.decode import prefill
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import BlendConfig
-from kvrag.blend.precompute import chunk_kv, layers_to_numpy
-from kvrag.blend.runtime import Runtime
+from kvrag.blend.config import BlendConfig
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import SequenceKV
+from kvrag.engine.prefiller import Prefiller
 from kvrag.kernels import triton_attention
+from kvrag.model.generate import prefill
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -49,7 +49,7 @@ def triton_on(model, monkeypatch, kernel: str):
 @pytest.fixture
 def stored(tmp_path, runtime, invented_items):
     env = StoreEnv.open(tmp_path / "store", create=True)
-    engine = Engine(runtime, env)
+    engine = Prefiller.open(runtime, env)
     table = KVTable(env, runtime.fingerprint, "fp16")
     chunks = []
     for ctx in invented_items[0]["ctxs"][:4]:
@@ -151,11 +151,11 @@ def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir
     and gives the logits of an engine without tiers. Its first chunk is one never asked: a chunk asked alone is an
     exact path of depth 1, reused without recompute, which the plain engine would recompute (as on the CPU,
     tests/test_engine_tiers.py)."""
-    from kvrag.blend.memory import build_cache
+    from kvrag.engine.memory import build_cache
 
     runtime = Runtime.load(str(tiny_llama_dir), "float32", device="cuda")
     env = StoreEnv.open(tmp_path / "store", create=True)
-    plain = Engine(runtime, env)
+    plain = Prefiller.open(runtime, env)
     table, chunks = KVTable(env, runtime.fingerprint, "fp16"), []
     for ctx in invented_items[1]["ctxs"][:5]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
@@ -165,7 +165,7 @@ def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir
     c = runtime.model.cfg
     per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
     gpu_bytes = per_token * sum(len(ids) for _, ids in chunks) // 3
-    tiered = Engine(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", gpu_cache=str(gpu_bytes)))
+    tiered = Prefiller.open(runtime, env, cache=build_cache(runtime, "fp16", host_cache="64MiB", gpu_cache=str(gpu_bytes)))
     config = BlendConfig(attention_weight=0)
     with torch.inference_mode():
         for chunk in chunks[1:]:  # one chunk a question: each lands in the GPU tier, the oldest swap out to host

@@ -15,8 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates, so before the import
 
-from kvrag.blend import rotary  # noqa: E402
 from kvrag.kernels.triton_load import FP_FUSION, load_chunk, load_chunk_twin, load_layers  # noqa: E402
+from kvrag.model import rotary  # noqa: E402
 from kvrag.store import codec  # noqa: E402
 from kvrag.store.tiers.allocator import BlockTable  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_load_layers_matches_twin_per_layer():
 @pytest.mark.parametrize("stored", ["fp16", "fp32", "bf16-as-fp32"])
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_twin_matches_rotary_and_block_table(stored, pool_dtype):
-    """The twin against kvrag.blend.rotary on float32 and the allocator's slots: bit-equal."""
+    """The twin against kvrag.model.rotary on float32 and the allocator's slots: bit-equal."""
     args = make_load(stored, pool_dtype, t=23, block_size=5, first_row=8)
     pk, pv = run(load_chunk_twin, args)
     cos, sin = rotary.cos_sin(args["inv_freq"], args["positions"], torch.float32)  # [T, 1, hd]

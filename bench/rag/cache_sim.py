@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes
 from kvrag.store.tiers.cost_profile import CostProfile

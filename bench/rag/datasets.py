@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrag import KvragError
 from kvrag.bench.rag.items import default_dataset, read_dataset
+from kvrag.errors import KvragError
 
 SPLITS = ("tune", "report", "all")
 MUSIQUE_TUNE, MUSIQUE_REPORT = range(0, 50), range(50, 100)  # items 100-149: the held-out release check

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.chunks import chunk_id_for
 
 Chunk = tuple[str, list[int]]  # (chunk_id, token ids as spliced into the prompt)

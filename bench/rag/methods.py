@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 FAMILIES = ("full", "prefix", "reuse", "blend")
 DEFAULT_METHODS = "full,prefix,reuse,blend"

@@ -66,7 +66,7 @@ def machine() -> dict:
     import transformers
 
     from kvrag import __version__
-    from kvrag.blend.device import cpu_has_fast_bf16
+    from kvrag.model.device import cpu_has_fast_bf16
 
     cpu = ""
     try:

@@ -18,15 +18,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvrag import KvragError
 from kvrag.bench.rag.items import BenchItem
 from kvrag.bench.rag.methods import Method
 from kvrag.bench.rag.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
-from kvrag.blend.decode import SamplingConfig
-from kvrag.blend.engine import Engine
-from kvrag.blend.fusion import ATTENTION_WEIGHT, BlendConfig
+from kvrag.blend.config import ATTENTION_WEIGHT, BlendConfig
+from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
+from kvrag.errors import KvragError
+from kvrag.model.generate import SamplingConfig
 from kvrag.store.keys import codec_id
 
 Progress = Callable[[str, str, int, int], None]  # (phase, label, done, total)
@@ -124,7 +125,7 @@ class BenchRun:
         return [r for r in self.runs if r.method == name]
 
 
-def prepare(engine: Engine, items: list[BenchItem], methods: list[Method], config: RunConfig,
+def prepare(engine: Prefiller, items: list[BenchItem], methods: list[Method], config: RunConfig,
             on_progress: Progress | None = None) -> Setup:
     """Store every item's chunk KV (one pass, nothing timed) and measure the auto profile once."""
     setup = Setup(chunks=len({cid for item in items for cid, _ in item.chunks}))
@@ -133,14 +134,14 @@ def prepare(engine: Engine, items: list[BenchItem], methods: list[Method], confi
         if on_progress:
             on_progress("setup", f"chunk KV of item {n + 1}/{len(items)}", n, len(items))
         with torch.inference_mode():
-            engine.chunk_refs(item.chunks)  # computes the missing ones and keeps them for write-back
+            engine.source.chunk_refs(item.chunks)  # computes the missing ones and keeps them for write-back
         setup.chunks_computed += engine.flush_write_back()
     setup.precompute_s = time.perf_counter() - start
-    if engine.table is not None:
-        setup.missing_after = len(engine.table.missing(sorted({cid for item in items for cid, _ in item.chunks})))
+    if engine.source.table is not None:
+        setup.missing_after = len(engine.source.table.missing(sorted({cid for item in items for cid, _ in item.chunks})))
     if any(m.auto for m in methods):
         t0 = time.perf_counter()
-        engine.profile(config.codec)
+        engine.source.profile(config.codec)
         setup.profile_s = time.perf_counter() - t0
     if on_progress:
         on_progress("setup", "chunk KV stored", len(items), len(items))
@@ -153,7 +154,7 @@ def run_one(llm: LLMEngine, item: BenchItem, method: Method, config: RunConfig, 
     resident engine as `kvrag ask` and the API run a question, alone in it."""
     sampling = SamplingConfig(max_tokens=max_tokens or config.max_tokens)
     request = Request(item.question, tuple((c, tuple(ids)) for c, ids in chunks or item.chunks), method.mode,
-                      config.blend_config(method), method.auto, sampling, keep_first_logits=True)
+                      config.blend_config(method), RatioPolicy(None if method.auto else method.ratio), sampling, keep_first_logits=True)
     start = time.perf_counter()
     seq = llm.add(request)
     while not seq.is_finished:
@@ -164,7 +165,7 @@ def run_one(llm: LLMEngine, item: BenchItem, method: Method, config: RunConfig, 
     return seq.answer(llm.prefiller.runtime.tokenizer), seq.first_logits.detach().float().cpu().clone(), total
 
 
-def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], config: RunConfig,
+def run_bench(engine: Prefiller, items: list[BenchItem], methods: list[Method], config: RunConfig,
               on_progress: Progress | None = None) -> BenchRun:
     if not items:
         raise KvragError("no items to run")
@@ -187,7 +188,7 @@ def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], con
     for i, item in enumerate(items):
         order = list(methods)
         rng.shuffle(order)
-        if config.warm_store and engine.table is not None:
+        if config.warm_store and engine.source.table is not None:
             bench.setup.item_store_reads_s.append(read_stored_kv(engine, item))
         logits: dict[str, torch.Tensor] = {}
         runs: dict[str, MethodRun] = {}
@@ -204,13 +205,13 @@ def run_bench(engine: Engine, items: list[BenchItem], methods: list[Method], con
     return bench
 
 
-def read_stored_kv(engine: Engine, item: BenchItem) -> float:
+def read_stored_kv(engine: Prefiller, item: BenchItem) -> float:
     """Read every layer of the item's stored chunks (unchecked, undecoded: only to page them in); seconds."""
     start = time.perf_counter()
     for chunk_id, _ in item.chunks:
         for layer in range(engine.model.cfg.n_layers):
             try:
-                engine.table.get_layer_raw(chunk_id, layer)
+                engine.source.table.get_layer_raw(chunk_id, layer)
             except KvragError:  # missing or damaged: the timed run deals with it
                 break
     return time.perf_counter() - start

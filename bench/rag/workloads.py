@@ -20,8 +20,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvrag import KvragError
 from kvrag.bench.rag.metrics import percentile
+from kvrag.errors import KvragError
 
 STATS = ("mean", "median", "p90", "p99")
 

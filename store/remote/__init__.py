@@ -4,10 +4,10 @@
     layout.py        one chunk = one object: header, KVRecord, every layer's value; its checks
     remote_kv.py     RemoteKVTable: KVTable's surface over those objects, plus get_layers / get_chunk
     cached_kv.py     CachedKVTable: the local LMDB KVTable as a size-bounded read-through tier in front of it
-    mirror.py        the local mirror of a remote store: its corpus (a published snapshot) and its kv cache
 
-`local_store` and `store_table` are what the commands and the API call: a local store gives a plain directory and
-KVTable, as ever. obstore is an optional dependency (the `s3` extra): only the remote path imports it.
+The local mirror of a remote store (its corpus, a published snapshot, and its kv cache) is corpus/mirror.py: it
+syncs the corpus, which the store knows nothing of. `store_table` is what the engine and precompute call: a local
+store gives a plain KVTable, as ever. obstore is an optional dependency (the `s3` extra): only the remote path imports it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.kv import KVTable
+from kvrag.store.tiers.config import parse_bytes
 
 if TYPE_CHECKING:
     from kvrag.store.env import StoreEnv
     from kvrag.store.remote.cached_kv import CachedKVTable
     from kvrag.store.remote.remote_kv import RemoteKVTable
 
+DEFAULT_CACHE = "10GiB"  # the mirror's local kv cache, at most (KVRAG_REMOTE_CACHE)
 MARKER = "remote.json"  # in a mirror directory: {"url": "s3://bucket/prefix"}
 INSTALL_HINT = "--store s3://... needs obstore: pip install 'kvrag[s3]'"
 _LAZY = {"CachedKVTable": "cached_kv", "ObjectStore": "object_store", "DamagedObject": "remote_kv",
@@ -45,28 +47,17 @@ def remote_url(store_dir: str | Path) -> str | None:
         raise KvragError(f"{Path(store_dir) / MARKER} is damaged ({exc}); delete the mirror directory") from None
 
 
-def local_store(store: str | Path, *, need_corpus: bool = True) -> Path:
-    """A --store value as a local store directory: the directory itself, or for s3://bucket/prefix its mirror,
-    brought up to the corpus published there (`need_corpus`: a store with none is a KvragError)."""
-    if not is_remote(store):
-        return Path(store).expanduser()
-    _require_obstore()
-    from kvrag.store.remote.mirror import Mirror
-
-    return Mirror.open(str(store)).sync(need_corpus)
-
-
-def store_table(env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True,
-             variant: str = "") -> KVTable | CachedKVTable:
-    """The KV table of a store: its KVTable; for a mirror, the remote table with that KVTable as its cache."""
+def store_table(env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "",
+                cache_bytes: int | None = None) -> KVTable | CachedKVTable:
+    """The KV table of a store: its KVTable; for a mirror, the remote table with that KVTable as its cache, bounded
+    to `cache_bytes` (None: DEFAULT_CACHE)."""
     table = KVTable(env, model_fp, codec, compress, variant)
     url = remote_url(env.path)
     if url is None:
         return table
-    _require_obstore()
-    from kvrag.store.remote.mirror import cache_bytes
-
-    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=cache_bytes())
+    require_obstore()
+    bound = parse_bytes(DEFAULT_CACHE, "the remote cache") if cache_bytes is None else cache_bytes
+    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=bound)
 
 
 def open_table(url: str, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "", *,
@@ -82,7 +73,7 @@ def open_table(url: str, model_fp: str, codec: str = "fp16", compress: bool = Tr
     return remote if cache is None else CachedKVTable(remote, cache, cache_bytes)
 
 
-def _require_obstore() -> None:
+def require_obstore() -> None:
     try:
         import obstore  # noqa: F401
     except ImportError:
@@ -99,4 +90,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["CachedKVTable", "DamagedObject", "ObjectStore", "RemoteKVTable", "is_remote", "store_table",
-           "local_store", "open_table", "remote_url"]
+           "open_table", "remote_url"]

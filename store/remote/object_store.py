@@ -23,7 +23,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 T = TypeVar("T")
 R = TypeVar("R")

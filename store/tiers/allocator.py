@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 CODEC_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "int8": "float16"}  # int8 dequantizes into fp16

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.store.tiers.allocator import BlockLayout, BlockTable
 from kvrag.store.tiers.block_pool import BlockPool, Layers
 from kvrag.store.tiers.config import CacheConfig

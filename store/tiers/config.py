@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
 DEFAULT_HOST_CACHE = "4GiB"

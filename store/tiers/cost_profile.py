@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
 
 PROFILE_VERSION = 1

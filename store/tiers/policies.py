@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 
 @dataclass

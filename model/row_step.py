@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvrag.blend import rotary
-from kvrag.blend.model import Transformer
-from kvrag.kernels import decode as native_decode
+from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import attend_few_rows
+from kvrag.model import rotary
+from kvrag.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from kvrag.blend.decode import DecodeCache
+    from kvrag.model.cache import DecodeCache
 
 DECODE_THREADS: int | None = None  # torch threads during an exact step, None: as set (see the module doc)
 
@@ -41,10 +41,10 @@ class RowStep:
     def __init__(self, model: Transformer, cache: DecodeCache, native: bool = True):
         c = self.cfg = model.cfg
         self.model, self.cache, self.wants_native = model, cache, native
-        self.native = native and native_decode.step_serves(model)
+        self.native = native and native_decode.step_serves(model.step_weights())
         # [cap + offset, 1, hd] each: every position a row of this cache can take
         self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity + cache.offset))
-        self.whole = native_decode.WholeStep(model, cache.k, cache.v, self.cos, self.sin) if self.native else None
+        self.whole = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, self.cos, self.sin) if self.native else None
         new = partial(torch.empty, dtype=model.dtype, device=model.device)
         self.h = new(1, c.hidden_size)  # [1, D] the residual stream
         self.qkv = new(1, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim)  # [1, (Hq + 2 Hkv) hd]

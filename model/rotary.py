@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kvrag.blend.config import ModelConfig
+from kvrag.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

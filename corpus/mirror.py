@@ -31,27 +31,21 @@ from pathlib import Path
 
 import lmdb
 
-from kvrag import KvragError
+from kvrag.corpus.vector_index import VectorIndex, live_generation
+from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
 from kvrag.store.chunks import INDEX_CONFIG_KEY
 from kvrag.store.env import StoreEnv, is_store
-from kvrag.store.remote import MARKER, remote_url
+from kvrag.store.remote import MARKER, is_remote, remote_url, require_obstore
 from kvrag.store.remote.object_store import ObjectStore, S3Location
-from kvrag.store.tiers.config import parse_bytes
 
 CURRENT = "corpus/current.json"
 GENERATION_KEY = b"remote/generation"  # in the mirror's meta: the snapshot its corpus came from
 CORPUS_DBS = ("chunks", "docs")  # replaced whole by a snapshot; meta only in CORPUS_META_KEYS
 CORPUS_META_KEYS = (INDEX_CONFIG_KEY,)
 SNAPSHOT_FORMAT = 1
-DEFAULT_CACHE = "10GiB"
 _RECORD = struct.Struct("<II")  # key length, value length; then the key and the value
 _INDEX_FILE = re.compile(r"^index/[A-Za-z0-9_.-]+$")
-
-
-def cache_bytes() -> int:
-    """The bound on the mirror's kv cache: $KVRAG_REMOTE_CACHE (e.g. 50GiB), else 10GiB."""
-    return parse_bytes(os.environ.get("KVRAG_REMOTE_CACHE") or DEFAULT_CACHE, "KVRAG_REMOTE_CACHE")
 
 
 def mirror_dir(location: S3Location) -> Path:
@@ -71,8 +65,6 @@ class Snapshot:
 
     @classmethod
     def read(cls, env: StoreEnv, store_dir: Path) -> Snapshot:
-        from kvrag.corpus.vector_index import live_generation
-
         with env.reader() as txn:
             dbs = {name: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=env.db(name))] for name in CORPUS_DBS}
             dbs["meta"] = [(k, v) for k in CORPUS_META_KEYS if (v := txn.get(k, db=env.db("meta"))) is not None]
@@ -176,8 +168,6 @@ class Mirror:
         """Download a snapshot, then swap it in: the index (a new local generation, made live by one rename),
         then the databases and the generation in one transaction. A crash between leaves the old generation
         recorded, so the next open pulls again."""
-        from kvrag.corpus.vector_index import VectorIndex
-
         key = f"corpus/{generation}.tar"
         data = self.objects.get(key)
         if data is None:
@@ -244,3 +234,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def local_store(store: str | Path, *, need_corpus: bool = True) -> Path:
+    """A --store value as a local store directory: the directory itself, or for s3://bucket/prefix its mirror,
+    brought up to the corpus published there (`need_corpus`: a store with none is a KvragError)."""
+    if not is_remote(store):
+        return Path(store).expanduser()
+    require_obstore()
+    return Mirror.open(str(store)).sync(need_corpus)

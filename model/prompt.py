@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "

@@ -8,33 +8,57 @@ from __future__ import annotations
 
 import ctypes
 import time
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvrag.kernels import native
 from kvrag.kernels.cpu import cpu_flags
 
-if TYPE_CHECKING:
-    from kvrag.blend.model import Transformer
-
 PROBE_EVERY = 64  # steps between two timings of the thread count not in use (1.5 % of steps)
 LAYER_TENSORS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # decode.cpp's order
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """What the native step reads of a model (model.transformer.Transformer.step_weights): its widths and its
+    weights, which it reads by address."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_eps: float
+    layers: tuple[tuple[torch.Tensor | None, ...], ...]  # per layer, LAYER_TENSORS in that order
+    lm_head: torch.Tensor  # [V, D]
+    final_norm: torch.Tensor  # [D]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
 
 
 def available() -> bool:
     return _gemv() is not None and _attention() is not None and _step() is not None and _batch() is not None
 
 
-def step_serves(model: Transformer) -> bool:
-    """Whether `WholeStep` runs this model: bf16 on a CPU with the kernels, every width a multiple of 16, and
+def step_serves(w: StepWeights) -> bool:
+    """Whether `WholeStep` runs these weights: bf16 on a CPU with the kernels, every width a multiple of 16, and
     every weight contiguous (the kernel reads them by address)."""
-    c = model.cfg
-    weights = [t for layer in model.layers for t in vars(layer).values() if t is not None]
-    return (serves(model.dtype, model.device, c.hidden_size, c.head_dim, c.group_size)
-            and c.intermediate_size % 16 == 0
-            and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [*weights, model.lm_head, model.final_norm]))
+    tensors = [t for layer in w.layers for t in layer if t is not None]
+    return (serves(w.dtype, w.device, w.hidden, w.head_dim, w.group_size) and w.intermediate % 16 == 0
+            and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [*tensors, w.lm_head, w.final_norm]))
 
 
 def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int, group: int) -> bool:
@@ -93,22 +117,20 @@ class StepModel(ctypes.Structure):
                                                          "lm_head")])
 
 
-def _step_model(model: Transformer, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
+def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
                 sin: torch.Tensor, dot_bf16: bool | None) -> tuple[StepModel, torch.Tensor]:
-    """The StepModel of `model` over keys at address k and values at v, strides (n_blocks, block_size,
+    """The StepModel of weights `w` over keys at address k and values at v, strides (n_blocks, block_size,
     layer_stride, block_stride) in elements, and the [L * 7] weight addresses it points to (keep both alive).
     dot_bf16: the products with VDPBF16PS (None: where the CPU has it; True on a CPU without it faults)."""
     dot_bf16 = dot_bf16_default() if dot_bf16 is None else dot_bf16
-    c = model.cfg
     for t in (cos, sin):  # [max_pos, 1, hd]
         assert t.is_contiguous() and t.dtype == torch.bfloat16
-    addresses = [0 if t is None else t.data_ptr() for layer in model.layers
-                 for t in (getattr(layer, name) for name in LAYER_TENSORS)]
+    addresses = [0 if t is None else t.data_ptr() for layer in w.layers for t in layer]
     layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
-    shape = StepModel(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
-                      model.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), c.rms_eps, c.head_dim ** -0.5,
-                      layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), model.final_norm.data_ptr(),
-                      model.lm_head.data_ptr())
+    shape = StepModel(w.n_layers, w.hidden, w.n_heads, w.n_kv_heads, w.head_dim, w.intermediate,
+                      w.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), w.rms_eps, w.head_dim ** -0.5,
+                      layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), w.final_norm.data_ptr(),
+                      w.lm_head.data_ptr())
     return shape, layers
 
 
@@ -118,15 +140,15 @@ class WholeStep:
     weights and of the cache are taken here). dot_bf16: the products with VDPBF16PS (None: where the CPU has
     AVX512-BF16), each product's float32 sums in another order than without, so other bits."""
 
-    def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+    def __init__(self, weights: StepWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, dot_bf16: bool | None = None):
         for t in (k_cache, v_cache):  # [L, cap, Hkv, hd]
             assert t.is_contiguous() and t.dtype == torch.bfloat16
         block = k_cache[0].numel()  # the whole capacity of a layer is its one block
         self.capacity = k_cache.shape[1]
-        self.shape, self.layers = _step_model(model, k_cache.data_ptr(), v_cache.data_ptr(),
+        self.shape, self.layers = _step_model(weights, k_cache.data_ptr(), v_cache.data_ptr(),
                                               (1, self.capacity, block, block), cos, sin, dot_bf16)
-        self.keep = (model, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
+        self.keep = (weights, k_cache, v_cache, cos, sin)  # every address above stays valid while this lives
         self.threads = ThreadPicker(torch.get_num_threads())
 
     def __call__(self, pos: int, h: torch.Tensor, logits: torch.Tensor, n_threads: int | None = None,
@@ -151,7 +173,7 @@ class BatchStep:
     kv [L, 2, N, block_size, Hkv, hd] bf16 (BlockPool's tensor). Row b's numbers are those of the same sequence
     stepped alone by WholeStep, whatever the batch and the thread count. Made once per (model, pool)."""
 
-    def __init__(self, model: Transformer, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __init__(self, weights: StepWeights, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  dot_bf16: bool | None = None):
         """cos, sin [max_pos, 1, hd] bf16: `model.positions_cos_sin(torch.arange(max_pos))`, long enough for every
         rotary position a row will step at. dot_bf16: as WholeStep's (the same choice gives the same bits)."""
@@ -159,11 +181,11 @@ class BatchStep:
         n_blocks, block_size = kv.shape[2], kv.shape[3]
         block = kv[0, 0, 0].numel()  # [block_size, Hkv, hd]
         values = kv.data_ptr() + n_blocks * block * kv.element_size()  # kv[0, 1]
-        self.shape, self.layers = _step_model(model, kv.data_ptr(), values,
+        self.shape, self.layers = _step_model(weights, kv.data_ptr(), values,
                                               (n_blocks, block_size, 2 * n_blocks * block, block), cos, sin,
                                               dot_bf16)
-        self.keep = (model, kv, cos, sin)
-        self.dims = (model.cfg.hidden_size, model.lm_head.shape[0])
+        self.keep = (weights, kv, cos, sin)
+        self.dims = (weights.hidden, weights.lm_head.shape[0])
         self.pickers: dict[int, ThreadPicker] = {}  # by batch size's bit length: a step's time grows with B
 
     def __call__(self, positions: torch.Tensor, tables: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,

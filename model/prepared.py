@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import LocalModel
 from kvrag.home import kvrag_home
+from kvrag.model.files import LocalModel
+from kvrag.model.transformer import Transformer
 
 _DIGEST_KEY = "kvrag.digest"  # in the safetensors metadata: xxh3-128 of the tensor bytes after the header
 _BLANK = "x" * 32  # the digest's place while the bytes are hashed (a hex digest has the same length)

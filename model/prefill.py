@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.blend.model import Transformer
-from kvrag.blend.step import GrowingKV, Rows, run_layers
+from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.model.transformer import Transformer
 
 
 @dataclass

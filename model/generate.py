@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag import KvragError
-from kvrag.blend.model import Transformer
-from kvrag.blend.row_step import RowStep
-from kvrag.blend.step import CacheKV, Rows, run_layers
+from kvrag.errors import KvragError
+from kvrag.model.cache import DecodeCache
+from kvrag.model.row_step import RowStep
+from kvrag.model.step import CacheKV, Rows, run_layers
+from kvrag.model.transformer import Transformer
 
 STOP_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
 
@@ -32,50 +33,6 @@ class SamplingConfig:
             raise KvragError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise KvragError(f"--top-p must be in (0, 1], got {self.top_p}")
-
-
-class DecodeCache:
-    """Every layer's rotated keys and values, preallocated for the prompt plus the answer.
-
-    Row i holds position i, except after a reduced prompt: its rows skip the dropped tokens' positions, and a new
-    token (row `length`) is at position `length + offset`.
-    """
-
-    def __init__(self, model: Transformer, capacity: int):
-        c = model.cfg
-        shape = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
-        self.k = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
-        self.v = torch.empty(shape, dtype=model.dtype, device=model.device)  # [L, cap, Hkv, hd]
-        self.length = 0
-        self.offset = 0  # prompt positions without a row (dropped tokens' places), all before new rows
-        self.stepper: RowStep | None = None  # the one-row decode's buffers, made at the first decode step
-
-    @torch.inference_mode()
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only these rows stay (indices [m], ascending), moved to the front; the dropped ones' positions become
-        gaps. Rows after the last kept one would need their own offsets: keep the last row."""
-        n, m = self.length, int(rows.shape[0])
-        for layer in range(self.k.shape[0]):
-            self.k[layer, :m] = self.k[layer, rows]
-            self.v[layer, :m] = self.v[layer, rows]
-        self.length, self.offset = m, self.offset + n - m
-        self.stepper = None  # its float32 copies hold the old rows
-
-    @classmethod
-    def from_prompt(cls, model: Transformer, layers: list[tuple[torch.Tensor, torch.Tensor]],
-                    extra: int) -> DecodeCache:
-        """From the prompt's per-layer (rotated k [S, Hkv, hd], v [S, Hkv, hd]), with room for `extra`."""
-        n = layers[0][0].shape[0]
-        cache = cls(model, n + extra)
-        for i, (k, v) in enumerate(layers):
-            cache.k[i, :n] = k
-            cache.v[i, :n] = v
-        cache.length = n
-        return cache
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
 
 
 class ChunkedPrefill:

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvrag import KvragError
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.prefill import LayerKV, extend
-from kvrag.blend.runtime import Runtime
+from kvrag.errors import KvragError
+from kvrag.model.prefill import LayerKV, extend
+from kvrag.model.runtime import Runtime
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard

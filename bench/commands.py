@@ -11,8 +11,7 @@ from pathlib import Path
 
 import typer
 
-from kvrag import KvragError
-from kvrag.cli.app import bench_app
+from kvrag.bench.typer_app import bench_app
 from kvrag.cli.common import (
     ATTENTION_WEIGHT_OPTION,
     DEVICE_OPTION,
@@ -21,10 +20,10 @@ from kvrag.cli.common import (
     MODEL_OPTION,
     SELECTION_OPTION,
     attention_weight_override,
-    positive_ints,
     print_json,
     stderr_console,
 )
+from kvrag.errors import KvragError
 
 QUICK_LIMIT = 2
 QUICK_RATIOS = "0.15"
@@ -168,13 +167,13 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
     load_start = _warn_if_busy(console)
     store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())
     with StoreEnv.open(store_dir, create=dataset is not None) as env:
-        from kvrag.blend.engine import Engine
-        from kvrag.blend.runtime import Runtime
+        from kvrag.engine.prefiller import Prefiller
+        from kvrag.model.runtime import Runtime
 
         k, limit, seed, sample, passage_words, quick = selection_options
         with console.status("loading the model"):
             runtime = Runtime.load(*model_options, tune_process=True)
-            engine = Engine(runtime, env, config.codec, compress=compress)
+            engine = Prefiller.open(runtime, env, config.codec, compress=compress)
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
@@ -384,38 +383,3 @@ def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
         print_json(report)
     else:
         console.print(f"bench done in {report['total_wall_s']:.0f} s")
-
-
-@bench_app.command("engine")
-def bench_engine_command(
-    contexts: str = typer.Option("1024,6144", "--contexts", help="Context lengths in tokens, comma-separated."),
-    batches: str = typer.Option("1,4,16,32", "--batches", help="Concurrent sequences, comma-separated."),
-    steps: int = typer.Option(8, "--steps", min=1, help="Decode steps timed per round."),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds per point (the median is reported)."),
-    native: bool = typer.Option(True, "--native/--torch", help="The native batched step where it serves, or torch."),
-    model: str = MODEL_OPTION,
-    dtype: str = DTYPE_OPTION,
-    device: str = DEVICE_OPTION,
-    as_json: bool = JSON_OPTION,
-) -> None:
-    """Aggregate decode tokens/s of the resident engine by batch size and context, against the memory floor.
-
-    Example: kvrag bench engine --contexts 1024,6144 --batches 1,4,16,32
-    """
-    from dataclasses import asdict
-
-    from kvrag.bench.engine_decode import measure, table
-    from kvrag.bench.rag.report import machine as machine_info
-    from kvrag.blend.runtime import Runtime
-
-    console = stderr_console()
-    runtime = Runtime.load(model, dtype, device, tune_process=True)
-    points, bandwidth, path = measure(runtime, positive_ints(contexts, "--contexts"), positive_ints(batches, "--batches"), steps,
-                                      rounds, native, progress=lambda line: console.print(line, highlight=False))
-    machine = machine_info()
-    if as_json:
-        print_json({"schema": "kvrag-bench-engine/1", "machine": machine, "path": path,
-                    "read_bandwidth_bytes_per_s": bandwidth,
-                    "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
-    else:
-        console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)

@@ -12,7 +12,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from kvrag import KvragError
+from kvrag.errors import KvragError
 
 # transformers' clean_up_tokenization: only applied where tokenizer_config.json asks for it
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),

@@ -12,7 +12,7 @@ and V:
         h = model.finish(layer, h, a)
     logits = model.logits(h[-1:])
 
-blend/step.py runs that loop for every forward (full prefill, prefix extension, blend, decode); `full_forward` is
+model/step.py runs that loop for every forward (full prefill, prefix extension, blend, decode); `step.full_forward` is
 the plainest of them, the reference the tests hold against transformers' own logits.
 """
 
@@ -25,11 +25,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from kvrag import KvragError
-from kvrag.blend import rotary, step
-from kvrag.blend.config import ModelConfig
-from kvrag.blend.device import attention_dtype
+from kvrag.errors import KvragError
 from kvrag.kernels import attention
+from kvrag.kernels.decode_step import LAYER_TENSORS, StepWeights
+from kvrag.model import rotary
+from kvrag.model.config import ModelConfig
+from kvrag.model.device import attention_dtype
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Transformer:
         self.triton = False
 
     def compute_state(self) -> dict[str, torch.Tensor]:
-        """Every weight as the forward uses it (fused, cast): what blend/prepared.py caches on disk."""
+        """Every weight as the forward uses it (fused, cast): what model/prepared.py caches on disk."""
         state = {"embed_tokens": self.embed_tokens, "final_norm": self.final_norm}
         if self.lm_head is not self.embed_tokens:
             state["lm_head"] = self.lm_head
@@ -206,6 +207,13 @@ class Transformer:
         return attention.attend(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
                                 self.uses_row_kernel(), self.segment_plans, self.triton).to(self.dtype)
 
+    def step_weights(self) -> StepWeights:
+        """What the native decode step reads (kernels/decode_step.py), in its order."""
+        c = self.cfg
+        layers = tuple(tuple(getattr(w, name) for name in LAYER_TENSORS) for w in self.layers)
+        return StepWeights(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
+                           c.rms_eps, layers, self.lm_head, self.final_norm)
+
     def uses_row_kernel(self) -> bool:
         """Whether causal attention goes through kvrag's AVX-512 row kernel (see `row_kernel_serves`)."""
         return attention.row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
@@ -251,19 +259,6 @@ class Transformer:
             exact = torch.einsum("rd,rkd->rk", self.final_norm.float() * normed, self.lm_head[top].float())  # [R, K]
             out.scatter_(-1, top, exact)
         return out
-
-    # ---- reference path ---------------------------------------------------------------------
-
-    def full_forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                     all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer (k, v), keys before
-        rotary ([T, Hkv, hd]), values as they are."""
-        if positions is None:
-            positions = torch.arange(ids.shape[0])
-        rows = step.Rows.at(self, ids, positions)
-        kv = step.GrowingKV(self, None, rows.pos)
-        logits = step.run_layers(self, rows, kv, all_rows=all_logits)
-        return logits, list(zip(kv.new_k, kv.new_v, strict=True))
 
 
 RESCORED = 64  # top bf16 logits computed again in float32 (see Transformer.logits)

@@ -1,15 +1,15 @@
-"""Memory tiers for a question-answering process: the TieredKVCache an Engine reads through.
+"""Memory tiers for a question-answering process: the TieredKVCache a ChunkSource reads through.
 
 Built from `--host-cache` / `--gpu-cache` / `--cache-policy` (or their environment variables). PGDSF's
 Cost/Size comes from each request's measured prefill time (`insert(cost_s=...)`); chunks kept only as
-their stored KV cost a flat per-token time, recalibrated from each measured prefill (Engine).
+their stored KV cost a flat per-token time, recalibrated from each measured prefill (ChunkSource).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvrag.blend.runtime import Runtime
+from kvrag.model.runtime import Runtime
 from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.config import CacheConfig

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.blend.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
-from kvrag.blend.model import Transformer
-from kvrag.blend.model_files import LocalModel, resolve_model
-from kvrag.blend.prepared import load_weights
-from kvrag.blend.prompt import PromptBuilder, check_segmentation
+from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
+from kvrag.model.files import LocalModel, resolve_model
+from kvrag.model.prepared import load_weights
+from kvrag.model.prompt import PromptBuilder, check_segmentation
+from kvrag.model.transformer import Transformer
 
 
 @dataclass

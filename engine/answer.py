@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from kvrag.blend.controller import AUTO_MASS, QUALITY_FLOOR, budget_ratio
-from kvrag.blend.decode import SamplingConfig, generate, stream_text
-from kvrag.blend.engine import Engine, Prefilled
-from kvrag.blend.fusion import BlendConfig
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import SUFFIX_GUESS, RatioPolicy
+from kvrag.engine.prefiller import Prefilled, Prefiller
+from kvrag.model.generate import SamplingConfig, generate, stream_text
 
 SCHEMA = "kvrag.answer/1"  # `kvrag ask --json`; README "JSON output" documents it: bump on any breaking change
 # Every answer's timings carry exactly these keys (seconds; decode_tokens_per_s a rate), 0 where a part did not
@@ -57,25 +57,17 @@ class Answer:
         }
 
 
-def resolve_ratio(engine: Engine, config: BlendConfig, auto: bool, chunk_tokens: int, suffix_tokens: int,
-                  codec: str) -> BlendConfig:
-    if not auto:
-        return config
-    profile = engine.profile(codec)
-    cap = budget_ratio(profile, engine.model.cfg.n_layers, config.check_layer, chunk_tokens, suffix_tokens)
-    return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
-
-
-def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
+def answer_question(engine: Prefiller, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
                     config: BlendConfig, sampling: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                    auto_ratio: bool = False, codec: str = "fp16",
+                    ratio: RatioPolicy | None = None, codec: str = "fp16",
                     interruptible: bool = False) -> tuple[Answer, Prefilled]:
     """Prefill and decode one question. `interruptible`: Ctrl-C while decoding ends the answer where it stands
     (finish_reason "interrupted") and the caller decides what follows; chunks computed for it are still stored."""
     start = time.perf_counter()
-    if mode == "blend":
+    if mode == "blend" and ratio is not None:  # None: the config's ratio as it is
         n_chunk = sum(len(ids) for _, ids in chunks)
-        config = resolve_ratio(engine, config, auto_ratio, n_chunk, 40, codec)
+        config = ratio.resolve(config, lambda: engine.source.profile(codec), engine.runtime.model.cfg.n_layers,
+                               n_chunk, SUFFIX_GUESS)
     pre = engine.prefill(chunks, question, mode, config, extra=sampling.max_tokens)
     tokens: list[int] = []
     first_token_at = None
@@ -84,7 +76,7 @@ def answer_question(engine: Engine, chunks: Sequence[tuple[str, Sequence[int]]],
 
     def token_stream():
         nonlocal first_token_at
-        for token in generate(engine.model, pre.cache, pre.logits, sampling, engine.stop_ids):
+        for token in generate(engine.runtime.model, pre.cache, pre.logits, sampling, engine.stop_ids):
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             tokens.append(token)

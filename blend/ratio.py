@@ -1,6 +1,9 @@
 """`--ratio auto`: how much of a prompt to recompute, from what its deviation asks and what the first token may cost.
 
-Quality: each prompt recomputes, past the floor r* = 0.15, until the kept rows hold AUTO_MASS of its deviation
+RatioPolicy is `--ratio` (and the API's and the server's `ratio`) from end to end: a number, or auto, parsed once;
+resolved per prompt into the BlendConfig the prefill runs; reported as the share a prompt recomputed.
+
+Quality: each prompt recomputes, past the floor r* (DEFAULT_RATIO), until the kept rows hold AUTO_MASS of its deviation
 score (`BlendConfig.deviation_mass`, decided at the first check). Cost: never past the largest share whose predicted
 first token costs no more than r*'s would, or comes within TTFT_BUDGET_S: long prompts keep r*'s speed, short ones
 (where blending's fixed costs already make it 0.36x full prefill) may recompute more. The profile
@@ -13,18 +16,70 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 
-from kvrag.blend.model import Transformer
+from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
+from kvrag.errors import KvragError
+from kvrag.model.transformer import Transformer
 from kvrag.store.codec import decode, encode
 from kvrag.store.env import StoreEnv
 
-QUALITY_FLOOR = 0.15
+QUALITY_FLOOR = DEFAULT_RATIO  # auto never recomputes less than r*
+AUTO = "auto"
+SUFFIX_GUESS = 40  # question-suffix tokens assumed for the cost cap before the question is tokenized
 AUTO_MASS = 0.75  # cross-passage tuning split, first 60 items: top-1 0.983, KL 0.031 (0.6: 0.95, 0.057)
 TTFT_BUDGET_S = 0.5  # a first token within this is not worth trading answers for
+
+
+@dataclass(frozen=True)
+class RatioPolicy:
+    """How much of a prompt a blend recomputes: `fixed` (a share in [0, 1]), or None for auto."""
+
+    fixed: float | None = None
+
+    @classmethod
+    def parse(cls, value: str | float | None, option: str = "--ratio") -> RatioPolicy:
+        """A number between 0 and 1, or 'auto' (None too); KvragError naming `option` otherwise."""
+        if value is None or value == AUTO:
+            return cls(None)
+        try:
+            share = float(value)
+        except (TypeError, ValueError):
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            raise KvragError(f"{option} takes a number between 0 and 1 or '{AUTO}', got {value!r}")
+        return cls(share)
+
+    @property
+    def auto(self) -> bool:
+        return self.fixed is None
+
+    def __str__(self) -> str:
+        return AUTO if self.auto else f"{self.fixed:g}"
+
+    def start(self, base: BlendConfig | None = None) -> BlendConfig:
+        """The blend's settings before a prompt is seen: `base` (or the defaults) at this ratio (auto: r*)."""
+        return replace(base or BlendConfig(), ratio=QUALITY_FLOOR if self.auto else self.fixed)
+
+    def resolve(self, config: BlendConfig, profile: Callable[[], LoadComputeProfile], n_layers: int,
+                chunk_tokens: int, suffix_tokens: int) -> BlendConfig:
+        """The settings one prompt runs: as they are for a fixed ratio; for auto, from r* up until the kept rows
+        hold AUTO_MASS of the deviation score, capped where the first token would cost more (budget_ratio, from
+        this machine's `profile()`, asked for only here: it may be measured on first use)."""
+        if not self.auto:
+            return config
+        cap = budget_ratio(profile(), n_layers, config.check_layer, chunk_tokens, suffix_tokens)
+        return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
+
+    def report(self, ratio: float | None, chunk_tokens: int, recomputed: int) -> float | None:
+        """The ratio an answer reports: the fixed one, or for auto the share this prompt recomputed."""
+        if ratio is None or not self.auto or not chunk_tokens:
+            return ratio
+        return round(recomputed / chunk_tokens, 4)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from kvrag.blend.decode import DecodeCache
-    from kvrag.blend.model import Transformer
+    from kvrag.model.cache import DecodeCache
+    from kvrag.model.transformer import Transformer
 
 
 @dataclass
@@ -135,3 +135,15 @@ class GrowingKV:
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos)
+
+
+def full_forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                 all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The reference path: a plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer
+    (k, v), keys before rotary ([T, Hkv, hd]), values as they are."""
+    if positions is None:
+        positions = torch.arange(ids.shape[0])
+    rows = Rows.at(model, ids, positions)
+    kv = GrowingKV(model, None, rows.pos)
+    logits = run_layers(model, rows, kv, all_rows=all_logits)
+    return logits, list(zip(kv.new_k, kv.new_v, strict=True))

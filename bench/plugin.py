@@ -1,0 +1,18 @@
+"""`kvrag bench`: registered on the `kvrag` command by name (cli/app.py), so nothing in the package imports the
+benchmarks, and a package installed without the `bench` extra runs without them."""
+
+from __future__ import annotations
+
+import typer
+
+from kvrag.bench import commands, commands_parts, commands_systems  # noqa: F401  (each registers its commands)
+from kvrag.bench.typer_app import bench_app
+
+
+def register(app: typer.Typer, model_app: typer.Typer) -> None:
+    """`kvrag bench ...` on `app`, once (a process that runs the CLI twice, as the tests do, registers once)."""
+    if any(group.typer_instance is bench_app for group in app.registered_groups):
+        return
+    app.add_typer(bench_app, name="bench")
+    # `kvrag model bench` is the old name of `kvrag bench model`: kept for scripts, hidden from the help
+    model_app.command("bench", hidden=True)(commands_parts.bench_model)

@@ -1,0 +1,108 @@
+"""kvrag's settings, resolved once at the edge (the CLI, the server, the API's constructor) and passed down.
+
+Each setting is taken from the caller's option where one is given (not None), else from its environment variable,
+else from its default; nothing below this module reads the environment (home.py aside: where kvrag keeps its files).
+
+    setting          variable               default
+    model            KVRAG_MODEL            None: the bundled SmolLM2-135M-Instruct
+    dtype            KVRAG_DTYPE            auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)
+    device           KVRAG_DEVICE           auto (cuda where torch sees one)
+    kernels          KVRAG_KERNELS          auto (Triton's on a GPU); torch: SDPA and per-sequence decode
+    threads          KVRAG_THREADS          None: every core
+    native           KVRAG_NATIVE           True; 0 turns kvrag's C++ CPU kernels off
+    compiler         CXX                    None: c++ or g++ on the PATH (to build those kernels once)
+    malloc_defaults  KVRAG_MALLOC_DEFAULTS  False: keep freed memory in the process (faster prefills on a CPU)
+    max_map_size     KVRAG_MAX_MAP_SIZE     None: LMDB's map may grow to the disk's free space (bytes, e.g. 64GiB)
+    remote_cache     KVRAG_REMOTE_CACHE     10GiB: the local cache of a store on object storage
+    mirror_dir       KVRAG_MIRROR_DIR       None: <home>/remote/<bucket>/<prefix>
+    host_cache       KVRAG_HOST_CACHE       4GiB: the host memory tier (0: none)
+    gpu_cache        KVRAG_GPU_CACHE        None: 0, or on a GPU a share of its memory (store/tiers/config.py)
+    cache_policy     KVRAG_CACHE_POLICY     pgdsf (or gdsf, lru)
+    reorder_window   KVRAG_REORDER_WINDOW   8: a waiting question is passed over at most this often (0: FIFO)
+
+The rest (kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from kvrag.errors import KvragError
+
+DEFAULT_REORDER_WINDOW = 8  # RAGCache's reordering passes a request over at most this often
+
+
+@dataclass(frozen=True)
+class KVRagConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    kernels: str = "auto"
+    threads: int | None = None
+    native: bool = True
+    compiler: str | None = None
+    malloc_defaults: bool = False
+    max_map_size: str | None = None
+    remote_cache: str = "10GiB"
+    mirror_dir: str | None = None
+    host_cache: str | None = None
+    gpu_cache: str | None = None
+    cache_policy: str | None = None
+    reorder_window: int = DEFAULT_REORDER_WINDOW
+    # options alone
+    codec: str = "fp16"
+    kv_budget: str = "1GiB"
+    max_running: int = 32
+    max_waiting: int = 0
+    speculate: bool = False
+    keep: float = 1.0
+    keep_rule: str = "keyformer"
+    preload_retriever: bool = True
+    tune_process: bool = False
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **options) -> KVRagConfig:
+        """Options (None: not given) over `environ` (default: the process's environment) over the defaults;
+        KvragError (one line) for an unknown option or a variable that does not parse."""
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise KvragError(f"unknown setting(s): {', '.join(unknown)}")
+        values = {}
+        for name, field in known.items():
+            if options.get(name) is not None:
+                values[name] = options[name]
+            elif name in ENVIRONMENT and environ.get(ENVIRONMENT[name]):
+                values[name] = _parse(ENVIRONMENT[name], environ[ENVIRONMENT[name]], field.default)
+        config = cls(**values)
+        if config.reorder_window < 0:
+            raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
+        return config
+
+    def replace(self, **changes) -> KVRagConfig:
+        return dataclasses.replace(self, **changes)
+
+
+ENVIRONMENT = {
+    "model": "KVRAG_MODEL", "dtype": "KVRAG_DTYPE", "device": "KVRAG_DEVICE", "kernels": "KVRAG_KERNELS",
+    "threads": "KVRAG_THREADS", "native": "KVRAG_NATIVE", "compiler": "CXX", "malloc_defaults": "KVRAG_MALLOC_DEFAULTS",
+    "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
+    "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
+    "reorder_window": "KVRAG_REORDER_WINDOW",
+}
+
+
+def _parse(variable: str, text: str, default):
+    """A variable's text as its setting's type (the default's; None defaults are text, or an int for threads)."""
+    if isinstance(default, bool):
+        return text.strip().lower() not in ("0", "false", "no", "off", "")
+    if isinstance(default, int) or variable == "KVRAG_THREADS":
+        try:
+            return int(text)
+        except ValueError:
+            raise KvragError(f"{variable} must be an integer, got {text!r}") from None
+    return text

@@ -1,0 +1,235 @@
+"""Where a prompt's chunk KV comes from: the store, the memory tiers, or computed now (and written back).
+
+A ChunkSource owns the store's KV table (checked against the model's manifest), the memory tiers (a TieredKVCache,
+or none), the chunks computed on the fly (written back between questions, replacing damaged ones) and this
+machine's load/compute profile. The prefiller (engine/prefiller.py) asks it for a prompt's chunk refs and its
+exact prefix; the resident engine asks it what a prompt will hold in the pool and how much of it is cached.
+
+With memory tiers, a blend or reuse prompt first walks the knowledge tree: the chunks on its matched path are
+reused exactly (they join the preamble as an exact prefix, never recomputed); below the first miss, each chunk's
+stored KV comes from memory when a tier holds it, else from the store. After the answer, the chunks below the match
+are cached as they stood in this prompt, and the chunks read from the store are kept in memory for the next question.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvrag.blend import keyformer
+from kvrag.blend.keyformer import KeepConfig
+from kvrag.blend.loader import ChunkRef, CorruptChunk
+from kvrag.blend.ratio import LoadComputeProfile, cached_profile
+from kvrag.errors import KvragError
+from kvrag.model.prefill import LayerKV
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
+from kvrag.store.codec import CorruptValue, stored_positions
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import MissingChunk
+from kvrag.store.manifest import check_or_record
+from kvrag.store.remote import store_table
+from kvrag.store.tiers.cost_profile import CostProfile
+from kvrag.store.tiers.reorder import order_priority
+
+
+class ChunkSource:
+    """Chunk KV for one model: `env` the store (None: every chunk is computed), `codec` its values, `cache` the
+    memory tiers (None: none), `compress` how write-backs are stored, `keep` reduced (Keyformer) chunks instead of
+    full ones, `preamble` the preamble's KV (what a chunk computed now follows)."""
+
+    def __init__(self, runtime: Runtime, env: StoreEnv | None, preamble: LayerKV, codec: str = "fp16", cache=None,
+                 compress: bool = True, keep: KeepConfig | None = None, remote_cache_bytes: int | None = None):
+        self.runtime, self.model, self.preamble = runtime, runtime.model, preamble
+        # reduced chunks (Keyformer, `precompute --keep`): blend, reuse and prefix read that variant of the store
+        self.keep = keep if keep is not None and keep.reduced else None
+        if self.keep is not None and self.keep.per_layer:
+            raise KvragError("questions read reduced chunks with one token set per chunk; a --keep-per-layer store "
+                             "is for measurement only")
+        self.cache = cache  # TieredKVCache or None: no memory tiers
+        self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
+        self.env = env
+        self.table = None
+        if env is not None:
+            check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
+                            tokenizer_fp=runtime.local.tokenizer_fingerprint)
+            self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "",
+                                     cache_bytes=remote_cache_bytes)
+        # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None)
+        self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
+        self._repair: set[str] = set()  # chunks whose stored values were damaged
+        self._profiles: dict[str, LoadComputeProfile] = {}  # by codec: what `--ratio auto` predicts costs from
+
+    def profile(self, codec: str) -> LoadComputeProfile:
+        """This machine's load/compute profile for the codec: from the store's meta (measured there once), kept
+        here, so every prompt of an engine predicts from the same one (and none pays for measuring it again)."""
+        if codec not in self._profiles:
+            self._profiles[codec] = cached_profile(self.env, self.model, self.runtime.fingerprint, codec)
+        return self._profiles[codec]
+
+    def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
+                   in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:
+        """Refs for (chunk_id, token_ids); chunks missing from the store are computed now (and
+        written back later). `in_memory[i]`: chunk i's stored KV already in a memory tier.
+        Returns the refs and the seconds spent computing missing chunks."""
+        missing = set(self.table.missing([c for c, _ in chunks])) if self.table is not None else {c for c, _ in chunks}
+        start = time.perf_counter()
+        refs = []
+        for i, (chunk_id, ids) in enumerate(chunks):
+            if i < len(in_memory) and in_memory[i] is not None:
+                refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
+            elif chunk_id in missing or chunk_id in self._write_back:
+                kv, kept = self.compute_chunk(chunk_id, ids)
+                refs.append(ChunkRef(chunk_id, ids, kv, kept))
+            else:
+                refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
+        return refs, time.perf_counter() - start
+
+    def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
+        """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
+        if chunk_id in self._write_back:
+            return self._write_back[chunk_id][1:]
+        if self.keep is None:
+            kv, kept = chunk_kv(self.runtime, self.preamble, ids), None
+        else:
+            full, kept = keyformer.reduce_chunk(self.model, self.preamble, self.runtime.ids_tensor(list(ids)),
+                                                self.keep, chunk_id)
+            kv = keyformer.narrow(full, kept)
+        self._write_back[chunk_id] = (ids, kv, kept)
+        return kv, kept
+
+    def _stored_kept(self, chunk_id: str, ids: Sequence[int]) -> np.ndarray | None:
+        """The tokens a stored reduced chunk keeps (from its first layer, read without decoding K and V); None
+        for full chunks. A prompt's rows are laid out from them before any layer loads."""
+        if self.keep is None:
+            return None
+        try:
+            head, body = self.table.get_layer_raw(chunk_id, 0, expect_token_ids=ids).body()
+        except (MissingChunk, CorruptValue) as exc:
+            raise CorruptChunk(chunk_id, str(exc)) from None
+        kept = stored_positions(head, body)
+        if kept is not None and kept.ndim != 1:
+            raise CorruptChunk(chunk_id, "keeps a token set per KV head, which questions cannot read")
+        return kept
+
+    def flush_write_back(self) -> int:
+        """Store the chunks computed on the fly, replacing damaged ones (called between questions,
+        never while a loader reads: LMDB cannot grow its map under an open read transaction)."""
+        written = 0
+        if self.table is not None:
+            for chunk_id, (ids, kv, kept) in self._write_back.items():
+                if chunk_id in self._repair:
+                    self.table.delete_chunk(chunk_id)
+                written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec), kept))
+        self._write_back.clear()
+        self._repair.clear()
+        self._fill_cache()
+        return written
+
+    def exact_prefix(self, lease) -> LayerKV:
+        """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
+        if lease is None or not lease.matched:
+            return self.preamble
+        from kvrag.store.tiers.cache import as_layers
+
+        layers = as_layers(self.cache.gather(lease.prefix, self.model.device))
+        n_pre = len(self.preamble)
+        n = layers[0][0].shape[0]
+        return LayerKV([torch.cat([self.preamble.k[i].to(self.model.dtype), k.to(self.model.dtype)])
+                        for i, (k, _) in enumerate(layers)],
+                       [torch.cat([self.preamble.v[i].to(self.model.dtype), v.to(self.model.dtype)])
+                        for i, (_, v) in enumerate(layers)],
+                       torch.arange(n_pre + n, device=self.model.device))
+
+    def memory_kv(self, lease) -> list[LayerKV | None]:
+        """Per chunk below the match: its stored KV from a memory tier, or None (read the store)."""
+        from kvrag.store.tiers.cache import as_layers
+
+        out: list[LayerKV | None] = []
+        for i in range(lease.matched, len(lease.chunk_ids)):
+            node = lease.memory_node(i)
+            if node is None:
+                out.append(None)
+                continue
+            layers = as_layers(self.cache.gather([node], self.model.device))
+            out.append(LayerKV([k for k, _ in layers], [v for _, v in layers],
+                               torch.arange(layers[0][0].shape[0])))  # positions unused: rotated on use
+        return out
+
+    def _fill_cache(self) -> None:
+        """After an answer: cache the prompts' chunks as blended, keep the stored KV of the chunks that
+        were not in memory (read from the store, or computed and now written back) for the next question,
+        and unpin."""
+        dtype = getattr(torch, self.cache.layout.dtype) if self._pending_cache else None
+        for lease, rest, rest_kv, not_in_memory, prefill_s in self._pending_cache:
+            try:
+                per_chunk, start = [], 0
+                for _, ids in rest:
+                    n = len(ids)
+                    per_chunk.append([(k[start:start + n].to("cpu", dtype), v[start:start + n].to("cpu", dtype))
+                                      for k, v in rest_kv])
+                    start += n
+                self.cache.insert(lease, per_chunk, cost_s=prefill_s)
+                self.cache.cost = CostProfile.linear(prefill_s / max(lease.new_tokens, 1))  # for put_stored
+                for chunk_id, ids in not_in_memory:
+                    stored = self._stored_layers(chunk_id, ids)
+                    if stored is not None:
+                        self.cache.put_stored(chunk_id, stored)
+            finally:
+                self.cache.release(lease)
+        self._pending_cache.clear()
+
+    def _stored_layers(self, chunk_id: str, ids: Sequence[int]):
+        """Every layer of a chunk's stored KV as torch tensors in the cache's dtype, None if unreadable."""
+        if self.table is None:
+            return None
+        try:
+            layers = [self.table.get_layer(chunk_id, layer, expect_token_ids=ids)
+                      for layer in range(self.model.cfg.n_layers)]
+        except KvragError:
+            return None  # damaged or gone: the next question reads (and repairs) it through the loader
+        dtype = getattr(torch, self.cache.layout.dtype)
+        return [(torch.from_numpy(d.k).to(dtype), torch.from_numpy(d.v).to(dtype)) for d in layers]
+
+    def repair(self, chunk_id: str, ids: Sequence[int]) -> None:
+        """A stored chunk failed a check: compute it now, and replace it in the store at the next write-back."""
+        self.compute_chunk(chunk_id, ids)
+        self._repair.add(chunk_id)
+
+    # ---- memory tiers: leases ---------------------------------------------------------------
+
+    def acquire(self, chunks: Sequence[tuple[str, Sequence[int]]], suffix_len: int):
+        """A lease on the knowledge tree's path for these chunks (None without tiers, or for reduced chunks: the
+        tiers hold full ones)."""
+        if self.cache is None or self.keep is not None:
+            return None
+        return self.cache.acquire([c for c, _ in chunks], [len(ids) for _, ids in chunks], suffix_len)
+
+    def release(self, lease) -> None:
+        if lease is not None:
+            self.cache.release(lease)
+
+    def keep_for_later(self, lease, rest, rest_kv, not_in_memory, prefill_s: float) -> None:
+        """Cache a prompt's chunks as blended once its answer is out (at the next flush_write_back)."""
+        self._pending_cache.append((lease, rest, rest_kv, not_in_memory, prefill_s))
+
+    # ---- what the resident engine asks -------------------------------------------------------
+
+    def dropped_rows(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> int:
+        """Prompt tokens with no row in the pool: those the stored reduced chunks left out (Keyformer), by their
+        records; a chunk not stored yet counts whole (an upper bound: it is computed, then reduced)."""
+        if self.keep is None or self.table is None:
+            return 0
+        records = (self.table.record(chunk_id) for chunk_id, _ in chunks)
+        return sum(len(ids) - r.kept[0] for (_, ids), r in zip(chunks, records, strict=True)
+                   if r is not None and r.kept[0] <= len(ids))
+
+    def order_priority(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> float:
+        """RAGCache's order: tokens whose KV the memory tiers hold per token to compute (no tiers: all equal)."""
+        if self.cache is None:
+            return 0.0
+        cached, compute = self.cache.peek([c for c, _ in chunks], [len(ids) for _, ids in chunks])
+        return order_priority(cached, compute)

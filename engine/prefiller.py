@@ -1,0 +1,290 @@
+"""The prefiller: one prompt's prefill by mode (Mode) over chunk KV from a ChunkSource (engine/chunk_source.py).
+
+One Prefiller serves many questions in a process; the preamble's KV is computed once. What the resident engine
+(engine/llm_engine.py) uses of it is the `Prefilling` protocol below.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.fusion import fused_prefill
+from kvrag.blend.keyformer import AttentionScore, KeepConfig
+from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
+from kvrag.engine.chunk_source import ChunkSource
+from kvrag.errors import KvragError
+from kvrag.model.cache import DecodeCache
+from kvrag.model.generate import ChunkedPrefill, stop_ids
+from kvrag.model.prefill import LayerKV, extend
+from kvrag.model.runtime import Runtime
+from kvrag.store.env import StoreEnv
+from kvrag.store.tiers.knowledge_tree import STORE
+
+
+class Mode(str, Enum):
+    """How a prompt is prefilled: blended (CacheBlend), in full, the first chunk reused as a prefix (prefix caching),
+    or every chunk's KV reused as loaded (ratio 0)."""
+
+    BLEND = "blend"
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+
+    @classmethod
+    def parse(cls, text: str | Mode) -> Mode:
+        try:
+            return cls(text)
+        except ValueError:
+            raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {text}") from None
+
+
+MODES = tuple(m.value for m in Mode)
+
+
+@dataclass
+class Prefilled:
+    """A prompt ready to decode, with what it cost."""
+
+    logits: torch.Tensor  # [V] at the last prompt position
+    cache: DecodeCache
+    prompt_tokens: int  # rows in the cache: the prompt's tokens, less a reduced chunk's dropped ones
+    chunk_tokens: int  # chunk rows (kept tokens, for reduced chunks)
+    recomputed_chunk_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: prefill, load, load_wait, compute, ...
+    bytes_loaded: int = 0
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: "tree" (exact), "gpu"/"host", "store"
+    attention: AttentionScore | None = None  # the question's Keyformer scores of the rows, when asked to observe
+
+    @property
+    def offset(self) -> int:
+        """Prompt positions without a row in the cache (reduced chunks' dropped tokens): a new token's position is
+        its row plus this."""
+        return self.cache.offset
+
+
+class FullPrefill:
+    """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
+
+    def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
+                 start: float, tap: AttentionScore | None = None):
+        chunk_ids = [i for _, ids in chunks for i in ids]
+        self.chunk_tokens = len(chunk_ids)
+        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(runtime.prompts.preamble_ids + chunk_ids + suffix),
+                                  extra, tap)
+        self.start, self.compute_s = start, 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.job.ids.shape[0] - self.job.cache.length
+
+    def advance(self, tokens: int) -> Prefilled | None:
+        """Run the next `tokens` positions; the Prefilled once the whole prompt has run, else None."""
+        t0 = time.perf_counter()
+        done = self.job.advance(tokens)
+        self.compute_s += time.perf_counter() - t0
+        if not done:
+            return None
+        timings = {"prefill": time.perf_counter() - self.start, "compute": self.compute_s}
+        n = self.job.cache.length
+        return Prefilled(self.job.logits, self.job.cache, n, self.chunk_tokens, self.chunk_tokens, timings,
+                         attention=self.job.tap)
+
+
+class Prefilling(Protocol):
+    """What the resident engine uses of a prefiller: the model and its preamble, the two prefills, the write-back
+    between them, and the chunk source's answers about a prompt."""
+
+    runtime: Runtime
+    preamble: LayerKV
+    stop_ids: set[int]
+    source: ChunkSource
+
+    def prefill(self, chunks, question: str, mode: str = "blend", config: BlendConfig | None = None,
+                extra: int = 64, observe: str | None = None) -> Prefilled: ...
+
+    def full_prefill(self, chunks, question: str, extra: int = 64, observe: str | None = None) -> FullPrefill: ...
+
+    def flush_write_back(self) -> int: ...
+
+
+class Prefiller:
+    """Prefills prompts of `runtime`'s model over `source`'s chunk KV (None: a source without a store or tiers,
+    which computes every chunk). `load_delay_s` slows each layer's read (tests)."""
+
+    def __init__(self, runtime: Runtime, source: ChunkSource | None = None, load_delay_s: float = 0.0,
+                 preamble: LayerKV | None = None):
+        self.runtime, self.model = runtime, runtime.model
+        self.preamble = preamble if preamble is not None else preamble_kv(runtime)
+        self.source = source if source is not None else ChunkSource(runtime, None, self.preamble)
+        self.load_delay_s = load_delay_s
+        self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
+
+    @classmethod
+    def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
+             cache=None, compress: bool = True, keep: KeepConfig | None = None,
+             remote_cache_bytes: int | None = None) -> Prefiller:
+        """A prefiller over the store `env` (None: none), through a chunk source of these settings."""
+        preamble = preamble_kv(runtime)
+        source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote_cache_bytes)
+        return cls(runtime, source, load_delay_s, preamble)
+
+    def flush_write_back(self) -> int:
+        """Between questions: store the chunks computed on the fly and fill the memory tiers (ChunkSource)."""
+        return self.source.flush_write_back()
+
+    def prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str = "blend",
+                config: BlendConfig | None = None, extra: int = 64, observe: str | None = None) -> Prefilled:
+        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk. observe (a rule:
+        keyformer, h2o, window): score the rows by the question's attention (Prefilled.attention), for a
+        decode-time budget."""
+        mode = Mode.parse(mode).value
+        config = config or BlendConfig()
+        suffix = self.runtime.prompts.build([], question).suffix
+        for _ in range(len(chunks) + 1):
+            try:
+                with torch.inference_mode():
+                    tap = self._observer(chunks, observe) if observe else None
+                    return self._prefill_once(chunks, suffix, mode, config, extra, tap)
+            except CorruptChunk as exc:
+                # never use a damaged value: compute that chunk now and repair the store afterwards
+                ids = dict(chunks)[exc.chunk_id]
+                with torch.inference_mode():
+                    self.source.repair(exc.chunk_id, ids)
+        raise KvragError("could not prefill: the store keeps returning damaged values")
+
+    def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64,
+                     observe: str | None = None) -> FullPrefill:
+        """A full prefill of preamble + chunks + suffix(question) to run a piece at a time (`FullPrefill.advance`)."""
+        suffix = self.runtime.prompts.build([], question).suffix
+        tap = self._observer(chunks, observe) if observe else None
+        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap)
+
+    def _observer(self, chunks, rule: str) -> AttentionScore:
+        """Scores of a prompt's rows by its question's (the suffix's) attention."""
+        return AttentionScore(len(self.preamble) + sum(len(ids) for _, ids in chunks), self.model.device, rule=rule)
+
+    def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
+                      tap: AttentionScore | None = None) -> Prefilled:
+        start = time.perf_counter()
+        if mode == "full":
+            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap)
+            return job.advance(job.remaining)
+
+        lease = self.source.acquire(chunks, len(suffix)) if mode in ("blend", "reuse") else None
+        try:
+            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap)
+        except BaseException:
+            self.source.release(lease)
+            raise
+
+    def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
+                            start: float, tap: AttentionScore | None = None) -> Prefilled:
+        rt = self.runtime
+        matched = lease.matched if lease is not None else 0
+        source = self.source
+        exact = source.exact_prefix(lease)
+        rest = list(chunks[matched:])
+        memory = source.memory_kv(lease) if lease is not None else [None] * len(rest)
+        refs, missing_s = source.chunk_refs(rest, memory)
+        if mode == "blend" and config.ratio == 0:
+            mode = "reuse"  # ratio 0 is full KV reuse, by definition
+        if mode == "prefix":
+            refs = refs[:1]
+        layout = RowLayout.of(rest, refs, len(exact), suffix)
+        n_chunk = layout.n_chunk
+        loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
+            n_chunk, config if mode == "blend" else None)
+        exact_rows = self._exact_first_rows(refs, matched, blend_cfg)
+        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows else 0
+        layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
+        loader = None
+        if loaded_rows:
+            # keys rotated to their places as they load (with Triton, by the fused load kernel), unless the memory
+            # tiers keep this prompt's keys (before rotary) afterwards
+            positions = None
+            if lease is None:  # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix
+                positions = layout.positions[:loaded_rows]
+            loader = LayerLoader(source.table, refs, layers, self.model.dtype, self.model.device,
+                                 delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
+                                 fused=self.model.triton).start()
+        try:
+            fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
+                                  loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
+                                  exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),
+                                  rest_positions=layout.positions, tap=tap)
+        finally:
+            if loader is not None:
+                loader.close()
+        elapsed = time.perf_counter() - start
+        spans = fused.spans + (loader.spans if loader else [])
+        load_s = loader.busy_s if loader else 0.0
+        timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
+                   "compute_missing": missing_s}
+        tiers = ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
+                                      for i, ref in enumerate(refs)]
+        if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
+            not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
+            source.keep_for_later(lease, rest, fused.rest_kv, not_in_memory, elapsed)
+        return Prefilled(fused.logits, fused.cache, fused.cache.length,
+                         n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
+                         int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers, tap)
+
+    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
+        """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
+        follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
+        after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
+        (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
+        (at 1 every chunk token is recomputed, as a full prefill)."""
+        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1:
+            return 0
+        table = self.source.table
+        return refs[0].n_rows if table is None or table.codec in ("fp16", "bf16") else 0
+
+
+def preamble_kv(runtime: Runtime) -> LayerKV:
+    """The preamble's KV, computed once per prefiller: an exact prefix of every prompt."""
+    with torch.inference_mode():
+        return extend(runtime.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))[1]
+
+
+def ref_tier(ref: ChunkRef) -> str:
+    """Where a chunk's KV came from when no memory tier had it: the store, or computed now."""
+    return STORE if ref.in_memory is None else "computed"
+
+
+@dataclass
+class RowLayout:
+    """The rows after the exact prefix: each chunk's tokens (the kept ones of a reduced chunk) at their positions
+    in the whole prompt, the dropped tokens' places left as gaps, then the suffix's."""
+
+    ids: list[int]  # [C] the chunk rows' token ids
+    positions: torch.Tensor  # [C + S] absolute positions of the chunk rows, then of the suffix's
+    starts: torch.Tensor  # [K] where each chunk's rows begin among the chunk rows
+
+    @property
+    def n_chunk(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, chunks: Sequence[tuple[str, Sequence[int]]], refs: Sequence[ChunkRef], start: int,
+           suffix: Sequence[int]) -> RowLayout:
+        """Chunks after `start` prefix positions; chunk i keeps refs[i].kept where it has a ref (prefix caching
+        loads the first chunk alone: the others are computed, every token)."""
+        ids, positions, starts, at = [], [], [], start
+        for i, (_, chunk) in enumerate(chunks):
+            kept = refs[i].kept if i < len(refs) else None
+            rows = range(len(chunk)) if kept is None else kept.tolist()
+            starts.append(len(ids))
+            ids.extend(chunk[j] for j in rows)
+            positions.extend(at + j for j in rows)
+            at += len(chunk)
+        positions.extend(range(at, at + len(suffix)))
+        return cls(ids, torch.tensor(positions, dtype=torch.long), torch.tensor(starts, dtype=torch.long))

@@ -5,15 +5,12 @@ Decoding (checksum, zstd, byte planes, the cast) is split into one item per stor
 workers may claim, so that where it runs depends on who else wants the cores:
   CUDA       the reader decodes too, pins the buffer and copies it on a side stream: the CPU is otherwise idle.
   CPU        the compute keeps every core busy, and a thread decoding beside it at normal priority stalls the
-             compute's OpenMP regions whenever it takes a core (2 cores, 6.3k-token prompt: 48 ms a blended layer
-             instead of 35). So a decoder thread at idle priority (Linux SCHED_IDLE: it runs only on a core
-             nothing else wants) decodes ahead in the gaps between the compute's ops, and the consumer claims
-             whatever items are left when it asks for the layer, spread over a small pool (zstd and numpy
-             release the GIL). Items 0-4 of MuSiQue, 2 cores, two alternating rounds: blend@0.15 2.92 vs
-             2.96 s with everything decoded at hand-over. Where idle priority is unavailable, everything is
-             decoded at hand-over. The consumer waits only for items the decoder has already begun; when other
-             processes keep every core busy the decoder starves, and a wait for it of more than 20 ms turns it
-             off (decoding at hand-over, in new loaders too, for a minute).
+             compute's OpenMP regions whenever it takes a core (docs/design.md, "The layer loader"). So a decoder
+             thread at idle priority (Linux SCHED_IDLE: it runs only on a core nothing else wants) decodes ahead
+             in the gaps between the compute's ops, and the consumer claims whatever items are left when it asks
+             for the layer, spread over a small pool (zstd and numpy release the GIL); where idle priority is
+             unavailable, everything is decoded at hand-over. A decoder that starves (other processes keep every
+             core busy) is turned off for a while (layer_work.DecoderPause).
 The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model on the
 CPU over fp16 values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload.
 Given the chunk rows' positions (or their rotary angles, `rope`), the loader hands out keys rotated to their places
@@ -33,99 +30,39 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvrag.errors import KvragError
-from kvrag.kernels import fp16_to_bf16
+from kvrag.blend.layer_work import (
+    STARVED_WAIT_S,
+    TORCH_DTYPES,
+    ChunkRef,
+    CorruptChunk,
+    DecoderPause,
+    LayerWork,
+    array_dtype,
+    check_rows,
+    checked_body,
+    decoded,
+    idle_priority_available,
+    layer_shape,
+)
+from kvrag.kernels import fp16_to_bf16, triton_mode
 from kvrag.model import rotary
 from kvrag.model.device import triton_available
-from kvrag.model.prefill import LayerKV
 from kvrag.store.codec import (
-    DECODED_DTYPES,
     FLAG_SHUFFLED,
     CorruptValue,
     StoredKV,
     stored_kv,
-    stored_positions,
 )
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
 DECODE_MODES = ("thread", "hand-over", "idle")
-# The idle-priority decoder starves when other processes keep every core busy; then a consumer waiting on a chunk
-# it has begun (or on the GIL it holds) would wait for it too. A wait this long turns it off for a while.
-STARVED_WAIT_S = 0.02
-STARVED_PAUSE_S = 60.0
-_idle_paused_until = 0.0  # time.monotonic() before which new loaders decode at hand-over instead
-
-
-class CorruptChunk(KvragError):
-    def __init__(self, chunk_id: str, reason: str):
-        super().__init__(f"chunk {chunk_id[:12]}: {reason}")
-        self.chunk_id = chunk_id
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """One chunk of the prompt: its id and token ids, and its KV when it is already in memory. A reduced
-    (Keyformer) chunk holds the rows of the tokens `kept` alone (indices into token_ids, rising; None: every token)."""
-
-    chunk_id: str
-    token_ids: Sequence[int]
-    in_memory: LayerKV | None = None
-    kept: np.ndarray | None = None
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.token_ids) if self.kept is None else len(self.kept)
-
-
-class _LayerWork:
-    """One read layer's decoding: an item per stored chunk, each done by whichever worker claims it first,
-    into the layer's buffers k, v [C, Hkv, hd]."""
-
-    def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
-                 rotates: bool = False, staged: dict[int, StoredKV] | None = None):
-        self.fetched, self.k, self.v, self.put = fetched, k, v, put
-        self.rotates = rotates  # `put` writes keys rotated (and in-memory chunks are rotated as they are copied in)
-        self.staged = staged  # fused: `put` parses chunk i into staged[i], which `_finish` loads on the device
-        self._items = stored  # chunk indices still to claim
-        self._left = len(stored)  # items not finished
-        self._lock = threading.Lock()
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        if not stored:
-            self.done.set()
-
-    def claim(self) -> int | None:
-        with self._lock:
-            return self._items.pop(0) if self._items else None
-
-    def work(self) -> bool:
-        """Claim and decode items until none is left; whether this worker decoded any."""
-        did = False
-        while (i := self.claim()) is not None:
-            did = True
-            try:
-                self.put(i)
-            except BaseException as exc:  # handed to the consumer, which decides
-                self.error = self.error or exc
-            finally:
-                with self._lock:
-                    self._left -= 1
-                    if self._left == 0:
-                        self.done.set()
-        return did
-
-    @property
-    def unclaimed(self) -> int:
-        with self._lock:
-            return len(self._items)
 
 
 class LayerLoader:
@@ -139,22 +76,23 @@ class LayerLoader:
     picks it on CUDA where Triton is installed. On the CPU it needs TRITON_INTERPRET=1.
     `decode` (see the module doc): "thread" (the reader decodes), "hand-over" (the consumer decodes), "idle" (a
     decoder thread at idle priority decodes ahead, the consumer the rest); None picks "thread" on CUDA, "idle"
-    on a CPU where idle priority exists, else "hand-over".
+    on a CPU where idle priority exists and `pause` (shared by an engine's loaders) is not on, else "hand-over".
     """
 
     def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
                  dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
                  decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, pause: DecoderPause | None = None):
+        self.pause = pause if pause is not None else DecoderPause()
         if decode is None:
-            idle = idle_priority_available() and time.monotonic() >= _idle_paused_until
+            idle = idle_priority_available() and not self.pause.active()
             decode = "thread" if device.type == "cuda" else "idle" if idle else "hand-over"
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode}")
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
-        self.fused = _wants_fused(fused, device, positions, inv_freq)
+        self.fused = wants_fused(fused, device, positions, inv_freq)
         if positions is not None:
             positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)  # [C], [hd/2]
             if rope is None:  # in-memory chunks (and a load that is not fused) are rotated with torch
@@ -165,7 +103,7 @@ class LayerLoader:
             self._starts.append(self._starts[-1] + ref.n_rows)
         self._ready = {layer: threading.Event() for layer in self.layers}
         # a read layer, (k, v, keys rotated) once decoded and transferred (CUDA), or the failure to hand on
-        self._results: dict[int, _LayerWork | tuple[torch.Tensor, torch.Tensor, bool] | BaseException] = {}
+        self._results: dict[int, LayerWork | tuple[torch.Tensor, torch.Tensor, bool] | BaseException] = {}
         self._slots = threading.Semaphore(lookahead)
         self._stop = False
         # ("load" | "decode" | "decode-ahead", layer, start, end): reads, decoding by the reader or the consumer,
@@ -182,7 +120,7 @@ class LayerLoader:
         self._pool = None if self._pool_threads == 1 else ThreadPoolExecutor(self._pool_threads - 1,
                                                                              thread_name_prefix="kvrag-decode")
         self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
-        self._ahead: queue.SimpleQueue[tuple[int, _LayerWork] | None] | None = None  # read layers, to decode ahead
+        self._ahead: queue.SimpleQueue[tuple[int, LayerWork] | None] | None = None  # read layers, to decode ahead
         self._decoder = None
         self._decoder_off = False  # set when the decoder starved: the consumer decodes the rest
         if decode == "idle":
@@ -203,7 +141,7 @@ class LayerLoader:
         self._slots.release()
         if isinstance(result, BaseException):
             raise result
-        if isinstance(result, _LayerWork):  # read; decoded in part or not at all
+        if isinstance(result, LayerWork):  # read; decoded in part or not at all
             start = time.perf_counter()
             if self._finish(result):
                 self.spans.append(("decode", index, start, time.perf_counter()))
@@ -282,7 +220,7 @@ class LayerLoader:
                 self.ahead_cpu_s += time.thread_time() - cpu
                 self.spans.append(("decode-ahead", layer, start, time.perf_counter()))
 
-    def _finish(self, work: _LayerWork) -> bool:
+    def _finish(self, work: LayerWork) -> bool:
         """Decode the items left (over the pool, where there is one and more than one item is left), wait for
         the ones another worker is decoding, then copy the in-memory chunks in; raises the first failure.
         Whether this call decoded anything."""
@@ -303,12 +241,12 @@ class LayerLoader:
             self._copy_in_memory(work)
         return did
 
-    def _copy_in_memory(self, work: _LayerWork) -> None:
+    def _copy_in_memory(self, work: LayerWork) -> None:
         """The in-memory chunks into their rows of the layer, keys rotated where the layer's are."""
         starts, shape = self._starts, work.k.shape[1:]
         for i, item in enumerate(work.fetched):  # a torch copy here, never in a pool thread (see `_work`)
             if not isinstance(item, RawLayer):
-                self._check_rows(i, item[0].shape, starts, shape)
+                check_rows(self.chunks[i], item[0].shape, self._rows(i), shape)
                 rows = slice(starts[i], starts[i + 1])
                 if work.rotates:
                     rotary.rotate(item[0].to(work.k.device, work.k.dtype), self.rope[0][rows], self.rope[1][rows],
@@ -317,7 +255,7 @@ class LayerLoader:
                     work.k[rows] = item[0]
                 work.v[rows] = item[1]
 
-    def _load_staged(self, work: _LayerWork) -> None:
+    def _load_staged(self, work: LayerWork) -> None:
         """Fused: each staged chunk's payload to the device as stored, then one kernel launch that dequantises it,
         rotates its keys and writes its rows of work.k, work.v [C, Hkv, hd] (viewed as a pool of one block)."""
         from kvrag.kernels import triton_load  # imports Triton: only where it runs
@@ -334,7 +272,7 @@ class LayerLoader:
         stream. The copy makes the array's bytes writable torch memory: it may view the read-only stored value."""
         if array is None:
             return None
-        host = torch.empty(array.shape, dtype=_TORCH_DTYPES[array.dtype],
+        host = torch.empty(array.shape, dtype=TORCH_DTYPES[array.dtype],
                            pin_memory=self._stream is not None)
         host.numpy()[...] = array
         return host.to(self.device, non_blocking=True)
@@ -344,10 +282,9 @@ class LayerLoader:
 
     def _pause_decoder(self) -> None:
         """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,
-        in new loaders too."""
-        global _idle_paused_until
+        in new loaders that share `pause` too."""
         self._decoder_off = True
-        _idle_paused_until = time.monotonic() + STARVED_PAUSE_S
+        self.pause.start()
 
     def _transfer(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On CUDA: pinned and copied to the device on the side stream; elsewhere as they are."""
@@ -364,7 +301,7 @@ class LayerLoader:
         return [(ref.in_memory.k[layer], ref.in_memory.v[layer]) if ref.in_memory is not None else self._read(ref, layer)
                 for ref in self.chunks]
 
-    def _work(self, fetched: list) -> _LayerWork:
+    def _work(self, fetched: list) -> LayerWork:
         """A read layer's decoding: its buffers, and an item per stored chunk that writes that chunk's rows.
 
         The buffers' dtype is the stored one where every chunk has it (float32 where they differ: exact for
@@ -372,40 +309,40 @@ class LayerLoader:
         on the CPU over fp16 values, written by the native pass. Items use numpy or the native pass, never torch:
         a torch op in a pool thread would start its own OpenMP team on busy cores."""
         stored = [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)]
-        shape = _layer_shape(fetched)
+        shape = layer_shape(fetched)
         rows = self._starts[-1]
         if self.fused:
             with self._side_stream():  # made where the kernel writes them (see `layer`)
                 k_out = torch.empty((rows, *shape), dtype=self.dtype, device=self.device)  # [C, Hkv, hd]
                 v_out = torch.empty_like(k_out)
             staged: dict[int, StoredKV] = {}
-            return _LayerWork(fetched, stored, k_out, v_out, lambda i: self._stage(fetched, i, staged, shape),
+            return LayerWork(fetched, stored, k_out, v_out, lambda i: self._stage(fetched, i, staged, shape),
                               rotates=True, staged=staged)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and fp16_to_bf16.available() and all(
                 fetched[i].codec == "fp16" for i in stored):
             k_out = torch.empty((rows, *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
             v_out = torch.empty_like(k_out)
-            return _LayerWork(fetched, stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape),
+            return LayerWork(fetched, stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape),
                               rotates=self.rope is not None)
-        dtypes = {_array_dtype(item) for item in fetched}
+        dtypes = {array_dtype(item) for item in fetched}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
         k_np = np.empty((rows, *shape), dtype=dtype)  # [C, Hkv, hd]
         v_np = np.empty_like(k_np)
-        return _LayerWork(fetched, stored, torch.from_numpy(k_np), torch.from_numpy(v_np),
+        return LayerWork(fetched, stored, torch.from_numpy(k_np), torch.from_numpy(v_np),
                           lambda i: self._put_numpy(fetched, i, k_np, v_np, shape))
 
     def _put_numpy(self, fetched: list, i: int, k_out: np.ndarray, v_out: np.ndarray, shape) -> None:
         """Stored chunk i decoded into its rows of k_out, v_out [C, Hkv, hd]."""
-        k, v = self._decode(self.chunks[i], fetched[i])  # [T, Hkv, hd] each
+        k, v = decoded(self.chunks[i], fetched[i])  # [T, Hkv, hd] each
         starts = self._starts
-        self._check_rows(i, k.shape, starts, shape)
+        check_rows(self.chunks[i], k.shape, self._rows(i), shape)
         k_out[starts[i]:starts[i + 1]] = k
         v_out[starts[i]:starts[i + 1]] = v
 
     def _put_bf16(self, fetched: list, i: int, k_out: torch.Tensor, v_out: torch.Tensor, shape) -> None:
         """Stored fp16 chunk i straight to bf16 rows of k_out, v_out [C, Hkv, hd] in one native pass (the numpy
         decode and a torch cast took ≈5 ms a layer of 6.3k tokens), keys rotated on the way when `rope` is given."""
-        head, body = self._checked_body(fetched, i, shape)
+        head, body = checked_body(self.chunks[i], fetched[i], self._rows(i), shape)
         starts = self._starts
         rows, planes = slice(starts[i], starts[i + 1]), bool(head.flags & FLAG_SHUFFLED)
         if self.rope is None:
@@ -416,31 +353,10 @@ class LayerLoader:
     def _stage(self, fetched: list, i: int, staged: dict[int, StoredKV], shape) -> None:
         """Fused: stored chunk i checked and decompressed, its K and V as stored (int8 not dequantised) into
         staged[i], for `_load_staged` to load on the device."""
-        staged[i] = stored_kv(*self._checked_body(fetched, i, shape))
+        staged[i] = stored_kv(*checked_body(self.chunks[i], fetched[i], self._rows(i), shape))
 
-    def _checked_body(self, fetched: list, i: int, shape):
-        """Stored chunk i's header and checked, decompressed payload, once its kept tokens and shape hold."""
-        ref = self.chunks[i]
-        try:
-            head, body = fetched[i].body()
-        except CorruptValue as exc:
-            raise CorruptChunk(ref.chunk_id, str(exc)) from None
-        _check_kept(ref, stored_positions(head, body))
-        self._check_rows(i, head.shape, self._starts, shape)
-        return head, body
-
-    def _check_rows(self, i: int, kv_shape, starts: list[int], shape) -> None:
-        if kv_shape[0] != starts[i + 1] - starts[i] or tuple(kv_shape[1:]) != tuple(shape):
-            raise CorruptChunk(self.chunks[i].chunk_id, f"holds KV of shape {tuple(kv_shape)}, not one row per token")
-
-    def _decode(self, ref: ChunkRef, raw: RawLayer) -> tuple[np.ndarray, np.ndarray]:
-        """One chunk's stored (k, v) decoded, as arrays [T, Hkv, hd]."""
-        try:
-            decoded = raw.decode(copy=False)  # views, when uncompressed: `put` copies them into the layer buffer
-        except CorruptValue as exc:
-            raise CorruptChunk(ref.chunk_id, str(exc)) from None
-        _check_kept(ref, decoded.positions)
-        return decoded.k, decoded.v
+    def _rows(self, i: int) -> int:
+        return self._starts[i + 1] - self._starts[i]
 
     def _read(self, ref: ChunkRef, layer: int) -> RawLayer:
         """One chunk's stored layer, read and checked against its record; CorruptChunk when missing or damaged."""
@@ -454,15 +370,7 @@ class LayerLoader:
         return raw
 
 
-def _check_kept(ref: ChunkRef, positions: np.ndarray | None) -> None:
-    """A stored layer must hold the rows the prompt was laid out for: all of them, or the same kept tokens."""
-    if positions is None and ref.kept is None:
-        return
-    if positions is None or ref.kept is None or not np.array_equal(positions, ref.kept):
-        raise CorruptChunk(ref.chunk_id, "its stored layers do not keep the same tokens")
-
-
-def _wants_fused(fused: bool | None, device: torch.device, positions: torch.Tensor | None,
+def wants_fused(fused: bool | None, device: torch.device, positions: torch.Tensor | None,
                  inv_freq: torch.Tensor | None) -> bool:
     """Whether stored chunks take the fused load: only where keys are rotated here (positions given)."""
     if positions is None:
@@ -471,27 +379,6 @@ def _wants_fused(fused: bool | None, device: torch.device, positions: torch.Tens
         raise ValueError("positions need the model's inv_freq to rotate keys to")
     if fused is None:
         return device.type == "cuda" and triton_available()
-    if fused and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if fused and device.type != "cuda" and not triton_mode.interpreting():
         raise ValueError("the fused load runs on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter)")
     return fused
-
-
-def idle_priority_available() -> bool:
-    """Whether a thread can lower itself to idle priority here (Linux SCHED_IDLE)."""
-    return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-
-
-def _layer_shape(fetched: list) -> tuple[int, int]:
-    """(Hkv, hd) of a layer's chunks: the first chunk's, which `_check_rows` holds every other chunk to."""
-    return next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:]) for item in fetched)
-
-
-_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-                 np.dtype(np.int8): torch.int8}  # what codec.stored_kv gives
-
-
-def _array_dtype(item) -> np.dtype:
-    """The numpy dtype that holds a chunk's KV exactly: what its codec decodes to, or its in-memory dtype."""
-    if isinstance(item, RawLayer):
-        return DECODED_DTYPES[item.codec]
-    return np.dtype(np.float16 if item[0].dtype == torch.float16 else np.float32)

@@ -21,7 +21,7 @@ import torch
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.loader import ChunkRef, CorruptChunk
+from kvrag.blend.layer_work import ChunkRef, CorruptChunk
 from kvrag.blend.ratio import LoadComputeProfile, cached_profile
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV

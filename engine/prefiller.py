@@ -17,7 +17,8 @@ import torch
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.keyformer import AttentionScore, KeepConfig
-from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
+from kvrag.blend.layer_work import ChunkRef, CorruptChunk, DecoderPause
+from kvrag.blend.loader import LayerLoader
 from kvrag.engine.chunk_source import ChunkSource
 from kvrag.errors import KvragError
 from kvrag.model.cache import DecodeCache
@@ -125,6 +126,7 @@ class Prefiller:
         self.preamble = preamble if preamble is not None else preamble_kv(runtime)
         self.source = source if source is not None else ChunkSource(runtime, None, self.preamble)
         self.load_delay_s = load_delay_s
+        self.decoder_pause = DecoderPause()  # this prefiller's loaders' idle decoder, off for a while once starved
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
 
     @classmethod
@@ -214,7 +216,7 @@ class Prefiller:
                 positions = layout.positions[:loaded_rows]
             loader = LayerLoader(source.table, refs, layers, self.model.dtype, self.model.device,
                                  delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
-                                 fused=self.model.triton).start()
+                                 fused=self.model.triton, pause=self.decoder_pause).start()
         try:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,

@@ -27,11 +27,11 @@ kernels, and the launch turns FP fusion off, so the rotation rounds its two prod
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kvrag.kernels import triton_mode
 
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -252,5 +252,5 @@ def _check_device(*tensors: torch.Tensor | None) -> None:
     devices = {x.device for x in tensors if x is not None}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if devices.pop().type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if devices.pop().type == "cpu" and not triton_mode.interpreting():
         raise ValueError("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1); load_chunk_twin runs on a CPU")

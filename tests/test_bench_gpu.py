@@ -44,7 +44,7 @@ def test_the_cpu_smoke_run_reports_every_part(smol, tmp_path, kvrag):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_without_a_gpu_it_refuses_in_one_line(monkeypatch, capsys):
-    code, stdout, err = run_cli_in_process(monkeypatch, capsys, "bench_more", "bench", "gpu", "--items", "3")
+    code, stdout, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "gpu", "--items", "3")
     assert code != 0 and stdout == ""
     assert len(err.strip().splitlines()) == 1 and "needs a CUDA GPU" in err
 

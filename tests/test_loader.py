@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
+from kvrag.blend.layer_work import ChunkRef, CorruptChunk
+from kvrag.blend.loader import LayerLoader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -117,21 +118,22 @@ def test_a_starved_idle_decoder_is_turned_off(table, monkeypatch):
     import threading
     import time
 
-    from kvrag.blend import loader as loader_module
+    from kvrag.blend.layer_work import STARVED_WAIT_S, DecoderPause
 
-    monkeypatch.setattr(loader_module, "_idle_paused_until", 0.0)
+    pause = DecoderPause()  # an engine's loaders share one
     original_put = LayerLoader._put_numpy
 
     def slow_in_the_decoder(self, *args):
         if threading.current_thread().name == "kvrag-decoder":
-            time.sleep(5 * loader_module.STARVED_WAIT_S)
+            time.sleep(5 * STARVED_WAIT_S)
         original_put(self, *args)
 
     monkeypatch.setattr(LayerLoader, "_put_numpy", slow_in_the_decoder)
     monkeypatch.setattr(LayerLoader, "_fetch", lambda self, layer, f=LayerLoader._fetch: (time.sleep(0.01), f(self, layer))[1])
     kv_table, chunks = table
     refs = [ChunkRef(cid, ids) for cid, ids in chunks]
-    loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"), decode="idle")
+    loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"), decode="idle",
+                         pause=pause)
     loader.start()
     try:
         time.sleep(0.05)  # the decoder has begun a chunk of layer 0
@@ -142,7 +144,9 @@ def test_a_starved_idle_decoder_is_turned_off(table, monkeypatch):
     finally:
         loader.close()
     assert loader._decoder_off
-    assert LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu")).decode == "hand-over"
+    assert pause.active()
+    assert LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"),
+                       pause=pause).decode == "hand-over"
 
 
 @pytest.mark.parametrize("native", [True, False])

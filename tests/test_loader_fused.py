@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend.loader import ChunkRef, CorruptChunk, LayerLoader
+from kvrag.blend.layer_work import ChunkRef, CorruptChunk
+from kvrag.blend.loader import LayerLoader
 from kvrag.kernels import triton_load
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv

@@ -31,130 +31,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrag.bench.rag.cross_passage_text import (
-    ARTEFACTS,
-    BOOK_ADJS,
-    BOOK_NOUNS,
     COMPANY_KINDS,
     COUNTRIES,
     FIRST_HOPS,
-    GENRES,
     INSTITUTIONS,
     ORCHESTRAS,
-    PROVINCE_ENDS,
     SECOND_HOPS,
     SHIP_ENDS,
     YARDS,
     Names,
     a,
+    alt_sentence,
     bare,
     cap,
-    key_sentence,
-    ordinal,
+    make_topic,
+    neighbour,
     passage,
     person_lead,
+    person_passage,
     pronouns,
+    province,
+    relative,
+    topic_passage,
+    town_passage,
 )
-
-# ---- people ----------------------------------------------------------------------------------------
-
-
-def person_passage(names: Names, person: dict, hop: str, value: str, extra: list[str] = ()) -> str:
-    """A person's article whose one answering fact is `hop` = value; birth years stay out unless asked."""
-    lead = person_lead(names, person, with_years=hop != "birth_year")
-    span = (person["born"] + 18, person["died"])
-    return passage(names, lead, [key_sentence(names, hop, person, value), *extra], "person", span, person)
-
-
-def make_topic(names: Names, hop: str, noun: str | None = None) -> tuple[str, str]:
-    """A fresh topic for a first hop and its noun ('the Quarnel loom', 'loom'); `noun` keeps a rival's kind."""
-    r, stem = names.rng, names.stem()
-    if hop == "invented":
-        noun = noun or r.choice(ARTEFACTS)
-        return f"the {stem} {noun}", noun
-    if hop == "founded":
-        kind = next((k for k, trade in COMPANY_KINDS.items() if trade == noun), None) or r.choice(list(COMPANY_KINDS))
-        return f"the {stem} {kind}", COMPANY_KINDS[kind]
-    if hop == "wrote":
-        return f"The {r.choice(BOOK_ADJS)} {r.choice(BOOK_NOUNS)} of {stem}".replace("  ", " "), \
-            noun or r.choice(GENRES)
-    if hop == "discovered":
-        noun = noun or r.choice(["comet", "cave system", "orchid", "hot spring"])
-        return {"comet": f"Comet {stem}", "cave system": f"the {stem} Caves", "orchid": f"the {stem} orchid",
-                "hot spring": f"the {stem} Spring"}[noun], noun
-    noun = noun or r.choice(["expedition to the northern ice fields", "survey expedition", "river expedition"])
-    return f"the {stem} Expedition", noun
-
-
-def topic_passage(names: Names, hop: str, topic: tuple[str, str], maker: dict, year: int, extra=()) -> str:
-    """The topic's article, whose key sentence names `maker` as its inventor, founder, author, ..."""
-    r, spec, (name, noun) = names.rng, FIRST_HOPS[hop], topic
-    f = {"S": cap(name), "s": name, "noun": noun, "a_noun": a(noun), "y": year, "town": names.town(),
-         "town2": names.town(), "country": r.choice(list(COUNTRIES)), "century": ordinal(year // 100 + 1),
-         "n": r.randint(2, 12), "b": maker["name"], "B": maker["name"]}
-    lead, key = r.choice(spec["lead"]).format(**f), r.choice(spec["key"]).format(**f)
-    return passage(names, lead, [key, *extra], spec["kind"], (year, year + 90))
-
-
-def alt_sentence(names: Names, hop: str, topic: str, person: dict, year: int) -> str:
-    f = {"x": person["name"], "X": person["name"], "s": topic, "y2": year, **pronouns(person),
-         "country": names.rng.choice(list(COUNTRIES)), "language": names.rng.choice(list(COUNTRIES.values()))}
-    return names.rng.choice(FIRST_HOPS[hop]["alt"]).format(**f)
-
-
-def relative(names: Names, person: dict) -> dict:
-    """A sibling: same surname, another first name, born a few years apart."""
-    while True:
-        sib = names.person(surname=person["last"], era=person["born"] + names.rng.choice([-6, -4, -2, 2, 3, 5]))
-        if sib["name"] != person["name"]:
-            return sib
-
-
-# ---- places and institutions -----------------------------------------------------------------------
-
-
-def province(names: Names) -> str:
-    return names.stem() + names.rng.choice(PROVINCE_ENDS)
-
-
-def town_passage(names: Names, town: str, prov: str | None = None, river: str | None = None, facts=()) -> str:
-    """A town's article; its lead says the province and the river when given."""
-    r = names.rng
-    where = " ".join(filter(None, [f"in the province of {prov}" if prov else "",
-                                   f"on the {river}" if river else ""])) or f"in {r.choice(list(COUNTRIES))}"
-    lead = r.choice([f"{town} is a town {where}.", f"{town} is a market town {where}, first recorded in "
-                     f"{names.year(900, 1500)}.", f"{town} is a small port town {where}."])
-    return passage(names, lead, list(facts), "town", (1700, 1950))
-
-
-def institution_passage(names: Names, inst: str) -> str:
-    y = names.year(1650, 1880)
-    lead = names.rng.choice([f"{inst} is a college in {names.town()}, founded in {y}.",
-                             f"{inst} was established in {y} to train teachers and engineers."])
-    return passage(names, lead, [], "org", (y, y + 150))
-
-
-def neighbour(names: Names, hop: str, value: str, spouse: dict | None) -> str:
-    """A passage about the answer itself (its town, spouse, school) that says nothing of the bridge."""
-    if hop == "born_in":
-        return town_passage(names, value, prov=province(names))
-    if hop == "married":
-        return person_passage(names, spouse, "studied", bare(names.pick(INSTITUTIONS)))
-    if hop == "birth_year":
-        return person_passage(names, names.person(era=int(value)), "birth_year", value)
-    return institution_passage(names, value)
-
-
-def background(names: Names) -> str:
-    """An unrelated passage of the same world: a person, a town or another topic with its maker."""
-    r, choice = names.rng, names.rng.randrange(3)
-    if choice == 0:
-        person, hop = names.person(), r.choice(list(SECOND_HOPS))
-        return person_passage(names, person, hop, second_value(names, hop, person)[0])
-    if choice == 1:
-        return town_passage(names, names.town(), prov=province(names) if r.random() < 0.5 else None)
-    hop, maker = r.choice(list(FIRST_HOPS)), names.person()
-    return topic_passage(names, hop, make_topic(names, hop), maker, maker["born"] + r.randint(22, 45))
-
 
 # ---- chains: the two supporting passages, the question, the distractors ----------------------------
 
@@ -371,6 +271,18 @@ def _sound(c: Chain) -> bool:
 
 
 # ---- items -----------------------------------------------------------------------------------------
+
+
+def background(names: Names) -> str:
+    """An unrelated passage of the same world: a person, a town or another topic with its maker."""
+    r, choice = names.rng, names.rng.randrange(3)
+    if choice == 0:
+        person, hop = names.person(), r.choice(list(SECOND_HOPS))
+        return person_passage(names, person, hop, second_value(names, hop, person)[0])
+    if choice == 1:
+        return town_passage(names, names.town(), prov=province(names) if r.random() < 0.5 else None)
+    hop, maker = r.choice(list(FIRST_HOPS)), names.person()
+    return topic_passage(names, hop, make_topic(names, hop), maker, maker["born"] + r.randint(22, 45))
 
 
 def positions(rng: random.Random, k: int) -> tuple[str, int, int]:

@@ -39,7 +39,8 @@ from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, No
 from kvrag.store.tiers.policies import POLICY_CLASSES, make_policy
 from kvrag.store.tiers.reorder import ReorderQueue, order_priority
 
-_TORCH_NAMES = {"CacheStats", "Lease", "TieredKVCache", "as_layers"}  # from cache.py, which needs torch
+_TORCH_NAMES = {"TieredKVCache"}  # from cache.py, which needs torch
+_LEASE_NAMES = {"CacheStats", "Lease", "as_layers"}  # from lease.py, which needs torch too
 
 
 def __getattr__(name: str):
@@ -48,6 +49,10 @@ def __getattr__(name: str):
         from kvrag.store.tiers import cache
 
         return getattr(cache, name)
+    if name in _LEASE_NAMES:
+        from kvrag.store.tiers import lease
+
+        return getattr(lease, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

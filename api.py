@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
+from kvrag.config import KVRagConfig
 from kvrag.corpus.mirror import local_store
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
@@ -37,6 +38,7 @@ from kvrag.errors import KvragError
 from kvrag.model.generate import SamplingConfig, stream_text
 from kvrag.model.runtime import Runtime
 from kvrag.store.env import StoreEnv
+from kvrag.store.remote import RemoteOptions
 from kvrag.store.tiers.config import parse_bytes
 
 Passage = tuple[str, str]  # (title, text)
@@ -45,43 +47,38 @@ Passage = tuple[str, str]  # (title, text)
 # What callers above the engine (the server, applications) use: the API, the end-of-stream mark a Generation's
 # events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
 # error every bad input raises, and the `ratio` option as a value.
-__all__ = ["DONE", "Generation", "KVRag", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
+__all__ = ["DONE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
 class KVRag:
-    def __init__(self, store: str | Path, *, model: str | None = None, dtype: str | None = None,
-                 device: str | None = None, codec: str = "fp16", kv_budget: str | int = "1GiB",
-                 host_cache: str | None = None, gpu_cache: str | None = None, cache_policy: str | None = None,
-                 max_running: int = 32, reorder_window: int = 8, max_waiting: int = 0, native: bool = True,
-                 preload_retriever: bool = True, tune_process: bool = False, speculate: bool = False,
-                 keep: float = 1.0, keep_rule: str = "keyformer"):
-        """Open the store (made by `kvrag index`) and load the model once. kv_budget: memory for the KV of the
-        sequences being answered; host_cache / gpu_cache: memory tiers for hot chunks' KV across questions ("0"
-        turns them off). max_waiting: refuse a new request (engine.scheduler.QueueFull) while that many wait
-        (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
-        first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator
-        for the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's
-        prefill on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced
-        chunks `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
-        from kvrag.blend.keyformer import KeepConfig
-        from kvrag.engine.memory import build_cache
+    def __init__(self, store: str | Path, config: KVRagConfig | None = None, **options):
+        """Open the store (made by `kvrag index`) and load the model once. `config` (config.py's KVRagConfig): every
+        setting, resolved; else `options` (its field names: model, dtype, device, codec, kv_budget, host_cache,
+        gpu_cache, cache_policy, max_running, reorder_window, max_waiting, native, preload_retriever, tune_process,
+        speculate, keep, keep_rule, ...) over the environment over the defaults, resolved here once.
 
-        keep_config = KeepConfig(keep, keep_rule)  # bad settings are said before anything loads
-        self.env = StoreEnv.open(local_store(store))  # s3://...: its local mirror, brought up to date
+        kv_budget: memory for the KV of the sequences being answered; host_cache / gpu_cache: memory tiers for hot
+        chunks' KV across questions ("0" turns them off). max_waiting: refuse a new request (QueueFull) while that
+        many wait (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
+        first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator for
+        the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's prefill
+        on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced chunks
+        `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
+        from kvrag.blend.keyformer import KeepConfig
+
+        self.config = config = config if config is not None else KVRagConfig.resolve(**options)
+        keep_config = KeepConfig(config.keep, config.keep_rule)  # bad settings are said before anything loads
+        remote = RemoteOptions.of(config.aws, config.mirror_dir, config.remote_cache)
+        self.env = StoreEnv.open(local_store(store, remote), max_map_size=config.max_map_size)  # s3://: its mirror
         self._retriever = None
         self._retriever_lock = threading.Lock()
         self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds
-        preload = threading.Thread(target=self._preload_retriever, daemon=True) if preload_retriever else None
+        preload = threading.Thread(target=self._preload_retriever, daemon=True) if config.preload_retriever else None
         try:
             if preload is not None:
                 preload.start()  # torch releases the GIL in both loads: they overlap
             start = time.perf_counter()
-            self.runtime = Runtime.load(model, dtype, device, tune_process)
-            cache = build_cache(self.runtime, codec, host_cache, gpu_cache, cache_policy)
-            prefiller = Prefiller.open(self.runtime, self.env, codec, cache=cache, keep=keep_config)
-            config = EngineConfig(parse_bytes(kv_budget, "kv_budget"), scheduler=SchedulerConfig(max_running,
-                                  reorder_window, max_waiting), codec=codec, native=native)
-            self.engine = LLMEngine(prefiller, config)
+            self.engine = self._engine(config, keep_config, remote)
             self.load_timings["model_load"] = time.perf_counter() - start
         except BaseException:
             if preload is not None:
@@ -89,7 +86,18 @@ class KVRag:
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
-        self.speculator = Speculator(self.loop) if speculate else None
+        self.speculator = Speculator(self.loop) if config.speculate else None
+
+    def _engine(self, config: KVRagConfig, keep, remote: RemoteOptions) -> LLMEngine:
+        """The model, its prefiller over this store and the memory tiers, and the resident engine over them."""
+        from kvrag.engine.memory import build_cache
+
+        self.runtime = Runtime.from_config(config)
+        cache = build_cache(self.runtime, config.codec, config.host_cache, config.gpu_cache, config.cache_policy)
+        prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
+        scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
+        return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
+                                                 codec=config.codec, native=config.native))
 
     # ---- asking ---------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ else from its default; nothing below this module reads the environment (home.py 
     native           KVRAG_NATIVE           True; 0 turns kvrag's C++ CPU kernels off
     compiler         CXX                    None: c++ or g++ on the PATH (to build those kernels once)
     malloc_defaults  KVRAG_MALLOC_DEFAULTS  False: keep freed memory in the process (faster prefills on a CPU)
-    max_map_size     KVRAG_MAX_MAP_SIZE     None: LMDB's map may grow to the disk's free space (bytes, e.g. 64GiB)
+    max_map_size     KVRAG_MAX_MAP_SIZE     None: LMDB's map may grow to 1 TiB (bytes; mainly to simulate a full disk)
     remote_cache     KVRAG_REMOTE_CACHE     10GiB: the local cache of a store on object storage
     mirror_dir       KVRAG_MIRROR_DIR       None: <home>/remote/<bucket>/<prefix>
     host_cache       KVRAG_HOST_CACHE       4GiB: the host memory tier (0: none)
@@ -20,7 +20,8 @@ else from its default; nothing below this module reads the environment (home.py 
     cache_policy     KVRAG_CACHE_POLICY     pgdsf (or gdsf, lru)
     reorder_window   KVRAG_REORDER_WINDOW   8: a waiting question is passed over at most this often (0: FIFO)
 
-The rest (kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
+The AWS_* variables (credentials, endpoint, region) are kept as they are for a store on object storage. The rest
+(kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvrag.errors import KvragError
 
@@ -45,7 +46,7 @@ class KVRagConfig:
     native: bool = True
     compiler: str | None = None
     malloc_defaults: bool = False
-    max_map_size: str | None = None
+    max_map_size: int | None = None
     remote_cache: str = "10GiB"
     mirror_dir: str | None = None
     host_cache: str | None = None
@@ -62,6 +63,7 @@ class KVRagConfig:
     keep_rule: str = "keyformer"
     preload_retriever: bool = True
     tune_process: bool = False
+    aws: Mapping[str, str] = field(default_factory=dict)  # the AWS_* variables: a store on object storage
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **options) -> KVRagConfig:
@@ -73,11 +75,13 @@ class KVRagConfig:
         if unknown:
             raise KvragError(f"unknown setting(s): {', '.join(unknown)}")
         values = {}
-        for name, field in known.items():
+        for name, spec in known.items():
             if options.get(name) is not None:
                 values[name] = options[name]
             elif name in ENVIRONMENT and environ.get(ENVIRONMENT[name]):
-                values[name] = _parse(ENVIRONMENT[name], environ[ENVIRONMENT[name]], field.default)
+                values[name] = _parse(ENVIRONMENT[name], environ[ENVIRONMENT[name]], spec.default)
+        if options.get("aws") is None:
+            values["aws"] = {k: v for k, v in environ.items() if k.startswith("AWS_")}
         config = cls(**values)
         if config.reorder_window < 0:
             raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
@@ -100,7 +104,7 @@ def _parse(variable: str, text: str, default):
     """A variable's text as its setting's type (the default's; None defaults are text, or an int for threads)."""
     if isinstance(default, bool):
         return text.strip().lower() not in ("0", "false", "no", "off", "")
-    if isinstance(default, int) or variable == "KVRAG_THREADS":
+    if isinstance(default, int) or variable in ("KVRAG_THREADS", "KVRAG_MAX_MAP_SIZE"):
         try:
             return int(text)
         except ValueError:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvrag.blend.config import BlendConfig
+from kvrag.cli.common import load_runtime
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
@@ -44,7 +45,7 @@ def run(items: list[dict], store: Path | None, codec: str, model: str | None, dt
     if store is None:
         with tempfile.TemporaryDirectory() as tmp:
             return run(items, Path(tmp) / "store", codec, model, dtype)
-    runtime = Runtime.load(model, dtype, tune_process=True)
+    runtime = load_runtime(model, dtype)
     with StoreEnv.open(store, create=True) as env:
         reference, lossy = Prefiller.open(runtime, env, "fp16"), Prefiller.open(runtime, env, codec)
         rows = []

@@ -167,12 +167,12 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
     load_start = _warn_if_busy(console)
     store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())
     with StoreEnv.open(store_dir, create=dataset is not None) as env:
+        from kvrag.cli.common import load_runtime
         from kvrag.engine.prefiller import Prefiller
-        from kvrag.model.runtime import Runtime
 
         k, limit, seed, sample, passage_words, quick = selection_options
         with console.status("loading the model"):
-            runtime = Runtime.load(*model_options, tune_process=True)
+            runtime = load_runtime(*model_options)
             engine = Prefiller.open(runtime, env, config.codec, compress=compress)
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "

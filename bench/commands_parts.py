@@ -245,10 +245,10 @@ def bench_engine_command(
 
     from kvrag.bench.engine_decode import measure, table
     from kvrag.bench.rag.report import machine as machine_info
-    from kvrag.model.runtime import Runtime
+    from kvrag.cli.common import load_runtime
 
     console = stderr_console()
-    runtime = Runtime.load(model, dtype, device, tune_process=True)
+    runtime = load_runtime(model, dtype, device)
     points, bandwidth, path = measure(runtime, positive_ints(contexts, "--contexts"), positive_ints(batches, "--batches"), steps,
                                       rounds, native, progress=lambda line: console.print(line, highlight=False))
     machine = machine_info()

@@ -57,9 +57,9 @@ def run(plan: Plan, log: Callable[[str], None]) -> dict:
         f"H2D {peaks['h2d_gbps']:.1f} GB/s")
     kernels = gpu_kernels.run(device, sizes, peaks, log)
     items = report_items(plan)
-    from kvrag.model.runtime import Runtime
+    from kvrag.cli.common import load_runtime
 
-    models = [gpu_e2e.run_model("SmolLM2-135M", Runtime.load(None, None, str(device)), items[:plan.items], peaks,
+    models = [gpu_e2e.run_model("SmolLM2-135M", load_runtime(None, None, str(device), tune_process=False), items[:plan.items], peaks,
                                 log)]
     if not plan.skip_8b:
         _release(device)

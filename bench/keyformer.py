@@ -21,6 +21,7 @@ import torch
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import RULES, KeepConfig, LayerView, ScoringKV
+from kvrag.cli.common import load_runtime
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
 from kvrag.model.step import GrowingKV, Rows, run_layers
@@ -103,7 +104,7 @@ def reduced_chunk(runtime: Runtime, preamble: LayerKV, ids: list[int], chunk_id:
 
 def run(items: list[dict], model: str | None = None, dtype: str | None = None) -> dict:
     """Bytes per token and attention kept per (rule, keep), over `items` (MuSiQue format: question, ctxs)."""
-    runtime = Runtime.load(model, dtype, tune_process=True)
+    runtime = load_runtime(model, dtype)
     t0 = time.perf_counter()
     chunks: dict[str, dict] = {}  # passages recur across items: scored and encoded once
     shares: dict[tuple[str, float], list[float]] = {(r, k): [] for r in RULE_NAMES for k in KEEPS}

@@ -23,11 +23,11 @@ from kvrag.bench.keyformer import RULE_NAMES
 from kvrag.bench.keyformer_load import item_chunks
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
+from kvrag.cli.common import load_runtime
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
 from kvrag.model.generate import SamplingConfig
-from kvrag.model.runtime import Runtime
 from kvrag.store.env import StoreEnv
 
 SHARES = (0.7, 0.5, 0.3)
@@ -79,7 +79,7 @@ def run_item(llm: LLMEngine, chunks, tokens: int, rules: Sequence[str], shares: 
 
 def run(items: list[dict], store: Path, model: str | None = None, dtype: str | None = None, tokens: int = 256,
         rules: Sequence[str] = RULE_NAMES, shares: Sequence[float] = SHARES, on_item=None) -> dict:
-    runtime = Runtime.load(model, dtype, tune_process=True)
+    runtime = load_runtime(model, dtype)
     t0 = time.perf_counter()
     per_item = []
     with StoreEnv.open(store) as env:

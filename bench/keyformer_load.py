@@ -34,6 +34,7 @@ from kvrag.bench.rag.metrics import best_f1, kl_divergence, top1_agrees
 from kvrag.blend import keyformer
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.keyformer import KeepConfig
+from kvrag.cli.common import load_runtime
 from kvrag.engine.prefiller import Prefiller
 from kvrag.errors import KvragError
 from kvrag.model.generate import SamplingConfig, generate
@@ -213,7 +214,7 @@ def summarize(records: dict[str, list[dict]], per_token: dict[str, float]) -> di
 def run(items: list[dict], store: Path, model: str | None = None, dtype: str | None = None,
         codecs: Sequence[str] = CODECS, rules: Sequence[str] = RULE_NAMES, keeps: Sequence[float] = KEEPS,
         ratio: float = 0.15, max_tokens: int = 32, on_item=None, records: Path | None = None) -> dict:
-    runtime = Runtime.load(model, dtype, tune_process=True)
+    runtime = load_runtime(model, dtype)
     vs = variants(codecs, rules, keeps)
     log = RecordLog(records, {"ratio": ratio, "max_tokens": max_tokens, "variants": [v.name for v in vs]})
     with StoreEnv.open(store, create=True) as env:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvrag.cli.common import load_runtime
 from kvrag.model.prefill import extend
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, precompute
@@ -45,7 +46,7 @@ def plain_prefill_s(runtime: Runtime, records: list[ChunkRecord]) -> float:
 
 def run(store: Path, chunks: int, rounds: int, codec: str) -> dict:
     """Plain prefill against precompute of the store's first `chunks` chunks, `rounds` times alternating."""
-    runtime = Runtime.load(None, "auto", "auto", tune_process=True)
+    runtime = load_runtime(None, "auto", "auto")
     plain_s, stored_s, store_wait_s, writer_s = 0.0, 0.0, 0.0, 0.0
     with StoreEnv.open(store, readonly=True) as source_env:
         source = ChunkTable(source_env)

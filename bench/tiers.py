@@ -157,10 +157,10 @@ def prefill_timer(layers: int):
     """time_prefill(cached, new): seconds of `extend` for `new` tokens after `cached` (scaled to all layers)."""
     import torch
 
+    from kvrag.cli.common import load_runtime
     from kvrag.model.prefill import LayerKV, extend
-    from kvrag.model.runtime import Runtime
 
-    runtime = Runtime.load(None, None, tune_process=True)
+    runtime = load_runtime()
     full = runtime.model
     model = copy.copy(full)  # the same weights, only the first `layers` layers
     model.cfg = dataclasses.replace(full.cfg, n_layers=layers)
@@ -207,14 +207,14 @@ def measure_load(local, builder, corpus: Corpus, layout: BlockLayout, n_chunks: 
     """Per chunk token: a store hit (KVTable read + fp16 decode, per layer) against a memory hit (gather)."""
     import torch
 
+    from kvrag.cli.common import load_runtime
     from kvrag.model.prefill import extend
-    from kvrag.model.runtime import Runtime
     from kvrag.precompute.plain import chunk_kv, layers_to_numpy
     from kvrag.store.env import StoreEnv
     from kvrag.store.kv import KVTable
     from kvrag.store.tiers.cache import TieredKVCache
 
-    runtime = Runtime.load(None, None, tune_process=True)
+    runtime = load_runtime()
     texts = corpus.passages[:n_chunks]
     log(f"computing the real KV of {n_chunks} passages for the load measurement...")
     with torch.inference_mode():

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from kvrag.errors import KvragError
 from kvrag.home import default_store_dir
+
+if TYPE_CHECKING:
+    from kvrag.config import KVRagConfig
 
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a process stopped by Ctrl-C
 
@@ -67,6 +71,28 @@ class Interrupted(Exception):
         super().__init__(message)
 
 
+def settings(**options) -> KVRagConfig:
+    """A command's settings: its options (None: not given) over the environment over the defaults (config.py)."""
+    from kvrag.config import KVRagConfig
+
+    return KVRagConfig.resolve(**options)
+
+
+def remote_options(config: KVRagConfig):
+    """How this command reaches a store on object storage (store/remote's RemoteOptions)."""
+    from kvrag.store.remote import RemoteOptions
+
+    return RemoteOptions.of(config.aws, config.mirror_dir, config.remote_cache)
+
+
+def load_runtime(model: str | None = None, dtype: str | None = None, device: str | None = None,
+                 tune_process: bool = True):
+    """The model as a command runs it: these options over the environment over the defaults."""
+    from kvrag.model.runtime import Runtime
+
+    return Runtime.from_config(settings(model=model, dtype=dtype, device=device, tune_process=tune_process))
+
+
 def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path:
     """--store, else $KVRAG_STORE, else <home>/store; `~` expanded (click does not expand it). s3://bucket/prefix:
     its local mirror, brought up to the corpus published there (corpus/mirror.py; `need_corpus`: a store
@@ -78,7 +104,7 @@ def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path
         return Path(text).expanduser()
     from kvrag.corpus.mirror import local_store
 
-    return local_store(text, need_corpus=need_corpus)
+    return local_store(text, remote_options(settings()), need_corpus=need_corpus)
 
 
 def stderr_console() -> Console:

@@ -126,10 +126,11 @@ def _publish(store_dir: Path, console: Console) -> str | None:
     url = remote_url(store_dir)
     if url is None:
         return None
+    from kvrag.cli.common import remote_options, settings
     from kvrag.corpus.mirror import Mirror
 
     with console.status("publishing the corpus"):
-        return Mirror.open(url).publish()
+        return Mirror.open(url, remote_options(settings())).publish()
 
 
 @app.command("search")

@@ -104,11 +104,13 @@ def precompute_command(
 def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model, dtype, device, console,
          show_progress: bool, ray: tuple[str | None, int] = (None, 1)):
     """Load the model and precompute (on Ray actors when `ray` names an address), with a progress bar on stderr."""
-    from kvrag.model.runtime import Runtime
+    from kvrag.cli.common import load_runtime, remote_options, settings
     from kvrag.precompute.plain import precompute
     from kvrag.store.env import StoreEnv
 
-    with StoreEnv.open(store_dir) as env:
+    config = settings()
+    remote = remote_options(config)
+    with StoreEnv.open(store_dir, max_map_size=config.max_map_size) as env:
         progress = Progress(TextColumn("precompute"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=console, disable=not show_progress)
@@ -130,7 +132,7 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model,
 
             with progress:  # the workers load the model (on CPUs); --device does not apply
                 return precompute_ray(env, model, dtype, codec, keep, address, workers, on_progress=on_progress,
-                                      on_start=on_start, limit=limit, shard=shard, compress=compress)
-        runtime = Runtime.load(model, dtype, device, tune_process=True)
+                                      on_start=on_start, limit=limit, shard=shard, compress=compress, remote=remote)
+        runtime = load_runtime(model, dtype, device)
         with progress:
-            return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress, keep)
+            return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress, keep, remote)

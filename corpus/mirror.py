@@ -36,7 +36,7 @@ from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
 from kvrag.store.chunks import INDEX_CONFIG_KEY
 from kvrag.store.env import StoreEnv, is_store
-from kvrag.store.remote import MARKER, is_remote, remote_url, require_obstore
+from kvrag.store.remote import MARKER, RemoteOptions, is_remote, remote_url, require_obstore
 from kvrag.store.remote.object_store import ObjectStore, S3Location
 
 CURRENT = "corpus/current.json"
@@ -48,11 +48,10 @@ _RECORD = struct.Struct("<II")  # key length, value length; then the key and the
 _INDEX_FILE = re.compile(r"^index/[A-Za-z0-9_.-]+$")
 
 
-def mirror_dir(location: S3Location) -> Path:
-    """$KVRAG_MIRROR_DIR, else <home>/remote/<bucket>/<prefix with anything but [A-Za-z0-9._-] as _>."""
-    env = os.environ.get("KVRAG_MIRROR_DIR")
-    if env:
-        return Path(env).expanduser()
+def mirror_dir(location: S3Location, configured: str | None = None) -> Path:
+    """`configured` ($KVRAG_MIRROR_DIR), else <home>/remote/<bucket>/<prefix with anything but [A-Za-z0-9._-] as _>."""
+    if configured:
+        return Path(configured).expanduser()
     return kvrag_home() / "remote" / location.bucket / (re.sub(r"[^A-Za-z0-9._-]+", "_", location.prefix) or "_")
 
 
@@ -113,10 +112,11 @@ class Mirror:
         self.objects, self.path = objects, path
 
     @classmethod
-    def open(cls, url: str) -> Mirror:
-        """The mirror of `url`, made (an empty store and its remote.json) if it is not there yet."""
-        objects = ObjectStore.from_url(url)
-        path = mirror_dir(objects.location)
+    def open(cls, url: str, remote: RemoteOptions) -> Mirror:
+        """The mirror of `url` (reached and placed as `remote` says), made (an empty store and its remote.json) if it
+        is not there yet."""
+        objects = ObjectStore.from_url(url, remote.aws)
+        path = mirror_dir(objects.location, remote.mirror_dir)
         mirrored = remote_url(path)
         if mirrored is None:
             if is_store(path):
@@ -236,10 +236,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def local_store(store: str | Path, *, need_corpus: bool = True) -> Path:
-    """A --store value as a local store directory: the directory itself, or for s3://bucket/prefix its mirror,
-    brought up to the corpus published there (`need_corpus`: a store with none is a KvragError)."""
+def local_store(store: str | Path, remote: RemoteOptions, *, need_corpus: bool = True) -> Path:
+    """A --store value as a local store directory: the directory itself, or for s3://bucket/prefix its mirror
+    (reached as `remote` says), brought up to the corpus published there (`need_corpus`: a store with none is a
+    KvragError)."""
     if not is_remote(store):
         return Path(store).expanduser()
     require_obstore()
-    return Mirror.open(str(store)).sync(need_corpus)
+    return Mirror.open(str(store), remote).sync(need_corpus)

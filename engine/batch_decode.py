@@ -26,7 +26,7 @@ class BatchDecoder:
         self.model, self.kv = model, kv
         self.cos, self.sin = model.positions_cos_sin(torch.arange(max_positions))  # [P, 1, hd] each
         self.native = None
-        if native and native_decode.step_serves(model.step_weights()) and kv.pool.kv.dtype == torch.bfloat16:
+        if native and model.native and native_decode.step_serves(model.step_weights()) and kv.pool.kv.dtype == torch.bfloat16:
             self.native = native_decode.BatchStep(model.step_weights(), kv.pool.kv, self.cos, self.sin)
 
     @torch.inference_mode()

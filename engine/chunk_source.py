@@ -31,7 +31,7 @@ from kvrag.store.codec import CorruptValue, stored_positions
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import MissingChunk
 from kvrag.store.manifest import check_or_record
-from kvrag.store.remote import store_table
+from kvrag.store.remote import RemoteOptions, store_table
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.reorder import order_priority
 
@@ -42,7 +42,7 @@ class ChunkSource:
     full ones, `preamble` the preamble's KV (what a chunk computed now follows)."""
 
     def __init__(self, runtime: Runtime, env: StoreEnv | None, preamble: LayerKV, codec: str = "fp16", cache=None,
-                 compress: bool = True, keep: KeepConfig | None = None, remote_cache_bytes: int | None = None):
+                 compress: bool = True, keep: KeepConfig | None = None, remote: RemoteOptions | None = None):
         self.runtime, self.model, self.preamble = runtime, runtime.model, preamble
         # reduced chunks (Keyformer, `precompute --keep`): blend, reuse and prefix read that variant of the store
         self.keep = keep if keep is not None and keep.reduced else None
@@ -57,7 +57,7 @@ class ChunkSource:
             check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
                             tokenizer_fp=runtime.local.tokenizer_fingerprint)
             self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "",
-                                     cache_bytes=remote_cache_bytes)
+                                     remote=remote)
         # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None)
         self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
@@ -133,7 +133,7 @@ class ChunkSource:
         """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
         if lease is None or not lease.matched:
             return self.preamble
-        from kvrag.store.tiers.cache import as_layers
+        from kvrag.store.tiers.lease import as_layers
 
         layers = as_layers(self.cache.gather(lease.prefix, self.model.device))
         n_pre = len(self.preamble)
@@ -146,7 +146,7 @@ class ChunkSource:
 
     def memory_kv(self, lease) -> list[LayerKV | None]:
         """Per chunk below the match: its stored KV from a memory tier, or None (read the store)."""
-        from kvrag.store.tiers.cache import as_layers
+        from kvrag.store.tiers.lease import as_layers
 
         out: list[LayerKV | None] = []
         for i in range(lease.matched, len(lease.chunk_ids)):

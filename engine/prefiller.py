@@ -26,6 +26,7 @@ from kvrag.model.generate import ChunkedPrefill, stop_ids
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
 from kvrag.store.env import StoreEnv
+from kvrag.store.remote import RemoteOptions
 from kvrag.store.tiers.knowledge_tree import STORE
 
 
@@ -132,10 +133,10 @@ class Prefiller:
     @classmethod
     def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
              cache=None, compress: bool = True, keep: KeepConfig | None = None,
-             remote_cache_bytes: int | None = None) -> Prefiller:
+             remote: RemoteOptions | None = None) -> Prefiller:
         """A prefiller over the store `env` (None: none), through a chunk source of these settings."""
         preamble = preamble_kv(runtime)
-        source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote_cache_bytes)
+        source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote)
         return cls(runtime, source, load_delay_s, preamble)
 
     def flush_write_back(self) -> int:

@@ -19,9 +19,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrag.config import DEFAULT_REORDER_WINDOW
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.sequence import Sequence, Status
 from kvrag.errors import KvragError
+from kvrag.store.tiers.reorder import next_index
 
 
 class QueueFull(KvragError):
@@ -31,7 +33,7 @@ class QueueFull(KvragError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 32  # sequences decoding together: the batch's largest size
-    reorder_window: int = 8  # cache-aware reordering passes a request over at most this often (0: FIFO)
+    reorder_window: int = DEFAULT_REORDER_WINDOW  # cache-aware reordering passes a request over at most this often
     max_waiting: int = 0  # requests allowed to wait for a prefill before new ones are refused (0: no bound)
 
 
@@ -61,10 +63,10 @@ class Scheduler:
         return chosen
 
     def _pick(self) -> Sequence:
-        first = self.waiting[0]
-        if first.preemptions or self.config.reorder_window == 0 or first.passed_over >= self.config.reorder_window:
-            return first
-        return max(self.waiting, key=lambda s: (self.score(s), -s.id))
+        """RAGCache's order (store/tiers/reorder.next_index); a preempted sequence, at the front, goes first."""
+        first, window = self.waiting[0], self.config.reorder_window
+        scores = [self.score(s) for s in self.waiting] if window and not first.preemptions else []
+        return self.waiting[next_index(scores, first.passed_over, window, oldest_first=bool(first.preemptions))]
 
     def start(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING

@@ -31,11 +31,11 @@ NEEDED_CPU_FLAGS = frozenset({"avx512f", "avx512dq", "avx512bw", "avx512vl", "fm
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("KVRAG_NATIVE", "1") == "0":
-        return None
+    """The kernels' library, built on first use (None where it cannot be: no AVX-512, no compiler). Whether a
+    model uses it is the model's `native` setting (config.py), not this library's."""
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or not NEEDED_CPU_FLAGS <= cpu_flags():
         return None
-    path = _build()
+    path = build()
     if path is None:
         return None
     try:
@@ -54,9 +54,11 @@ def function(name: str, restype, argtypes: list):
     return fn
 
 
-def _build() -> Path | None:
-    """The compiled library, built once per sources and flags (None without a working compiler)."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+def build(compiler: str | None = None) -> Path | None:
+    """The compiled library, built once per sources and flags (None without a working compiler): with `compiler`
+    (config.py's, from $CXX), else c++ or g++ on the PATH. The edge builds with the configured compiler first; the
+    file is then there for `library`."""
+    compiler = compiler or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None
     digest = hashlib.sha256(" ".join(FLAGS).encode())

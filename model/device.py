@@ -37,16 +37,16 @@ def triton_available() -> bool:
 
 
 def resolve_triton(choice: str | None, device: torch.device) -> bool:
-    """`$KVRAG_KERNELS`: auto (Triton's attention kernels on a GPU where Triton is installed) or torch (SDPA and the
-    per-sequence decode, as on a CPU)."""
-    choice = (choice or os.environ.get("KVRAG_KERNELS") or "auto").lower()
+    """`kernels` (config.py): auto (Triton's attention kernels on a GPU where Triton is installed) or torch (SDPA
+    and the per-sequence decode, as on a CPU)."""
+    choice = (choice or "auto").lower()
     if choice not in ("auto", "torch"):
         raise KvragError(f"unknown kernels '{choice}' (use auto or torch)")
     return choice == "auto" and device.type == "cuda" and triton_available()
 
 
 def resolve_device(choice: str | None = None) -> torch.device:
-    choice = choice or os.environ.get("KVRAG_DEVICE") or "auto"
+    choice = choice or "auto"
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice.startswith("cuda") and not torch.cuda.is_available():
@@ -57,8 +57,8 @@ def resolve_device(choice: str | None = None) -> torch.device:
 
 
 def resolve_dtype(choice: str | None, device: torch.device) -> torch.dtype:
-    """`--dtype` / `$KVRAG_DTYPE`: auto, float32 or bfloat16."""
-    choice = (choice or os.environ.get("KVRAG_DTYPE") or "auto").lower()
+    """`--dtype` (config.py's `dtype`): auto, float32 or bfloat16."""
+    choice = (choice or "auto").lower()
     if choice == "auto":
         fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
         return torch.bfloat16 if fast else torch.float32
@@ -67,11 +67,12 @@ def resolve_dtype(choice: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[choice]
 
 
-def set_cpu_threads() -> None:
-    """Use every core for compute (`$KVRAG_THREADS` overrides), and keep freed tensor memory for reuse."""
-    n = int(os.environ.get("KVRAG_THREADS") or os.cpu_count() or 1)
-    torch.set_num_threads(max(1, n))
-    keep_freed_memory()
+def set_cpu_threads(threads: int | None = None, keep_freed: bool = True) -> None:
+    """Compute on `threads` cores (None: every core), and keep freed tensor memory for reuse unless `keep_freed`
+    is False (config.py's threads and malloc_defaults)."""
+    torch.set_num_threads(max(1, threads or os.cpu_count() or 1))
+    if keep_freed:
+        keep_freed_memory()
 
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
@@ -87,7 +88,7 @@ def keep_freed_memory() -> bool:
     for large blocks and no trimming, freed blocks are reused at once. The cost is that the process keeps
     its peak heap; a CLI run is short. No-op where the C library is not glibc.
     """
-    if not sys.platform.startswith("linux") or os.environ.get("KVRAG_MALLOC_DEFAULTS"):
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

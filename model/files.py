@@ -49,11 +49,8 @@ class LocalModel:
 
 
 def resolve_model(spec: str | None = None) -> LocalModel:
-    """`spec` (or `$KVRAG_MODEL`): a local HF directory; None means the default SmolLM2 GGUF."""
-    import os
-
-    spec = spec or os.environ.get("KVRAG_MODEL") or None
-    if spec is None:
+    """`spec` (config.py's `model`): a local HF directory; None means the default SmolLM2 GGUF."""
+    if not spec:
         return _default_model()
     return _hf_directory(Path(spec).expanduser())
 

@@ -41,7 +41,7 @@ class RowStep:
     def __init__(self, model: Transformer, cache: DecodeCache, native: bool = True):
         c = self.cfg = model.cfg
         self.model, self.cache, self.wants_native = model, cache, native
-        self.native = native and native_decode.step_serves(model.step_weights())
+        self.native = native and model.native and native_decode.step_serves(model.step_weights())
         # [cap + offset, 1, hd] each: every position a row of this cache can take
         self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity + cache.offset))
         self.whole = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, self.cos, self.sin) if self.native else None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrag.config import KVRagConfig
 from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
 from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.prepared import load_weights
@@ -26,12 +27,15 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
-             tune_process: bool = False, kernels: str | None = None) -> Runtime:
-        """Resolve (and on first use convert) the model, then load it for compute. tune_process: also set the
-        process's torch threads and keep freed memory in the allocator (device.set_cpu_threads), as the CLI does.
-        kernels: auto or torch (device.resolve_triton; default $KVRAG_KERNELS, else auto)."""
+             tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
+             keep_freed: bool = True, native: bool = True) -> Runtime:
+        """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
+        default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
+        threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
+        (device.set_cpu_threads), as the CLI does. kernels: auto or torch (device.resolve_triton). native: kvrag's
+        C++ CPU kernels where they serve (False: torch's ops)."""
         if tune_process:
-            set_cpu_threads()
+            set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)
         dev = resolve_device(device)
         tokenizer = local.load_tokenizer()
@@ -39,7 +43,14 @@ class Runtime:
         check_segmentation(prompts)
         weights = load_weights(local, resolve_dtype(dtype, dev), dev)
         weights.triton = resolve_triton(kernels, dev)
+        weights.native = native
         return cls(local, weights, tokenizer, prompts)
+
+    @classmethod
+    def from_config(cls, config: KVRagConfig) -> Runtime:
+        """The model of a resolved configuration (config.py)."""
+        return cls.load(config.model, config.dtype, config.device, config.tune_process, config.kernels,
+                        threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)

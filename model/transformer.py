@@ -80,6 +80,7 @@ class Transformer:
         # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: Runtime.load sets it
         # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
         self.triton = False
+        self.native = True  # kvrag's C++ CPU kernels where they serve (config.py's native; Runtime.load sets it)
 
     def compute_state(self) -> dict[str, torch.Tensor]:
         """Every weight as the forward uses it (fused, cast): what model/prepared.py caches on disk."""
@@ -216,7 +217,7 @@ class Transformer:
 
     def uses_row_kernel(self) -> bool:
         """Whether causal attention goes through kvrag's AVX-512 row kernel (see `row_kernel_serves`)."""
-        return attention.row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
+        return self.native and attention.row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
 
     def rows_read_after(self, layer: int, n_rows: int) -> slice:
         """Which of a prefill's n_rows need their attention and MLP output at `layer`: all of them, except at

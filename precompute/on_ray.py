@@ -39,6 +39,7 @@ from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard
 from kvrag.store.manifest import preamble_hash
+from kvrag.store.remote import RemoteOptions
 
 RAY_BATCH = 4  # chunks per Ray task: few, so a killed worker redoes little and results stay small
 IN_FLIGHT_PER_WORKER = 2  # batches queued per actor: one computing, one ready to start; bounds the driver's memory
@@ -104,7 +105,8 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
                    batch: int = RAY_BATCH, on_progress: Callable[[int, int, int], None] | None = None,
                    on_start: Callable[[int], None] | None = None, limit: int | None = None,
                    shard: Shard | None = None, compress: bool = True,
-                   on_batch: Callable[[list[str]], None] | None = None) -> PrecomputeSummary:
+                   on_batch: Callable[[list[str]], None] | None = None,
+                   remote: RemoteOptions | None = None) -> PrecomputeSummary:
     """precompute() with the forward passes on `workers` Ray actors: the same chunks stored, the same summary.
 
     address: None or "local" starts a local cluster of `workers` CPUs (shut down at the end); "auto" or
@@ -118,7 +120,7 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     local = resolve_model(model)  # once here: a first-use conversion is not raced by the workers
     prompts = PromptBuilder(local.load_tokenizer())
     keep = keep or KeepConfig()
-    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit)
+    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote)
     chunks, full, table, todo, summary = run.chunks, run.full, run.table, run.todo, run.summary
     if todo or not full.has_preamble(preamble_hash(prompts.template.preamble)):
         with _connected(ray, address, workers):

@@ -31,7 +31,7 @@ from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, Shard
 from kvrag.store.manifest import check_or_record, preamble_hash
-from kvrag.store.remote import store_table
+from kvrag.store.remote import RemoteOptions, store_table
 
 CLAIM_BATCH = 4  # chunks claimed per transaction: small, so a crash strands little work
 WRITES_IN_FLIGHT = 2  # chunks encoded/written behind the forward passes; bounds the memory held
@@ -109,16 +109,17 @@ class RunPlan:
 
 
 def plan_run(store: StoreEnv, local, preamble_text: str, codec: str, compress: bool, keep: KeepConfig,
-             shard: Shard | None, limit: int | None) -> RunPlan:
+             shard: Shard | None, limit: int | None, remote: RemoteOptions | None = None) -> RunPlan:
     """The indexed chunks without KV for this model, codec and `keep` variant (the store's manifest checked or
-    recorded first); shared by precompute and precompute_ray. `local`: the model's LocalModel."""
+    recorded first); shared by precompute and precompute_ray. `local`: the model's LocalModel; `remote`: how a
+    mirror's object store is reached."""
     chunks = ChunkTable(store)
     ids = sorted(chunks.ids())
     if not ids:
         raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
     check_or_record(store, local.fingerprint, preamble_text, codec, tokenizer_fp=local.tokenizer_fingerprint)
-    full = store_table(store, local.fingerprint, codec, compress)  # a mirror's: the object store, cached here
-    table = store_table(store, local.fingerprint, codec, compress, keep.variant) if keep.reduced else full
+    full = store_table(store, local.fingerprint, codec, compress, remote=remote)  # a mirror's: the object store
+    table = store_table(store, local.fingerprint, codec, compress, keep.variant, remote) if keep.reduced else full
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
     summary = PrecomputeSummary(local.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
@@ -130,7 +131,7 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
                shard: Shard | None = None,
                on_progress: Callable[[int, int, int], None] | None = None,
                on_start: Callable[[int], None] | None = None, compress: bool = True,
-               keep: KeepConfig | None = None) -> PrecomputeSummary:
+               keep: KeepConfig | None = None, remote: RemoteOptions | None = None) -> PrecomputeSummary:
     """Compute and store the KV of every indexed chunk that has none for this model, codec and `keep` variant.
 
     `compress=False` stores values uncompressed (larger, but decoded with no CPU work: see store/codec.py).
@@ -139,7 +140,8 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     """
     start = time.perf_counter()
     keep = keep or KeepConfig()
-    run = plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit)
+    run = plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit,
+                   remote)
     if on_start:
         on_start(len(run.todo))
     summary, writer = run.summary, ChunkWriter(run.table)

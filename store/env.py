@@ -6,7 +6,6 @@ resizes by other processes and "not a store" checks live in one place.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,10 +24,7 @@ STORE_MARKER = b"kvrag-store"  # key in `meta` written when a store is created
 INITIAL_MAP_SIZE = 64 << 20  # grows by doubling whenever LMDB reports the map full
 
 
-def _max_map_size() -> int:
-    """An upper bound on the map, from `KVRAG_MAX_MAP_SIZE` (bytes); mainly to simulate a full disk."""
-    raw = os.environ.get("KVRAG_MAX_MAP_SIZE")
-    return int(raw) if raw else 1 << 40
+DEFAULT_MAX_MAP_SIZE = 1 << 40  # LMDB's map may grow this far (config.py's max_map_size lowers it)
 
 
 def is_store(path: Path) -> bool:
@@ -38,18 +34,21 @@ def is_store(path: Path) -> bool:
 class StoreEnv:
     """One LMDB environment (a directory with data.mdb/lock.mdb) and its named databases."""
 
-    def __init__(self, env: lmdb.Environment, path: Path, readonly: bool):
+    def __init__(self, env: lmdb.Environment, path: Path, readonly: bool, max_map_size: int = DEFAULT_MAX_MAP_SIZE):
         self.env = env
         self.path = path
         self.readonly = readonly
+        self.max_map_size = max_map_size  # the map never grows past this (bytes)
         self.dbs = {name: env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
         # write() and read() from several threads (precompute's writer, ask's loader) take turns: LMDB
         # may only grow the map while no transaction of this process is open.
         self._lock = threading.RLock()
 
     @classmethod
-    def open(cls, path: Path | str, *, create: bool = False, readonly: bool = False) -> StoreEnv:
-        """Open the store at `path`; with `create`, make it if the directory holds no store yet.
+    def open(cls, path: Path | str, *, create: bool = False, readonly: bool = False,
+             max_map_size: int | None = None) -> StoreEnv:
+        """Open the store at `path`; with `create`, make it if the directory holds no store yet. `max_map_size`
+        (config.py's, from KVRAG_MAX_MAP_SIZE; None: DEFAULT_MAX_MAP_SIZE) bounds LMDB's map: a full disk, or a test.
 
         Raises KvragError (one clear line) when the path is not a store, or is a non-empty
         directory of something else.
@@ -65,10 +64,11 @@ class StoreEnv:
             if path.exists() and any(path.iterdir()):
                 raise KvragError(f"{path} is not empty and is not a kvrag store; choose another --store")
             path.mkdir(parents=True, exist_ok=True)
+        limit = DEFAULT_MAX_MAP_SIZE if max_map_size is None else max_map_size
         try:
             env = lmdb.open(
                 str(path),
-                map_size=max(min(INITIAL_MAP_SIZE, _max_map_size()), _current_file_size(path)),
+                map_size=max(min(INITIAL_MAP_SIZE, limit), _current_file_size(path)),
                 max_dbs=len(DB_NAMES) + 2,
                 readonly=readonly,
                 max_readers=256,
@@ -78,16 +78,16 @@ class StoreEnv:
             raise KvragError(f"cannot open store at {path}: {exc}") from None
         while True:
             try:
-                return cls._check_and_mark(env, path, readonly)
+                return cls._check_and_mark(env, path, readonly, limit)
             except lmdb.MapResizedError:
                 env.set_mapsize(0)  # another process grew the map meanwhile: adopt its size, retry
 
     @classmethod
-    def _check_and_mark(cls, env: lmdb.Environment, path: Path, readonly: bool) -> StoreEnv:
+    def _check_and_mark(cls, env: lmdb.Environment, path: Path, readonly: bool, limit: int) -> StoreEnv:
         if _has_foreign_data(env):  # checked before our databases are created in someone else's file
             env.close()
             raise KvragError(f"{path} holds an LMDB database that is not a kvrag store")
-        store = cls(env, path, readonly)
+        store = cls(env, path, readonly, limit)
         if not readonly:
             with env.begin(write=True, db=store.dbs["meta"]) as txn:
                 if txn.get(STORE_MARKER) is None:
@@ -149,7 +149,7 @@ class StoreEnv:
 
     def _grow(self) -> None:
         size = self.env.info()["map_size"]
-        limit = _max_map_size()
+        limit = self.max_map_size
         if size >= limit:
             raise KvragError(
                 f"store at {self.path} is full ({size / 2**20:.1f} MiB, the limit); nothing stored was lost. "

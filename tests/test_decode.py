@@ -262,24 +262,16 @@ def test_thread_picker_follows_the_faster_count_and_probes_the_other():
     assert native_decode.ThreadPicker(1).pick() == 1
 
 
-def test_native_off_by_environment_runs_the_reference_bits(tiny_llama_hd64_dir, monkeypatch):
-    """KVRAG_NATIVE=0: decode_step's default falls back to torch's ops, the reference's bits."""
-    from kvrag.kernels import native
-
-    monkeypatch.setenv("KVRAG_NATIVE", "0")
-    for fn in (native.library, native_decode._gemv, native_decode._attention, native_decode._step):
-        fn.cache_clear()
-    try:
-        model = _load(tiny_llama_hd64_dir, torch.bfloat16)
-        ids = torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(12))
-        feed = [3, 4, 5]
-        for new, ref in zip(_steps(model, decode_step, ids, feed), _steps(model, decode_step_reference, ids, feed),
-                            strict=True):
-            torch.testing.assert_close(new, ref, rtol=0, atol=0)
-    finally:
-        monkeypatch.delenv("KVRAG_NATIVE")
-        for fn in (native.library, native_decode._gemv, native_decode._attention, native_decode._step):
-            fn.cache_clear()
+def test_native_off_runs_the_reference_bits(tiny_llama_hd64_dir):
+    """A model loaded with native=False (KVRAG_NATIVE=0, config.py): decode_step's default falls back to torch's
+    ops, the reference's bits."""
+    model = _load(tiny_llama_hd64_dir, torch.bfloat16)
+    model.native = False  # as Runtime.load(native=False) sets it
+    ids = torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(12))
+    feed = [3, 4, 5]
+    for new, ref in zip(_steps(model, decode_step, ids, feed), _steps(model, decode_step_reference, ids, feed),
+                        strict=True):
+        torch.testing.assert_close(new, ref, rtol=0, atol=0)
 
 
 def test_cache_rows_written_by_another_step_are_seen(tiny_llama_dir):

@@ -122,13 +122,16 @@ def test_positions_past_the_keys_are_refused():
 def test_a_damaged_library_file_falls_back_instead_of_crashing(monkeypatch, tmp_path):
     damaged = tmp_path / "kvrag-kernels-0.so"
     damaged.write_bytes(b"not a shared library")
-    monkeypatch.setattr(native, "_build", lambda: damaged)
+    monkeypatch.setattr(native, "build", lambda: damaged)
     assert native.library.__wrapped__() is None
 
 
-def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv("KVRAG_NATIVE", "0")
-    assert native.library.__wrapped__() is None
+def test_switched_off_by_configuration():
+    """KVRAG_NATIVE=0 (config.py's native) reaches the model: no native kernel runs its attention."""
+    from kvrag.config import KVRagConfig
+
+    assert KVRagConfig.resolve({"KVRAG_NATIVE": "0"}).native is False
+    assert KVRagConfig.resolve({}).native is True
 
 
 @pytest.mark.parametrize("planes", [True, False])

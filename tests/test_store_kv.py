@@ -186,8 +186,7 @@ def test_the_map_grows_by_itself(tmp_path, monkeypatch):
 
 def test_a_full_store_fails_clearly_and_keeps_what_it_had(tmp_path, monkeypatch):
     monkeypatch.setattr(envmod, "INITIAL_MAP_SIZE", 256 << 10)
-    monkeypatch.setenv("KVRAG_MAX_MAP_SIZE", str(1 << 20))
-    with StoreEnv.open(tmp_path / "s", create=True) as env:
+    with StoreEnv.open(tmp_path / "s", create=True, max_map_size=1 << 20) as env:
         table = KVTable(env, "model-a", "fp16")
         stored = []
         with pytest.raises(KvragError, match="full.*nothing stored was lost"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvrag.config import KVRagConfig
 from kvrag.errors import KvragError
 from kvrag.store.tiers.config import CacheConfig, format_bytes, parse_bytes
 
@@ -36,31 +37,29 @@ def test_format_bytes():
     assert format_bytes(100) == "100B"
 
 
-def test_config_defaults_and_env(monkeypatch):
-    for var in ("KVRAG_HOST_CACHE", "KVRAG_GPU_CACHE", "KVRAG_CACHE_POLICY", "KVRAG_REORDER_WINDOW"):
-        monkeypatch.delenv(var, raising=False)
+def test_config_defaults_and_env():
+    """Defaults, then the environment over them, then options over both (config.py resolves; the tiers take it)."""
     cfg = CacheConfig.from_options()
-    assert (cfg.host_bytes, cfg.gpu_bytes, cfg.policy, cfg.reorder_window) == (4 << 30, 0, "pgdsf", 32)
+    assert (cfg.host_bytes, cfg.gpu_bytes, cfg.policy) == (4 << 30, 0, "pgdsf")
     assert CacheConfig.from_options(cuda_available=True).gpu_bytes == 2 << 30
 
-    monkeypatch.setenv("KVRAG_HOST_CACHE", "1GiB")
-    monkeypatch.setenv("KVRAG_CACHE_POLICY", "LRU")
-    monkeypatch.setenv("KVRAG_REORDER_WINDOW", "8")
-    cfg = CacheConfig.from_options()
-    assert (cfg.host_bytes, cfg.policy, cfg.reorder_window) == (1 << 30, "lru", 8)
-    cfg = CacheConfig.from_options(host_cache="256MiB", policy="gdsf", reorder_window=0)
-    assert (cfg.host_bytes, cfg.policy, cfg.reorder_window) == (256 << 20, "gdsf", 0)
+    env = {"KVRAG_HOST_CACHE": "1GiB", "KVRAG_CACHE_POLICY": "LRU", "KVRAG_REORDER_WINDOW": "3"}
+    settings = KVRagConfig.resolve(env)
+    cfg = CacheConfig.from_options(settings.host_cache, settings.gpu_cache, settings.cache_policy)
+    assert (cfg.host_bytes, cfg.policy, settings.reorder_window) == (1 << 30, "lru", 3)
+    settings = KVRagConfig.resolve(env, host_cache="256MiB", cache_policy="gdsf", reorder_window=0)
+    cfg = CacheConfig.from_options(settings.host_cache, settings.gpu_cache, settings.cache_policy)
+    assert (cfg.host_bytes, cfg.policy, settings.reorder_window) == (256 << 20, "gdsf", 0)
+    assert KVRagConfig.resolve({}).reorder_window == 8  # the engine's window, and the one default
 
 
-def test_config_errors(monkeypatch):
-    monkeypatch.delenv("KVRAG_GPU_CACHE", raising=False)
+def test_config_errors():
     with pytest.raises(KvragError, match="needs a CUDA device"):
         CacheConfig.from_options(gpu_cache="1GiB", cuda_available=False)
     assert CacheConfig.from_options(gpu_cache="0", cuda_available=False).gpu_bytes == 0
     with pytest.raises(KvragError, match="unknown cache policy"):
         CacheConfig.from_options(policy="fifo")
-    with pytest.raises(KvragError, match="reorder-window"):
-        CacheConfig(reorder_window=-1)
-    monkeypatch.setenv("KVRAG_REORDER_WINDOW", "many")
+    with pytest.raises(KvragError, match="reorder window"):
+        KVRagConfig.resolve({}, reorder_window=-1)
     with pytest.raises(KvragError, match="KVRAG_REORDER_WINDOW"):
-        CacheConfig.from_options()
+        KVRagConfig.resolve({"KVRAG_REORDER_WINDOW": "many"})

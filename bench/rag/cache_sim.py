@@ -80,7 +80,8 @@ def fit_profile(points: Sequence[tuple[int, int, float]]) -> CostProfile:
 def replay(requests, layout: BlockLayout, profile: CostProfile, policy: str, host_bytes: int, gpu_bytes: int,
            preamble_tokens: int, warmup: int) -> dict:
     """Hit rates of one cache configuration over the requests after the warm-up."""
-    from kvrag.store.tiers.cache import CacheStats, TieredKVCache
+    from kvrag.store.tiers.cache import TieredKVCache
+    from kvrag.store.tiers.lease import CacheStats
 
     cache = TieredKVCache(layout, host_bytes, gpu_bytes, policy, cost=profile, preamble_tokens=preamble_tokens,
                           materialize=False, gpu_device="cpu" if gpu_bytes else None)

@@ -13,6 +13,8 @@ store gives a plain KVTable, as ever. obstore is an optional dependency (the `s3
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from kvrag.store.remote.cached_kv import CachedKVTable
     from kvrag.store.remote.remote_kv import RemoteKVTable
 
-DEFAULT_CACHE = "10GiB"  # the mirror's local kv cache, at most (KVRAG_REMOTE_CACHE)
+DEFAULT_CACHE = "10GiB"  # the mirror's local kv cache, at most (KVRAG_REMOTE_CACHE, config.py)
 MARKER = "remote.json"  # in a mirror directory: {"url": "s3://bucket/prefix"}
 INSTALL_HINT = "--store s3://... needs obstore: pip install 'kvrag[s3]'"
 _LAZY = {"CachedKVTable": "cached_kv", "ObjectStore": "object_store", "DamagedObject": "remote_kv",
@@ -47,28 +49,45 @@ def remote_url(store_dir: str | Path) -> str | None:
         raise KvragError(f"{Path(store_dir) / MARKER} is damaged ({exc}); delete the mirror directory") from None
 
 
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How to reach a store on object storage, resolved at the edge (config.py): the AWS variables that configure
+    the client, the mirror's directory (None: under kvrag's home) and the bound on its local kv cache."""
+
+    aws: Mapping[str, str] = field(default_factory=dict)
+    mirror_dir: str | None = None
+    cache_bytes: int = parse_bytes(DEFAULT_CACHE)
+
+    @classmethod
+    def of(cls, aws: Mapping[str, str], mirror_dir: str | None, cache: str) -> RemoteOptions:
+        return cls(dict(aws), mirror_dir, parse_bytes(cache, "KVRAG_REMOTE_CACHE"))
+
+
 def store_table(env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "",
-                cache_bytes: int | None = None) -> KVTable | CachedKVTable:
-    """The KV table of a store: its KVTable; for a mirror, the remote table with that KVTable as its cache, bounded
-    to `cache_bytes` (None: DEFAULT_CACHE)."""
+                remote: RemoteOptions | None = None) -> KVTable | CachedKVTable:
+    """The KV table of a store: its KVTable; for a mirror, the remote table (reached with `remote`) with that
+    KVTable as its cache, bounded to remote.cache_bytes."""
     table = KVTable(env, model_fp, codec, compress, variant)
     url = remote_url(env.path)
     if url is None:
         return table
     require_obstore()
-    bound = parse_bytes(DEFAULT_CACHE, "the remote cache") if cache_bytes is None else cache_bytes
-    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=bound)
+    remote = remote or RemoteOptions()
+    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=remote.cache_bytes,
+                      aws=remote.aws)
 
 
 def open_table(url: str, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "", *,
-               cache: KVTable | None = None, cache_bytes: int = 0) -> RemoteKVTable | CachedKVTable:
+               cache: KVTable | None = None, cache_bytes: int = 0,
+               aws: Mapping[str, str] | None = None) -> RemoteKVTable | CachedKVTable:
     """The table `ask` and `precompute` read and write for --store s3://...: the remote one, behind the local
-    `cache` table (same model, codec and variant) when one is given, bounded to `cache_bytes`."""
+    `cache` table (same model, codec and variant) when one is given, bounded to `cache_bytes`; the client
+    configured from the `aws` variables."""
     from kvrag.store.remote.cached_kv import CachedKVTable
     from kvrag.store.remote.object_store import ObjectStore
     from kvrag.store.remote.remote_kv import RemoteKVTable
 
-    remote = RemoteKVTable(ObjectStore.from_url(url), model_fp, codec, compress, variant)
+    remote = RemoteKVTable(ObjectStore.from_url(url, aws or {}), model_fp, codec, compress, variant)
     remote.objects.check()  # wrong bucket or credentials: one clear line now, not at the first read
     return remote if cache is None else CachedKVTable(remote, cache, cache_bytes)
 

@@ -10,7 +10,6 @@ of one line naming the store, the request and the key.
 from __future__ import annotations
 
 import ipaddress
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -94,9 +93,8 @@ class ObjectStore:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvrag-s3")
 
     @classmethod
-    def from_url(cls, url: str, env: Mapping[str, str] | None = None, concurrency: int = CONCURRENCY) -> ObjectStore:
-        """The store at `url`, configured from `env` (default: the process environment)."""
-        env = os.environ if env is None else env
+    def from_url(cls, url: str, env: Mapping[str, str], concurrency: int = CONCURRENCY) -> ObjectStore:
+        """The store at `url`, configured from `env`: the AWS variables, as the edge read them (config.py)."""
         location = S3Location.parse(url)
         config = {name: env[var] for name, var in (("access_key_id", "AWS_ACCESS_KEY_ID"),
                                                    ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),

@@ -8,11 +8,11 @@
     reorder.py         cache-aware reordering of queued questions with a starvation window
     cache.py           TieredKVCache: the facade a long-lived process uses
     (the workload, the replay simulator and the policy ablation are benchmarks: bench/replay.py, `kvrag bench tiers`)
-    config.py          --host-cache / --gpu-cache / --cache-policy / --reorder-window and their env vars
+    config.py          --host-cache / --gpu-cache / --cache-policy (resolved with their env vars in kvrag/config.py)
 
 One question's flow (`ask --questions`, `bench`):
 
-    cache = TieredKVCache.from_config(CacheConfig.from_options(host_cache, gpu_cache, policy, window,
+    cache = TieredKVCache.from_config(CacheConfig.from_options(host_cache, gpu_cache, policy,
                                                                cuda_available=torch.cuda.is_available()),
                                       BlockLayout.for_codec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, codec),
                                       cost=profile, preamble_tokens=len(prompt.preamble))

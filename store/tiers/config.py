@@ -1,11 +1,8 @@
-"""Options of the memory tiers: byte budgets (`--host-cache 4GiB`), policy, reordering window.
-
-Each option resolves as: the command-line value, else its environment variable, else the default.
-"""
+"""Options of the memory tiers: byte budgets (`--host-cache 4GiB`) and the replacement policy (config.py resolves
+each from the command line, else its environment variable, else the default given here)."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -15,11 +12,6 @@ POLICIES = ("pgdsf", "gdsf", "lru", "lfu")
 DEFAULT_HOST_CACHE = "4GiB"
 DEFAULT_GPU_CACHE = "2GiB"
 DEFAULT_POLICY = "pgdsf"
-DEFAULT_REORDER_WINDOW = 32
-ENV_HOST_CACHE = "KVRAG_HOST_CACHE"
-ENV_GPU_CACHE = "KVRAG_GPU_CACHE"
-ENV_POLICY = "KVRAG_CACHE_POLICY"
-ENV_REORDER_WINDOW = "KVRAG_REORDER_WINDOW"
 
 _UNITS = {
     "": 1, "b": 1,
@@ -55,7 +47,7 @@ def format_bytes(n: int) -> str:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """What a long-lived process gives the tiers: byte budgets, the replacement policy, the reorder window.
+    """What a long-lived process gives the tiers: byte budgets and the replacement policy.
 
     `gpu_bytes` is used only where CUDA is present; `from_options` turns it to 0 elsewhere unless the
     user asked for it explicitly (then it is an error).
@@ -64,38 +56,22 @@ class CacheConfig:
     host_bytes: int = parse_bytes(DEFAULT_HOST_CACHE)
     gpu_bytes: int = 0
     policy: str = DEFAULT_POLICY
-    reorder_window: int = DEFAULT_REORDER_WINDOW
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.gpu_bytes < 0:
             raise KvragError("cache sizes must not be negative")
         if self.policy not in POLICIES:
             raise KvragError(f"unknown cache policy {self.policy!r} (choose {', '.join(POLICIES)})")
-        if self.reorder_window < 0:
-            raise KvragError(f"--reorder-window must be >= 0, got {self.reorder_window}")
 
     @classmethod
     def from_options(cls, host_cache: str | None = None, gpu_cache: str | None = None,
-                     policy: str | None = None, reorder_window: int | None = None,
-                     cuda_available: bool = False) -> CacheConfig:
-        """CLI values (None = not given) over environment variables over defaults."""
-        host = host_cache or os.environ.get(ENV_HOST_CACHE) or DEFAULT_HOST_CACHE
-        gpu_asked = gpu_cache or os.environ.get(ENV_GPU_CACHE)
-        gpu = parse_bytes(gpu_asked or DEFAULT_GPU_CACHE, "--gpu-cache")
+                     policy: str | None = None, cuda_available: bool = False) -> CacheConfig:
+        """The settings as given (config.py resolves them from the options and the environment; None: the
+        default)."""
+        gpu = parse_bytes(gpu_cache or DEFAULT_GPU_CACHE, "--gpu-cache")
         if not cuda_available:
-            if gpu_asked and gpu > 0:
+            if gpu_cache and gpu > 0:
                 raise KvragError("--gpu-cache needs a CUDA device; none is available (use --gpu-cache 0)")
             gpu = 0
-        window = reorder_window
-        if window is None:
-            env = os.environ.get(ENV_REORDER_WINDOW)
-            try:
-                window = int(env) if env else DEFAULT_REORDER_WINDOW
-            except ValueError:
-                raise KvragError(f"{ENV_REORDER_WINDOW} must be an integer, got {env!r}") from None
-        return cls(
-            host_bytes=parse_bytes(host, "--host-cache"),
-            gpu_bytes=gpu,
-            policy=(policy or os.environ.get(ENV_POLICY) or DEFAULT_POLICY).lower(),
-            reorder_window=window,
-        )
+        return cls(host_bytes=parse_bytes(host_cache or DEFAULT_HOST_CACHE, "--host-cache"), gpu_bytes=gpu,
+                   policy=(policy or DEFAULT_POLICY).lower())

@@ -7,7 +7,7 @@ was served before it) `window` times is served next. window = 0 is first come, f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -17,6 +17,15 @@ T = TypeVar("T")
 def order_priority(cached_tokens: int, compute_tokens: int) -> float:
     """RAGCache's OrderPriority = cached length / computation length."""
     return cached_tokens / max(compute_tokens, 1)
+
+
+def next_index(scores: Sequence[float], oldest_passed_over: int, window: int, oldest_first: bool = False) -> int:
+    """Which of the waiting items (oldest first, `scores` theirs) to serve: the oldest (0) when the window is 0,
+    when it was passed over `window` times already, or when it must go first (`oldest_first`: a preempted
+    sequence); else the best score, the oldest among equals. The engine's scheduler and ReorderQueue both ask it."""
+    if oldest_first or window == 0 or oldest_passed_over >= window:
+        return 0
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))
 
 
 @dataclass
@@ -47,11 +56,8 @@ class ReorderQueue(Generic[T]):
     def pop(self) -> T:
         if not self._waiting:
             raise IndexError("pop from an empty queue")
-        oldest = self._waiting[0]
-        if self.window == 0 or oldest.passed_over >= self.window:
-            chosen = 0  # the oldest is served: nothing older is passed over
-        else:
-            chosen = max(range(len(self._waiting)), key=lambda i: (self.score(self._waiting[i].item), -i))
+        scores = [self.score(w.item) for w in self._waiting] if self.window else []
+        chosen = next_index(scores, self._waiting[0].passed_over, self.window)
         for w in self._waiting[:chosen]:
             w.passed_over += 1
         return self._waiting.pop(chosen).item

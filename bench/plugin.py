@@ -3,7 +3,27 @@ benchmarks, and a package installed without the `bench` extra runs without them.
 
 from __future__ import annotations
 
+import importlib.util
+
 import typer
+
+# The `bench` extra (pip install 'kvrag[bench]'): the report's plots and the serving bench's client. Checked before
+# anything registers, without importing them (matplotlib alone would add a third of a second to every command).
+NEEDS = ("matplotlib", "openai")
+
+
+def _missing() -> str | None:
+    for name in NEEDS:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None
+
+
+if (_absent := _missing()) is not None:
+    raise ModuleNotFoundError(f"No module named {_absent!r}", name=_absent)
 
 from kvrag.bench import commands, commands_parts, commands_systems  # noqa: F401  (each registers its commands)
 from kvrag.bench.typer_app import bench_app

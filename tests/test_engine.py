@@ -138,6 +138,42 @@ def test_random_arrivals_and_cancellations_in_a_small_pool(runtime, requests, al
     assert pool_is_empty(engine)
 
 
+def test_a_pool_too_small_preempts_and_every_answer_is_as_alone(runtime, requests, alone):
+    """Every request at once into a pool that holds about one and a half of the longest: sequences are preempted
+    (at least one, asserted) and prefilled again, and each still answers as it does alone."""
+    probe = new_engine(runtime)
+    longest = max(probe.new_sequence(r).prompt_tokens + r.sampling.max_tokens for r in requests)
+    engine = new_engine(runtime, budget_blocks=len(probe.kv.shared) + -(-longest * 3 // 2) // 16, max_running=4)
+    seqs = [engine.add(r) for r in requests]
+    while engine.has_work():
+        engine.step()
+        check_pool(engine)
+    assert sum(seq.preemptions for seq in seqs) > 0
+    assert [seq.output for seq in seqs] == alone
+    assert pool_is_empty(engine)
+
+
+def test_live_reordering_serves_the_cached_prompt_first(runtime, requests):
+    """RAGCache's reordering in the engine (store/tiers/reorder.next_index): of two waiting prompts, the one whose
+    chunks the memory tiers hold goes first, though it came second; with a window of 0, first come first served."""
+    from kvrag.engine.memory import build_cache
+
+    cold, hot = requests[0], requests[2]  # both blended over chunks of their own
+    order = {}
+    for window in (8, 0):
+        prefiller = Prefiller.open(runtime, None, cache=build_cache(runtime, "fp16", host_cache="64MiB"))
+        engine = LLMEngine(prefiller, EngineConfig(1 << 28, 16, SchedulerConfig(4, reorder_window=window)))
+        run(engine, [hot])  # its chunks are in the tiers now
+        assert prefiller.source.order_priority(hot.chunks) > prefiller.source.order_priority(cold.chunks) == 0
+        first, second = engine.add(cold), engine.add(hot)
+        engine.step()  # one prefill a step: the one the scheduler chose
+        order[window] = [s for s in (first, second) if s.output or s.status is Status.RUNNING]
+        while engine.has_work():
+            engine.step()
+    assert [s.request for s in order[8]] == [hot]
+    assert [s.request for s in order[0]] == [cold]
+
+
 def pool_is_empty(engine: LLMEngine) -> bool:
     return engine.kv.pool.num_free == engine.kv.pool.num_blocks - len(engine.kv.shared)
 

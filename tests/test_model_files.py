@@ -64,8 +64,9 @@ def test_a_missing_record_is_rebuilt_for_real(smol, tmp_path, monkeypatch):
 def test_user_directory_model(tiny_llama_dir, monkeypatch):
     local = resolve_model(str(tiny_llama_dir))
     assert local.config.architecture == "llama" and local.config.n_layers == 3
-    monkeypatch.setenv("KVRAG_MODEL", str(tiny_llama_dir))
-    assert resolve_model(None).fingerprint == local.fingerprint
+    from kvrag.config import KVRagConfig  # $KVRAG_MODEL, resolved at the edge, names the same directory
+
+    assert resolve_model(KVRagConfig.resolve({"KVRAG_MODEL": str(tiny_llama_dir)}).model).fingerprint == local.fingerprint
 
 
 def test_fingerprint_follows_weights(tiny_llama_dir, tmp_path):
@@ -122,8 +123,10 @@ def test_dtype_choice(monkeypatch):
     monkeypatch.setattr("kvrag.model.device.cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    monkeypatch.setenv("KVRAG_DTYPE", "float32")
-    assert resolve_dtype(None, cpu) == torch.float32
+    from kvrag.config import KVRagConfig  # $KVRAG_DTYPE, resolved at the edge, under an option not given
+
+    assert resolve_dtype(KVRagConfig.resolve({"KVRAG_DTYPE": "float32"}, dtype=None).dtype, cpu) == torch.float32
+    assert KVRagConfig.resolve({"KVRAG_DTYPE": "float32"}, dtype="bfloat16").dtype == "bfloat16"  # the option wins
     with pytest.raises(KvragError, match="unknown dtype"):
         resolve_dtype("float8", cpu)
 

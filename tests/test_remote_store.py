@@ -15,11 +15,11 @@ import pytest
 from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, MissingChunk
+from kvrag.store.kv import KVTable, MissingChunk, encode_chunk
 from kvrag.store.remote import CachedKVTable, DamagedObject, ObjectStore, RemoteKVTable
 from kvrag.store.remote import local_s3 as s3_server
 from kvrag.store.remote.cached_kv import stored_bytes
-from kvrag.store.remote.layout import HEAD_SIZE
+from kvrag.store.remote.layout import HEAD_SIZE, pack_chunk
 from kvrag.tests.test_store_kv import layers_for, tokens_for
 
 MODEL = "model-a"
@@ -275,23 +275,36 @@ def test_a_truncated_object_counts_as_missing(objects, local_env, keep):
             read()
 
 
+def test_a_create_only_put_keeps_the_object_that_was_there(objects):
+    """If-None-Match: a second create-only PUT of a key is refused and the first object stays, byte for byte."""
+    assert objects.put("k/one", b"first", create=True) is True
+    assert objects.put("k/one", b"second", create=True) is False
+    assert objects.get("k/one") == b"first"
+    assert objects.put("k/one", b"third") is True and objects.get("k/one") == b"third"  # an overwrite is asked for
+
+
 def test_two_writers_of_one_chunk_leave_one_whole_object(s3, objects, local_env):
+    """Two machines store the same chunk at once, past their has() checks: exactly one create-only PUT wins and the
+    object is that writer's, whole (the two encode it differently, compressed and not, so an overwrite shows)."""
     local = KVTable(local_env, MODEL)
     ids, layers = tokens_for(13, 30), layers_for(13, 30, N_LAYERS)
     local.put_chunk("c1", ids, layers)
-    barrier, results = threading.Barrier(2), []
+    barrier, results = threading.Barrier(2), {}
 
-    def write() -> None:
-        table = RemoteKVTable(ObjectStore.from_url(objects.url, s3.env), MODEL)  # two machines
+    def write(compress: bool) -> None:
+        table = RemoteKVTable(ObjectStore.from_url(objects.url, s3.env), MODEL, compress=compress)  # two machines
+        record, values = encode_chunk(ids, layers, None, "fp16", compress)
         barrier.wait()
-        results.append(table.put_chunk("c1", ids, layers))
+        results[compress] = (table.put_encoded("c1", record, values), pack_chunk(record, values))
 
-    threads = [threading.Thread(target=write) for _ in range(2)]
+    threads = [threading.Thread(target=write, args=(compress,)) for compress in (True, False)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert True in results and len(results) == 2
+    assert sorted(stored for stored, _ in results.values()) == [False, True]
+    winner = next(packed for stored, packed in results.values() if stored)
+    assert objects.get(RemoteKVTable(objects, MODEL).key("c1")) == winner
     remote = RemoteKVTable(objects, MODEL)
     assert remote.chunk_ids() == ["c1"] and not remote.damaged
     chunk = remote.get_chunk("c1", ids)

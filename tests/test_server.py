@@ -1,6 +1,6 @@
 """`kvrag serve` over real HTTP: a real uvicorn server on 127.0.0.1 and a free port, the real `openai` client (sync
 and streaming) and httpx for raw and bad requests. The reference for every answer is KVRag.ask on the same engine
-(the Python API, no HTTP). A tiny random Llama with SmolLM2's tokenizer keeps it fast; what it says is noise, but
+(the Python API, no HTTP), its memory tiers warm for the prompt. A tiny random Llama with SmolLM2's tokenizer keeps it fast; what it says is noise, but
 the same noise both ways."""
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ LONG = 3000  # tokens: a generation still running when the test acts on it
 
 @pytest.fixture(scope="module")
 def rag(indexed_store, tiny_llama_dir, tmp_path_factory):
-    """The server's KVRag (tiers off: every answer blends from the store, as its reference does), over a store
-    whose chunks' KV it has stored (a first ask computes and writes back what the store lacks)."""
+    """The server's KVRag with its memory tiers on, as users run it, over a store whose chunks' KV it has stored (a
+    first ask computes and writes back what the store lacks). A reference answer is taken with the tiers warm for
+    its prompt (`warm`), as the server's request then finds them."""
     import shutil
 
     from kvrag import KVRag
 
     store = tmp_path_factory.mktemp("server") / "store"
     shutil.copytree(indexed_store, store)
-    with KVRag(store, model=str(tiny_llama_dir), host_cache="0") as opened:
+    with KVRag(store, model=str(tiny_llama_dir), host_cache="64MiB") as opened:
         every = [s["chunk_id"] for s in opened.retrieve(QUESTION, k=100, relative_cutoff=0)]
         opened.ask(QUESTION, chunk_ids=every, max_tokens=1)
         yield opened
@@ -58,6 +59,15 @@ def wait_for(condition, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def warm(rag, question: str, **options):
+    """KVRag.ask's answer once the memory tiers hold this prompt's chunks (asked twice: the first fills them), so
+    the server's request, asked next, meets the same tiers."""
+    rag.ask(question, **options)
+    answer = rag.ask(question, **options)
+    assert rag.engine.prefiller.source.cache is not None
+    return answer
+
+
 def idle(rag) -> bool:
     return rag.loop.waiting() == 0 and rag.loop.running() == 0 and rag.engine.sequence_blocks == 0
 
@@ -66,7 +76,7 @@ def idle(rag) -> bool:
 
 
 def test_chat_answers_as_kvrag_ask_does(rag, client):
-    reference = rag.ask(QUESTION, k=2, max_tokens=24)
+    reference = warm(rag, QUESTION, k=2, max_tokens=24)
     reply = client.chat.completions.create(model=MODEL, max_tokens=24, extra_body={"k": 2},
                                            messages=[{"role": "system", "content": "Be brief."},
                                                      {"role": "user", "content": QUESTION}])
@@ -84,7 +94,7 @@ def test_chat_answers_as_kvrag_ask_does(rag, client):
 
 
 def test_a_stream_says_what_the_whole_answer_says(rag, client):
-    reference = rag.ask(QUESTION, max_tokens=40, mode="reuse")
+    reference = warm(rag, QUESTION, max_tokens=40, mode="reuse")
     chunks = list(client.chat.completions.create(model=MODEL, max_tokens=40, stream=True, extra_body={"mode": "reuse"},
                                                  stream_options={"include_usage": True},
                                                  messages=[{"role": "user", "content": QUESTION}]))
@@ -106,7 +116,7 @@ def test_requests_at_once_each_get_their_own_answer(rag, server):
 
     questions = ["How deep is Lake Baikal?", "Which river is the longest?", "What is the lowest land?",
                  "How high is Everest?"]
-    alone = [rag.ask(q, max_tokens=12, mode="reuse").text for q in questions]
+    alone = [warm(rag, q, max_tokens=12, mode="reuse").text for q in questions]
 
     async def ask_all() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
@@ -128,14 +138,14 @@ def preamble_and_chunks(rag, answer) -> int:
 def test_completions_with_own_passages_and_chunk_ids(rag, client):
     passages = [("Quarn loom", "The Quarn loom was invented in 1791 by Beatrix Olufsen, a weaver from Trondheim."),
                 ("Tides", "Tides rise twice a day.")]
-    reference = rag.ask("Who invented the Quarn loom?", passages=passages, max_tokens=16)
+    reference = warm(rag, "Who invented the Quarn loom?", passages=passages, max_tokens=16)
     reply = client.completions.create(model=MODEL, prompt="Who invented the Quarn loom?", max_tokens=16,
                                       extra_body={"passages": [{"title": t, "text": x} for t, x in passages]})
     assert reply.choices[0].text == reference.text
     assert [s["title"] for s in reply.model_extra["sources"]] == ["Quarn loom", "Tides"]
 
     chosen = [s["chunk_id"] for s in rag.retrieve("Everest", k=2)][::-1]
-    reference = rag.ask("Everest?", chunk_ids=chosen, max_tokens=8, ratio=0.3, mode="full")
+    reference = warm(rag, "Everest?", chunk_ids=chosen, max_tokens=8, ratio=0.3, mode="full")
     reply = client.completions.create(model=MODEL, prompt=["Everest?"], max_tokens=8,
                                       extra_body={"chunk_ids": chosen, "ratio": 0.3, "mode": "full"})
     assert reply.choices[0].text == reference.text

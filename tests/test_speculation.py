@@ -54,3 +54,5 @@ def test_speculation_answers_as_without_it_and_every_guess_ends(ivf_store, tiny_
         assert a.token_ids == b.token_ids
     assert counts["started"] == counts["kept"] + counts["dropped"]
     assert counts["started"] > 0  # the early stages' top-k gave something to speculate on
+    assert counts["dropped"] > 0  # some early top-k was wrong: its prefill was cancelled, and the answer still right
+    assert counts["kept"] > 0  # and some was right: its prefill became the answer

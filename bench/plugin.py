@@ -12,7 +12,8 @@ import typer
 NEEDS = ("matplotlib", "openai")
 
 
-def _missing() -> str | None:
+def missing() -> str | None:
+    """The first of the extra's packages this Python lacks, or None."""
     for name in NEEDS:
         try:
             if importlib.util.find_spec(name) is None:
@@ -22,15 +23,14 @@ def _missing() -> str | None:
     return None
 
 
-if (_absent := _missing()) is not None:
-    raise ModuleNotFoundError(f"No module named {_absent!r}", name=_absent)
-
-from kvrag.bench import commands, commands_parts, commands_systems  # noqa: F401  (each registers its commands)
-from kvrag.bench.typer_app import bench_app
-
-
 def register(app: typer.Typer, model_app: typer.Typer) -> None:
-    """`kvrag bench ...` on `app`, once (a process that runs the CLI twice, as the tests do, registers once)."""
+    """`kvrag bench ...` on `app`, once (a process that runs the CLI twice, as the tests do, registers once);
+    ModuleNotFoundError naming what is missing without the extra."""
+    if (absent := missing()) is not None:
+        raise ModuleNotFoundError(f"No module named {absent!r}", name=absent)
+    from kvrag.bench import commands, commands_parts, commands_systems  # noqa: F401  (each registers its commands)
+    from kvrag.bench.typer_app import bench_app
+
     if any(group.typer_instance is bench_app for group in app.registered_groups):
         return
     app.add_typer(bench_app, name="bench")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvrag.blend import keyformer
-from kvrag.blend.keyformer import RULES, KeepConfig, LayerView, ScoringKV
+from kvrag.blend.keyformer import KEEP_RULES, KeepConfig, LayerView, ScoringKV
 from kvrag.cli.common import load_runtime
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
@@ -30,7 +30,7 @@ from kvrag.store.chunks import chunk_id_for
 from kvrag.store.codec import encode
 
 KEEPS = (1.0, 0.7, 0.5, 0.3)
-RULE_NAMES = ("keyformer", "h2o", "window")
+RULE_NAMES = tuple(KEEP_RULES)  # keyformer, h2o, window
 CODECS = ("fp16", "int8")
 
 
@@ -42,7 +42,7 @@ class AllRulesKV(ScoringKV):
         self.cfgs = cfgs
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return torch.stack([RULES[c.rule][0](view, c).float() for c in self.cfgs])
+        return torch.stack([KEEP_RULES[c.rule][0](view, c).float() for c in self.cfgs])
 
 
 class QuestionAttentionKV(GrowingKV):

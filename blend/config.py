@@ -36,7 +36,7 @@ class BlendConfig:
     # selection score's total on its norm's scale (up to max_ratio): a prompt whose deviation is spread out gets more
     deviation_mass: float = 0.0
     max_ratio: float = 0.5
-    selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's RULES)
+    selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -45,8 +45,8 @@ class BlendConfig:
             raise KvragError(f"--check-layer must be >= 0, got {self.check_layer}")
         if self.deviation not in DEVIATIONS:
             raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
-        if self.selection not in selection.RULES:
-            raise KvragError(f"--selection must be one of {', '.join(selection.RULES)}, got {self.selection}")
+        if self.selection not in selection.SELECTION_RULES:
+            raise KvragError(f"--selection must be one of {', '.join(selection.SELECTION_RULES)}, got {self.selection}")
         if not 0.0 <= self.attention_weight < math.inf:
             raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
         if self.chunk_start_rows < 0:

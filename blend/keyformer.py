@@ -8,7 +8,7 @@ At precompute, the chunk's own queries (its tokens after the preamble, causally)
 
 and the chunk keeps a recent window plus its best-scoring tokens (`select`). A rule is one function of one
 layer's attention (`LayerView`) returning a score per (KV head, chunk key); a new rule is one function and one
-line in RULES, which also names the settings that change its result (they go into the store variant).
+line in KEEP_RULES, which also names the settings that change its result (they go into the store variant).
 
 The scores come from the chunk's own forward: `ScoringKV` is the GrowingKV target precompute uses, scoring each
 layer as it attends, so the KV stored is bit-for-bit what a full precompute stores, subset aside.
@@ -67,7 +67,7 @@ class KeepConfig:
         """The store variant of these settings ("" for full chunks): every setting that changes what is kept."""
         if not self.reduced:
             return ""
-        parts = [self.rule, f"keep={self.keep:g}"] + [f"{name}={_text(getattr(self, name))}" for name in RULES[self.rule][1]]
+        parts = [self.rule, f"keep={self.keep:g}"] + [f"{name}={_text(getattr(self, name))}" for name in KEEP_RULES[self.rule][1]]
         return ":".join(parts + (["per-layer"] if self.per_layer else []))
 
 
@@ -132,7 +132,7 @@ def window(view: LayerView, cfg: KeepConfig) -> torch.Tensor:
 
 Rule = Callable[[LayerView, KeepConfig], torch.Tensor]
 # name -> (rule, the KeepConfig settings besides keep that change its result)
-RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
+KEEP_RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "keyformer": (keyformer, ("recent", "tau", "seed")),
     "h2o": (h2o, ("recent",)),
     "window": (window, ("sinks",)),
@@ -140,9 +140,9 @@ RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
 
 
 def check_rule(rule: str, what: str) -> None:
-    """KvragError unless `rule` names one of RULES."""
-    if rule not in RULES:
-        raise KvragError(f"unknown {what} {rule!r} (choose {', '.join(RULES)})")
+    """KvragError unless `rule` names one of KEEP_RULES."""
+    if rule not in KEEP_RULES:
+        raise KvragError(f"unknown {what} {rule!r} (choose {', '.join(KEEP_RULES)})")
 
 
 class ScoringKV(GrowingKV):
@@ -169,7 +169,7 @@ class ScoringKV(GrowingKV):
 
     def score(self, view: LayerView) -> torch.Tensor:
         """One layer's scores [Hkv, T] (a benchmark overrides it to score several rules in one pass)."""
-        return RULES[self.cfg.rule][0](view, self.cfg).float()
+        return KEEP_RULES[self.cfg.rule][0](view, self.cfg).float()
 
 
 def chunk_generator(cfg: KeepConfig, chunk_id: str, device: torch.device) -> torch.Generator:

@@ -2,7 +2,7 @@
 best-scoring rows (as many as the ratio allows) are recomputed from there on.
 
 A rule is one function of what the check layer knows (`Check`) and the blend's settings, returning one score per
-row (higher: recompute sooner; inf: always). A new rule is one function and one line in RULES; BlendConfig's
+row (higher: recompute sooner; inf: always). A new rule is one function and one line in SELECTION_RULES; BlendConfig's
 `selection` names the rule a blend uses.
 """
 
@@ -55,12 +55,12 @@ def reading(check: Check, config: BlendConfig) -> torch.Tensor:
     return suffix_attention(check.q_suffix, check.k_rotated, check.group)
 
 
-RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {"cacheblend": cacheblend, "reading": reading}
+SELECTION_RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {"cacheblend": cacheblend, "reading": reading}
 
 
 def score(check: Check, config: BlendConfig) -> torch.Tensor:
     """The configured rule's score [R], with the chunk starts `config.chunk_start_rows` forces in set to inf."""
-    result = RULES[config.selection](check, config)
+    result = SELECTION_RULES[config.selection](check, config)
     if config.chunk_start_rows and check.chunk_starts is not None:
         forced = chunk_start_mask(check.rows, check.chunk_starts, config.chunk_start_rows)
         result = result.masked_fill(forced, math.inf)

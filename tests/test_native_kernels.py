@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels import fp16_to_bf16, native, row_attention
+from kvrag.kernels.attention import attend_few_rows
 from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.model.files import resolve_model
 from kvrag.model.generate import prefill
@@ -336,3 +337,52 @@ def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
     whole = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, *model.positions_cos_sin(torch.arange(6)))
     with pytest.raises(RuntimeError, match="rotary"):
         whole(5, model.embed_tokens[0].clone(), torch.empty(vocab), 1, rotary=6)
+
+
+# ---- the decode step's pieces (kernels/decode.cpp) alone -------------------------------------------------
+
+needs_native = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", [(1, 16), (7, 576), (960, 576), (576, 1536), (4099, 64)])
+def test_native_gemv_equals_linear_up_to_one_bf16_step(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
+    exact = w.double() @ x.double()  # [N]
+    got = native_decode.gemv(w, x, torch.empty(n, dtype=torch.bfloat16), n_threads=2)
+    ref = torch.nn.functional.linear(x[None], w)[0]
+    step = exact.abs().clamp(min=1e-6) * 2 ** -7  # one bf16 ulp (8 significant bits), or less
+    assert ((got.double() - exact).abs() <= step).all()
+    assert ((got.double() - ref.double()).abs() <= step).all()
+    wide = native_decode.gemv(w, x, torch.empty(n), n_threads=1)  # float32 out: the bf16 values, widened
+    torch.testing.assert_close(wide, got.float(), rtol=0, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("keys, n_kv, group, dim", [(1, 3, 3, 64), (15, 3, 3, 64), (333, 3, 3, 64), (2049, 2, 4, 128),
+                                                    (100, 4, 1, 16)])
+def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
+    """One row over the first `keys` cache rows, against float64 SDPA; rows past them are never read."""
+    g = torch.Generator().manual_seed(keys * 7 + dim)
+    q = torch.randn(n_kv * group, dim, generator=g).bfloat16()  # [Hq, D]
+    k = (torch.randn(keys + 9, n_kv, dim, generator=g) * 3).bfloat16()  # [S + 9, Hkv, D]
+    v = torch.randn(keys + 9, n_kv, dim, generator=g).bfloat16()
+    k[keys:], v[keys:] = float("nan"), float("nan")  # past the keys: must not leak in
+    got = native_decode.attention(q, k, v, torch.empty_like(q), keys, dim ** -0.5)
+    expand = lambda x: x[:keys].double().repeat_interleave(group, dim=1).transpose(0, 1)  # noqa: E731 [Hq, S, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], expand(k), expand(v))[:, 0]
+    torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-3)
+    few = attend_few_rows(q[None], k[:keys], v[:keys], group)[0].view_as(q)
+    torch.testing.assert_close(got.float(), few.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@needs_native
+def test_native_kernels_refuse_shapes_they_cannot_take():
+    with pytest.raises(RuntimeError):
+        native_decode.gemv(torch.zeros(4, 17, dtype=torch.bfloat16), torch.zeros(17, dtype=torch.bfloat16),
+                           torch.empty(4, dtype=torch.bfloat16))
+    q = torch.zeros(18, 64, dtype=torch.bfloat16)  # 9 query heads a KV head: more than the kernel keeps
+    kv = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        native_decode.attention(q, kv, kv, torch.empty_like(q), 4, 0.125)

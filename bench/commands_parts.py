@@ -26,12 +26,12 @@ from kvrag.errors import KvragError
 MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
 
 
-def _stamped(report: dict) -> dict:
+def stamped(report: dict) -> dict:
     """A bench's report with the command line that made it first."""
     return {"command": " ".join(["kvrag", *sys.argv[1:]]), **report}
 
 
-def _emit(report: dict, render, as_json: bool) -> None:
+def emit(report: dict, render, as_json: bool) -> None:
     """The report as JSON on stdout, or its markdown table."""
     if as_json:
         print_json(report)
@@ -190,10 +190,10 @@ def bench_tiers(
                          reorder_window=reorder_window, queue_depth=queue_depth, profile_layers=profile_layers,
                          refresh_profile=refresh_profile, profile=profile, measure_load=measure_load)
     try:
-        report = _stamped(run(cfg))
+        report = stamped(run(cfg))
     except ValueError as exc:  # k over the passages the data set has
         raise KvragError(str(exc)) from None
-    _emit(report, render, as_json)
+    emit(report, render, as_json)
 
 
 @bench_app.command("model")

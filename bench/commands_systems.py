@@ -1,8 +1,5 @@
-"""`kvrag bench serve | search | index | remote | keyformer | gpu`: the benchmarks of a whole system.
-
-Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
-stdout (or stderr with the progress, where the module says so), --json where the module has a report.
-"""
+"""`kvrag bench serve | search | index | remote | keyformer | gpu`: the benchmarks of a whole system, each
+parsing its options and handing over to its module as bench/commands_parts.py's do."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from kvrag.bench.commands_parts import MUSIQUE_HELP, _emit, _stamped  # noqa: F401
+from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, stamped
 from kvrag.bench.typer_app import bench_app
 from kvrag.cli.common import (
     DTYPE_OPTION,
@@ -76,10 +73,10 @@ def bench_serve(
         zipf=zipf, k=k, max_tokens=max_tokens, latency_runs=latency_runs, model=model, dtype=dtype)
     store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
                                      lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
-    report = _stamped(run(replace(cfg, store=store_dir, questions=texts),
+    report = stamped(run(replace(cfg, store=store_dir, questions=texts),
                           lambda m: log.print(m, soft_wrap=True, highlight=False)))
     (work / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    _emit(report, markdown, as_json)
+    emit(report, markdown, as_json)
 
 
 def _serve_inputs(work: Path, dataset: Path | None, split: str, store: Path | None, questions: Path | None,
@@ -163,8 +160,8 @@ def bench_index(
         bars.update(tasks[name], completed=added)
 
     with bars:
-        report = _stamped(run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress))
-    _emit(report, markdown, as_json)
+        report = stamped(run(cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True), progress=progress))
+    emit(report, markdown, as_json)
 
 
 @bench_app.command("remote")
@@ -185,8 +182,8 @@ def bench_remote(
     from kvrag.bench.remote import Plan, markdown, run
 
     console = stderr_console()
-    report = _stamped(run(Plan(items, dataset, url, max_tokens), lambda m: console.print(m, highlight=False)))
-    _emit(report, markdown, as_json)
+    report = stamped(run(Plan(items, dataset, url, max_tokens), lambda m: console.print(m, highlight=False)))
+    emit(report, markdown, as_json)
 
 
 @bench_app.command("keyformer")
@@ -240,7 +237,7 @@ def bench_keyformer(
         from kvrag.bench import keyformer as bench
 
         result = bench.run(chosen, model, dtype)
-    _emit(result, bench.markdown, as_json)
+    emit(result, bench.markdown, as_json)
 
 
 @bench_app.command("gpu")
@@ -276,7 +273,7 @@ def bench_gpu(
     plan = gpu.Plan(smoke=cpu_smoke, items=items or (2 if cpu_smoke else 50),
                     items_8b=items_8b or (2 if cpu_smoke else 10), skip_8b=skip_8b, dataset=dataset)
     progress = stderr_console()
-    report = _stamped(gpu.run(plan, lambda m: progress.print(m, highlight=False, soft_wrap=True)))
+    report = stamped(gpu.run(plan, lambda m: progress.print(m, highlight=False, soft_wrap=True)))
     if out is not None:
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    _emit(report, gpu.markdown, as_json)
+    emit(report, gpu.markdown, as_json)

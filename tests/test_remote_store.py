@@ -284,8 +284,10 @@ def test_a_create_only_put_keeps_the_object_that_was_there(objects):
 
 
 def test_two_writers_of_one_chunk_leave_one_whole_object(s3, objects, local_env):
-    """Two machines store the same chunk at once, past their has() checks: exactly one create-only PUT wins and the
-    object is that writer's, whole (the two encode it differently, compressed and not, so an overwrite shows)."""
+    """Two machines store the same chunk at once, past their has() checks: one whole object is left, one of the two
+    writers' (they encode it differently, compressed and not). Which, and whether the other's create-only PUT is
+    refused, is the server's race: SeaweedFS checks If-None-Match apart from the write, so under a true race both
+    may land (the later whole object stays); a refused second PUT is tested on its own above."""
     local = KVTable(local_env, MODEL)
     ids, layers = tokens_for(13, 30), layers_for(13, 30, N_LAYERS)
     local.put_chunk("c1", ids, layers)
@@ -302,9 +304,8 @@ def test_two_writers_of_one_chunk_leave_one_whole_object(s3, objects, local_env)
         t.start()
     for t in threads:
         t.join()
-    assert sorted(stored for stored, _ in results.values()) == [False, True]
-    winner = next(packed for stored, packed in results.values() if stored)
-    assert objects.get(RemoteKVTable(objects, MODEL).key("c1")) == winner
+    assert True in [stored for stored, _ in results.values()]
+    assert objects.get(RemoteKVTable(objects, MODEL).key("c1")) in [packed for _, packed in results.values()]
     remote = RemoteKVTable(objects, MODEL)
     assert remote.chunk_ids() == ["c1"] and not remote.damaged
     chunk = remote.get_chunk("c1", ids)

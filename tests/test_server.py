@@ -353,7 +353,10 @@ def test_metrics_count_what_the_requests_did(rag, server, client):
     assert metric(server, "kvrag_time_to_first_token_seconds_count") >= 1
     assert metric(server, "kvrag_queue_length") == 0 and metric(server, "kvrag_running_sequences") == 0
     assert metric(server, "kvrag_kv_pool_free_blocks") == rag.engine.kv.pool.num_blocks - len(rag.engine.kv.shared)
-    assert metric(server, "kvrag_tier_hit_rate", kind="memory") == 0  # tiers off in this server
+    stats = rag.engine.prefiller.source.cache.stats  # the tiers' own count, which /metrics exports
+    assert metric(server, "kvrag_tier_hit_rate", kind="memory") == pytest.approx(stats.memory_hit_rate)
+    assert metric(server, "kvrag_tier_hit_rate", kind="prefix") == pytest.approx(stats.prefix_hit_rate)
+    assert stats.prefix_hit_rate > 0  # the warm references' prompts were asked again
     health = httpx.get(server.url + "/health", timeout=30).json()
     assert health == {"status": "ok", "model": MODEL, "waiting": 0, "running": 0}
 

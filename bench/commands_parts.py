@@ -1,4 +1,4 @@
-"""`kvrag bench engine | decode | cold | codec | precompute | tiers | model`: the benchmarks of one part.
+"""`kvrag bench engine | decode | cold | load | codec | precompute | tiers | model`: the benchmarks of one part.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
 stdout (or stderr with the progress, where the module says so), --json where the module has a report.
@@ -98,6 +98,36 @@ def bench_cold(
         raise KvragError(f"{store} is not a store directory (--store)")
     rows = cold.run(str(store), runs, baseline, ask_args or ["-k", "1", "--max-tokens", "64"])
     typer.echo(cold.report(rows))
+
+
+@bench_app.command("load")
+def bench_load(
+    chunks: int = typer.Option(10, "--chunks", min=1, help="Chunks in the prompt (the store's)."),
+    tokens: int = typer.Option(600, "--tokens", min=1, help="Tokens a chunk."),
+    threads: int = typer.Option(2, "--threads", min=1, help="Staging threads (and the memcpy's)."),
+    codec: str = typer.Option("fp16", "--codec", help="fp16, bf16 or int8."),
+    compressed: bool = typer.Option(False, "--compressed/--raw", help="Store the values zstd-compressed."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """The host side of loading stored KV, on this machine: staging GB/s against memcpy's, the staging thread's
+    time a layer, and the staged loader's copies and launches a layer, for an 8B-shaped store of random KV.
+
+    Example: kvrag bench load --json
+    """
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():  # the fused loader's kernel, counted in Triton's interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a Triton kernel is decorated: set first
+    from kvrag.bench import load
+    from kvrag.store.keys import codec_id
+
+    codec_id(codec)  # a bad codec is one line, before the store is built
+    console = stderr_console()
+    report = stamped(load.run(chunks, tokens, threads, codec, compressed,
+                              log=lambda line: console.print(line, highlight=False)))
+    emit(report, load.render, as_json)
 
 
 @bench_app.command("codec")

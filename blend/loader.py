@@ -1,25 +1,21 @@
-"""The layer loader: reads, checks, decodes and places chunk KV one layer ahead of the compute.
+"""The layer loaders: chunk KV read, checked, decoded and placed one layer ahead of the compute.
 
-A reader thread reads each layer's values from LMDB ahead of the compute (the part that waits on the disk).
-Decoding (checksum, zstd, byte planes, the cast) is split into one item per stored chunk, which any of three
-workers may claim, so that where it runs depends on who else wants the cores:
-  CUDA       the reader decodes too, pins the buffer and copies it on a side stream: the CPU is otherwise idle.
-  CPU        the compute keeps every core busy, and a thread decoding beside it at normal priority stalls the
-             compute's OpenMP regions whenever it takes a core (docs/design.md, "The layer loader"). So a decoder
-             thread at idle priority (Linux SCHED_IDLE: it runs only on a core nothing else wants) decodes ahead
-             in the gaps between the compute's ops, and the consumer claims whatever items are left when it asks
-             for the layer, spread over a small pool (zstd and numpy release the GIL); where idle priority is
-             unavailable, everything is decoded at hand-over. A decoder that starves (other processes keep every
-             core busy) is turned off for a while (layer_work.DecoderPause).
-The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model on the
-CPU over fp16 values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload.
-Given the chunk rows' positions (or their rotary angles, `rope`), the loader hands out keys rotated to their places
-in the prompt: that native pass rotates them on the way (the same bits as torch's rotary), elsewhere the consumer
-rotates the layer with torch as it takes it.
-Fused (on a GPU with Triton; on the CPU only when asked, under TRITON_INTERPRET): a stored chunk goes to the device
-as stored (int8 with its scales, 4x fewer bytes than dequantised on the host), the host doing zstd, the checksum
-and (16-bit) the byte planes alone, and one launch of kernels/triton_load.load_chunk dequantises it, rotates its
-keys to the rows' positions and writes it in the model's dtype into the layer's rows on the device.
+`open_loader` picks one. The staged loader (blend/staged_loader.py: one host slot, one copy and one launch a layer)
+serves a GPU, the fused load and `decode="thread"`. On a CPU otherwise, LayerLoader below decodes where the cores
+allow: a reader thread reads each layer's values from LMDB ahead of the compute (the part that waits on the disk);
+decoding (checksum, zstd, byte planes, the cast) is split into one item per stored chunk, which either of two
+workers may claim. The compute keeps every core busy, and a thread decoding beside it at normal priority stalls the
+compute's OpenMP regions whenever it takes a core (docs/design.md, "The layer loader"). So a decoder thread at idle
+priority (Linux SCHED_IDLE: it runs only on a core nothing else wants) decodes ahead in the gaps between the
+compute's ops ("idle"), and the consumer claims whatever items are left when it asks for the layer, spread over a
+small pool (zstd and numpy release the GIL); where idle priority is unavailable, everything is decoded at hand-over
+("hand-over"). A decoder that starves (other processes keep every core busy) is turned off for a while
+(layer_work.DecoderPause).
+The decoded buffer is left in the stored dtype and the consumer's copy casts, except for a bf16 model over fp16
+values: a native pass (kernels/fp16_to_bf16.cpp) writes them as bf16 straight from the payload. Given the chunk
+rows' positions (or their rotary angles, `rope`), the loader hands out keys rotated to their places in the prompt:
+that native pass rotates them on the way (the same bits as torch's rotary), elsewhere the consumer rotates the
+layer with torch as it takes it.
 A value that fails its checksum is never handed out: the consumer gets `CorruptChunk` naming the chunk, and
 recomputes it.
 """
@@ -32,14 +28,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from kvrag.blend.layer_work import (
     STARVED_WAIT_S,
-    TORCH_DTYPES,
     ChunkRef,
     CorruptChunk,
     DecoderPause,
@@ -51,18 +45,34 @@ from kvrag.blend.layer_work import (
     idle_priority_available,
     layer_shape,
 )
+from kvrag.blend.staged_loader import StagedLoader
+from kvrag.blend.staging import StagingArea
 from kvrag.kernels import fp16_to_bf16, triton_mode
 from kvrag.model import rotary
 from kvrag.model.device import triton_available
 from kvrag.store.codec import (
     FLAG_SHUFFLED,
     CorruptValue,
-    StoredKV,
-    stored_kv,
 )
 from kvrag.store.kv import KVTable, MissingChunk, RawLayer
 
-DECODE_MODES = ("thread", "hand-over", "idle")
+DECODE_MODES = ("thread", "hand-over", "idle")  # "thread": the staged loader's
+
+
+def open_loader(table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int], dtype: torch.dtype,
+                device: torch.device, *, area: StagingArea | None = None, decode: str | None = None,
+                fused: bool | None = None, positions: torch.Tensor | None = None,
+                inv_freq: torch.Tensor | None = None, pause: DecoderPause | None = None, delay_s: float = 0.0,
+                native: bool = True, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The loader for this load: the staged one on a GPU, for the fused load or for decode="thread" (through
+    `area`, the engine's staging slots; a fresh one if None), else a LayerLoader decoding on the CPU."""
+    is_fused = wants_fused(fused, device, positions, inv_freq)
+    if device.type == "cuda" or is_fused or decode == "thread":
+        area = area if area is not None else StagingArea(pinned=device.type == "cuda")
+        return StagedLoader(table, chunks, layers, dtype, device, area, delay_s=delay_s, positions=positions,
+                            inv_freq=inv_freq, fused=is_fused, rope=rope)
+    return LayerLoader(table, chunks, layers, dtype, device, delay_s=delay_s, decode=decode, positions=positions,
+                       inv_freq=inv_freq, pause=pause, native=native, rope=rope)
 
 
 class LayerLoader:
@@ -72,27 +82,25 @@ class LayerLoader:
     `positions` [C] and `inv_freq` [hd/2] float32 (the model's): the chunk rows' absolute positions, to which keys
     are then handed out rotated (`rotated`), else before rotary; or `rope` instead: their cos, sin [C, 1, hd] in the
     model's dtype (model.positions_cos_sin).
-    `fused` (see the module doc; only where `positions` are given): stored chunks loaded by the Triton kernel; None
-    picks it on CUDA where Triton is installed. On the CPU it needs TRITON_INTERPRET=1.
-    `decode` (see the module doc): "thread" (the reader decodes), "hand-over" (the consumer decodes), "idle" (a
-    decoder thread at idle priority decodes ahead, the consumer the rest); None picks "thread" on CUDA, "idle"
-    on a CPU where idle priority exists and `pause` (shared by an engine's loaders) is not on, else "hand-over".
+    `decode` (see the module doc): "hand-over" (the consumer decodes), "idle" (a decoder thread at idle priority
+    decodes ahead, the consumer the rest); None picks "idle" where idle priority exists and `pause` (shared by an
+    engine's loaders) is not on, else "hand-over". `native`: the fp16 -> bf16 pass where it is built.
     """
 
     def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
                  dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
                  decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
-                 fused: bool | None = None, pause: DecoderPause | None = None):
+                 pause: DecoderPause | None = None, native: bool = True):
         self.pause = pause if pause is not None else DecoderPause()
         if decode is None:
-            idle = idle_priority_available() and not self.pause.active()
-            decode = "thread" if device.type == "cuda" else "idle" if idle else "hand-over"
-        if decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode}")
+            decode = "idle" if idle_priority_available() and not self.pause.active() else "hand-over"
+        if decode not in ("hand-over", "idle") or device.type != "cpu":
+            raise ValueError(f"LayerLoader decodes on the CPU, by hand-over or idle, not {decode} on {device.type} "
+                             "(open_loader picks the staged loader for the others)")
+        self.native = native
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
-        self.fused = wants_fused(fused, device, positions, inv_freq)
         if positions is not None:
             positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)  # [C], [hd/2]
             if rope is None:  # in-memory chunks (and a load that is not fused) are rotated with torch
@@ -102,8 +110,8 @@ class LayerLoader:
         for ref in self.chunks:
             self._starts.append(self._starts[-1] + ref.n_rows)
         self._ready = {layer: threading.Event() for layer in self.layers}
-        # a read layer, (k, v, keys rotated) once decoded and transferred (CUDA), or the failure to hand on
-        self._results: dict[int, LayerWork | tuple[torch.Tensor, torch.Tensor, bool] | BaseException] = {}
+        # a read layer, or the failure to hand on
+        self._results: dict[int, LayerWork | BaseException] = {}
         self._slots = threading.Semaphore(lookahead)
         self._stop = False
         # ("load" | "decode" | "decode-ahead", layer, start, end): reads, decoding by the reader or the consumer,
@@ -111,12 +119,7 @@ class LayerLoader:
         self.spans: list[tuple[str, int, float, float]] = []
         self.ahead_cpu_s = 0.0  # the idle-priority decoder's CPU time
         self.bytes_read = 0
-        # fused: the block table of the layer viewed as a pool of one block
-        self._one_block = torch.zeros(1, dtype=torch.int32, device=device) if self.fused else None
-        self._stream = torch.cuda.Stream() if device.type == "cuda" else None
-        if self._stream is not None:  # its work reads what the caller's stream made (rope, in-memory chunks)
-            self._stream.wait_stream(torch.cuda.current_stream())
-        self._pool_threads = 1 if decode == "thread" else max(1, torch.get_num_threads())
+        self._pool_threads = max(1, torch.get_num_threads())
         self._pool = None if self._pool_threads == 1 else ThreadPoolExecutor(self._pool_threads - 1,
                                                                              thread_name_prefix="kvrag-decode")
         self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
@@ -141,18 +144,10 @@ class LayerLoader:
         self._slots.release()
         if isinstance(result, BaseException):
             raise result
-        if isinstance(result, LayerWork):  # read; decoded in part or not at all
-            start = time.perf_counter()
-            if self._finish(result):
-                self.spans.append(("decode", index, start, time.perf_counter()))
-            result = result.k, result.v, result.rotates
-        k, v, rotated = result
-        if self._stream is not None:
-            current = torch.cuda.current_stream()
-            current.wait_stream(self._stream)
-            for x in (k, v):  # made on the side stream, used (and freed) on this one
-                if x.is_cuda:
-                    x.record_stream(current)
+        start = time.perf_counter()  # read; decoded in part or not at all
+        if self._finish(result):
+            self.spans.append(("decode", index, start, time.perf_counter()))
+        k, v, rotated = result.k, result.v, result.rotates
         if self.rope is not None and not rotated:
             k = rotary.rotate(k.to(self.dtype), *self.rope)
         return k, v
@@ -190,15 +185,9 @@ class LayerLoader:
                     start = time.perf_counter()
                     work = self._work(self._fetch(layer))
                     self.spans.append(("load", layer, start, time.perf_counter()))
-                    if self.decode == "thread":
-                        start = time.perf_counter()
-                        self._finish(work)
-                        self.spans.append(("decode", layer, start, time.perf_counter()))
-                        self._results[layer] = (*self._transfer(work.k, work.v), work.rotates)
-                    else:
-                        self._results[layer] = work
-                        if self._ahead is not None:
-                            self._ahead.put((layer, work))
+                    self._results[layer] = work
+                    if self._ahead is not None:
+                        self._ahead.put((layer, work))
                 except BaseException as exc:  # handed to the consumer, which decides
                     failure = exc
             if failure is not None:
@@ -235,10 +224,7 @@ class LayerLoader:
             self._pause_decoder()
         if work.error is not None:
             raise work.error
-        with self._side_stream() if work.k.is_cuda else nullcontext():
-            if work.staged:
-                self._load_staged(work)
-            self._copy_in_memory(work)
+        self._copy_in_memory(work)
         return did
 
     def _copy_in_memory(self, work: LayerWork) -> None:
@@ -255,43 +241,11 @@ class LayerLoader:
                     work.k[rows] = item[0]
                 work.v[rows] = item[1]
 
-    def _load_staged(self, work: LayerWork) -> None:
-        """Fused: each staged chunk's payload to the device as stored, then one kernel launch that dequantises it,
-        rotates its keys and writes its rows of work.k, work.v [C, Hkv, hd] (viewed as a pool of one block)."""
-        from kvrag.kernels import triton_load  # imports Triton: only where it runs
-
-        n_rows = work.k.shape[0]
-        for i, kv in sorted(work.staged.items()):
-            start, end = self._starts[i], self._starts[i + 1]
-            k, v, k_scale, v_scale = (self._upload(a) for a in (kv.k, kv.v, kv.k_scale, kv.v_scale))
-            triton_load.load_chunk(k, v, k_scale, v_scale, self.positions[start:end], self.inv_freq, work.k[None],
-                                   work.v[None], self._one_block, start, n_rows, k_per_channel=kv.k_per_channel)
-
-    def _upload(self, array: np.ndarray | None) -> torch.Tensor | None:
-        """A host array on the device: copied into a fresh (on CUDA pinned) tensor, then sent on the current
-        stream. The copy makes the array's bytes writable torch memory: it may view the read-only stored value."""
-        if array is None:
-            return None
-        host = torch.empty(array.shape, dtype=TORCH_DTYPES[array.dtype],
-                           pin_memory=self._stream is not None)
-        host.numpy()[...] = array
-        return host.to(self.device, non_blocking=True)
-
-    def _side_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-
     def _pause_decoder(self) -> None:
         """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,
         in new loaders that share `pause` too."""
         self._decoder_off = True
         self.pause.start()
-
-    def _transfer(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA: pinned and copied to the device on the side stream; elsewhere as they are."""
-        if self._stream is None or k.is_cuda:  # the fused load writes on the device
-            return k, v
-        with torch.cuda.stream(self._stream):
-            return k.pin_memory().to(self.device, non_blocking=True), v.pin_memory().to(self.device, non_blocking=True)
 
     def _fetch(self, layer: int) -> list:
         """Per chunk: its (k, v) tensors when in memory, else its stored value read and checked against the
@@ -311,14 +265,7 @@ class LayerLoader:
         stored = [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)]
         shape = layer_shape(fetched)
         rows = self._starts[-1]
-        if self.fused:
-            with self._side_stream():  # made where the kernel writes them (see `layer`)
-                k_out = torch.empty((rows, *shape), dtype=self.dtype, device=self.device)  # [C, Hkv, hd]
-                v_out = torch.empty_like(k_out)
-            staged: dict[int, StoredKV] = {}
-            return LayerWork(fetched, stored, k_out, v_out, lambda i: self._stage(fetched, i, staged, shape),
-                              rotates=True, staged=staged)
-        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and fp16_to_bf16.available() and all(
+        if self.dtype == torch.bfloat16 and self.native and fp16_to_bf16.available() and all(
                 fetched[i].codec == "fp16" for i in stored):
             k_out = torch.empty((rows, *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
             v_out = torch.empty_like(k_out)
@@ -349,11 +296,6 @@ class LayerLoader:
             fp16_to_bf16.convert(body, planes, k_out[rows], v_out[rows])
         else:
             fp16_to_bf16.convert_rotated(body, planes, k_out[rows], v_out[rows], self.rope[0][rows], self.rope[1][rows])
-
-    def _stage(self, fetched: list, i: int, staged: dict[int, StoredKV], shape) -> None:
-        """Fused: stored chunk i checked and decompressed, its K and V as stored (int8 not dequantised) into
-        staged[i], for `_load_staged` to load on the device."""
-        staged[i] = stored_kv(*checked_body(self.chunks[i], fetched[i], self._rows(i), shape))
 
     def _rows(self, i: int) -> int:
         return self._starts[i + 1] - self._starts[i]

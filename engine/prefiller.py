@@ -18,7 +18,8 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.keyformer import AttentionScore, KeepConfig
 from kvrag.blend.layer_work import ChunkRef, CorruptChunk, DecoderPause
-from kvrag.blend.loader import LayerLoader
+from kvrag.blend.loader import open_loader
+from kvrag.blend.staging import StagingArea
 from kvrag.engine.chunk_source import ChunkSource
 from kvrag.errors import KvragError
 from kvrag.model.cache import DecodeCache
@@ -128,6 +129,8 @@ class Prefiller:
         self.source = source if source is not None else ChunkSource(runtime, None, self.preamble)
         self.load_delay_s = load_delay_s
         self.decoder_pause = DecoderPause()  # this prefiller's loaders' idle decoder, off for a while once starved
+        # the staged loader's host slots (pinned on a GPU) and threads, for this prefiller's life
+        self.staging = StagingArea(pinned=self.model.device.type == "cuda")
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
 
     @classmethod
@@ -215,9 +218,9 @@ class Prefiller:
             positions = None
             if lease is None:  # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix
                 positions = layout.positions[:loaded_rows]
-            loader = LayerLoader(source.table, refs, layers, self.model.dtype, self.model.device,
+            loader = open_loader(source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
                                  delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
-                                 fused=self.model.triton, pause=self.decoder_pause).start()
+                                 fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
         try:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,

@@ -37,23 +37,27 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 POSITION_DTYPES = (torch.int32, torch.int64)
 BLOCK_T = 16  # tokens per program (not tuned: no GPU to measure on); BLOCK_T x hd of K and V in float32
-K_NONE, K_PER_CHANNEL, K_PER_TOKEN = 0, 1, 2  # the kernel's K-scale layouts
+K_NONE, K_PER_CHANNEL, K_PER_TOKEN, K_PER_CHUNK_CHANNEL = 0, 1, 2, 3  # the kernel's K-scale layouts
 FP_FUSION = False  # no FMA on a GPU: the rotation rounds its two products as the twin does
 
 
 def load_chunk_twin(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                     positions: torch.Tensor, inv_freq: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                     block_table: torch.Tensor, first_row: int, block_size: int, *,
-                    k_per_channel: bool | None = None) -> None:
+                    k_per_channel: bool | None = None, scale_chunk: torch.Tensor | None = None) -> None:
     """The spec, in torch: write the chunk's rotated K and its V to rows first_row.. of the pool (in place).
+    `scale_chunk` int32 [T]: the rows are several chunks' (a staged layer), row t's K scales k_scale[scale_chunk[t]]
+    of k_scale [n_chunks, Hkv, hd] (per channel, per chunk).
 
     k, v [T, Hkv, hd]; k_scale None, [Hkv, hd] or [T, Hkv] (k_per_channel says which where T == Hkv == hd);
     v_scale None or [T, Hkv]; positions [T]; inv_freq [hd/2] float32; pool_k, pool_v [num_blocks, block_size,
     Hkv, hd]; block_table [M] int32."""
     t, h, hd = k.shape
     half = hd // 2
-    per_channel = _k_layout(k.shape, k_scale, k_per_channel) == K_PER_CHANNEL
-    kf = _dequantise(k, k_scale, per_channel)  # [T, Hkv, hd] float32
+    if scale_chunk is not None:
+        kf = k.to(torch.float32) * k_scale[scale_chunk.long()]  # [T, Hkv, hd] float32
+    else:
+        kf = _dequantise(k, k_scale, _k_layout(k.shape, k_scale, k_per_channel) == K_PER_CHANNEL)
     vf = _dequantise(v, v_scale, False)  # [T, Hkv, hd] float32
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, hd/2]
@@ -74,7 +78,7 @@ def _dequantise(x: torch.Tensor, scale: torch.Tensor | None, per_channel: bool) 
 
 
 @triton.jit
-def _load_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, inv_ptr, pool_k_ptr, pool_v_ptr, table_ptr,
+def _load_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, chunk_ptr, pos_ptr, inv_ptr, pool_k_ptr, pool_v_ptr, table_ptr,
                  n_tokens, first_row, block_size, kv_layer_stride, ks_layer_stride, vs_layer_stride,
                  pool_layer_stride, H: tl.constexpr, HALF: tl.constexpr, K_SCALE: tl.constexpr,
                  V_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -94,6 +98,11 @@ def _load_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, inv_ptr, pool_k_ptr, poo
         ks = ks_ptr + layer * ks_layer_stride + head * (2 * HALF) + d
         k1 = k1 * tl.load(ks, mask=d < HALF, other=0)[None, :]
         k2 = k2 * tl.load(ks + HALF, mask=d < HALF, other=0)[None, :]
+    if K_SCALE == 3:  # per (chunk, head, channel): row t's chunk from the map
+        owner = tl.load(chunk_ptr + t, mask=t_ok, other=0).to(tl.int64)  # [BLOCK_T]
+        ks = ks_ptr + layer * ks_layer_stride + (owner * H + head)[:, None] * (2 * HALF) + d[None, :]
+        k1 = k1 * tl.load(ks, mask=mask, other=0)
+        k2 = k2 * tl.load(ks + HALF, mask=mask, other=0)
     if K_SCALE == 2:  # per (token, head)
         kst = tl.load(ks_ptr + layer * ks_layer_stride + t * H + head, mask=t_ok, other=0)[:, None]
         k1, k2 = k1 * kst, k2 * kst
@@ -130,7 +139,7 @@ def _to_pool(x, out_ty: tl.constexpr):
 def load_chunk(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                positions: torch.Tensor, inv_freq: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                block_table: torch.Tensor, first_row: int, block_size: int, *,
-               k_per_channel: bool | None = None) -> None:
+               k_per_channel: bool | None = None, scale_chunk: torch.Tensor | None = None) -> None:
     """load_chunk_twin in one Triton launch (same arguments); ValueError on any input it cannot take."""
     _check_ndim(k=(k, 3), v=(v, 3), pool_k=(pool_k, 4), pool_v=(pool_v, 4))
     if k_scale is not None:
@@ -138,7 +147,7 @@ def load_chunk(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v
     if v_scale is not None:
         v_scale = v_scale[None]
     _launch(k[None], v[None], k_scale, v_scale, positions, inv_freq, pool_k[None], pool_v[None], block_table,
-            first_row, block_size, k_per_channel)
+            first_row, block_size, k_per_channel, scale_chunk)
 
 
 def load_layers(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -154,18 +163,19 @@ def load_layers(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, 
 
 
 def _launch(k, v, k_scale, v_scale, positions, inv_freq, pool_k, pool_v, block_table, first_row, block_size,
-            k_per_channel) -> None:
+            k_per_channel, scale_chunk=None) -> None:
     """Check the layered inputs (k, v [L, T, Hkv, hd]; pools [L, num_blocks, block_size, Hkv, hd]) and launch."""
     n_layers, t, h, hd = k.shape
-    k_layout = _check_values(k, v, k_scale, v_scale, k_per_channel)
+    k_layout = _check_values(k, v, k_scale, v_scale, k_per_channel, scale_chunk)
     _check_rotary(positions, inv_freq, t, hd)
     _check_pool(pool_k, pool_v, n_layers, h, hd, block_size)
     _check_table(block_table, first_row, t, block_size)
-    _check_device(k, v, k_scale, v_scale, positions, inv_freq, pool_k, pool_v, block_table)
+    _check_device(k, v, k_scale, v_scale, scale_chunk, positions, inv_freq, pool_k, pool_v, block_table)
     dummy = k  # a pointer the kernel never reads where there is no scale
     grid = (triton.cdiv(t, BLOCK_T), h, n_layers)
     _load_kernel[grid](
-        k, v, dummy if k_scale is None else k_scale, dummy if v_scale is None else v_scale, positions, inv_freq,
+        k, v, dummy if k_scale is None else k_scale, dummy if v_scale is None else v_scale,
+        dummy if scale_chunk is None else scale_chunk, positions, inv_freq,
         pool_k, pool_v, block_table, t, first_row, block_size, k.stride(0),
         0 if k_scale is None else k_scale.stride(0), 0 if v_scale is None else v_scale.stride(0),
         pool_k.stride(0), H=h, HALF=hd // 2, K_SCALE=k_layout, V_SCALE=v_scale is not None,
@@ -194,7 +204,7 @@ def _check_ndim(**named: tuple[torch.Tensor, int]) -> None:
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
 
 
-def _check_values(k, v, k_scale, v_scale, k_per_channel) -> int:
+def _check_values(k, v, k_scale, v_scale, k_per_channel, scale_chunk=None) -> int:
     """k, v [L, T, Hkv, hd] and their scales (with the leading [L]); the kernel's K-scale layout."""
     n_layers, t, h, hd = k.shape
     if v.shape != k.shape or t < 1 or hd % 2:
@@ -214,6 +224,11 @@ def _check_values(k, v, k_scale, v_scale, k_per_channel) -> int:
             raise ValueError(f"{name} must be a contiguous float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
     if tuple(v_scale.shape[1:]) != (t, h):
         raise ValueError(f"v_scale must be [T, Hkv] = {(t, h)}, got {tuple(v_scale.shape[1:])}")
+    if scale_chunk is not None:
+        if scale_chunk.shape != (t,) or scale_chunk.dtype != torch.int32 or tuple(k_scale.shape[2:]) != (h, hd):
+            raise ValueError(f"scale_chunk must be int32 [T] = [{t}] over k_scale [n_chunks, Hkv, hd], got "
+                             f"{scale_chunk.dtype} {tuple(scale_chunk.shape)} and {tuple(k_scale.shape[1:])}")
+        return K_PER_CHUNK_CHANNEL
     return _k_layout(k.shape[1:], k_scale[0], k_per_channel)
 
 

@@ -135,13 +135,14 @@ class StoreEnv:
                 self.env.set_mapsize(0)
 
     @contextmanager
-    def reader(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction for code that iterates (cursors); prefer `read` elsewhere."""
+    def reader(self, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A read transaction for code that iterates (cursors), or (`buffers`) reads values as views of the map,
+        valid until the block ends; prefer `read` elsewhere."""
         try:
-            txn = self.env.begin(write=False)
+            txn = self.env.begin(write=False, buffers=buffers)
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)
-            txn = self.env.begin(write=False)
+            txn = self.env.begin(write=False, buffers=buffers)
         try:
             yield txn
         finally:

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import lmdb
@@ -133,6 +134,23 @@ class KVTable:
             lambda txn: (txn.get(key.to_bytes(), db=self.db), txn.get(key.layer(layer).to_bytes(), db=self.db))
         )
         return self._checked(chunk_id, layer, expect_token_ids, rec_raw, value)
+
+    @contextmanager
+    def layer_views(self, chunks: Sequence[tuple[str, TokenIds]], layer: int) -> Iterator[list[RawLayer | KvragError]]:
+        """One layer of these chunks in one read transaction, each checked against its record (MissingChunk or
+        CorruptValue in its place when it fails), its value a view of LMDB's map that stays valid inside the block:
+        the staging copies the values straight from the map, with no Python copy between."""
+        with self.env.reader(buffers=True) as txn:
+            out: list[RawLayer | KvragError] = []
+            for chunk_id, ids in chunks:
+                key = self.key(chunk_id)
+                rec_raw = txn.get(key.to_bytes(), db=self.db)
+                try:
+                    out.append(self._checked(chunk_id, layer, ids, None if rec_raw is None else bytes(rec_raw),
+                                             txn.get(key.layer(layer).to_bytes(), db=self.db)))
+                except (MissingChunk, CorruptValue) as exc:
+                    out.append(exc)
+            yield out
 
     def _checked(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value) -> RawLayer:
         """The value, once the chunk's record vouches for it; MissingChunk or CorruptValue otherwise."""

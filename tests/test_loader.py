@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag.blend.layer_work import ChunkRef, CorruptChunk
-from kvrag.blend.loader import LayerLoader
+from kvrag.blend.loader import LayerLoader, open_loader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -62,12 +62,12 @@ def test_every_layer_equals_the_stored_values(table, decode):
     with the consumer taking what is left (the CPU's ways): the same bytes."""
     kv_table, chunks = table
     refs = [ChunkRef(cid, ids) for cid, ids in chunks]
-    loader = LayerLoader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"),
-                         decode=decode)
+    loader = open_loader(kv_table, refs, range(N_LAYERS), torch.float32, torch.device("cpu"), decode=decode)
     for layer, (k, v) in enumerate(_load_all(loader)):
         want_k, want_v = _expected(kv_table, chunks, layer)
-        assert k.dtype == torch.float16  # the stored dtype: the consumer's copy casts
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        # the CPU's loaders hand out the stored dtype (the consumer's copy casts); the staged one, the model's
+        assert k.dtype == (torch.float32 if decode == "thread" else torch.float16)
+        assert torch.equal(k, want_k.to(k.dtype)) and torch.equal(v, want_v.to(v.dtype))
     assert {kind for kind, *_ in loader.spans} - {"decode-ahead"} <= {"load", "decode"}
     assert "load" in {kind for kind, *_ in loader.spans} and loader.busy_s > 0
 
@@ -192,8 +192,8 @@ def test_keys_come_rotated_to_their_positions_given_the_angles(table, monkeypatc
     inv_freq = 1.0 / (10000 ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD))
     rope = rotary.cos_sin(inv_freq, torch.arange(40, 40 + n_rows), dtype)  # rows placed after a 40-token preamble
     cpu = torch.device("cpu")
-    plain = _load_all(LayerLoader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode))
-    loader = LayerLoader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode, rope=rope)
+    plain = _load_all(open_loader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode))
+    loader = open_loader(kv_table, refs, range(N_LAYERS), dtype, cpu, decode=decode, rope=rope)
     assert loader.rotated
     for (k, v), (k_plain, v_plain) in zip(_load_all(loader), plain, strict=True):
         want = rotary.rotate(k_plain.to(dtype), *rope)

@@ -1,0 +1,240 @@
+"""Staging: a layer's stored chunks gathered, as stored, into one host buffer that is reused layer after layer.
+
+One layer of a question is a few dozen stored values (one per chunk), each 0.1-8 MB. The staging area keeps
+`slots` host buffers for the life of an engine (pinned where a GPU reads them; allocating pinned memory takes
+milliseconds a megabyte, so a buffer only ever grows), and fills one with a layer's chunks over a small pool of
+threads: the values are read as views of LMDB's map inside one read transaction (no copy into Python bytes), and
+each thread checks a chunk's checksum, decompresses it where it was stored compressed and copies it into its rows.
+zstd, numpy's copies and the page faults they take release the GIL; xxhash's checksum does not.
+
+The slot's layout, so that one host-to-device copy sends the whole layer and one kernel launch loads it:
+
+    K [C, Hkv, hd] | V [C, Hkv, hd]          in the stored dtype (float16, bfloat16, int8), C = the layer's rows
+    int8 only:  K scales [n_chunks, Hkv, hd] float32 (per channel) or [C, Hkv] (per token) | V scales [C, Hkv]
+
+Rows of chunks that are not staged (in memory already) are left as they were: the loader writes them afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvrag.store.codec import (
+    FLAG_K_PER_CHANNEL,
+    FLAG_SHUFFLED,
+    CorruptValue,
+    ValueHeader,
+    checked_body,
+)
+
+STORED_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+@dataclass
+class StagedLayer:
+    """Views of a slot holding one layer's stored chunks (layout in the module doc)."""
+
+    slot: int
+    flat: torch.Tensor  # uint8 [nbytes]: everything below, in one piece
+    k: torch.Tensor  # [C, Hkv, hd] stored dtype
+    v: torch.Tensor  # [C, Hkv, hd]
+    k_scale: torch.Tensor | None = None  # int8: [n_chunks, Hkv, hd] or [C, Hkv] float32
+    v_scale: torch.Tensor | None = None  # int8: [C, Hkv] float32
+    k_per_channel: bool = False
+    staged_bytes: int = 0  # stored bytes this layer read (before decompression)
+    host: dict[str, np.ndarray] | None = None  # the same sections as numpy arrays (16-bit values as uint16 bits)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer's slot holds: C rows of (Hkv, hd), chunk i's rows starts[i]..starts[i+1]-1, in `codec`."""
+
+    codec: str
+    rows: int
+    heads: int
+    head_dim: int
+    starts: tuple[int, ...]
+    k_per_channel: bool = False
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.starts) - 1
+
+    def sections(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of the slot's sections, in order."""
+        c, h, d = self.rows, self.heads, self.head_dim
+        kv_dtype = STORED_TORCH[self.codec]
+        out = [("k", kv_dtype, (c, h, d)), ("v", kv_dtype, (c, h, d))]
+        if self.codec == "int8":
+            out += [("k_scale", torch.float32, (self.n_chunks, h, d) if self.k_per_channel else (c, h)),
+                    ("v_scale", torch.float32, (c, h))]
+        return out
+
+
+class StageFailed(Exception):
+    """Chunk `index`'s stored value failed a check (the loader names the chunk and recomputes it)."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index, self.reason = index, reason
+
+
+class StagingArea:
+    """`slots` host buffers (pinned when `pinned`) and `threads` workers that fill them; one per engine.
+
+    A slot is taken with `acquire` (waiting until whoever used it last called `release`) and filled with `stage`.
+    """
+
+    def __init__(self, pinned: bool = False, slots: int = 2, threads: int = 2):
+        self.pinned = pinned
+        self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
+        self._free = [threading.Event() for _ in range(slots)]
+        for event in self._free:
+            event.set()
+        self._after: list[Callable[[], None] | None] = [None] * slots  # waits for a device copy out of the slot
+        self._device: list[torch.Tensor | None] = [None] * slots  # each slot's copy on the device (upload)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvrag-stage")
+        self.grown = 0  # buffer allocations, for the bench (a warm area allocates nothing)
+
+    @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    def acquire(self, index: int) -> int:
+        """The slot for the index-th layer of a load, once free (its last copy to the device done)."""
+        slot = index % self.slots
+        self._free[slot].wait()
+        self._free[slot].clear()
+        after, self._after[slot] = self._after[slot], None
+        if after is not None:
+            after()
+        return slot
+
+    def release(self, slot: int, after: Callable[[], None] | None = None) -> None:
+        """The slot may be filled again; `after` (a device copy's wait) runs first when it is."""
+        self._after[slot] = after
+        self._free[slot].set()
+
+    def stage(self, slot: int, plan: LayerPlan, values: Sequence[memoryview | bytes | None],
+              check: Callable[[int, ValueHeader, memoryview | bytes], None]) -> StagedLayer:
+        """Fill the slot with `values` (per chunk: None where not staged, else its stored value), over the pool.
+        `check(i, header, body)` vets chunk i's checked, decompressed body (raises StageFailed); the first failure
+        is raised here, after every worker has stopped."""
+        staged = self._views(slot, plan)
+        for i, value in enumerate(values):  # rows written later (a memory tier's chunks): zeros, not old bytes
+            if value is None:
+                for name, array in staged.host.items():
+                    rows = slice(plan.starts[i], plan.starts[i + 1])
+                    array[i if name == "k_scale" and plan.k_per_channel else rows] = 0
+        jobs = [self._pool.submit(_stage_chunk, staged, plan, i, value, check)
+                for i, value in enumerate(values) if value is not None]
+        failure = None
+        for job in jobs:
+            try:
+                staged.staged_bytes += job.result()
+            except BaseException as exc:  # every job finishes before the slot is handed back
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return staged
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def upload(self, slot: int, staged: StagedLayer, plan: LayerPlan, device: torch.device) -> StagedLayer:
+        """The slot's layer on `device` in one copy, into that slot's buffer there (kept, grown like the host's):
+        views of it with the host slot's layout. On CUDA the copy is asynchronous on the current stream: the caller
+        releases the slot with a wait for it."""
+        n = staged.flat.numel()
+        if self._device[slot] is None or self._device[slot].numel() < n or self._device[slot].device.type != device.type:
+            self._device[slot] = torch.empty(self._buffers[slot].numel(), dtype=torch.uint8, device=device)
+            self.grown += 1
+        self._device[slot][:n].copy_(staged.flat, non_blocking=True)
+        views = _views_of(self._device[slot], plan, host=False)
+        return StagedLayer(slot, self._device[slot][:n], k_per_channel=plan.k_per_channel, **views)
+
+    def _views(self, slot: int, plan: LayerPlan) -> StagedLayer:
+        need = sum(_aligned(torch.Size(shape).numel() * dtype.itemsize) for _, dtype, shape in plan.sections())
+        if self._buffers[slot].numel() < need:  # grown by a quarter more, so a slightly longer prompt fits
+            self._buffers[slot] = torch.empty(need + need // 4, dtype=torch.uint8, pin_memory=self.pinned)
+            self.grown += 1
+        views = _views_of(self._buffers[slot], plan, host=False)
+        host = _views_of(self._buffers[slot], plan, host=True)
+        return StagedLayer(slot, self._buffers[slot][:need], k_per_channel=plan.k_per_channel, host=host, **views)
+
+
+def _views_of(buffer: torch.Tensor, plan: LayerPlan, host: bool) -> dict:
+    """The plan's sections laid out in `buffer` (uint8): torch views, or (`host`) numpy arrays of their bits."""
+    out, offset = {}, 0
+    for name, dtype, shape in plan.sections():
+        size = torch.Size(shape).numel() * dtype.itemsize
+        piece = buffer[offset:offset + size]
+        out[name] = piece.numpy().view(_NUMPY_BITS[dtype]).reshape(shape) if host else piece.view(dtype).view(shape)
+        offset += _aligned(size)
+    return out
+
+
+_NUMPY_BITS = {torch.float16: np.uint16, torch.bfloat16: np.uint16, torch.int8: np.int8, torch.float32: np.float32}
+
+
+def _aligned(n: int) -> int:
+    return (n + 255) // 256 * 256  # each section starts 256-byte aligned, as a device tensor would
+
+
+def _stage_chunk(staged: StagedLayer, plan: LayerPlan, i: int, raw: memoryview | bytes,
+                 check: Callable[[int, ValueHeader, memoryview | bytes], None]) -> int:
+    """Chunk i's stored value checked and copied into its rows of the slot; the stored bytes read."""
+    try:
+        head, body = checked_body(raw, expect_codec=plan.codec)
+        check(i, head, body)
+        if head.shape[1:] != (plan.heads, plan.head_dim) or head.shape[0] != plan.starts[i + 1] - plan.starts[i]:
+            raise CorruptValue(f"holds KV of shape {head.shape}, not one row per token")
+        _copy_rows(staged, plan, i, head, body)
+    except CorruptValue as exc:
+        raise StageFailed(i, str(exc)) from None
+    return len(raw)
+
+
+def _copy_rows(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader, body) -> None:
+    start, end = plan.starts[i], plan.starts[i + 1]
+    t, h, d = head.shape
+    n = t * h * d
+    k_rows = staged.host["k"][start:end].reshape(-1)  # contiguous rows of the slot, as bits
+    v_rows = staged.host["v"][start:end].reshape(-1)
+    if plan.codec == "int8":
+        _stage_int8(staged, plan, i, head, body, n)
+    elif head.flags & FLAG_SHUFFLED:  # byte planes: [low bytes of K|V; high bytes of K|V]
+        planes = np.frombuffer(body, dtype=np.uint8, count=4 * n).reshape(2, 2 * n)
+        for bits, part in ((k_rows, slice(0, n)), (v_rows, slice(n, 2 * n))):
+            np.left_shift(planes[1, part], 8, out=bits, dtype=np.uint16)
+            np.bitwise_or(bits, planes[0, part], out=bits)
+    else:  # natural order, K then V
+        kv = np.frombuffer(body, dtype=np.uint16, count=2 * n)
+        k_rows[:] = kv[:n]
+        v_rows[:] = kv[n:]
+
+
+def _stage_int8(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader, body, n: int) -> None:
+    """int8 values and scales of chunk i into the slot (their natural order is the stored one)."""
+    start, end = plan.starts[i], plan.starts[i + 1]
+    t, h, d = head.shape
+    q = np.frombuffer(body, dtype=np.int8, count=2 * n)
+    staged.host["k"][start:end].reshape(-1)[:] = q[:n]
+    staged.host["v"][start:end].reshape(-1)[:] = q[n:]
+    per_channel = bool(head.flags & FLAG_K_PER_CHANNEL)
+    if per_channel != plan.k_per_channel:
+        raise CorruptValue("its int8 key scales are laid out unlike the other chunks' (recomputed)")
+    k_len = h * d if per_channel else t * h
+    scales = np.frombuffer(body, dtype="<f4", count=k_len + t * h, offset=2 * n)
+    k_scale = staged.host["k_scale"][i] if per_channel else staged.host["k_scale"][start:end]
+    k_scale.reshape(-1)[:] = scales[:k_len]
+    staged.host["v_scale"][start:end].reshape(-1)[:] = scales[k_len:]
+
+
+__all__ = ["LayerPlan", "StageFailed", "StagedLayer", "StagingArea"]

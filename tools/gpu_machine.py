@@ -12,7 +12,7 @@ size limit can carry them one by one.
 `setup` (on the GPU machine) gathers parts into a spool (/tmp/kvrag-gpu-bundle, or --spool), so parts may come in
 separate calls; once every part is there it makes `.venv` over the machine's own Python and torch
 (--system-site-packages), installs the bundle into it with `pip --no-index` (only what the image lacks or has too
-old) and kvrag itself, editable, and marks the venv installed, so the Makefile's targets run as they are. It
+old) and kvrag itself (a link to this tree, as an editable install), and marks the venv installed, so the Makefile's targets run as they are. It
 prints which parts it still waits for, and exits 3 while any is missing.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -102,30 +103,33 @@ def pack(args: argparse.Namespace) -> None:
     print(f"gpu_machine: {len(names)} wheels, {len(data) / 2**20:.0f} MiB in {n_parts} part(s) under {out}/")
 
 
-def setup(args: argparse.Namespace) -> None:
-    spool = Path(args.spool)
+def gather(parts: list[Path], spool: Path) -> tuple[Path | None, list[int]]:
+    """The parts brought so far, kept in `spool`: (the unpacked bundle's folder, []) once every part is there and
+    the joined bytes match the bundle's checksum, else (None, the parts still missing)."""
     spool.mkdir(parents=True, exist_ok=True)
-    manifest = None
-    for part in map(Path, args.parts):
+    for part in parts:
         for f in part.iterdir():
             shutil.copy(f, spool / f.name)
-    if (spool / "bundle.json").exists():
-        manifest = json.loads((spool / "bundle.json").read_text())
-    if manifest is None:
+    if not (spool / "bundle.json").exists():
         sys.exit("gpu_machine: no part of a bundle given (pass the .gpu-bundle/part-N folders)")
+    manifest = json.loads((spool / "bundle.json").read_text())
     missing = [i for i in range(1, manifest["parts"] + 1) if not (spool / f"bundle.tar.{i:03d}").exists()]
     if missing:
-        print(f"gpu_machine: {manifest['parts'] - len(missing)} of {manifest['parts']} parts here; "
-              f"waiting for {', '.join(f'part-{i}' for i in missing)}")
-        sys.exit(3)
+        return None, missing
     data = b"".join((spool / f"bundle.tar.{i:03d}").read_bytes() for i in range(1, manifest["parts"] + 1))
     if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
         sys.exit("gpu_machine: the joined parts do not match the bundle's checksum; pack and send them again")
-    archive = spool / "bundle.tar"
-    archive.write_bytes(data)
-    with tarfile.open(archive) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(spool, filter="data")
-    _install(spool / "wheels", manifest["wheels"])
+    return spool / "wheels", []
+
+
+def setup(args: argparse.Namespace) -> None:
+    wheels, missing = gather([Path(p) for p in args.parts], Path(args.spool))
+    if wheels is None:
+        print(f"gpu_machine: waiting for {', '.join(f'part-{i}' for i in missing)}")
+        sys.exit(3)
+    _install(wheels, sorted(p.name for p in wheels.iterdir()))
 
 
 def _install(wheels: Path, names: list[str]) -> None:

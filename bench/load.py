@@ -5,6 +5,7 @@ stores it; 10 chunks of 600 tokens: 6,000 tokens, 786 MB) is written to disk onc
 warm, as for a store in use). Then, on this machine:
 
     memcpy_gbps        a large numpy copy over the same threads (the staging pool's), the best of several
+    map_copy_gbps      a plain copy of the same stored values out of LMDB's map, over the same threads
     staging_gbps       every layer staged through an engine's StagingArea (blend/staging.py): read as views of the
                        map, checked, copied into the slot by the pool; stored bytes / wall time, the best round
     staging_share_of_memcpy
@@ -73,6 +74,38 @@ def memcpy_gbps(threads: int) -> float:
     return COPY_BYTES / best / 1e9
 
 
+def map_copy_gbps(table: KVTable, refs: list[ChunkRef], threads: int, layers: int) -> float:
+    """A plain copy of the same stored values out of LMDB's map (what the staging reads, without checking), over
+    `threads` threads: the ceiling a store in the page cache sets, below an anonymous memcpy (the map's pages are
+    the file's 4 KiB ones)."""
+    pairs = [(r.chunk_id, r.token_ids) for r in refs]
+    with table.layer_views(pairs, 0) as raws:
+        out = np.empty(sum(len(raw.value) for raw in raws), dtype=np.uint8)
+    best, total = float("inf"), 0
+
+    def copy(values: list) -> None:
+        at = 0
+        for value in values:
+            src = np.frombuffer(value, dtype=np.uint8)
+            out[at:at + src.size] = src
+            at += src.size
+
+    for _ in range(ROUNDS):
+        start, total = time.perf_counter(), 0
+        for layer in range(layers):
+            with table.layer_views(pairs, layer) as raws:
+                values = [raw.value for raw in raws]
+                halves = [values[k::threads] for k in range(threads)]
+                workers = [threading.Thread(target=copy, args=(part,)) for part in halves]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                total += sum(len(v) for v in values)
+        best = min(best, time.perf_counter() - start)
+    return total / best / 1e9
+
+
 def staging_rate(table: KVTable, refs: list[ChunkRef], area: StagingArea, layers: int) -> dict:
     """Every layer staged into the area's slots, as the staged loader does, round after round: the best round's
     stored bytes a second, and the staging thread's CPU time a layer."""
@@ -81,10 +114,11 @@ def staging_rate(table: KVTable, refs: list[ChunkRef], area: StagingArea, layers
     pairs = [(r.chunk_id, r.token_ids) for r in refs]
     best, cpu_per_layer, staged_bytes = float("inf"), 0.0, 0
     for _ in range(ROUNDS):
+        records: dict = {}  # a load reads them with its first layer, as the staged loader does
         start, cpu, total = time.perf_counter(), time.thread_time(), 0
         for index in range(layers):
             slot = area.acquire(index)
-            with table.layer_views(pairs, index) as raws:
+            with table.layer_views(pairs, index, records) as raws:
                 staged = area.stage(slot, plan, [raw.value for raw in raws], lambda *_: None)
             total += staged.staged_bytes
             area.release(slot)
@@ -126,8 +160,10 @@ def run(chunks: int = 10, tokens: int = 600, threads: int = 2, codec: str = "fp1
         staging_rate(table, refs, area, LAYERS)  # the page cache warm, the slots grown
         result = {"machine_device": str(device), "chunks": chunks, "tokens": tokens, "layers": LAYERS,
                   "codec": codec, "compressed": compress, "threads": threads,
-                  "memcpy_gbps": memcpy_gbps(threads), **staging_rate(table, refs, area, LAYERS)}
+                  "memcpy_gbps": memcpy_gbps(threads), "map_copy_gbps": map_copy_gbps(table, refs, threads, LAYERS),
+                  **staging_rate(table, refs, area, LAYERS)}
         result["staging_share_of_memcpy"] = result["staging_gbps"] / result["memcpy_gbps"]
+        result["staging_share_of_map_copy"] = result["staging_gbps"] / result["map_copy_gbps"]
         log("counting copies and launches (fused loader)...")
         result.update(counts(table, refs, device, LAYERS if device.type == "cuda" else COUNTED_LAYERS_CPU))
         area.close()
@@ -141,7 +177,9 @@ def render(r: dict) -> str:
         "",
         "| measure | value |", "|---|---|",
         f"| memcpy ({r['threads']} threads) | {r['memcpy_gbps']:.2f} GB/s |",
-        f"| staging | {r['staging_gbps']:.2f} GB/s ({r['staging_share_of_memcpy']:.0%} of memcpy), "
+        f"| a plain copy out of the store's map ({r['threads']} threads) | {r['map_copy_gbps']:.2f} GB/s |",
+        f"| staging | {r['staging_gbps']:.2f} GB/s ({r['staging_share_of_memcpy']:.0%} of memcpy, "
+        f"{r['staging_share_of_map_copy']:.0%} of the map copy), "
         f"{r['staging_ms_per_layer']:.2f} ms a layer of {r['staged_mb'] / r['layers']:.1f} MB |",
         f"| staging thread's CPU a layer | {r['python_ms_per_layer']:.3f} ms |",
         f"| copies / launches a layer (fused, {r['counted_layers']} layers) | {r['copies_per_layer']:g} / "

@@ -56,6 +56,7 @@ class StagedLoader:
         if self._stream is not None:  # its work reads what the caller's stream made (rope, in-memory chunks)
             self._stream.wait_stream(torch.cuda.current_stream())
         self._plan: LayerPlan | None = None
+        self._records: dict = {}  # the stored chunks' records, read with the first layer
         self._scale_chunk: torch.Tensor | None = None  # int8 per-channel K scales: each row's chunk [C]
         # ("load", layer, start, end): a layer read and staged (and sent, and loaded)
         self.spans: list[tuple[str, int, float, float]] = []
@@ -167,7 +168,7 @@ class StagedLoader:
         """The stored chunks' values for `layer`: views of the map (a local store), else read (a remote one)."""
         pairs = [(self.chunks[i].chunk_id, self.chunks[i].token_ids) for i in self._stored]
         if isinstance(self.table, KVTable):
-            return self.table.layer_views(pairs, layer)
+            return self.table.layer_views(pairs, layer, self._records)
         out = []
         for chunk_id, ids in pairs:
             try:

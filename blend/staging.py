@@ -27,10 +27,14 @@ import torch
 
 from kvrag.store.codec import (
     FLAG_K_PER_CHANNEL,
+    FLAG_RAW,
     FLAG_SHUFFLED,
+    HEADER_SIZE,
     CorruptValue,
     ValueHeader,
     checked_body,
+    copy_checked,
+    read_header,
 )
 
 STORED_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -189,16 +193,45 @@ def _aligned(n: int) -> int:
 
 def _stage_chunk(staged: StagedLayer, plan: LayerPlan, i: int, raw: memoryview | bytes,
                  check: Callable[[int, ValueHeader, memoryview | bytes], None]) -> int:
-    """Chunk i's stored value checked and copied into its rows of the slot; the stored bytes read."""
+    """Chunk i's stored value checked and copied into its rows of the slot; the stored bytes read. An uncompressed
+    value is copied and checked in one pass over it (codec.copy_checked), a compressed one decompressed first."""
     try:
-        head, body = checked_body(raw, expect_codec=plan.codec)
-        check(i, head, body)
-        if head.shape[1:] != (plan.heads, plan.head_dim) or head.shape[0] != plan.starts[i + 1] - plan.starts[i]:
-            raise CorruptValue(f"holds KV of shape {head.shape}, not one row per token")
-        _copy_rows(staged, plan, i, head, body)
+        head = read_header(raw)
+        problem = _layout_problem(head, plan, i)
+        if problem:  # said after the checksum and the kept tokens, as for any value
+            head, body = checked_body(raw, expect_codec=plan.codec)
+            check(i, head, body)
+            raise CorruptValue(problem)
+        if head.flags & FLAG_RAW:
+            copy_checked(raw, _destinations(staged, plan, i), expect_codec=plan.codec)
+            check(i, head, memoryview(raw)[HEADER_SIZE:])
+        else:
+            head, body = checked_body(raw, expect_codec=plan.codec)
+            check(i, head, body)
+            _copy_rows(staged, plan, i, head, body)
     except CorruptValue as exc:
         raise StageFailed(i, str(exc)) from None
     return len(raw)
+
+
+def _layout_problem(head: ValueHeader, plan: LayerPlan, i: int) -> str | None:
+    """Why a value cannot fill chunk i's rows of the slot: another shape, or int8 key scales laid out otherwise."""
+    if head.shape[1:] != (plan.heads, plan.head_dim) or head.shape[0] != plan.starts[i + 1] - plan.starts[i]:
+        return f"holds KV of shape {head.shape}, not one row per token"
+    if plan.codec == "int8" and bool(head.flags & FLAG_K_PER_CHANNEL) != plan.k_per_channel:
+        return "its int8 key scales are laid out unlike the other chunks' (recomputed)"
+    return None
+
+
+def _destinations(staged: StagedLayer, plan: LayerPlan, i: int) -> list[np.ndarray]:
+    """Chunk i's parts of the slot as bytes, in the order an uncompressed value holds them: K, V, (int8) K scales, V
+    scales."""
+    rows = slice(plan.starts[i], plan.starts[i + 1])
+    parts = [staged.host["k"][rows], staged.host["v"][rows]]
+    if plan.codec == "int8":
+        parts += [staged.host["k_scale"][i] if plan.k_per_channel else staged.host["k_scale"][rows],
+                  staged.host["v_scale"][rows]]
+    return [part.reshape(-1).view(np.uint8) for part in parts]
 
 
 def _copy_rows(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader, body) -> None:
@@ -228,8 +261,6 @@ def _stage_int8(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader,
     staged.host["k"][start:end].reshape(-1)[:] = q[:n]
     staged.host["v"][start:end].reshape(-1)[:] = q[n:]
     per_channel = bool(head.flags & FLAG_K_PER_CHANNEL)
-    if per_channel != plan.k_per_channel:
-        raise CorruptValue("its int8 key scales are laid out unlike the other chunks' (recomputed)")
     k_len = h * d if per_channel else t * h
     scales = np.frombuffer(body, dtype="<f4", count=k_len + t * h, offset=2 * n)
     k_scale = staged.host["k_scale"][i] if per_channel else staged.host["k_scale"][start:end]

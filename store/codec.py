@@ -38,6 +38,7 @@ from kvrag.store.keys import CODEC_IDS, CODEC_NAMES, codec_id
 MAGIC = b"KVRV"
 FORMAT_VERSION = 1
 ZSTD_LEVEL = 3
+COPY_BLOCK = 1 << 18  # copy_checked hashes each 256 KiB block as it copies it, while the block is in L2
 _HEADER = struct.Struct("<4sBBBBIHHQQQ")
 HEADER_SIZE = _HEADER.size  # 40
 FLAG_POSITIONS = 1  # a Keyformer-reduced subset: original positions follow the scales
@@ -215,6 +216,33 @@ def checked_body(raw: bytes | memoryview, *, expect_codec: str | None = None,
     if len(body) != head.raw_len:
         raise CorruptValue(f"payload decompressed to {len(body)} bytes, expected {head.raw_len}")
     return head, body
+
+
+def copy_checked(raw: bytes | memoryview, destinations: list[np.ndarray], *, expect_codec: str | None = None,
+                 block: int = COPY_BLOCK) -> ValueHeader:
+    """An uncompressed value's payload copied into `destinations` (uint8 arrays, filled in order; what is left of the
+    payload is only checked), its checksum computed from each block just copied, while it is in the cache: the
+    bytes are read from the store once, where checked_body and a copy read them twice. CorruptValue (and nothing
+    to trust in the destinations) when the value fails a check."""
+    head = read_header(raw)
+    if not head.flags & FLAG_RAW:
+        raise ValueError("copy_checked takes uncompressed values; checked_body decompresses the others")
+    if expect_codec is not None and head.codec != expect_codec:
+        raise CorruptValue(f"value has codec {head.codec}, expected {expect_codec}")
+    payload = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_SIZE)
+    digest = xxhash.xxh3_64()
+    digest.update(bytes(memoryview(raw)[: HEADER_SIZE - 8]))
+    at = 0
+    for out in destinations:
+        for start in range(0, out.size, block):
+            piece = out[start:start + block]
+            piece[:] = payload[at + start:at + start + piece.size]
+            digest.update(piece)
+        at += out.size
+    digest.update(payload[at:])
+    if digest.intdigest() != head.checksum:
+        raise CorruptValue("checksum mismatch")
+    return head
 
 
 def stored_positions(head: ValueHeader, body: bytes | bytearray | memoryview) -> np.ndarray | None:

@@ -136,30 +136,45 @@ class KVTable:
         return self._checked(chunk_id, layer, expect_token_ids, rec_raw, value)
 
     @contextmanager
-    def layer_views(self, chunks: Sequence[tuple[str, TokenIds]], layer: int) -> Iterator[list[RawLayer | KvragError]]:
+    def layer_views(self, chunks: Sequence[tuple[str, TokenIds]], layer: int,
+                    records: dict[str, KVRecord] | None = None) -> Iterator[list[RawLayer | KvragError]]:
         """One layer of these chunks in one read transaction, each checked against its record (MissingChunk or
         CorruptValue in its place when it fails), its value a view of LMDB's map that stays valid inside the block:
-        the staging copies the values straight from the map, with no Python copy between."""
+        the staging copies the values straight from the map, with no Python copy between. `records`: the chunks'
+        records, kept from the load's first layer (read and checked then; a value that no longer fits its record's
+        size fails as damaged)."""
+        records = {} if records is None else records
         with self.env.reader(buffers=True) as txn:
             out: list[RawLayer | KvragError] = []
             for chunk_id, ids in chunks:
                 key = self.key(chunk_id)
-                rec_raw = txn.get(key.to_bytes(), db=self.db)
                 try:
-                    out.append(self._checked(chunk_id, layer, ids, None if rec_raw is None else bytes(rec_raw),
-                                             txn.get(key.layer(layer).to_bytes(), db=self.db)))
+                    if chunk_id not in records:
+                        rec_raw = txn.get(key.to_bytes(), db=self.db)
+                        records[chunk_id] = self._record(chunk_id, ids, None if rec_raw is None else bytes(rec_raw))
+                    out.append(self._layer(chunk_id, layer, records[chunk_id],
+                                           txn.get(key.layer(layer).to_bytes(), db=self.db)))
                 except (MissingChunk, CorruptValue) as exc:
                     out.append(exc)
             yield out
 
     def _checked(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None, rec_raw, value) -> RawLayer:
         """The value, once the chunk's record vouches for it; MissingChunk or CorruptValue otherwise."""
+        return self._layer(chunk_id, layer, self._record(chunk_id, expect_token_ids, rec_raw), value)
+
+    def _record(self, chunk_id: str, expect_token_ids: TokenIds | None, rec_raw) -> KVRecord:
+        """A chunk's record, checked against the token ids it must hold (a hash collision must never hand out another
+        chunk's KV); MissingChunk without one."""
         if rec_raw is None:
             variant = f", {self.variant}" if self.variant else ""
             raise MissingChunk(f"no KV for chunk {chunk_id} (model {self.model_fp}, codec {self.codec}{variant})")
         rec = KVRecord.from_bytes(rec_raw)
         if expect_token_ids is not None and not rec.matches(expect_token_ids):
             raise CorruptValue(f"chunk {chunk_id}: stored token ids differ from the expected ones")
+        return rec
+
+    def _layer(self, chunk_id: str, layer: int, rec: KVRecord, value) -> RawLayer:
+        """One layer's value, once it has the size its record says."""
         if not 0 <= layer < rec.n_layers:
             raise CorruptValue(f"chunk {chunk_id} has {rec.n_layers} layers, layer {layer} asked")
         if value is None:

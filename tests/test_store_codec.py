@@ -183,3 +183,24 @@ def test_sixteen_bit_codecs_compress_random_kv():
     assert len(encode(k, v, "fp16")) < 0.92 * raw  # byte planes: the exponent bytes squeeze
     assert len(encode(k, v, "bf16")) < 0.80 * raw
     assert len(encode(k, v, "int8")) < 0.55 * raw
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
+def test_copy_checked_copies_what_decode_reads_and_refuses_a_damaged_value(codec):
+    """An uncompressed value copied into its parts in small blocks, checked as it is copied: the parts hold the
+    payload's bytes in order (K, V, then int8's scales), and one flipped byte anywhere is a CorruptValue."""
+    from kvrag.store.codec import HEADER_SIZE, copy_checked
+
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((7, 2, 8)).astype(np.float32) for _ in range(2))
+    raw = encode(k, v, codec, compress=False)
+    payload = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_SIZE)
+    sizes = [7 * 2 * 8 * (1 if codec == "int8" else 2)] * 2 + ([2 * 8 * 4, 7 * 2 * 4] if codec == "int8" else [])
+    parts = [np.empty(n, dtype=np.uint8) for n in sizes]
+    head = copy_checked(raw, parts, expect_codec=codec, block=5)  # blocks that split every part unevenly
+    assert head.shape == (7, 2, 8) and np.array_equal(np.concatenate(parts), payload[:sum(sizes)])
+    for at in (HEADER_SIZE + 3, len(raw) - 1):
+        damaged = bytearray(raw)
+        damaged[at] ^= 0x40
+        with pytest.raises(CorruptValue, match="checksum"):
+            copy_checked(bytes(damaged), [np.empty(n, dtype=np.uint8) for n in sizes])

@@ -25,5 +25,7 @@ def build_cache(runtime: Runtime, codec: str, host_cache: str | None = None, gpu
     c = runtime.model.cfg
     layout = BlockLayout.for_codec(c.n_layers, c.n_kv_heads, c.head_dim, codec)
     gpu_device = runtime.model.device if runtime.model.device.type == "cuda" else None
+    # on a GPU the host tier is pinned: its chunks go to the device in one asynchronous copy, never staged
     return TieredKVCache.from_config(config, layout, cost=CostProfile.linear(),
-                                     preamble_tokens=len(runtime.prompts.preamble_ids), gpu_device=gpu_device)
+                                     preamble_tokens=len(runtime.prompts.preamble_ids), gpu_device=gpu_device,
+                                     pin_host=gpu_device is not None)

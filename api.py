@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.config import KVRagConfig
@@ -137,6 +139,20 @@ class KVRag:
     def stream(self, question: str, **options) -> Iterator[str]:
         """The answer's text piece by piece as it is generated (the options of `submit`)."""
         return iter(self.submit(question, **options))
+
+    def embed(self, texts: Sequence[str]) -> tuple[np.ndarray, int]:
+        """The store's embedder (the one its index was built with) over `texts`, batched: unit vectors
+        [len(texts), dim] float32, and the tokens it read (each text truncated where the embedder truncates)."""
+        if not texts or any(not isinstance(t, str) or not t for t in texts):
+            raise KvragError("embed takes a non-empty list of non-empty strings")
+        embedder = self._load_retriever().embedder
+        return embedder.embed(list(texts)), embedder.count_tokens(list(texts))
+
+    @property
+    def embedder_name(self) -> str:
+        from kvrag.corpus.embedder import NAME
+
+        return NAME
 
     def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5) -> list[dict]:
         """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""

@@ -85,6 +85,11 @@ class Embedder:
             self._model = BertEncoder(self.path, dtype, self.device)
         return self._model
 
+    def count_tokens(self, texts: list[str]) -> int:
+        """Tokens the model reads of `texts` (each truncated at its limit, special tokens included)."""
+        return sum(sum(e.attention_mask) for e in self.model.tokenizer.encode_batch(texts, add_special_tokens=True)) \
+            if texts else 0
+
     def embed(self, texts: list[str], advance: Callable[[int], None] | None = None) -> np.ndarray:
         """[len(texts), dim] float32, unit norm. Texts are encoded longest first, so a batch pads little."""
         out = np.empty((len(texts), self.dim), dtype=np.float32)

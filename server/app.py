@@ -28,8 +28,16 @@ from kvrag.errors import KvragError
 from kvrag.server.errors import ApiError, error_body, install_handlers
 from kvrag.server.generate import GenerationFailed, Run
 from kvrag.server.metrics import Metrics
-from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest
-from kvrag.server.responses import Ids, chat_completion, completion, sse, stream_chunk, usage_chunk
+from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest, EmbeddingRequest
+from kvrag.server.responses import (
+    Ids,
+    chat_completion,
+    completion,
+    embedding_response,
+    sse,
+    stream_chunk,
+    usage_chunk,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ def create_app(rag: KVRag, settings: ServerSettings) -> FastAPI:
     v1.add_api_route("/models/{model_id}", server.model, methods=["GET"])
     v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
+    v1.add_api_route("/embeddings", server.embeddings, methods=["POST"])
     app.include_router(v1)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
@@ -85,6 +94,23 @@ class Server:
 
     async def completions(self, body: CompletionRequest, request: Request):
         return await self._serve("completions", body, request)
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict:
+        """The store's embedder, batched; its name (or the served model's) is the model asked for."""
+        if body.model not in (self.rag.embedder_name, self.settings.model_name):
+            raise ApiError(404, f"the model '{body.model}' does not exist; this server embeds with "
+                           f"'{self.rag.embedder_name}'", param="model", code="model_not_found")
+        try:
+            texts = body.texts()
+            vectors, tokens = await asyncio.to_thread(self.rag.embed, texts)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except KvragError as exc:
+            raise ApiError(400, str(exc)) from None
+        if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+            raise ApiError(400, f"dimensions: {self.rag.embedder_name} gives {vectors.shape[1]}-dimensional vectors",
+                           param="dimensions")
+        return embedding_response(vectors, body.model, tokens, body.encoding_format)
 
     async def health(self) -> dict:
         return {"status": "ok", "model": self.settings.model_name, "waiting": self.rag.loop.waiting(),

@@ -9,6 +9,8 @@ the `openai` client sends with `extra_body={...}`:
     passages                your own passages, [{"title": ..., "text": ...}] or plain strings, instead of both
     mode                    blend (default), full, prefix or reuse
     ratio                   the share of chunk tokens a blend recomputes, 0..1, or "auto" (default)
+
+`POST /v1/embeddings` takes OpenAI's body (EmbeddingRequest): texts, embedded by the store's own embedder.
 """
 
 from __future__ import annotations
@@ -131,3 +133,21 @@ class CompletionRequest(_Generate):
         if len(self.prompt) > 1:
             raise BadField("prompt", f"one prompt per request, got {len(self.prompt)}")
         return self.prompt[0]
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def texts(self) -> list[str]:
+        """The texts to embed; a 400 naming `input` for token ids (this server embeds text) or empty text."""
+        texts = [self.input] if isinstance(self.input, str) else self.input
+        if not texts:
+            raise BadField("input", "input must hold at least one text")
+        if not all(isinstance(t, str) for t in texts):
+            raise BadField("input", "this server embeds text: send strings, not token ids")
+        if not all(t.strip() for t in texts):
+            raise BadField("input", "input must not hold an empty text")
+        return texts

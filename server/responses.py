@@ -6,9 +6,12 @@ Each carries kvrag's `sources` (extra field: the chunks the answer was given, wi
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
+
+import numpy as np
 
 from kvrag.server.generate import Run
 
@@ -63,3 +66,13 @@ def stream_chunk(endpoint: str, ids: Ids, piece: str, *, first: bool = False, fi
         return completion_chunk(ids, piece, finish_reason, **extra)
     delta = {} if finish_reason else {"role": "assistant", "content": piece} if first else {"content": piece}
     return chat_chunk(ids, delta, finish_reason, **extra)
+
+
+def embedding_response(vectors: np.ndarray, model: str, tokens: int, encoding: str) -> dict:
+    """vectors [N, D] float32 as OpenAI's list of embeddings, in input order; base64 (what the `openai` client asks
+    for unless told otherwise): each vector's little-endian float32 bytes."""
+    def one(v: np.ndarray):
+        return base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64" else v.tolist()
+
+    return {"object": "list", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "data": [{"object": "embedding", "index": i, "embedding": one(v)} for i, v in enumerate(vectors)]}

@@ -9,7 +9,7 @@ read at every layer. Two figures per (rule, keep):
                       question tokens), the share that falls on kept tokens: an offline fidelity proxy (1 at keep 1)
 
 Tuning items only (MuSiQue 0-49): the report split stays untouched until loading reduced chunks can be measured.
-Run: kvrag bench keyformer --items 50 --json (the hook to add in cli/bench_more.py; see docs/performance.md).
+Run: kvrag bench keyformer --items 50 --json (bench/commands_systems.py; see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ Passage = tuple[str, str]  # (title, text)
 # What callers above the engine (the server, applications) use: the API, the end-of-stream mark a Generation's
 # events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
 # error every bad input raises, and the `ratio` option as a value.
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 __all__ = ["DONE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
@@ -107,15 +108,20 @@ class KVRag:
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str | RatioPolicy = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
-               kv_tokens: int = 0, kv_rule: str = "keyformer", listener: Callable[[], None] | None = None) -> Generation:
+               kv_tokens: int = 0, kv_rule: str = "keyformer", logprobs: int | None = None,
+               listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
-        (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `listener`: called with no arguments from the engine's thread after each token and at the end
+        (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `logprobs`: keep each
+        generated token's log-probability and its `logprobs` most likely alternatives (`Generation.seq.logprobs`;
+        None: none). `listener`: called with no arguments from the engine's thread after each token and at the end
         (to wake an event loop that reads `Generation.seq.events` without blocking)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise KvragError(f"logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
         start = time.perf_counter()
         policy = ratio if isinstance(ratio, RatioPolicy) else RatioPolicy.parse(ratio, "ratio")
         blend = policy.start(selection)
@@ -123,7 +129,7 @@ class KVRag:
 
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
-                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule)
+                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs)
 
         if self.speculator is not None and chunk_ids is None and passages is None:
             stages = self._stages(question, k, relative_cutoff, request)

@@ -216,10 +216,14 @@ class LLMEngine:
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         """The next token from logits [V]; no stop token before the request's min_tokens."""
         sampling = seq.request.sampling
+        raw = logits
         if len(seq.output) < sampling.min_tokens:
             logits = logits.clone()
             logits[list(self.prefiller.stop_ids)] = -math.inf
-        return choose(logits, sampling, seq.generator)
+        token = choose(logits, sampling, seq.generator)
+        if seq.request.logprobs is not None:  # the model's own distribution, before sampling's settings
+            seq.chosen = token_logprobs(raw, token, seq.request.logprobs)
+        return token
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """A sampled token: the end (a stop token), or one more, which may be the last allowed."""
@@ -229,6 +233,8 @@ class LLMEngine:
             self._finish(seq, "stop")
             return
         seq.output.append(token)
+        if seq.chosen is not None:
+            seq.logprobs.append(seq.chosen)
         seq.push(token)
         if len(seq.output) >= seq.request.sampling.max_tokens:
             self._finish(seq, "length")
@@ -262,6 +268,13 @@ class LLMEngine:
         if seq.request.mode not in ("blend", "reuse"):
             return 0.0
         return self.prefiller.source.order_priority(seq.request.chunks)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits [V]: the token's log-probability and the `top` most likely tokens' (most likely first)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    values, ids = torch.topk(lp, top) if top else (lp[:0], lp[:0].long())
+    return float(lp[token]), [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def _observe(req: Request) -> str | None:

@@ -38,6 +38,9 @@ class Request:
     # down to it and their blocks freed (0: none)
     kv_tokens: int = 0
     kv_rule: str = "keyformer"  # how the budget scores rows: keyformer, h2o (no noise) or window (recent rows)
+    # each generated token's log-probability under the model, with this many of the most likely alternatives
+    # (OpenAI's logprobs / top_logprobs); None: none are kept
+    logprobs: int | None = None
 
 
 class Status(enum.Enum):
@@ -62,6 +65,10 @@ class Sequence:
         self.offset = 0  # positions without KV before the newest row (dropped tokens): its position less its row
         self.attention = None  # keyformer.AttentionScore of its rows, under a decode-time budget
         self.output: list[int] = []  # generated tokens
+        # with request.logprobs: per generated token, (its log-probability, [(token, log-probability)] of the
+        # request.logprobs most likely); `chosen` holds the next one until its token is kept
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.chosen: tuple[float, list[tuple[int, float]]] | None = None
         self.replay = 0  # generated tokens fed again after a recompute preemption, before new ones come
         self.finish_reason: str | None = None  # stop, length, cancelled, error
         self.error: str | None = None

@@ -110,6 +110,24 @@ class Run:
         times = {"retrieve": self.gen.retrieve_s, **self.seq.times()}
         return {name: round(value, 4) for name, value in times.items()}
 
+    def logprobs(self, text: str) -> dict | None:
+        """OpenAI's chat `logprobs` for the tokens of the returned `text` (a token cut by a stop string counts), or
+        None where none were asked for."""
+        seq, tokenizer = self.seq, self.rag.runtime.tokenizer
+        if seq.request.logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            piece = tokenizer.decode([token])
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+        content = []
+        for i, (logprob, top) in enumerate(seq.logprobs):
+            if i and len(tokenizer.decode(seq.output[:i], skip_special_tokens=True).strip()) >= len(text):
+                break  # the tokens after the text's end
+            content.append({**entry(seq.output[i], logprob), "top_logprobs": [entry(t, lp) for t, lp in top]})
+        return {"content": content}
+
     def usage(self) -> dict:
         seq = self.seq
         return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.output),

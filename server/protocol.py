@@ -11,6 +11,8 @@ the `openai` client sends with `extra_body={...}`:
     ratio                   the share of chunk tokens a blend recomputes, 0..1, or "auto" (default)
 
 `POST /v1/embeddings` takes OpenAI's body (EmbeddingRequest): texts, embedded by the store's own embedder.
+Chat's `logprobs` / `top_logprobs` are served with whole answers; the legacy completions `logprobs` is a 400 naming
+the chat endpoint: no field that changes the answer's shape is ignored.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ class _Generate(_Body):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, max_length=4)
     n: int | None = None  # one choice per request
-    logprobs: bool | None = None  # not available
     # kvrag's extra fields
     k: int = Field(5, ge=1, le=1000)
     relative_cutoff: float = Field(0.5, ge=0, le=1)
@@ -95,8 +96,6 @@ class _Generate(_Body):
             raise BadField("ratio", str(exc)) from None
         if self.n not in (None, 1):
             raise BadField("n", f"this server returns one choice per request (n=1), got n={self.n}")
-        if self.logprobs:
-            raise BadField("logprobs", "this server does not return logprobs")
         passages = None
         if self.passages is not None:
             passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
@@ -104,7 +103,11 @@ class _Generate(_Body):
                 "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
-                "kv_rule": self.kv_rule}
+                "kv_rule": self.kv_rule, "logprobs": self.top_alternatives()}
+
+    def top_alternatives(self) -> int | None:
+        """How many alternatives each token's logprobs lists; None: no logprobs asked."""
+        return None
 
 
 class ChatRequest(_Generate):
@@ -119,13 +122,31 @@ class ChatRequest(_Generate):
                 return message.text()
         return ""
 
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
     def options(self, default_max_tokens: int) -> dict:
         return {**super().options(default_max_tokens),
                 "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens}
 
+    def top_alternatives(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+            return None
+        if self.stream:
+            raise BadField("logprobs", "this server returns logprobs with whole answers (stream: false)")
+        return self.top_logprobs or 0
+
 
 class CompletionRequest(_Generate):
     prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def top_alternatives(self) -> int | None:
+        if self.logprobs is not None:
+            raise BadField("logprobs", "this server returns logprobs on /v1/chat/completions (logprobs: true)")
+        return None
 
     def question(self) -> str:
         if isinstance(self.prompt, str):

@@ -29,7 +29,8 @@ class Ids:
 def chat_completion(ids: Ids, run: Run, text: str) -> dict:
     message = {"role": "assistant", "content": text}
     return {**ids.head("chat.completion"),
-            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason,
+                         "logprobs": run.logprobs(text)}],
             "usage": run.usage(), "sources": run.sources(), "timings": run.timings()}
 
 

@@ -52,13 +52,18 @@ def bench_serve(
     latency_runs: int = typer.Option(3, "--latency-runs", min=0,
                                      help="Questions timed one at a time on the warm idle server, twice each "
                                           "(0: none)."),
+    soak: float = typer.Option(None, "--soak", min=0.0, help="Instead of the rates: MINUTES of steady mixed load on "
+                               "one server (blend with tiers), its RSS and TTFT each window."),
+    soak_rate: float = typer.Option(0.5, "--soak-rate", min=0.0, help="The soak's questions/s."),
+    soak_window: float = typer.Option(60.0, "--soak-window", min=1.0, help="The soak's window, in seconds."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """The measured load test of `kvrag serve`: Poisson arrivals of MuSiQue questions (Zipf popularity) from an
     async `openai` client at rising rates; TTFT and questions/s per configuration (progress on stderr, the
-    table or --json on stdout, the JSON report also in WORK/report.json).
+    table or --json on stdout, the JSON report also in WORK/report.json). With --soak, a steady load instead
+    (bench/serve_soak.py; WORK/soak.json).
 
     Example: kvrag bench serve --rates 0.05,0.1,0.2,0.4 --ttft-limit 10
     """
@@ -66,6 +71,9 @@ def bench_serve(
     from kvrag.bench.serve_report import markdown
 
     log = stderr_console()
+    if soak is not None:
+        return _soak(work, dataset, split, store, questions, model, dtype, soak, soak_rate, soak_window, seed, zipf, k,
+                     max_tokens, as_json, log)
     cfg = ServeBenchConfig(  # the options checked before any build or load
         work=work, rates=tuple(sorted(_positive_floats(rates, "--rates"))),
         requests_per_rate=requests_per_rate, seconds_per_rate=seconds_per_rate, ttft_limit_s=ttft_limit,
@@ -77,6 +85,20 @@ def bench_serve(
                           lambda m: log.print(m, soft_wrap=True, highlight=False)))
     (work / "report.json").write_text(json.dumps(report, indent=2, default=str))
     emit(report, markdown, as_json)
+
+
+def _soak(work, dataset, split, store, questions, model, dtype, minutes, rate, window, seed, zipf, k, max_tokens,
+          as_json, log) -> None:
+    """`kvrag bench serve --soak`: its report on stdout and in WORK/soak.json."""
+    from kvrag.bench import serve_soak
+
+    store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
+                                     lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
+    cfg = serve_soak.SoakConfig(work, store_dir, texts, minutes, rate, window, seed=seed, zipf=zipf, k=k,
+                                max_tokens=max_tokens, model=model, dtype=dtype)
+    report = stamped(serve_soak.run(cfg, lambda m: log.print(m, soft_wrap=True, highlight=False)))
+    (work / "soak.json").write_text(json.dumps(report, indent=2, default=str))
+    emit(report, serve_soak.markdown, as_json)
 
 
 def _serve_inputs(work: Path, dataset: Path | None, split: str, store: Path | None, questions: Path | None,

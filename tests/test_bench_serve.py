@@ -66,3 +66,27 @@ def test_bench_serve_bad_options_are_one_line(monkeypatch, capsys, tmp_path, sto
         code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "serve", "--work",
                                           str(tmp_path), *args)
         assert code == 1 and err.count("\n") == 1 and message in err, (args, err)
+
+
+def test_bench_serve_soak_reads_the_servers_memory_each_window(monkeypatch, capsys, tmp_path, store_copy,
+                                                                tiny_llama_dir):
+    """`--soak` at a toy size (three windows of 4 s, one of warm-up): one real server under the mixed load, every
+    request served, each window's RSS read off the running server; the ratios are measurements, not asserted."""
+    monkeypatch.setenv("KVRAG_THREADS", "1")
+    run_kvrag("precompute", "--store", str(store_copy), "--model", str(tiny_llama_dir), "--dtype", "float32")
+    questions = tmp_path / "questions.txt"
+    questions.write_text("\n".join(QUESTIONS) + "\n")
+    work = tmp_path / "work"
+    code, out, err = run_cli_in_process(
+        monkeypatch, capsys, "bench", "bench", "serve", "--store", str(store_copy), "--questions", str(questions),
+        "--work", str(work), "--model", str(tiny_llama_dir), "--dtype", "float32", "--soak", "0.1",
+        "--soak-rate", "1", "--soak-window", "4", "--max-tokens", "4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "kvrag.bench-serve-soak/1" and report["server_exit_status"] == 0
+    windows = report["windows"]
+    assert [w["mode"] for w in windows] == ["blend", "full", "reuse"] and windows[0]["warmup"]
+    assert report["failed"] == 0 and all(w["served"] == w["sent"] > 0 for w in windows)
+    assert all(w["rss_mb"] > 50 for w in windows)  # a Python process with torch and a model loaded
+    assert report["rss_end_over_start"] == windows[-1]["rss_mb"] / windows[1]["rss_mb"]
+    assert json.loads((work / "soak.json").read_text())["windows"] == windows

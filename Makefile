@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-search bench-index bench-remote bench-gpu bench-load gpu-bundle test-cuda
+	bench-serve bench-soak bench-search bench-index bench-remote bench-gpu bench-load gpu-bundle test-cuda
 
 install: $(STAMP)
 
@@ -113,6 +113,14 @@ SERVE_WORK ?= /tmp/kvrag-serve-bench
 SERVE_RATES ?= 0.1,0.2,0.3,0.4,0.6,0.8,1,1.3,1.6
 bench-serve: bench-data $(STAMP)
 	$(BIN)/kvrag bench serve --work $(SERVE_WORK) --rates $(SERVE_RATES) $(SERVE_ARGS)
+
+# A long-lived server under steady mixed load (issue 39): one `kvrag serve` with its tiers, the report split's
+# questions at SOAK_RATE q/s for SOAK_MINUTES, its resident memory and TTFT each minute (target: the last minute's
+# RSS within 10 % of the first after warm-up).
+SOAK_MINUTES ?= 30
+SOAK_RATE ?= 0.5
+bench-soak: bench-data $(STAMP)
+	$(BIN)/kvrag bench serve --work $(SERVE_WORK) --soak $(SOAK_MINUTES) --soak-rate $(SOAK_RATE) $(SERVE_ARGS)
 
 # How much search time dynamic speculative pipelining hides from TTFT, on a synthetic 1M x 384 IVF index
 # (built once into /tmp/kvrag-search-bench).

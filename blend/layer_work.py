@@ -14,7 +14,7 @@ import torch
 
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV
-from kvrag.store.codec import DECODED_DTYPES, CorruptValue, StoredKV, stored_positions
+from kvrag.store.codec import DECODED_DTYPES, CorruptValue, stored_positions
 from kvrag.store.kv import RawLayer
 
 # The idle-priority decoder starves when other processes keep every core busy; then a consumer waiting on a chunk
@@ -63,10 +63,9 @@ class LayerWork:
     into the layer's buffers k, v [C, Hkv, hd]."""
 
     def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
-                 rotates: bool = False, staged: dict[int, StoredKV] | None = None):
+                 rotates: bool = False):
         self.fetched, self.k, self.v, self.put = fetched, k, v, put
         self.rotates = rotates  # `put` writes keys rotated (and in-memory chunks are rotated as they are copied in)
-        self.staged = staged  # fused: `put` parses chunk i into staged[i], which `_finish` loads on the device
         self._items = stored  # chunk indices still to claim
         self._left = len(stored)  # items not finished
         self._lock = threading.Lock()
@@ -142,12 +141,8 @@ def idle_priority_available() -> bool:
 
 
 def layer_shape(fetched: list) -> tuple[int, int]:
-    """(Hkv, hd) of a layer's chunks: the first chunk's, which `_check_rows` holds every other chunk to."""
+    """(Hkv, hd) of a layer's chunks: the first chunk's, which `check_rows` holds every other chunk to."""
     return next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:]) for item in fetched)
-
-
-TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-                 np.dtype(np.int8): torch.int8}  # what codec.stored_kv gives
 
 
 def array_dtype(item) -> np.dtype:

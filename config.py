@@ -26,7 +26,6 @@ The AWS_* variables (credentials, endpoint, region) are kept as they are for a s
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -86,9 +85,6 @@ class KVRagConfig:
         if config.reorder_window < 0:
             raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
         return config
-
-    def replace(self, **changes) -> KVRagConfig:
-        return dataclasses.replace(self, **changes)
 
 
 ENVIRONMENT = {

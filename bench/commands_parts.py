@@ -167,11 +167,7 @@ def bench_precompute(
 
     if not store.is_dir():
         raise KvragError(f"{store} is not a store directory (--store)")
-    result = run(store, chunks, rounds, codec)
-    if as_json:
-        print_json(result)
-    else:
-        typer.echo(summary_line(result))
+    emit(run(store, chunks, rounds, codec), summary_line, as_json)
 
 
 @bench_app.command("tiers")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvrag.errors import KvragError
+from kvrag.model import rotary
 from kvrag.model.prefill import LayerKV
 from kvrag.store.codec import DECODED_DTYPES, CorruptValue, stored_positions
 from kvrag.store.kv import RawLayer
@@ -133,6 +134,37 @@ def decoded(ref: ChunkRef, raw: RawLayer) -> tuple[np.ndarray, np.ndarray]:
         raise CorruptChunk(ref.chunk_id, str(exc)) from None
     check_kept(ref, kv.positions)
     return kv.k, kv.v
+
+
+def row_starts(chunks: Sequence[ChunkRef]) -> list[int]:
+    """Chunk i's rows of every layer are starts[i] .. starts[i + 1] - 1: the chunks' rows one after another."""
+    starts = [0]
+    for ref in chunks:
+        starts.append(starts[-1] + ref.n_rows)
+    return starts
+
+
+def rotation(positions: torch.Tensor | None, inv_freq: torch.Tensor | None,
+             rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype, device: torch.device):
+    """A loader's (rope, positions, inv_freq): the rows' positions [C] and inv_freq [hd/2] on the device, and their
+    cos, sin [C, 1, hd] in the model's dtype (as model.positions_cos_sin) unless `rope` gives them."""
+    if positions is not None:
+        positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)
+        if rope is None:
+            rope = rotary.cos_sin(inv_freq, positions, dtype)
+    return rope, positions, inv_freq
+
+
+def place_rows(ref: ChunkRef, rows: slice, mk: torch.Tensor, mv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """An in-memory chunk's K, V [T, Hkv, hd] into its rows of the layer k, v; its keys rotated by rope's rows when
+    the layer's are (`rope` given), else copied as they are."""
+    check_rows(ref, mk.shape, rows.stop - rows.start, k.shape[1:])
+    if rope is not None:
+        rotary.rotate(mk.to(k.device, k.dtype), rope[0][rows], rope[1][rows], out=k[rows])
+    else:
+        k[rows] = mk
+    v[rows] = mv
 
 
 def idle_priority_available() -> bool:

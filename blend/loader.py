@@ -44,6 +44,9 @@ from kvrag.blend.layer_work import (
     decoded,
     idle_priority_available,
     layer_shape,
+    place_rows,
+    rotation,
+    row_starts,
 )
 from kvrag.blend.staged_loader import StagedLoader
 from kvrag.blend.staging import StagingArea
@@ -101,14 +104,8 @@ class LayerLoader:
         self.native = native
         self.table, self.chunks, self.layers = table, list(chunks), list(layers)
         self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
-        if positions is not None:
-            positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)  # [C], [hd/2]
-            if rope is None:  # in-memory chunks (and a load that is not fused) are rotated with torch
-                rope = rotary.cos_sin(inv_freq, positions, dtype)  # as model.positions_cos_sin
-        self.rope, self.positions, self.inv_freq = rope, positions, inv_freq
-        self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
-        for ref in self.chunks:
-            self._starts.append(self._starts[-1] + ref.n_rows)
+        self.rope, self.positions, self.inv_freq = rotation(positions, inv_freq, rope, dtype, device)
+        self._starts = row_starts(self.chunks)
         self._ready = {layer: threading.Event() for layer in self.layers}
         # a read layer, or the failure to hand on
         self._results: dict[int, LayerWork | BaseException] = {}
@@ -229,17 +226,10 @@ class LayerLoader:
 
     def _copy_in_memory(self, work: LayerWork) -> None:
         """The in-memory chunks into their rows of the layer, keys rotated where the layer's are."""
-        starts, shape = self._starts, work.k.shape[1:]
         for i, item in enumerate(work.fetched):  # a torch copy here, never in a pool thread (see `_work`)
             if not isinstance(item, RawLayer):
-                check_rows(self.chunks[i], item[0].shape, self._rows(i), shape)
-                rows = slice(starts[i], starts[i + 1])
-                if work.rotates:
-                    rotary.rotate(item[0].to(work.k.device, work.k.dtype), self.rope[0][rows], self.rope[1][rows],
-                                  out=work.k[rows])
-                else:
-                    work.k[rows] = item[0]
-                work.v[rows] = item[1]
+                place_rows(self.chunks[i], slice(self._starts[i], self._starts[i + 1]), *item, work.k, work.v,
+                           self.rope if work.rotates else None)
 
     def _pause_decoder(self) -> None:
         """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,

@@ -22,7 +22,7 @@ from contextlib import nullcontext
 
 import torch
 
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk, check_kept, check_rows
+from kvrag.blend.layer_work import ChunkRef, CorruptChunk, check_kept, place_rows, rotation, row_starts
 from kvrag.blend.staging import STORED_TORCH, LayerPlan, StagedLayer, StageFailed, StagingArea
 from kvrag.model import rotary
 from kvrag.store.codec import FLAG_K_PER_CHANNEL, CorruptValue, read_header, stored_positions
@@ -40,13 +40,8 @@ class StagedLoader:
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.table, self.chunks, self.layers, self.area = table, list(chunks), list(layers), area
         self.dtype, self.device, self.delay_s, self.fused = dtype, device, delay_s, fused
-        if positions is not None:
-            positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)  # [C], [hd/2]
-            rope = rope if rope is not None else rotary.cos_sin(inv_freq, positions, dtype)
-        self.rope, self.positions, self.inv_freq = rope, positions, inv_freq
-        self._starts = [0]  # chunk i's rows are _starts[i] .. _starts[i + 1] - 1 of every layer
-        for ref in self.chunks:
-            self._starts.append(self._starts[-1] + ref.n_rows)
+        self.rope, self.positions, self.inv_freq = rotation(positions, inv_freq, rope, dtype, device)
+        self._starts = row_starts(self.chunks)
         self._stored = [i for i, ref in enumerate(self.chunks) if ref.in_memory is None]
         self._ready = {layer: threading.Event() for layer in self.layers}
         self._results: dict[int, tuple | BaseException] = {}
@@ -255,16 +250,9 @@ class StagedLoader:
     def _copy_in_memory(self, k: torch.Tensor, v: torch.Tensor, layer: int, rotated: bool) -> None:
         """The in-memory chunks into their rows of the layer, keys rotated where the layer's are."""
         for i, ref in enumerate(self.chunks):
-            if ref.in_memory is None:
-                continue
-            mk, mv = ref.in_memory.k[layer], ref.in_memory.v[layer]
-            check_rows(ref, mk.shape, self._starts[i + 1] - self._starts[i], k.shape[1:])
-            rows = slice(self._starts[i], self._starts[i + 1])
-            if rotated:
-                rotary.rotate(mk.to(k.device, k.dtype), self.rope[0][rows], self.rope[1][rows], out=k[rows])
-            else:
-                k[rows] = mk
-            v[rows] = mv
+            if ref.in_memory is not None:
+                place_rows(ref, slice(self._starts[i], self._starts[i + 1]), ref.in_memory.k[layer],
+                           ref.in_memory.v[layer], k, v, self.rope if rotated else None)
 
     def _side_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()

@@ -121,10 +121,11 @@ class Run:
             piece = tokenizer.decode([token])
             return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
+        whole = len(tokenizer.decode(seq.output, skip_special_tokens=True).strip()) <= len(text)
         content = []
         for i, (logprob, top) in enumerate(seq.logprobs):
-            if i and len(tokenizer.decode(seq.output[:i], skip_special_tokens=True).strip()) >= len(text):
-                break  # the tokens after the text's end
+            if not whole and i and len(tokenizer.decode(seq.output[:i], skip_special_tokens=True).strip()) >= len(text):
+                break  # a stop string cut the text: the tokens after its end
             content.append({**entry(seq.output[i], logprob), "top_logprobs": [entry(t, lp) for t, lp in top]})
         return {"content": content}
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvrag.bench.serve_report import markdown
 from kvrag.tests.conftest import run_cli_in_process, run_kvrag
 
@@ -14,12 +16,18 @@ QUESTIONS = ["How deep is Lake Baikal?", "Which river is the longest in Africa?"
 REQUESTS = 4
 
 
-def test_bench_serve_serves_every_request(monkeypatch, capsys, tmp_path, store_copy, tiny_llama_dir):
+@pytest.fixture
+def served_inputs(monkeypatch, tmp_path, store_copy, tiny_llama_dir):
+    """The store precomputed for the tiny model, the questions' file and a work folder; one thread a server."""
     monkeypatch.setenv("KVRAG_THREADS", "1")
     run_kvrag("precompute", "--store", str(store_copy), "--model", str(tiny_llama_dir), "--dtype", "float32")
     questions = tmp_path / "questions.txt"
     questions.write_text("\n".join(QUESTIONS) + "\n")
-    work = tmp_path / "work"
+    return questions, tmp_path / "work"
+
+
+def test_bench_serve_serves_every_request(monkeypatch, capsys, served_inputs, store_copy, tiny_llama_dir):
+    questions, work = served_inputs
     # a limit no answer can miss: every rate runs, so the shape does not depend on this machine's speed
     code, out, err = run_cli_in_process(
         monkeypatch, capsys, "bench", "bench", "serve", "--store", str(store_copy), "--questions",
@@ -68,15 +76,11 @@ def test_bench_serve_bad_options_are_one_line(monkeypatch, capsys, tmp_path, sto
         assert code == 1 and err.count("\n") == 1 and message in err, (args, err)
 
 
-def test_bench_serve_soak_reads_the_servers_memory_each_window(monkeypatch, capsys, tmp_path, store_copy,
+def test_bench_serve_soak_reads_the_servers_memory_each_window(monkeypatch, capsys, served_inputs, store_copy,
                                                                 tiny_llama_dir):
     """`--soak` at a toy size (three windows of 4 s, one of warm-up): one real server under the mixed load, every
     request served, each window's RSS read off the running server; the ratios are measurements, not asserted."""
-    monkeypatch.setenv("KVRAG_THREADS", "1")
-    run_kvrag("precompute", "--store", str(store_copy), "--model", str(tiny_llama_dir), "--dtype", "float32")
-    questions = tmp_path / "questions.txt"
-    questions.write_text("\n".join(QUESTIONS) + "\n")
-    work = tmp_path / "work"
+    questions, work = served_inputs
     code, out, err = run_cli_in_process(
         monkeypatch, capsys, "bench", "bench", "serve", "--store", str(store_copy), "--questions", str(questions),
         "--work", str(work), "--model", str(tiny_llama_dir), "--dtype", "float32", "--soak", "0.1",

@@ -109,6 +109,7 @@ class KVRag:
                mode: str = "blend", ratio: float | str | RatioPolicy = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
                kv_tokens: int = 0, kv_rule: str = "keyformer", logprobs: int | None = None,
+               history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
                listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
@@ -116,8 +117,13 @@ class KVRag:
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
         (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `logprobs`: keep each
         generated token's log-probability and its `logprobs` most likely alternatives (`Generation.seq.logprobs`;
-        None: none). `listener`: called with no arguments from the engine's thread after each token and at the end
-        (to wake an event loop that reads `Generation.seq.events` without blocking)."""
+        None: none). `history`: a conversation's earlier turns as (role, text), system first (the prompt is the
+        model's chat template over them, the passages inside the last user turn); retrieval then searches for the
+        previous user turn and the question together. `rag` False, `k` 0, or no chunk passing the cutoffs: plain chat,
+        with no passages and no RAG instruction. `keep_turn`: keep this turn's KV, so that a follow-up whose history
+        ends with this answer reuses it (engine/conversations.py). `listener`: called with no arguments from the
+        engine's thread after each token and at the end (to wake an event loop that reads `Generation.seq.events`
+        without blocking)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -127,14 +133,20 @@ class KVRag:
         blend = policy.start(selection)
         sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
 
+        history = tuple((role, text) for role, text in history)
+        given = chunk_ids is not None or passages is not None
+        retrieve = rag and k > 0 and not given
+
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
-                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs)
+                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs, history=history,
+                           rag=given or bool(chunks), keep_turn=keep_turn)
 
-        if self.speculator is not None and chunk_ids is None and passages is None:
-            stages = self._stages(question, k, relative_cutoff, request)
+        query = search_text(question, history)
+        if self.speculator is not None and retrieve and not history:
+            stages = self._stages(query, k, relative_cutoff, request)
             return Generation(self, *self.speculator.submit(stages, listener, start))
-        chunks, sources = self._chunks(question, k, relative_cutoff, chunk_ids, passages)
+        chunks, sources = self._chunks(query, k, relative_cutoff, chunk_ids, passages) if retrieve or given else ([], [])
         retrieve_s = time.perf_counter() - start
         return Generation(self, self.loop.submit(request(chunks, sources), listener), retrieve_s)
 
@@ -264,6 +276,13 @@ class Generation:
 
     def _answer(self) -> Answer:
         return self.seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
+
+
+def search_text(question: str, history: Sequence[tuple[str, str]]) -> str:
+    """What retrieval searches for: the question, after the previous user turn where there is one (a follow-up
+    such as "When did she retire?" names its subject there)."""
+    earlier = [text for role, text in history if role == "user" and text.strip()]
+    return f"{earlier[-1].strip()}\n{question}" if earlier else question
 
 
 def _from_hits(hits) -> tuple[list[tuple[str, list[int]]], list[dict]]:

@@ -110,12 +110,18 @@ class BlendKV:
             v_all[n_pre:n_pre + loaded[1].shape[0]] = loaded[1]
         v_all[n_pre + rows.index] = new_v
         self.v = v_all
-        if self.rotated_source:  # loaded keys come rotated: only the preamble's and the computed rows' are rotated here
+        if self.rotated_source or pre.rotated:  # only the computed rows' keys (and the preamble's) are rotated here
             k_rot = self.cache.k[layer, :n_total]
-            m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
-                          out=k_rot[:n_pre])
+            if pre.rotated:
+                k_rot[:n_pre] = pre.k[layer]
+            else:
+                m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
+                              out=k_rot[:n_pre])
             if loaded is not None:
-                k_rot[n_pre:n_pre + loaded[0].shape[0]] = loaded[0]
+                n_loaded = loaded[0].shape[0]
+                k_rot[n_pre:n_pre + n_loaded] = loaded[0] if self.rotated_source else \
+                    m.rotate_keys(loaded[0], self.positions[n_pre:n_pre + n_loaded],
+                                  (self.rope[0][n_pre:n_pre + n_loaded], self.rope[1][n_pre:n_pre + n_loaded]))
             k_rot[n_pre + rows.index] = m.rotate_keys(new_k, rows.pos, rows.rope)
             self.k_rot = k_rot
             return
@@ -206,6 +212,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         if rotated_source:
             raise ValueError("keep_rest keeps keys before rotary: give a source that hands them out so")
         result.rest_kv = []
+    if keep_rest and preamble.rotated:
+        raise ValueError("keep_rest keeps keys before rotary, which a rotated exact prefix does not hand out")
     kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
     kv.tap = tap
     selector = Selector(model, config, n_chunk, chunk_starts, result.selected) if config is not None else None

@@ -17,6 +17,7 @@ import torch
 from kvrag.blend.keyformer import check_rule
 from kvrag.blend.ratio import SUFFIX_GUESS
 from kvrag.engine.batch_decode import BatchDecoder
+from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
@@ -40,6 +41,7 @@ class EngineConfig:
     # a full prefill longer than this runs this many tokens a step, the running sequences decoding between the
     # pieces (0: the whole prompt in one step)
     prefill_chunk: int = 512
+    chat_cache_bytes: int = 256 << 20  # kept conversation turns and heads (engine/conversations.py); 0: none
 
 
 class LLMEngine:
@@ -51,6 +53,7 @@ class LLMEngine:
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
         self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
+        self.conversations = Conversations(prefiller.runtime, config.chat_cache_bytes)
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
@@ -69,27 +72,33 @@ class LLMEngine:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         prompts = self.prefiller.runtime.prompts
         check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
-        if 0 < request.kv_tokens <= len(prompts.preamble_ids) + self.kv.block_size:
+        plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag)
+        head = len(prompts.preamble_ids) if plan is None else len(plan.head)
+        if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
-                             f"{len(prompts.preamble_ids)}-token preamble; give more than "
-                             f"{len(prompts.preamble_ids) + self.kv.block_size}")
-        suffix = prompts.build([], request.question).suffix
-        prompt = len(prompts.preamble_ids) + sum(len(ids) for _, ids in request.chunks) + len(suffix)
+                             f"{head}-token preamble; give more than {head + self.kv.block_size}")
+        if plan is None:
+            suffix = prompts.build([], request.question).suffix
+            prompt = head + sum(len(ids) for _, ids in request.chunks) + len(suffix)
+        else:
+            prompt = plan.tokens
         if prompt + request.sampling.max_tokens > self.max_positions:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
-        rows = prompt - self._dropped_rows(request)
+        rows = prompt - self._dropped_rows(request, plan)
         if self.kv.blocks_needed(rows + request.sampling.max_tokens) + len(self.kv.shared) > self.kv.pool.num_blocks:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
                              f"than the pool's {self.kv.pool.capacity_bytes} bytes hold")
-        return Sequence(next(self._ids), request, prompt, rows)
+        seq = Sequence(next(self._ids), request, prompt, rows)
+        seq.plan, seq.head_rows = plan, head
+        return seq
 
-    def _dropped_rows(self, request: Request) -> int:
+    def _dropped_rows(self, request: Request, plan) -> int:
         """Prompt tokens with no row in the pool (reduced chunks' dropped tokens): none for a full prefill, which
         keeps every row, nor for prefix caching, which computes all but its first chunk whole."""
         if request.mode not in ("blend", "reuse"):
             return 0
-        return self.prefiller.source.dropped_rows(request.chunks)
+        return self.prefiller.source.dropped_rows(request.chunks if plan is None else plan.chunks)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
@@ -132,18 +141,22 @@ class LLMEngine:
             seq.prefill_started = time.perf_counter()
         try:
             config = req.blend
+            chunks = [(chunk_id, list(ids)) for chunk_id, ids in (req.chunks if seq.plan is None else seq.plan.chunks)]
             if req.mode == "blend":
-                n_chunk = sum(len(ids) for _, ids in req.chunks)
+                n_chunk = sum(len(ids) for _, ids in chunks)
                 config = req.ratio.resolve(config, lambda: self.prefiller.source.profile(self.config.codec),
                                            self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
-            chunks = [(chunk_id, list(ids)) for chunk_id, ids in req.chunks]
+            framing = None
+            if seq.plan is not None:
+                framing, seq.head_reused = self.conversations.framing(seq.plan)
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
                 self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0,
-                                                                    observe=_observe(req)))
+                                                                    observe=_observe(req), framing=framing))
                 self._next_piece()
                 return
-            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req))
+            pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req),
+                                         framing=framing)
         except KvragError as exc:
             seq.error = str(exc)
             self._finish(seq, "error")
@@ -166,7 +179,7 @@ class LLMEngine:
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
                                 "bytes_loaded": pre.bytes_loaded, "chunk_tiers": pre.chunk_tiers,
                                 "ratio": config.ratio if req.mode == "blend" else None,
-                                "reused_tokens": self._reused_tokens(req, pre)}
+                                "reused_tokens": self._reused_tokens(seq, pre)}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, self._choose(seq, pre.logits))
@@ -174,7 +187,7 @@ class LLMEngine:
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
         if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
-            rows = pre.attention.budget_rows(pre.cache.length, req.kv_tokens, len(self.prefiller.preamble))
+            rows = pre.attention.budget_rows(pre.cache.length, req.kv_tokens, seq.head_rows)
             pre.cache.keep_rows(rows)
             pre.attention.keep(rows)
             seq.attention = pre.attention
@@ -207,7 +220,7 @@ class LLMEngine:
     def _evict(self, seq: Sequence) -> None:
         """Cut a budgeted sequence's KV back to its budget: the lowest-scoring rows go and their blocks are freed
         (a block at a time: the rows move, and moving them each step would cost more than the step)."""
-        rows = seq.attention.budget_rows(seq.length, seq.request.kv_tokens, len(self.prefiller.preamble))
+        rows = seq.attention.budget_rows(seq.length, seq.request.kv_tokens, seq.head_rows)
         self.kv.keep_rows(seq.table, rows)
         seq.attention.keep(rows)
         seq.offset += seq.length - int(rows.shape[0])
@@ -246,22 +259,46 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if self.prefilling is not None and self.prefilling[0] is seq:
             self.prefilling = None  # its cache goes with the job
+        if seq.request.keep_turn and reason in ("stop", "length") and seq.table is not None:
+            self._keep_turn(seq)
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
         seq.push(DONE)
         seq.done.set()
 
-    def _reused_tokens(self, req: Request, pre) -> int:
-        """Prompt tokens whose KV came from the store or a memory tier and was not recomputed: the preamble and
-        the chunk tokens the blend kept (a chunk computed now, missing or damaged in the store, counts as computed).
-        A lower bound: a computed chunk's rows the blend also selected are counted once."""
-        if req.mode == "full":
+    def _reused_tokens(self, seq: Sequence, pre) -> int:
+        """Prompt tokens whose KV came from the store, a memory tier or a kept conversation turn and was not
+        recomputed: the preamble (or a conversation head's reused rows) and the chunk tokens the blend kept (a chunk
+        computed now, missing or damaged in the store, counts as computed). A lower bound: a computed chunk's rows
+        the blend also selected are counted once."""
+        if seq.request.mode == "full":
             return 0
-        tiers = zip(req.chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
+        chunks = seq.request.chunks if seq.plan is None else seq.plan.chunks
+        tiers = zip(chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
         computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
         kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-        return len(self.prefiller.preamble) + kept
+        return (len(self.prefiller.preamble) if seq.plan is None else seq.head_reused) + kept
+
+    def _keep_turn(self, seq: Sequence) -> None:
+        """Keep a finished chat turn's ids and pool rows for a follow-up (engine/conversations.py): only where its
+        rows are its tokens one to one (no dropped ones)."""
+        req, plan = seq.request, seq.plan
+        if seq.offset or seq.attention is not None or seq.prompt_rows != seq.prompt_tokens:
+            return
+        if plan is None:
+            suffix = self.prefiller.runtime.prompts.build([], req.question).suffix
+            prompt = [*self.prefiller.runtime.prompts.preamble_ids, *(i for _, ids in req.chunks for i in ids), *suffix]
+        else:
+            prompt = plan.ids()
+        ids = prompt + seq.output
+        n = min(seq.length, len(ids))
+        k, v = self.kv.layer_views()  # [L, slots, Hkv, hd] each
+        rows = self.kv.rows(seq.table)[:n]  # [n]
+        chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
+        answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
+        self.conversations.keep(req.history, req.question, answer, ids, (k[:, rows].clone(), v[:, rows].clone()),
+                                chunk_ids)
 
     def _order_priority(self, seq: Sequence) -> float:
         """RAGCache's order (ChunkSource.order_priority) for prompts that read the tiers; 0 for the others."""

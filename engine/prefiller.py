@@ -73,15 +73,25 @@ class Prefilled:
         return self.cache.offset
 
 
+@dataclass(frozen=True)
+class Framing:
+    """A prompt's tokens around its chunks where they are not the single-turn preamble and suffix (a conversation,
+    engine/conversations.py): the head's ids and exact KV, and the tail's ids."""
+
+    head_ids: list[int]
+    head: LayerKV
+    tail: list[int]
+
+
 class FullPrefill:
     """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
 
     def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
-                 start: float, tap: AttentionScore | None = None):
+                 start: float, tap: AttentionScore | None = None, head_ids: list[int] | None = None):
         chunk_ids = [i for _, ids in chunks for i in ids]
         self.chunk_tokens = len(chunk_ids)
-        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(runtime.prompts.preamble_ids + chunk_ids + suffix),
-                                  extra, tap)
+        head_ids = runtime.prompts.preamble_ids if head_ids is None else head_ids
+        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(head_ids + chunk_ids + suffix), extra, tap)
         self.start, self.compute_s = start, 0.0
 
     @property
@@ -111,9 +121,10 @@ class Prefilling(Protocol):
     source: ChunkSource
 
     def prefill(self, chunks, question: str, mode: str = "blend", config: BlendConfig | None = None,
-                extra: int = 64, observe: str | None = None) -> Prefilled: ...
+                extra: int = 64, observe: str | None = None, framing: Framing | None = None) -> Prefilled: ...
 
-    def full_prefill(self, chunks, question: str, extra: int = 64, observe: str | None = None) -> FullPrefill: ...
+    def full_prefill(self, chunks, question: str, extra: int = 64, observe: str | None = None,
+                     framing: Framing | None = None) -> FullPrefill: ...
 
     def flush_write_back(self) -> int: ...
 
@@ -147,18 +158,19 @@ class Prefiller:
         return self.source.flush_write_back()
 
     def prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str = "blend",
-                config: BlendConfig | None = None, extra: int = 64, observe: str | None = None) -> Prefilled:
-        """Prefill preamble + chunks + suffix(question) by `mode`; retries once per corrupt chunk. observe (a rule:
-        keyformer, h2o, window): score the rows by the question's attention (Prefilled.attention), for a
-        decode-time budget."""
+                config: BlendConfig | None = None, extra: int = 64, observe: str | None = None,
+                framing: Framing | None = None) -> Prefilled:
+        """Prefill preamble + chunks + suffix(question) by `mode` (with `framing`: its head + chunks + its tail);
+        retries once per corrupt chunk. observe (a rule: keyformer, h2o, window): score the rows by the question's
+        attention (Prefilled.attention), for a decode-time budget."""
         mode = Mode.parse(mode).value
         config = config or BlendConfig()
-        suffix = self.runtime.prompts.build([], question).suffix
+        suffix = self.runtime.prompts.build([], question).suffix if framing is None else framing.tail
         for _ in range(len(chunks) + 1):
             try:
                 with torch.inference_mode():
-                    tap = self._observer(chunks, observe) if observe else None
-                    return self._prefill_once(chunks, suffix, mode, config, extra, tap)
+                    tap = self._observer(chunks, observe, framing) if observe else None
+                    return self._prefill_once(chunks, suffix, mode, config, extra, tap, framing)
             except CorruptChunk as exc:
                 # never use a damaged value: compute that chunk now and repair the store afterwards
                 ids = dict(chunks)[exc.chunk_id]
@@ -167,36 +179,44 @@ class Prefiller:
         raise KvragError("could not prefill: the store keeps returning damaged values")
 
     def full_prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, extra: int = 64,
-                     observe: str | None = None) -> FullPrefill:
-        """A full prefill of preamble + chunks + suffix(question) to run a piece at a time (`FullPrefill.advance`)."""
-        suffix = self.runtime.prompts.build([], question).suffix
-        tap = self._observer(chunks, observe) if observe else None
-        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap)
+                     observe: str | None = None, framing: Framing | None = None) -> FullPrefill:
+        """A full prefill of preamble + chunks + suffix(question) (with `framing`: its head + chunks + its tail) to run
+        a piece at a time (`FullPrefill.advance`)."""
+        suffix = self.runtime.prompts.build([], question).suffix if framing is None else framing.tail
+        tap = self._observer(chunks, observe, framing) if observe else None
+        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap,
+                           framing.head_ids if framing is not None else None)
 
-    def _observer(self, chunks, rule: str) -> AttentionScore:
+    def _observer(self, chunks, rule: str, framing: Framing | None) -> AttentionScore:
         """Scores of a prompt's rows by its question's (the suffix's) attention."""
-        return AttentionScore(len(self.preamble) + sum(len(ids) for _, ids in chunks), self.model.device, rule=rule)
+        head = len(self.preamble) if framing is None else len(framing.head_ids)
+        return AttentionScore(head + sum(len(ids) for _, ids in chunks), self.model.device, rule=rule)
 
     def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
-                      tap: AttentionScore | None = None) -> Prefilled:
+                      tap: AttentionScore | None = None, framing: Framing | None = None) -> Prefilled:
         start = time.perf_counter()
         if mode == "full":
-            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap)
+            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap,
+                              framing.head_ids if framing is not None else None)
             return job.advance(job.remaining)
-
-        lease = self.source.acquire(chunks, len(suffix)) if mode in ("blend", "reuse") else None
+        if not chunks:  # nothing to load or blend (plain chat, or a follow-up over passages already in its context)
+            mode = "reuse"
+        # the memory tiers' knowledge tree is rooted at the preamble: a conversation's head reads the store alone
+        tiers = mode in ("blend", "reuse") and framing is None
+        lease = self.source.acquire(chunks, len(suffix)) if tiers else None
         try:
-            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap)
+            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap, framing)
         except BaseException:
             self.source.release(lease)
             raise
 
     def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
-                            start: float, tap: AttentionScore | None = None) -> Prefilled:
+                            start: float, tap: AttentionScore | None = None,
+                            framing: Framing | None = None) -> Prefilled:
         rt = self.runtime
         matched = lease.matched if lease is not None else 0
         source = self.source
-        exact = source.exact_prefix(lease)
+        exact = source.exact_prefix(lease) if framing is None else framing.head
         rest = list(chunks[matched:])
         memory = source.memory_kv(lease) if lease is not None else [None] * len(rest)
         refs, missing_s = source.chunk_refs(rest, memory)
@@ -208,7 +228,7 @@ class Prefiller:
         n_chunk = layout.n_chunk
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
-        exact_rows = self._exact_first_rows(refs, matched, blend_cfg)
+        exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None

@@ -41,6 +41,12 @@ class Request:
     # each generated token's log-probability under the model, with this many of the most likely alternatives
     # (OpenAI's logprobs / top_logprobs); None: none are kept
     logprobs: int | None = None
+    # a conversation (engine/conversations.py): the earlier turns as (role, text), system first; whether the
+    # question is answered over the chunks (False: plain chat, no passages or RAG instruction); whether to keep
+    # this turn's KV for a follow-up
+    history: tuple[tuple[str, str], ...] = ()
+    rag: bool = True
+    keep_turn: bool = False
 
 
 class Status(enum.Enum):
@@ -76,6 +82,9 @@ class Sequence:
         self.passed_over = 0  # admissions that went to a later request while this one waited
         self.preemptions = 0
         self.prefill_info: dict = {}  # the first prefill's costs: Prefilled's timings, tokens, tiers
+        self.plan = None  # a conversation's prompt (engine/conversations.Plan), None for the single-turn one
+        self.head_rows = 0  # rows before the chunks that a KV budget never drops (the preamble, or the plan's head)
+        self.head_reused = 0  # of a plan's head, the rows reused from a kept turn or head (not computed)
         self.first_logits: torch.Tensor | None = None  # [V], with request.keep_first_logits
         self.arrival = time.perf_counter()
         self.prefill_started: float | None = None

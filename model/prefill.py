@@ -12,11 +12,14 @@ from kvrag.model.transformer import Transformer
 
 @dataclass
 class LayerKV:
-    """Every layer's keys (before rotary) and values for tokens at `positions`."""
+    """Every layer's keys (before rotary, unless `rotated`) and values for tokens at `positions`."""
 
-    k: list[torch.Tensor]  # per layer [S, Hkv, hd], pre-rotary
+    k: list[torch.Tensor]  # per layer [S, Hkv, hd], pre-rotary (rotated to `positions` when `rotated`)
     v: list[torch.Tensor]  # per layer [S, Hkv, hd]
     positions: torch.Tensor  # [S] absolute positions
+    # keys already at their positions: a conversation's earlier turns, copied out of the engine's pool (which keeps
+    # them rotated), are reused exactly as they were, never rotated back and forth
+    rotated: bool = False
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])

@@ -129,7 +129,9 @@ class GrowingKV:
         k_rot = self.model.rotate_keys(k, rows.pos, rows.rope)
         if self.prefix is not None:
             p = self.prefix
-            k_rot = torch.cat([self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope), k_rot])
+            prefix_k = p.k[layer].to(self.model.dtype) if p.rotated else \
+                self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope)
+            k_rot = torch.cat([prefix_k, k_rot])
             v = torch.cat([p.v[layer].to(self.model.dtype), v])
         self.k_rot, self.v = k_rot, v
 

@@ -5,6 +5,8 @@ does not know are ignored, as clients send many (`frequency_penalty`, `user`, ..
 the `openai` client sends with `extra_body={...}`:
 
     k, relative_cutoff      retrieval: the k best chunks, dropping those under relative_cutoff x the best score
+                            (k 0: no retrieval, plain chat)
+    rag                     false: plain chat, no passages or RAG instruction (default true: retrieval decides)
     chunk_ids               chunks of the store to answer from, instead of retrieval
     passages                your own passages, [{"title": ..., "text": ...}] or plain strings, instead of both
     mode                    blend (default), full, prefix or reuse
@@ -74,7 +76,8 @@ class _Generate(_Body):
     stop: str | list[str] | None = Field(None, max_length=4)
     n: int | None = None  # one choice per request
     # kvrag's extra fields
-    k: int = Field(5, ge=1, le=1000)
+    k: int = Field(5, ge=0, le=1000)
+    rag: bool = True
     relative_cutoff: float = Field(0.5, ge=0, le=1)
     chunk_ids: list[str] | None = None
     passages: list[Passage | str] | None = None
@@ -99,7 +102,7 @@ class _Generate(_Body):
         passages = None
         if self.passages is not None:
             passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
-        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
+        return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
                 "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
@@ -115,18 +118,23 @@ class ChatRequest(_Generate):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
 
     def question(self) -> str:
-        """The last user message: the question the server retrieves for and answers (earlier turns are not
-        used: kvrag's prompt is its own, passages then the question)."""
-        for message in reversed(self.messages):
-            if message.role == "user":
-                return message.text()
-        return ""
+        """The last message, the user's: the question the server retrieves for and answers."""
+        last = self.messages[-1]
+        if last.role != "user":
+            raise BadField("messages", f"the last message must be the user's, got role '{last.role}'")
+        return last.text()
+
+    def history(self) -> list[tuple[str, str]]:
+        """The messages before the last, as (role, text): the conversation the question continues, in the model's
+        chat template (OpenAI's `developer` role is a system message)."""
+        return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages[:-1]]
 
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def options(self, default_max_tokens: int) -> dict:
-        return {**super().options(default_max_tokens),
+        """Keep each turn's KV for its follow-up (engine/conversations.py)."""
+        return {**super().options(default_max_tokens), "history": self.history(), "keep_turn": True,
                 "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens}
 
     def top_alternatives(self) -> int | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -122,59 +122,63 @@ class Server:
     # ---- a generation -----------------------------------------------------------------------------
 
     async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest, request: Request):
-        run = await self._start(endpoint, body, time.perf_counter())
+        runs = await self._start(endpoint, body, time.perf_counter())
         ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(endpoint, run, ids, usage), media_type="text/event-stream")
+            return StreamingResponse(self._events(endpoint, runs, ids, usage), media_type="text/event-stream")
         try:
-            text = await _unless_gone(run.text(), request)
+            texts = await _unless_gone(asyncio.gather(*(run.text() for run in runs)), request)
         except GenerationFailed as exc:
             raise ApiError(exc.status, str(exc)) from None
         finally:
-            self._record(endpoint, run)
-        return (chat_completion if endpoint == "chat" else completion)(ids, run, text)
+            for run in runs:
+                self._record(endpoint, run)
+        return (chat_completion if endpoint == "chat" else completion)(ids, runs, texts)
 
-    async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> Run:
-        """Check the request and submit it, every refusal as an ApiError."""
+    async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Run]:
+        """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
+        refusal as an ApiError (the choices already submitted are cancelled)."""
         self._check_model(body.model)
         question_field = "messages" if endpoint == "chat" else "prompt"
+        runs: list[Run] = []
         try:
             question, options = body.question(), body.options(self.settings.max_tokens)
-            run = await Run.start(self.rag, question, options, body.stops(), arrival)
-            self.runs.add(run)
-            return run
-        except BadField as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        except QueueFull as exc:
-            self.metrics.requests.labels(endpoint, "rejected").inc()
-            raise ApiError(429, str(exc), code="queue_full",
-                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
-        except PromptTooLong as exc:
-            raise ApiError(400, str(exc), param=question_field, code="context_length_exceeded") from None
-        except KvragError as exc:
-            raise ApiError(400, str(exc)) from None
-        except RuntimeError as exc:  # the engine has closed: the server is shutting down
-            raise ApiError(503, f"the server is shutting down ({exc})") from None
+            for i in range(body.n or 1):
+                choice = _next_choice(options, runs[0], i) if i else options
+                runs.append(await Run.start(self.rag, question, choice, body.stops(), arrival))
+                self.runs.add(runs[-1])
+            return runs
+        except BaseException as exc:
+            for run in runs:
+                run.gen.cancel()
+                self.runs.discard(run)
+            raise _refusal(exc, self.metrics, endpoint, question_field, self.settings.retry_after_s) from None
 
-    async def _events(self, endpoint: str, run: Run, ids: Ids, include_usage: bool):
-        """The stream's server-sent events; a client that goes away cancels the sequence (finally)."""
-        first = True
+    async def _events(self, endpoint: str, runs: list[Run], ids: Ids, include_usage: bool):
+        """The stream's server-sent events, the choices' pieces as they come (each chunk names its choice); a client
+        that goes away cancels every choice (finally)."""
+        first = [True] * len(runs)
         try:
-            async for piece in run.pieces():
-                extra = {"sources": run.sources()} if first else {}
-                yield sse(stream_chunk(endpoint, ids, piece, first=first, **extra))
-                first = False
-            if first:  # an empty answer still says who speaks and from what
-                yield sse(stream_chunk(endpoint, ids, "", first=True, sources=run.sources()))
-            yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason, timings=run.timings()))
+            async for index, piece in _merged(runs):
+                run = runs[index]
+                if piece is None:  # this choice is done
+                    if first[index]:  # an empty answer still says who speaks and from what
+                        yield sse(stream_chunk(endpoint, ids, "", first=True, index=index, sources=run.sources()))
+                    yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason, index=index,
+                                           timings=run.timings()))
+                    continue
+                extra = {"sources": run.sources()} if first[index] else {}
+                yield sse(stream_chunk(endpoint, ids, piece, first=first[index], index=index, **extra))
+                first[index] = False
             if include_usage:
                 yield sse(usage_chunk(ids, "chat.completion.chunk" if endpoint == "chat" else "text_completion",
-                                      run))
+                                      runs))
         except GenerationFailed as exc:
             yield sse(error_body(exc.status, str(exc)))
         finally:
-            self._record(endpoint, run)
+            for run in runs:
+                self._record(endpoint, run)
         yield sse("[DONE]")
 
     def _record(self, endpoint: str, run: Run) -> None:
@@ -193,10 +197,61 @@ class Server:
         return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
 
 
+def _next_choice(options: dict, first: Run, index: int) -> dict:
+    """Choice `index` of a request: the first choice's chunks (retrieved once), its own seed."""
+    seed = options.get("seed")
+    chosen = {} if options.get("passages") is not None or options.get("chunk_ids") is not None else \
+        {"chunk_ids": [s["chunk_id"] for s in first.sources()], "rag": bool(first.sources())}
+    return {**options, **chosen, "seed": None if seed is None else seed + index}
+
+
+def _refusal(exc: BaseException, metrics: Metrics, endpoint: str, question_field: str, retry_after_s: int):
+    """A submission's refusal as the ApiError the client gets (any other exception as it is)."""
+    if isinstance(exc, BadField):
+        return ApiError(400, str(exc), param=exc.param)
+    if isinstance(exc, QueueFull):
+        metrics.requests.labels(endpoint, "rejected").inc()
+        return ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, PromptTooLong):
+        return ApiError(400, str(exc), param=question_field, code="context_length_exceeded")
+    if isinstance(exc, KvragError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, RuntimeError):  # the engine has closed: the server is shutting down
+        return ApiError(503, f"the server is shutting down ({exc})")
+    return exc
+
+
+async def _merged(runs: list[Run]):
+    """(choice index, text piece) as each choice produces them, and (index, None) when one ends; the first
+    failure (GenerationFailed) is raised once the others have been stopped."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, run: Run) -> None:
+        try:
+            async for piece in run.pieces():
+                await queue.put((index, piece))
+            await queue.put((index, None))
+        except GenerationFailed as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
+    ended = 0
+    try:
+        while ended < len(runs):
+            index, item = await queue.get()
+            if isinstance(item, GenerationFailed):
+                raise item
+            ended += item is None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 DISCONNECT_POLL_S = 0.25  # how often a whole answer's handler checks that its client is still there
 
 
-async def _unless_gone(text: Coroutine[None, None, str], request: Request) -> str:
+async def _unless_gone(text: Awaitable, request: Request):
     """The whole answer, unless the client goes away first: then the generation is dropped (the handler's
     `_record` cancels the sequence, and its blocks go back to the pool) and the client is told nothing."""
     task = asyncio.ensure_future(text)

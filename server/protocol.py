@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvrag.api import KvragError, RatioPolicy
 
+MAX_CHOICES = 16  # n's bound: each choice is a sequence of its own in the engine's batch
+
 
 class BadField(ValueError):
     """A field whose value this server cannot serve, though well-typed: a 400 naming it."""
@@ -74,7 +76,7 @@ class _Generate(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = Field(None, max_length=4)
-    n: int | None = None  # one choice per request
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices per request, each its own sequence
     # kvrag's extra fields
     k: int = Field(5, ge=0, le=1000)
     rag: bool = True
@@ -97,8 +99,6 @@ class _Generate(_Body):
             ratio = RatioPolicy.parse(self.ratio, "ratio")
         except KvragError as exc:
             raise BadField("ratio", str(exc)) from None
-        if self.n not in (None, 1):
-            raise BadField("n", f"this server returns one choice per request (n=1), got n={self.n}")
         passages = None
         if self.passages is not None:
             passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]

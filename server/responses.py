@@ -26,33 +26,41 @@ class Ids:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: Ids, run: Run, text: str) -> dict:
-    message = {"role": "assistant", "content": text}
-    return {**ids.head("chat.completion"),
-            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason,
-                         "logprobs": run.logprobs(text)}],
-            "usage": run.usage(), "sources": run.sources(), "timings": run.timings()}
+def chat_completion(ids: Ids, runs: list[Run], texts: list[str]) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": run.finish_reason,
+                "logprobs": run.logprobs(text)} for i, (run, text) in enumerate(zip(runs, texts, strict=True))]
+    return {**ids.head("chat.completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].sources(),
+            "timings": runs[0].timings()}
 
 
-def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, **extra) -> dict:
+def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, index: int = 0, **extra) -> dict:
     return {**ids.head("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
 
 
-def completion(ids: Ids, run: Run, text: str) -> dict:
+def completion(ids: Ids, runs: list[Run], texts: list[str]) -> dict:
+    choices = [{"index": i, "text": text, "finish_reason": run.finish_reason, "logprobs": None}
+               for i, (run, text) in enumerate(zip(runs, texts, strict=True))]
+    return {**ids.head("text_completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].sources(),
+            "timings": runs[0].timings()}
+
+
+def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, index: int = 0, **extra) -> dict:
     return {**ids.head("text_completion"),
-            "choices": [{"index": 0, "text": text, "finish_reason": run.finish_reason, "logprobs": None}],
-            "usage": run.usage(), "sources": run.sources(), "timings": run.timings()}
+            "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra}
 
 
-def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, **extra) -> dict:
-    return {**ids.head("text_completion"),
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra}
+def usage(runs: list[Run]) -> dict:
+    """One prompt (the first choice's), every choice's completion tokens."""
+    first = runs[0].usage()
+    completion_tokens = sum(run.usage()["completion_tokens"] for run in runs)
+    return {**first, "completion_tokens": completion_tokens,
+            "total_tokens": first["prompt_tokens"] + completion_tokens}
 
 
-def usage_chunk(ids: Ids, kind: str, run: Run) -> dict:
+def usage_chunk(ids: Ids, kind: str, runs: list[Run]) -> dict:
     """stream_options.include_usage's last chunk: no choices, the usage."""
-    return {**ids.head(kind), "choices": [], "usage": run.usage()}
+    return {**ids.head(kind), "choices": [], "usage": usage(runs)}
 
 
 def sse(payload: dict | str) -> str:
@@ -61,12 +69,12 @@ def sse(payload: dict | str) -> str:
 
 
 def stream_chunk(endpoint: str, ids: Ids, piece: str, *, first: bool = False, finish_reason: str | None = None,
-                 **extra) -> dict:
+                 index: int = 0, **extra) -> dict:
     """A stream's chunk of either endpoint: the first says the role (chat), the last has no text but the reason."""
     if endpoint == "completions":
-        return completion_chunk(ids, piece, finish_reason, **extra)
+        return completion_chunk(ids, piece, finish_reason, index, **extra)
     delta = {} if finish_reason else {"role": "assistant", "content": piece} if first else {"content": piece}
-    return chat_chunk(ids, delta, finish_reason, **extra)
+    return chat_chunk(ids, delta, finish_reason, index, **extra)
 
 
 def embedding_response(vectors: np.ndarray, model: str, tokens: int, encoding: str) -> dict:

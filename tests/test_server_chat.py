@@ -131,3 +131,31 @@ def test_the_last_message_must_be_the_users(served):
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"},
                                                           {"role": "assistant", "content": "Hello"}]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages", reply.text
+
+
+def test_n_choices_each_sampled_with_their_own_seed(served):
+    rag, _, client = served
+    question, seed = "Who invented the Quarn loom?", 11
+    # choice i is what KVRag samples with seed + i over the same passages (asked first: the passages' KV is then
+    # stored, and every choice reads it from the store)
+    want = [rag.ask(question, passages=PASSAGES, seed=seed + i, temperature=1.0, max_tokens=STEPS)
+            for i in range(3)]
+    reply = ask(client, [{"role": "user", "content": question}], n=3, seed=seed, temperature=1.0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [a.text for a in want]
+    assert reply.usage.completion_tokens == sum(len(a.token_ids) for a in want)
+    assert reply.usage.prompt_tokens == want[0].prompt_tokens
+    streamed = ask(client, [{"role": "user", "content": question}], n=3, seed=seed, temperature=1.0)
+    assert [c.message.content for c in streamed.choices] == [a.text for a in want]  # the same seeds, the same texts
+    pieces: dict[int, str] = {}
+    finished = set()
+    for chunk in client.chat.completions.create(
+            model=MODEL, max_tokens=STEPS, n=3, seed=seed, temperature=1.0, stream=True,
+            messages=[{"role": "user", "content": question}],
+            extra_body={"passages": [{"title": t, "text": x} for t, x in PASSAGES]}):
+        for choice in chunk.choices:
+            pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2}
+    assert [pieces[i].strip() for i in range(3)] == [a.text for a in want]

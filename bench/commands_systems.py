@@ -56,6 +56,10 @@ def bench_serve(
                                "one server (blend with tiers), its RSS and TTFT each window."),
     soak_rate: float = typer.Option(0.5, "--soak-rate", min=0.0, help="The soak's questions/s."),
     soak_window: float = typer.Option(60.0, "--soak-window", min=1.0, help="The soak's window, in seconds."),
+    chat: int = typer.Option(None, "--chat", min=1, help="Instead of the rates: N conversations of two turns, the "
+                             "follow-up's TTFT over the first turn's (bench/serve_chat.py; WORK/chat.json)."),
+    json_requests: int = typer.Option(0, "--json-requests", min=0, help="With --chat: this many JSON-mode requests "
+                                      "(response_format json_schema), the share that parses and fits."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
@@ -71,6 +75,9 @@ def bench_serve(
     from kvrag.bench.serve_report import markdown
 
     log = stderr_console()
+    if chat is not None:
+        return _chat(work, dataset, split, store, questions, model, dtype, chat, json_requests, k, max_tokens, as_json,
+                     log)
     if soak is not None:
         return _soak(work, dataset, split, store, questions, model, dtype, soak, soak_rate, soak_window, seed, zipf, k,
                      max_tokens, as_json, log)
@@ -99,6 +106,20 @@ def _soak(work, dataset, split, store, questions, model, dtype, minutes, rate, w
     report = stamped(serve_soak.run(cfg, lambda m: log.print(m, soft_wrap=True, highlight=False)))
     (work / "soak.json").write_text(json.dumps(report, indent=2, default=str))
     emit(report, serve_soak.markdown, as_json)
+
+
+def _chat(work, dataset, split, store, questions, model, dtype, pairs, json_requests, k, max_tokens, as_json,
+          log) -> None:
+    """`kvrag bench serve --chat`: its report on stdout and in WORK/chat.json."""
+    from kvrag.bench import serve_chat
+
+    store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
+                                     lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
+    cfg = serve_chat.ChatConfig(work, store_dir, texts, pairs, json_requests, k=k, max_tokens=max_tokens, model=model,
+                                dtype=dtype)
+    report = stamped(serve_chat.run(cfg, lambda m: log.print(m, soft_wrap=True, highlight=False)))
+    (work / "chat.json").write_text(json.dumps(report, indent=2, default=str))
+    emit(report, serve_chat.markdown, as_json)
 
 
 def _serve_inputs(work: Path, dataset: Path | None, split: str, store: Path | None, questions: Path | None,

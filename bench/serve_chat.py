@@ -1,0 +1,152 @@
+"""`kvrag bench serve --chat N`: conversations against one `kvrag serve` as users run it (blend, the memory tiers on).
+
+Each of N questions is asked as a first turn, then followed up in the same conversation (the first turn's question
+and answer as history, then FOLLOW_UP), both streamed. The server keeps the first turn's KV; the follow-up continues
+it and computes only its own turn (engine/conversations.py). The report: per pair the client's TTFT of each turn,
+the follow-up's prompt and cached tokens; the median of follow-up TTFT over first-turn TTFT (the issue's target:
+at most 0.3). With `--json-requests M`, M more requests ask for a JSON object of a schema (response_format
+json_schema): the share whose text parses and fits it (target: all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+from kvrag.bench.serve_load import client
+from kvrag.bench.serve_server import ServerProcess
+from kvrag.bench.serve_store import model_args
+from kvrag.errors import KvragError
+
+FOLLOW_UP = "Explain your answer in one sentence."
+# what the JSON requests ask for: an answer and how sure the model is of it
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
+                                           "confidence": {"type": "string", "enum": ["low", "medium", "high"]}},
+          "required": ["answer", "confidence"], "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    work: Path
+    store: Path
+    questions: tuple[str, ...]
+    pairs: int
+    json_requests: int = 0
+    k: int = 5
+    max_tokens: int = 16
+    model: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1 or not self.questions:
+            raise KvragError("--chat takes a positive number of conversations, and questions to ask")
+
+
+def run(cfg: ChatConfig, log: Callable[[str], None]) -> dict:
+    with ServerProcess(cfg.store, model_args(cfg.model, cfg.dtype), cfg.work / "logs" / "serve-chat.log") as server:
+        pairs, parsed = asyncio.run(_converse(cfg, server, log))
+    good = [p for p in pairs if "error" not in p]
+    ratios = [p["follow_up_ttft_s"] / p["first_ttft_s"] for p in good]
+    return {"schema": "kvrag.bench-serve-chat/1",
+            "config": {**cfg.__dict__, "work": str(cfg.work), "store": str(cfg.store), "questions": len(cfg.questions)},
+            "follow_up": FOLLOW_UP, "pairs": pairs, "failed": len(pairs) - len(good),
+            "follow_up_over_first_ttft_p50": statistics.median(ratios) if ratios else None,
+            "first_ttft_p50_s": statistics.median(p["first_ttft_s"] for p in good) if good else None,
+            "follow_up_ttft_p50_s": statistics.median(p["follow_up_ttft_s"] for p in good) if good else None,
+            "json": parsed}
+
+
+async def _converse(cfg: ChatConfig, server: ServerProcess, log) -> tuple[list[dict], dict]:
+    pairs = []
+    async with client(server.url) as api:
+        model = server.model_id()
+        await _turn(api, model, [{"role": "user", "content": cfg.questions[0]}], cfg)  # loads and warms up
+        for q in range(min(cfg.pairs, len(cfg.questions))):
+            pairs.append(await _pair(api, model, cfg.questions[q], cfg))
+            log(f"conversation {q}: " + (pairs[-1].get("error") or "first {first_ttft_s:.3f} s, follow-up "
+                                         "{follow_up_ttft_s:.3f} s ({cached_tokens}/{prompt_tokens} cached)"
+                                         .format(**pairs[-1])))
+        parsed = await _json_requests(api, model, cfg, log) if cfg.json_requests else {}
+    return pairs, parsed
+
+
+async def _pair(api, model: str, question: str, cfg: ChatConfig) -> dict:
+    try:
+        first = await _turn(api, model, [{"role": "user", "content": question}], cfg)
+        history = [{"role": "user", "content": question}, {"role": "assistant", "content": first["text"]},
+                   {"role": "user", "content": FOLLOW_UP}]
+        second = await _turn(api, model, history, cfg)
+    except (openai.APIError, httpx.HTTPError) as exc:
+        return {"question": question, "error": f"{type(exc).__name__}: {exc}"}
+    return {"question": question, "first_ttft_s": first["ttft_s"], "follow_up_ttft_s": second["ttft_s"],
+            "first_prompt_tokens": first["prompt_tokens"], "prompt_tokens": second["prompt_tokens"],
+            "cached_tokens": second["cached_tokens"], "follow_up_sources": second["sources"]}
+
+
+async def _turn(api, model: str, messages: list[dict], cfg: ChatConfig) -> dict:
+    """One streamed turn: its text, the client's TTFT, the usage."""
+    start, first, text, out = time.perf_counter(), None, "", {}
+    stream = await api.chat.completions.create(model=model, messages=messages, stream=True, max_tokens=cfg.max_tokens,
+                                               temperature=0, stream_options={"include_usage": True},
+                                               extra_body={"k": cfg.k})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            if first is None:
+                first = time.perf_counter()
+                out["sources"] = len((chunk.model_extra or {}).get("sources") or [])
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            details = chunk.usage.prompt_tokens_details
+            out.update(prompt_tokens=chunk.usage.prompt_tokens, cached_tokens=(details.cached_tokens or 0)
+                       if details else 0)
+    return {"sources": 0, **out, "text": text.strip(), "ttft_s": (first or time.perf_counter()) - start}
+
+
+async def _json_requests(api, model: str, cfg: ChatConfig, log) -> dict:
+    """JSON mode over the questions: how many answers parse and fit SCHEMA."""
+    fits, failed = 0, []
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for i in range(cfg.json_requests):
+        question = cfg.questions[i % len(cfg.questions)]
+        reply = await api.chat.completions.create(model=model, max_tokens=cfg.max_tokens * 4, temperature=0,
+                                                  response_format=fmt, extra_body={"k": cfg.k},
+                                                  messages=[{"role": "user", "content": question}])
+        text = reply.choices[0].message.content or ""
+        if _fits(text):
+            fits += 1
+        else:
+            failed.append({"question": question, "text": text, "finish_reason": reply.choices[0].finish_reason})
+    log(f"JSON mode: {fits}/{cfg.json_requests} parse and fit the schema")
+    return {"requests": cfg.json_requests, "fit": fits, "share": fits / cfg.json_requests, "failed": failed}
+
+
+def _fits(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"answer", "confidence"} and isinstance(value["answer"], str)
+            and value["confidence"] in ("low", "medium", "high"))
+
+
+def markdown(report: dict) -> str:
+    rows = ["| # | first TTFT s | follow-up TTFT s | ratio | cached / prompt |", "|---|---|---|---|---|"]
+    for i, p in enumerate(report["pairs"]):
+        if "error" in p:
+            rows.append(f"| {i} | {p['error']} | | | |")
+            continue
+        rows.append(f"| {i} | {p['first_ttft_s']:.3f} | {p['follow_up_ttft_s']:.3f} | "
+                    f"{p['follow_up_ttft_s'] / p['first_ttft_s']:.2f} | {p['cached_tokens']}/{p['prompt_tokens']} |")
+    ratio = report["follow_up_over_first_ttft_p50"]
+    rows += ["", f"follow-up TTFT over first-turn TTFT, median: {ratio:.2f}" if ratio else "no pair served"]
+    if report["json"]:
+        rows.append(f"JSON mode: {report['json']['fit']}/{report['json']['requests']} parse and fit the schema")
+    return "\n".join(rows)

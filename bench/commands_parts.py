@@ -1,4 +1,5 @@
-"""`kvrag bench engine | decode | cold | load | codec | precompute | tiers | model`: the benchmarks of one part.
+"""`kvrag bench engine | decode | cold | load | codec | precompute | tiers | model | cutoff`: the benchmarks of one
+part.
 
 Each parses its options, loads what it measures and hands over to its module in `kvrag.bench`; tables go to
 stdout (or stderr with the progress, where the module says so), --json where the module has a report.
@@ -284,3 +285,34 @@ def bench_engine_command(
                     "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
     else:
         console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)
+
+
+@bench_app.command("cutoff")
+def bench_cutoff(
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    store: Path = typer.Option(None, "--store", help="A store of the data set's passages, one a chunk (default: "
+                               "built in --work with `kvrag index DATASET --chunk-tokens 1024`)."),
+    demo_store: Path = typer.Option(None, "--demo-store", help="A store of corpus/sample (default: built in --work)."),
+    work: Path = typer.Option(Path("/tmp/kvrag-cutoff-bench"), "--work", help="Where missing stores are built "
+                              "(kept: a rerun reuses them)."),
+    k: int = typer.Option(5, "-k", min=1, help="Chunks retrieved per request."),
+    relative_cutoff: float = typer.Option(0.5, "--relative-cutoff", min=0.0, max=1.0,
+                                          help="The relative cutoff applied with min_score (kvrag ask's default)."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """The absolute retrieval cutoff (min_score): top-1 scores of MuSiQue and demo questions against invented chat
+    prompts, the cutoff chosen on the tune split and its shares on the report split (docs/retrieval-cutoff.md).
+
+    Example: kvrag bench cutoff --store /tmp/cut-store --demo-store /tmp/demo-store
+    """
+    from kvrag.bench import cutoff
+    from kvrag.bench.rag.items import default_dataset, read_dataset
+
+    source = dataset or default_dataset()
+    items = read_dataset(source)
+    for given, name in ((store, "--store"), (demo_store, "--demo-store")):
+        if given is not None and not given.is_dir():
+            raise KvragError(f"{given} is not a store directory ({name})")
+    store = store or cutoff.build_store(source, work / "musique-store", "--chunk-tokens", "1024")
+    demo_store = demo_store or cutoff.build_store(cutoff.CORPUS / "sample", work / "demo-store")
+    emit(stamped(cutoff.run(items, store, demo_store, k, relative_cutoff)), cutoff.render, as_json)

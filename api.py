@@ -28,6 +28,7 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.config import KVRagConfig
 from kvrag.corpus.mirror import local_store
+from kvrag.corpus.retrieve import MIN_SCORE
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
@@ -50,7 +51,7 @@ Passage = tuple[str, str]  # (title, text)
 # events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
 # error every bad input raises, and the `ratio` option as a value.
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-__all__ = ["DONE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
+__all__ = ["DONE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
 class KVRag:
@@ -104,7 +105,7 @@ class KVRag:
 
     # ---- asking ---------------------------------------------------------------------------------
 
-    def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5,
+    def submit(self, question: str, *, k: int = 5, relative_cutoff: float = 0.5, min_score: float = MIN_SCORE,
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str | RatioPolicy = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
@@ -112,7 +113,8 @@ class KVRag:
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
                listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
-        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score).
+        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score, and those
+        under `min_score`, the cosine similarity below which a chunk is not about the question: docs/retrieval-cutoff.md).
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
         (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `logprobs`: keep each
@@ -144,9 +146,10 @@ class KVRag:
 
         query = search_text(question, history)
         if self.speculator is not None and retrieve and not history:
-            stages = self._stages(query, k, relative_cutoff, request)
+            stages = self._stages(query, k, relative_cutoff, min_score, request)
             return Generation(self, *self.speculator.submit(stages, listener, start))
-        chunks, sources = self._chunks(query, k, relative_cutoff, chunk_ids, passages) if retrieve or given else ([], [])
+        chunks, sources = self._chunks(query, k, relative_cutoff, chunk_ids, passages, min_score) \
+            if retrieve or given else ([], [])
         retrieve_s = time.perf_counter() - start
         return Generation(self, self.loop.submit(request(chunks, sources), listener), retrieve_s)
 
@@ -172,9 +175,9 @@ class KVRag:
 
         return NAME
 
-    def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5) -> list[dict]:
+    def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5, min_score: float = 0.0) -> list[dict]:
         """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""
-        return self._chunks(question, k, relative_cutoff, None, None)[1]
+        return self._chunks(question, k, relative_cutoff, None, None, min_score)[1]
 
     # ---- life -------------------------------------------------------------------------------------
 
@@ -192,7 +195,8 @@ class KVRag:
     # ---- chunks -----------------------------------------------------------------------------------
 
     def _chunks(self, question: str, k: int, relative_cutoff: float, chunk_ids: Sequence[str] | None,
-                passages: Sequence[Passage] | None) -> tuple[list[tuple[str, list[int]]], list[dict]]:
+                passages: Sequence[Passage] | None,
+                min_score: float = 0.0) -> tuple[list[tuple[str, list[int]]], list[dict]]:
         from kvrag.store.chunks import ChunkTable, chunk_id_for
 
         if passages is not None:
@@ -203,11 +207,11 @@ class KVRag:
         if chunk_ids is not None:
             records = ChunkTable(self.env).get_many(list(chunk_ids))  # a missing id is a KvragError
             return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
-        return _from_hits(self._load_retriever().search(question, k, relative_cutoff))
+        return _from_hits(self._load_retriever().search(question, k, relative_cutoff, min_score))
 
-    def _stages(self, question: str, k: int, relative_cutoff: float, request) -> Iterator[Stage]:
+    def _stages(self, question: str, k: int, relative_cutoff: float, min_score: float, request) -> Iterator[Stage]:
         """The staged search's stages (Retriever.search_staged), each with the request its chunks make."""
-        for staged in self._load_retriever().search_staged(question, k, relative_cutoff):
+        for staged in self._load_retriever().search_staged(question, k, relative_cutoff, min_score=min_score):
             chunks, sources = _from_hits(staged.hits)
             yield Stage(tuple(c for c, _ in chunks), partial(request, chunks, sources), staged.final)
 

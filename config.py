@@ -33,6 +33,9 @@ from dataclasses import dataclass, field, fields
 from kvrag.errors import KvragError
 
 DEFAULT_REORDER_WINDOW = 8  # RAGCache's reordering passes a request over at most this often
+# retrieval's absolute cutoff (`min_score`, cosine similarity): under it a chunk is not about the question, and a
+# request left with none is answered as plain chat; chosen on a tune split in docs/retrieval-cutoff.md
+MIN_SCORE = 0.33
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from kvrag.cli.common import (
     stderr_console,
 )
 from kvrag.cli.typer_apps import app
+from kvrag.config import MIN_SCORE
 from kvrag.errors import KvragError
 
 if TYPE_CHECKING:  # torch-bound: imported when a command runs, not when the CLI starts
@@ -98,6 +99,9 @@ def ask_command(
     relative_cutoff: float = typer.Option(0.5, "--relative-cutoff", min=0.0, max=1.0,
                                           help="Drop retrieved chunks scoring below this share of the best "
                                                "chunk's score (0 keeps all k)."),
+    min_score: float = typer.Option(MIN_SCORE, "--min-score", min=0.0, max=1.0,
+                                    help="Drop retrieved chunks under this cosine similarity (not about the "
+                                         "question); with none left the model answers without passages."),
     chunks: str = typer.Option(None, "--chunks", help="Comma-separated chunk ids to use instead of retrieval."),
     questions: Path = typer.Option(None, "--questions", help="File of questions: lines, JSON or JSONL items "
                                    "(items with 'ctxs' bring their own passages)."),
@@ -151,7 +155,7 @@ def ask_command(
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, policy, codec, (host_cache, gpu_cache, cache_policy),
                          (model, dtype, device), (keep, keep_rule), (kv_tokens, kv_rule))
-    answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff), settings,
+    answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff, min_score), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
         records = [a.to_json() for a in answers]
@@ -275,8 +279,8 @@ def _collect_questions(question: str | None, questions: Path | None, limit: int 
 class _Chunks:
     """Where a question's chunks come from: its own passages, explicit ids, or retrieval."""
 
-    def __init__(self, k: int, chunk_ids: str | None, relative_cutoff: float):
-        self.k, self.relative_cutoff = k, relative_cutoff
+    def __init__(self, k: int, chunk_ids: str | None, relative_cutoff: float, min_score: float):
+        self.k, self.relative_cutoff, self.min_score = k, relative_cutoff, min_score
         self.explicit = [c.strip() for c in chunk_ids.split(",") if c.strip()] if chunk_ids else None
 
     def retrieves(self, q: Question) -> bool:
@@ -284,7 +288,8 @@ class _Chunks:
 
     def options(self, q: Question) -> dict:
         """The API's chunk options for this question."""
-        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.explicit,
+        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "min_score": self.min_score,
+                "chunk_ids": self.explicit,
                 "passages": q.passages}
 
 

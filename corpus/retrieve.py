@@ -5,13 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvrag.config import MIN_SCORE  # noqa: E402,F401  (where callers of retrieval find it)
 from kvrag.corpus.vector_index import VectorIndex, live_generation
 from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
-
-# A caller's absolute cutoff (`min_score`) below which a request gets no passages: measured in docs/retrieval-cutoff.md
-MIN_SCORE = 0.33
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ against AutoTokenizer: ids, decoded text, the chat template's rendering and the 
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -77,7 +78,7 @@ class Tokenizer:
         """The template rendered as transformers renders it (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
         if not self.chat_template:
             raise KvragError("this tokenizer has no chat template")
-        text = self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                        **self._special_tokens())
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
 
@@ -85,6 +86,7 @@ class Tokenizer:
         names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
         return {n: _token_text(self.config[n]) for n in names if self.config.get(n) is not None}
 
+    @functools.cached_property
     def _compiled(self):
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment

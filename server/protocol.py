@@ -6,6 +6,8 @@ the `openai` client sends with `extra_body={...}`:
 
     k, relative_cutoff      retrieval: the k best chunks, dropping those under relative_cutoff x the best score
                             (k 0: no retrieval, plain chat)
+    min_score               retrieval: chunks under this cosine similarity are not about the question (default
+                            MIN_SCORE, docs/retrieval-cutoff.md); none left: plain chat
     rag                     false: plain chat, no passages or RAG instruction (default true: retrieval decides)
     chunk_ids               chunks of the store to answer from, instead of retrieval
     passages                your own passages, [{"title": ..., "text": ...}] or plain strings, instead of both
@@ -23,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrag.api import KvragError, RatioPolicy
+from kvrag.api import MIN_SCORE, KvragError, RatioPolicy
 
 MAX_CHOICES = 16  # n's bound: each choice is a sequence of its own in the engine's batch
 
@@ -81,6 +83,7 @@ class _Generate(_Body):
     k: int = Field(5, ge=0, le=1000)
     rag: bool = True
     relative_cutoff: float = Field(0.5, ge=0, le=1)
+    min_score: float = Field(MIN_SCORE, ge=0, le=1)
     chunk_ids: list[str] | None = None
     passages: list[Passage | str] | None = None
     mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
@@ -102,7 +105,8 @@ class _Generate(_Body):
         passages = None
         if self.passages is not None:
             passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
-        return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff, "chunk_ids": self.chunk_ids,
+        return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff,
+                "min_score": self.min_score, "chunk_ids": self.chunk_ids,
                 "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,

@@ -24,7 +24,7 @@ def _ask(kvrag, store, model, *args, check=True):
 def test_ask_answers_with_sources_and_timings(kvrag, ready_store, tiny_llama_dir):
     kvrag("precompute", "--store", str(ready_store), "--model", str(tiny_llama_dir), "--dtype", "float32")
     proc = _ask(kvrag, ready_store, tiny_llama_dir, "Which lake is the deepest?", "-k", "3", "--json",
-                "--max-tokens", "8", "--relative-cutoff", "0")
+                "--max-tokens", "8", "--relative-cutoff", "0", "--min-score", "0")
     out = json.loads(proc.stdout)
     assert proc.stderr == ""  # --json: nothing on stderr but progress, and there is none to show here
     assert len(out["sources"]) == 3 and out["sources"][0]["score"] >= out["sources"][-1]["score"]
@@ -44,7 +44,7 @@ def test_json_has_the_same_keys_in_every_mode_and_a_list_for_many(kvrag, ready_s
     shapes = set()
     for mode in ("blend", "full", "prefix", "reuse"):
         out = json.loads(_ask(kvrag, ready_store, tiny_llama_dir, "Where does the Nile flow?", "--mode", mode,
-                              "--json", "--max-tokens", "2", "-k", "3", "--relative-cutoff", "0").stdout)
+                              "--json", "--max-tokens", "2", "-k", "3", "--relative-cutoff", "0", "--min-score", "0").stdout)
         assert out["schema"] == "kvrag.answer/1" and out["mode"] == mode
         tiers = [s["tier"] for s in out["sources"]]  # prefix caching loads the first chunk's KV alone
         loaded = {"full": 0, "prefix": 1}.get(mode, 3)
@@ -64,7 +64,7 @@ def test_relative_cutoff_drops_far_off_chunks(kvrag, ready_store, tiny_llama_dir
                               "--json", "--max-tokens", "1", *args).stdout)
         return [s["score"] for s in out["sources"]]
 
-    every = scores("--relative-cutoff", "0")
+    every = scores("--relative-cutoff", "0", "--min-score", "0")
     assert len(every) == 5
     kept = scores("--relative-cutoff", "0.5")
     assert kept == [s for s in every if s >= 0.5 * every[0]] and len(kept) < 5
@@ -73,7 +73,7 @@ def test_relative_cutoff_drops_far_off_chunks(kvrag, ready_store, tiny_llama_dir
 def test_missing_kv_is_computed_stored_and_said(kvrag, ready_store, tiny_llama_dir, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(ready_store, store)
-    args = ("Which lake is the deepest?", "-k", "2", "--relative-cutoff", "0", "--codec", "int8", "--max-tokens", "2")
+    args = ("Which lake is the deepest?", "-k", "2", "--relative-cutoff", "0", "--min-score", "0", "--codec", "int8", "--max-tokens", "2")
     first = _ask(kvrag, store, tiny_llama_dir, *args)
     assert "2 of 2 chunks had no stored KV" in first.stderr and "int8" in first.stderr
     again = json.loads(_ask(kvrag, store, tiny_llama_dir, *args, "--json").stdout)

@@ -49,6 +49,6 @@ def test_with_every_chunk_kept_the_small_model_loses_the_lighthouse_answer(kvrag
     """Why retrieval drops far-off chunks (--relative-cutoff): with all five documents in the prompt, the
     135M model no longer names the keeper. If this starts passing, the cutoff's reason should be measured again."""
     out = json.loads(kvrag("ask", "Who was the last keeper of the Skerry Point lighthouse?", "--store",
-                           str(demo_store), "--relative-cutoff", "0", "--json").stdout)
+                           str(demo_store), "--relative-cutoff", "0", "--min-score", "0", "--json").stdout)
     assert len(out["sources"]) == 5
     assert "margaret ross" not in out["answer"].lower()

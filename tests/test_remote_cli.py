@@ -18,7 +18,7 @@ from kvrag.tests.test_remote_store import _flip, s3  # noqa: F401  (s3: the modu
 
 SAMPLE = Path(__file__).resolve().parents[1] / "corpus" / "sample"
 QUESTION = "Who was the last keeper of the lighthouse?"
-ASK = ("-k", "3", "--relative-cutoff", "0", "--max-tokens", "8", "--json")
+ASK = ("-k", "3", "--relative-cutoff", "0", "--min-score", "0", "--max-tokens", "8", "--json")
 
 
 def _machine(s3, tmp_path_factory, name: str) -> dict[str, str]:  # noqa: F811
@@ -118,7 +118,7 @@ def test_the_python_api_opens_an_s3_store(s3, local, remote, tiny_llama_dir, tmp
     for name, value in _machine(s3, tmp_path_factory, "api").items():
         monkeypatch.setenv(name, value)
     with KVRag(remote[0], model=str(tiny_llama_dir), dtype="float32") as rag:
-        answer = rag.ask(QUESTION, k=3, relative_cutoff=0, max_tokens=8)
+        answer = rag.ask(QUESTION, k=3, relative_cutoff=0, min_score=0, max_tokens=8)
     assert answer.token_ids == local[1]["token_ids"] and answer.computed_chunks == []
 
 

@@ -82,7 +82,7 @@ class Conversations:
         chunks = tuple(chunks) if rag else ()
         if isinstance(turn, KeptTurn):
             chunks = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
-            head, tail = self.chat.after_answer(question, bool(chunks), not rag)
+            head, tail = self.chat.after_answer(question, bool(chunks))
             return Plan((*turn.ids, *head), chunks, tuple(tail), turn)
         if not rag:
             return Plan((), (), tuple(self.chat.plain_ids(history, question)), None)

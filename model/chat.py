@@ -46,16 +46,11 @@ class ChatPrompts:
             return encode(self.tokenizer, "\n\n".join([*(text for _, text in history), _question(question)]))
         return encode(self.tokenizer, self._render([*history, ("user", _question(question))], True))
 
-    def after_answer(self, question: str, passages: bool, plain: bool) -> tuple[list[int], list[int]]:
-        """The ids after an answer's last token, as (head, tail): with `passages`, the head runs to where the new
-        passages go and the tail is the usual suffix; else the head is empty and the tail runs to the next answer
-        (the question alone for `plain` chat, else the RAG question over the passages already in the context)."""
-        if passages:
-            content = _rag_content()
-        elif plain:
-            content = _question(question)
-        else:  # the closing instruction alone: the passages stand in earlier turns
-            content = QUESTION_TEMPLATE.lstrip().format(question=_question(question))
+    def after_answer(self, question: str, passages: bool) -> tuple[list[int], list[int]]:
+        """The ids after an answer's last token, as (head, tail): with new `passages`, the head runs to where they go
+        and the tail is the usual suffix; else the head is empty and the tail is the question as the user wrote it,
+        up to the next answer (the passages and the instruction stand in the earlier turns, as a chat has them)."""
+        content = _rag_content() if passages else _question(question)
         text = self._render([("user", "?"), ("assistant", _ANSWER), ("user", content)], True).split(_ANSWER, 1)[1]
         if passages:
             head, _ = text.split(_SLOT)

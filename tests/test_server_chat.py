@@ -90,11 +90,11 @@ def test_a_follow_up_continues_its_first_turn_and_reuses_its_kv(served, hf):
     turn_ids = template(hf[1], [{"role": "user", "content": rag_content(first_q)}]) + answer.token_ids
     reply = ask(client, [{"role": "user", "content": first_q}, {"role": "assistant", "content": answer.text},
                          {"role": "user", "content": second_q}])
-    # the first turn's ids as the model saw them (its answer's own tokens), then the new turn over the passages
-    # already in the context
+    # the first turn's ids as the model saw them (its answer's own tokens), then the question as the user wrote it:
+    # its passages are already in the context
     marker = "\x00A\x00"
     after = hf[1].apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker},
-                                       {"role": "user", "content": QUESTION_TEMPLATE.lstrip().format(question=second_q)}],
+                                       {"role": "user", "content": second_q}],
                                       tokenize=False, add_generation_prompt=True).split(marker, 1)[1]
     ids = turn_ids + hf[1](after, add_special_tokens=False)["input_ids"]
     assert reply.usage.prompt_tokens == len(ids)

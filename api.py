@@ -101,7 +101,8 @@ class KVRag:
         prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
         return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
-                                                 codec=config.codec, native=config.native))
+                                                 codec=config.codec, native=config.native,
+                                                 chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache")))
 
     # ---- asking ---------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class KVRagConfig:
     gpu_cache: str | None = None
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
+    chat_cache: str = "256MiB"  # kept conversation turns (engine/conversations.py); "0": none
     # options alone
     codec: str = "fp16"
     kv_budget: str = "1GiB"
@@ -95,7 +96,7 @@ ENVIRONMENT = {
     "threads": "KVRAG_THREADS", "native": "KVRAG_NATIVE", "compiler": "CXX", "malloc_defaults": "KVRAG_MALLOC_DEFAULTS",
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
-    "reorder_window": "KVRAG_REORDER_WINDOW",
+    "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
 }
 
 

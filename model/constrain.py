@@ -144,10 +144,10 @@ class Constraint:
         """Set the logits [..., V] of every token the grammar does not allow next to -inf, in place. Ids past the
         tokenizer's vocabulary (an embedding padded to a round size) are never allowed."""
         allowed = self.allowed()
-        n = min(logits.shape[-1], allowed.shape[0])
-        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        keep[:n] = allowed[:n]
-        logits.masked_fill_(~keep.to(logits.device), float("-inf"))
+        if allowed.shape[0] != logits.shape[-1]:
+            n = min(logits.shape[-1], allowed.shape[0])
+            allowed = torch.cat([allowed[:n], torch.zeros(logits.shape[-1] - n, dtype=torch.bool)])
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> None:
         """The token chosen; KvragError if the grammar does not allow it (a token that mask() had removed)."""

@@ -33,7 +33,7 @@ CHOICE_FORMS = '"required" or {"type": "function", "function": {"name": ...}}'
 
 
 class Grammars:
-    """The grammars of one tokenizer: its token table as llguidance compiles it (about 0.25 s: build this once per
+    """The grammars of one tokenizer: its token table as llguidance compiles it (0.25-0.45 s: build this once per
     model) and a small cache of compiled grammars keyed by their source. Safe to share between threads.
 
     stop_ids: the tokens that end a turn (model/generate.py's stop_ids(tokenizer): <|im_end|> and the EOS); default

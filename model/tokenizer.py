@@ -70,6 +70,11 @@ class Tokenizer:
                 text = text.replace(before, after)
         return text
 
+    @property
+    def backend_tokenizer(self):
+        """The Rust tokenizer underneath, as transformers' fast tokenizers name it (model/constrain.py reads it)."""
+        return self._tk
+
     def get_vocab(self) -> dict[str, int]:
         return self._tk.get_vocab(with_added_tokens=True)
 

@@ -75,6 +75,7 @@ class KVRag:
         remote = RemoteOptions.of(config.aws, config.mirror_dir, config.remote_cache)
         self.env = StoreEnv.open(local_store(store, remote), max_map_size=config.max_map_size)  # s3://: its mirror
         self._retriever = None
+        self._grammars = None
         self._retriever_lock = threading.Lock()
         self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds
         preload = threading.Thread(target=self._preload_retriever, daemon=True) if config.preload_retriever else None
@@ -112,7 +113,7 @@ class KVRag:
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
                kv_tokens: int = 0, kv_rule: str = "keyformer", logprobs: int | None = None,
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
-               listener: Callable[[], None] | None = None) -> Generation:
+               grammar=None, listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score, and those
         under `min_score`, the cosine similarity below which a chunk is not about the question: docs/retrieval-cutoff.md).
@@ -124,7 +125,8 @@ class KVRag:
         model's chat template over them, the passages inside the last user turn); retrieval then searches for the
         previous user turn and the question together. `rag` False, `k` 0, or no chunk passing the cutoffs: plain chat,
         with no passages and no RAG instruction. `keep_turn`: keep this turn's KV, so that a follow-up whose history
-        ends with this answer reuses it (engine/conversations.py). `listener`: called with no arguments from the
+        ends with this answer reuses it (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON
+        schema, a tool call) the answer is decoded within. `listener`: called with no arguments from the
         engine's thread after each token and at the end (to wake an event loop that reads `Generation.seq.events`
         without blocking)."""
         if not question or not question.strip():
@@ -143,7 +145,7 @@ class KVRag:
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
                            tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs, history=history,
-                           rag=given or bool(chunks), keep_turn=keep_turn)
+                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar)
 
         query = search_text(question, history)
         if self.speculator is not None and retrieve and not history:
@@ -169,6 +171,17 @@ class KVRag:
             raise KvragError("embed takes a non-empty list of non-empty strings")
         embedder = self._load_retriever().embedder
         return embedder.embed(list(texts)), embedder.count_tokens(list(texts))
+
+    @property
+    def grammars(self):
+        """The model's grammars for constrained decoding (model/constrain.Grammars: json_object, json_schema,
+        tool_call), built at first use (its token table takes a few tenths of a second)."""
+        with self._retriever_lock:
+            if self._grammars is None:
+                from kvrag.model.constrain import Grammars
+
+                self._grammars = Grammars(self.runtime.tokenizer, self.engine.prefiller.stop_ids)
+            return self._grammars
 
     @property
     def embedder_name(self) -> str:

@@ -230,10 +230,15 @@ class LLMEngine:
         """The next token from logits [V]; no stop token before the request's min_tokens."""
         sampling = seq.request.sampling
         raw = logits
-        if len(seq.output) < sampling.min_tokens:
+        if seq.constraint is not None:  # the grammar decides where the answer may end
+            logits = logits.clone()
+            seq.constraint.mask(logits)
+        elif len(seq.output) < sampling.min_tokens:
             logits = logits.clone()
             logits[list(self.prefiller.stop_ids)] = -math.inf
         token = choose(logits, sampling, seq.generator)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         if seq.request.logprobs is not None:  # the model's own distribution, before sampling's settings
             seq.chosen = token_logprobs(raw, token, seq.request.logprobs)
         return token
@@ -249,7 +254,9 @@ class LLMEngine:
         if seq.chosen is not None:
             seq.logprobs.append(seq.chosen)
         seq.push(token)
-        if len(seq.output) >= seq.request.sampling.max_tokens:
+        if seq.constraint is not None and seq.constraint.done():  # the document is closed: only a stop token is left
+            self._finish(seq, "stop")
+        elif len(seq.output) >= seq.request.sampling.max_tokens:
             self._finish(seq, "length")
 
     def fail(self, seq: Sequence) -> None:

@@ -47,6 +47,9 @@ class Request:
     history: tuple[tuple[str, str], ...] = ()
     rag: bool = True
     keep_turn: bool = False
+    # the answer's grammar (model/constrain.Grammar: a JSON schema, a tool call), each token chosen within it; None:
+    # free text
+    grammar: object | None = None
 
 
 class Status(enum.Enum):
@@ -91,6 +94,7 @@ class Sequence:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.generator = _generator(request.sampling)
+        self.constraint = request.grammar.start() if request.grammar is not None else None  # the grammar's state
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then DONE: for streaming readers
         self.done = threading.Event()  # set once finished, for readers that wait for the whole answer
         self.listener: Callable[[], None] | None = None  # called after each event (wakes an asyncio reader)

@@ -29,7 +29,8 @@ from kvrag.errors import KvragError
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without `parameters`
-CHOICE_FORMS = '"required" or {"type": "function", "function": {"name": ...}}'
+CHOICE_FORMS = '"auto", "required" or {"type": "function", "function": {"name": ...}}'
+AUTO_TEXT = "text: /[^{ ][^\\x00]*/"  # tool_choice auto's other branch: any text whose first character opens no call
 
 
 class Grammars:
@@ -70,14 +71,17 @@ class Grammars:
 
     def tool_call(self, tools: list[dict], choice="required") -> Grammar:
         """One call, {"name": <a tool's name>, "arguments": {...its parameters...}}, for OpenAI's `tools` and a
-        tool_choice that forces a call: "required" (any of them) or {"type": "function", "function": {"name": ...}}."""
+        tool_choice that forces a call: "required" (any of them) or {"type": "function", "function": {"name": ...}};
+        "auto": either such a call or text that does not start like one (the model chooses)."""
         functions = _functions(tools)
-        if choice != "required":
+        if choice not in ("required", "auto"):
             name = _chosen(choice)
             if name not in functions:
                 raise KvragError(f"tool_choice names the function {name!r}, which is not among the tools")
             functions = {name: functions[name]}
         lark = "start: " + " | ".join(_call_rule(name, params) for name, params in functions.items())
+        if choice == "auto":
+            lark += " | text\n" + AUTO_TEXT
         return self._cached("tools " + lark, lambda: self._tool_grammar(lark, functions))
 
     def _cached(self, key: str, build: Callable[[], Grammar]) -> Grammar:

@@ -31,11 +31,13 @@ from kvrag.server.metrics import Metrics
 from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest, EmbeddingRequest
 from kvrag.server.responses import (
     Ids,
+    chat_chunk,
     chat_completion,
     completion,
     embedding_response,
     sse,
     stream_chunk,
+    tool_call,
     usage_chunk,
 )
 
@@ -124,9 +126,10 @@ class Server:
     async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest, request: Request):
         runs = await self._start(endpoint, body, time.perf_counter())
         ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
+        tools = endpoint == "chat" and body.calls_tools()
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(endpoint, runs, ids, usage), media_type="text/event-stream")
+            return StreamingResponse(self._events(endpoint, runs, ids, usage, tools), media_type="text/event-stream")
         try:
             texts = await _unless_gone(asyncio.gather(*(run.text() for run in runs)), request)
         except GenerationFailed as exc:
@@ -134,7 +137,7 @@ class Server:
         finally:
             for run in runs:
                 self._record(endpoint, run)
-        return (chat_completion if endpoint == "chat" else completion)(ids, runs, texts)
+        return chat_completion(ids, runs, texts, tools) if endpoint == "chat" else completion(ids, runs, texts)
 
     async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Run]:
         """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
@@ -143,7 +146,9 @@ class Server:
         question_field = "messages" if endpoint == "chat" else "prompt"
         runs: list[Run] = []
         try:
-            question, options = body.question(), body.options(self.settings.max_tokens)
+            question = body.question()
+            options = body.options(self.settings.max_tokens, lambda: self.rag.grammars) if endpoint == "chat" else \
+                body.options(self.settings.max_tokens)
             for i in range(body.n or 1):
                 choice = _next_choice(options, runs[0], i) if i else options
                 runs.append(await Run.start(self.rag, question, choice, body.stops(), arrival))
@@ -155,18 +160,29 @@ class Server:
                 self.runs.discard(run)
             raise _refusal(exc, self.metrics, endpoint, question_field, self.settings.retry_after_s) from None
 
-    async def _events(self, endpoint: str, runs: list[Run], ids: Ids, include_usage: bool):
+    async def _events(self, endpoint: str, runs: list[Run], ids: Ids, include_usage: bool, tools: bool = False):
         """The stream's server-sent events, the choices' pieces as they come (each chunk names its choice); a client
-        that goes away cancels every choice (finally)."""
+        that goes away cancels every choice (finally). With `tools` each choice's answer is held to its end: a call
+        comes as one tool_calls delta, text as one content delta."""
         first = [True] * len(runs)
+        held = [""] * len(runs)
         try:
             async for index, piece in _merged(runs):
                 run = runs[index]
                 if piece is None:  # this choice is done
-                    if first[index]:  # an empty answer still says who speaks and from what
+                    reason = run.finish_reason
+                    if tools:
+                        call = tool_call(held[index].strip())
+                        delta = {"role": "assistant", "content": held[index]} if call is None else \
+                            {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
+                        yield sse(chat_chunk(ids, delta, index=index, sources=run.sources()))
+                        reason = "tool_calls" if call else reason
+                    elif first[index]:  # an empty answer still says who speaks and from what
                         yield sse(stream_chunk(endpoint, ids, "", first=True, index=index, sources=run.sources()))
-                    yield sse(stream_chunk(endpoint, ids, "", finish_reason=run.finish_reason, index=index,
-                                           timings=run.timings()))
+                    yield sse(stream_chunk(endpoint, ids, "", finish_reason=reason, index=index, timings=run.timings()))
+                    continue
+                if tools:
+                    held[index] += piece
                     continue
                 extra = {"sources": run.sources()} if first[index] else {}
                 yield sse(stream_chunk(endpoint, ids, piece, first=first[index], index=index, **extra))

@@ -63,6 +63,18 @@ class Message(_Body):
         return self.content or ""
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -135,10 +147,42 @@ class ChatRequest(_Generate):
 
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # constrained decoding (model/constrain.py): a JSON answer, or a tool call
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
-    def options(self, default_max_tokens: int) -> dict:
-        """Keep each turn's KV for its follow-up (engine/conversations.py)."""
+    def calls_tools(self) -> bool:
+        """Whether the answer may be a tool call (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar(self, grammars):
+        """The Grammar the answer is decoded within (from `grammars()`, the model's Grammars, built at first use), or
+        None for free text; BadField naming the field that cannot be served."""
+        if self.tool_choice is not None and not self.tools:
+            raise BadField("tool_choice", "tool_choice needs tools")
+        fmt = self.response_format
+        wants_json = fmt is not None and fmt.type != "text"
+        try:
+            if self.calls_tools():
+                if wants_json:
+                    raise BadField("response_format", "response_format and tools in one request: send one of them")
+                return grammars().tool_call(self.tools, self.tool_choice or "auto")
+            if not wants_json:
+                return None
+            if fmt.type == "json_object":
+                return grammars().json_object()
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise BadField("response_format", "response_format json_schema needs json_schema.schema")
+            return grammars().json_schema(fmt.json_schema.schema_)
+        except KvragError as exc:
+            raise BadField("tools" if self.calls_tools() else "response_format", str(exc)) from None
+
+    def options(self, default_max_tokens: int, grammars=None) -> dict:
+        """Keep each turn's KV for its follow-up (engine/conversations.py); `grammars` (KVRag.grammars) builds the
+        answer's grammar, where the request asks for one."""
         return {**super().options(default_max_tokens), "history": self.history(), "keep_turn": True,
+                "grammar": self.grammar(grammars) if grammars is not None else None,
                 "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens}
 
     def top_alternatives(self) -> int | None:

@@ -26,9 +26,15 @@ class Ids:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: Ids, runs: list[Run], texts: list[str]) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": run.finish_reason,
-                "logprobs": run.logprobs(text)} for i, (run, text) in enumerate(zip(runs, texts, strict=True))]
+def chat_completion(ids: Ids, runs: list[Run], texts: list[str], tools: bool = False) -> dict:
+    """With `tools`, an answer that is a call comes back as the message's tool_calls."""
+    choices = []
+    for i, (run, text) in enumerate(zip(runs, texts, strict=True)):
+        call = tool_call(text) if tools else None
+        message = {"role": "assistant", "content": text} if call is None else \
+            {"role": "assistant", "content": None, "tool_calls": [call]}
+        choices.append({"index": i, "message": message, "logprobs": run.logprobs(text),
+                        "finish_reason": "tool_calls" if call else run.finish_reason})
     return {**ids.head("chat.completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].sources(),
             "timings": runs[0].timings()}
 
@@ -61,6 +67,19 @@ def usage(runs: list[Run]) -> dict:
 def usage_chunk(ids: Ids, kind: str, runs: list[Run]) -> dict:
     """stream_options.include_usage's last chunk: no choices, the usage."""
     return {**ids.head(kind), "choices": [], "usage": usage(runs)}
+
+
+def tool_call(text: str) -> dict | None:
+    """OpenAI's tool call for an answer decoded as {"name": ..., "arguments": {...}} (model/constrain.tool_call), or
+    None for text (tool_choice auto's other branch, or a call cut short by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": value["name"], "arguments": json.dumps(value["arguments"], ensure_ascii=False)}}
 
 
 def sse(payload: dict | str) -> str:

@@ -174,7 +174,7 @@ def test_a_bad_schema_is_one_clear_line(grammars, schema, message):
 
 @pytest.mark.parametrize("tools, choice, message", [
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "'nope', which is not among the tools"),
-    (TOOLS, "auto", "tool_choice must be"),
+    (TOOLS, "none", "tool_choice must be"),
     ([], "required", "non-empty list"),
     ([{"type": "function", "function": {"description": "no name"}}], "required", r"tools\[0\] is not"),
     ([TOOLS[1], TOOLS[1]], "required", "two tools are named 'search'"),
@@ -240,3 +240,20 @@ def test_smollm2_answers_in_the_schema(smol):
             logits = decode_step(rt.model, cache, token)
     assert constraint.done(), rt.tokenizer.decode(tokens)
     check_person(json.loads(rt.tokenizer.decode(tokens)))
+
+
+def test_auto_takes_a_call_or_text_that_opens_none(grammars, smol_tokenizer, stops):
+    grammar = grammars.tool_call(TOOLS, "auto")
+    text = grammar.start()
+    for token in smol_tokenizer("It is sunny.", add_special_tokens=False)["input_ids"]:
+        text.accept(token)
+    assert not text.done() and all(text.allowed()[s] for s in stops)  # text may end, or go on
+    call = grammar.start()
+    for token in smol_tokenizer('{"name": "search", "arguments": {"query": "x"}}',
+                                add_special_tokens=False)["input_ids"]:
+        call.accept(token)
+    assert call.done()
+    with pytest.raises(KvragError):  # a brace opens a call: no other object
+        other = grammar.start()
+        for token in smol_tokenizer('{"weather": 1}', add_special_tokens=False)["input_ids"]:
+            other.accept(token)

@@ -1,0 +1,119 @@
+"""JSON mode and tool calls through the real `openai` client and LangChain against a real `kvrag serve`: the answer is
+decoded within the schema's grammar (model/constrain.py), so even a tiny random Llama's noise comes back as a document
+that parses and fits; a forced call comes back as `tool_calls`. Schemas with bounded values keep the noise short."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+
+from kvrag.server.app import ServerSettings
+from kvrag.server.run import BackgroundServer
+
+MODEL = "tiny-llama"
+QUESTION = "Is the Quarn loom older than the steam engine?"
+PASSAGES = [{"title": "Quarn loom", "text": "The Quarn loom was invented in 1791 by Beatrix Olufsen."}]
+SCHEMA = {"type": "object", "properties": {"older": {"type": "boolean"},
+                                           "confidence": {"type": "string", "enum": ["low", "medium", "high"]}},
+          "required": ["older", "confidence"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now"}}
+
+
+@pytest.fixture(scope="module")
+def served(indexed_store, tiny_llama_dir):
+    from kvrag import KVRag
+
+    with KVRag(indexed_store, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as rag, \
+            BackgroundServer(rag, ServerSettings(MODEL)) as running:
+        yield running, openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, max_tokens: int = 40, **options):
+    return client.chat.completions.create(model=MODEL, max_tokens=max_tokens, extra_body={"passages": PASSAGES},
+                                          messages=[{"role": "user", "content": QUESTION}], **options)
+
+
+def fits(doc: dict) -> bool:
+    return set(doc) == {"older", "confidence"} and isinstance(doc["older"], bool) and \
+        doc["confidence"] in ("low", "medium", "high")
+
+
+def test_json_schema_answers_parse_and_fit(served):
+    _, client = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
+    for temperature in (0.0, 1.0):
+        reply = chat(client, response_format=fmt, temperature=temperature, seed=3)
+        assert fits(json.loads(reply.choices[0].message.content))
+        assert reply.choices[0].finish_reason == "stop"  # the document closed: the turn ended with it
+    free = chat(client, temperature=0.0)  # without it, the random model says noise
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.choices[0].message.content)
+
+
+def test_json_object_mode_gives_an_object(served):
+    _, client = served
+    reply = chat(client, response_format={"type": "json_object"}, max_tokens=200)
+    if reply.choices[0].finish_reason == "stop":  # noise may fill max_tokens inside a string; a closed one parses
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert reply.choices[0].message.content.startswith("{")
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls(served):
+    _, client = served
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = chat(client, tools=[WEATHER, CLOCK], tool_choice=choice)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert arguments["unit"] in ("celsius", "fahrenheit")
+        else:
+            assert call.function.name == "now" and arguments == {} and choice == "required"
+    streamed = list(chat(client, tools=[WEATHER], tool_choice="required", stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].function.name == "get_weather"
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_what_cannot_be_served_is_a_400_naming_the_field(served):
+    server, _ = served
+    base = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}]}
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            "response_format"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+           ({"response_format": {"type": "yaml"}}, "response_format.type"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tools"),
+           ({"tools": [{"type": "function"}]}, "tools"),
+           ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format")]
+    for extra, param in bad:
+        reply = httpx.post(server.url + "/v1/chat/completions", json={**base, **extra}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
+
+
+def test_langchain_structured_output_and_bound_tools(served):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    server, _ = served
+
+    class Verdict(BaseModel):  # bounded values: the random model's noise cannot run on inside a string
+        older: bool
+        confidence: Literal["low", "medium", "high"]
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=MODEL, max_tokens=40, temperature=0,
+                     max_retries=0, extra_body={"passages": PASSAGES})
+    verdict = llm.with_structured_output(Verdict, method="json_schema").invoke(QUESTION)
+    assert isinstance(verdict, Verdict)
+    message = llm.bind_tools([WEATHER], tool_choice="required").invoke(QUESTION)
+    assert message.tool_calls[0]["name"] == "get_weather"
+    assert message.tool_calls[0]["args"]["unit"] in ("celsius", "fahrenheit")

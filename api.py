@@ -113,7 +113,7 @@ class KVRag:
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
                kv_tokens: int = 0, kv_rule: str = "keyformer", logprobs: int | None = None,
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
-               grammar=None, listener: Callable[[], None] | None = None) -> Generation:
+               grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score, and those
         under `min_score`, the cosine similarity below which a chunk is not about the question: docs/retrieval-cutoff.md).
@@ -126,7 +126,8 @@ class KVRag:
         previous user turn and the question together. `rag` False, `k` 0, or no chunk passing the cutoffs: plain chat,
         with no passages and no RAG instruction. `keep_turn`: keep this turn's KV, so that a follow-up whose history
         ends with this answer reuses it (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON
-        schema, a tool call) the answer is decoded within. `listener`: called with no arguments from the
+        schema, a tool call) the answer is decoded within. `last_role`: "tool" for a tool's result as the last
+        message (with rag False). `listener`: called with no arguments from the
         engine's thread after each token and at the end (to wake an event loop that reads `Generation.seq.events`
         without blocking)."""
         if not question or not question.strip():
@@ -145,7 +146,7 @@ class KVRag:
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
                            tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs, history=history,
-                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar)
+                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar, last_role=last_role)
 
         query = search_text(question, history)
         if self.speculator is not None and retrieve and not history:

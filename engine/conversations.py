@@ -74,18 +74,19 @@ class Conversations:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool) -> Plan | None:
-        """The request's prompt; None for the single-turn RAG prompt (preamble, chunks, suffix)."""
+    def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user") -> Plan | None:
+        """The request's prompt (`role`: the question's, user or tool); None for the single-turn RAG prompt
+        (preamble, chunks, suffix)."""
         if rag and not history:
             return None
         turn = self._get(turn_key(history)) if history and history[-1][0] == "assistant" else None
         chunks = tuple(chunks) if rag else ()
         if isinstance(turn, KeptTurn):
             chunks = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
-            head, tail = self.chat.after_answer(question, bool(chunks))
+            head, tail = self.chat.after_answer(question, bool(chunks), role)
             return Plan((*turn.ids, *head), chunks, tuple(tail), turn)
         if not rag:
-            return Plan((), (), tuple(self.chat.plain_ids(history, question)), None)
+            return Plan((), (), tuple(self.chat.plain_ids(history, question, role)), None)
         return Plan(tuple(self.chat.head_ids(history)), chunks, tuple(self.runtime.prompts.build([], question).suffix),
                     None)
 
@@ -108,13 +109,13 @@ class Conversations:
             kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
         return Framing(head, kv, list(plan.tail)), reused
 
-    def keep(self, history: Sequence[Turn], question: str, answer: str, ids: Sequence[int],
+    def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
              pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str]) -> None:
         """Keep a finished turn: `ids` every id of its prompt and answer, `pool_rows` the K and V [L, n, Hkv, hd]
-        of the first n, copied out of the pool (keys rotated)."""
+        of the first n, copied out of the pool (keys rotated); `question` the last message, (role, text)."""
         k, v = pool_rows
         kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
-        self._put(turn_key([*history, ("user", question), ("assistant", answer)]), KeptTurn(tuple(ids), kv, chunk_ids))
+        self._put(turn_key([*history, question, ("assistant", answer)]), KeptTurn(tuple(ids), kv, chunk_ids))
 
     def seen(self, history: Sequence[Turn]) -> frozenset[str]:
         """The chunks already in the context a follow-up with this history continues (none if not kept)."""

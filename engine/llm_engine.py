@@ -72,7 +72,8 @@ class LLMEngine:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         prompts = self.prefiller.runtime.prompts
         check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
-        plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag)
+        plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
+                                       request.last_role)
         head = len(prompts.preamble_ids) if plan is None else len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
@@ -304,7 +305,7 @@ class LLMEngine:
         rows = self.kv.rows(seq.table)[:n]  # [n]
         chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
         answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
-        self.conversations.keep(req.history, req.question, answer, ids, (k[:, rows].clone(), v[:, rows].clone()),
+        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids, (k[:, rows].clone(), v[:, rows].clone()),
                                 chunk_ids)
 
     def _order_priority(self, seq: Sequence) -> float:

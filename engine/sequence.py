@@ -50,6 +50,7 @@ class Request:
     # the answer's grammar (model/constrain.Grammar: a JSON schema, a tool call), each token chosen within it; None:
     # free text
     grammar: object | None = None
+    last_role: str = "user"  # the question's role: "tool" for a tool's result (plain chat)
 
 
 class Status(enum.Enum):

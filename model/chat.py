@@ -40,18 +40,19 @@ class ChatPrompts:
                              "send one user message")
         return encode(self.tokenizer, head)
 
-    def plain_ids(self, history: Sequence[Turn], question: str) -> list[int]:
-        """A plain chat prompt: the template over the history and the question, ready for the answer."""
+    def plain_ids(self, history: Sequence[Turn], question: str, role: str = "user") -> list[int]:
+        """A plain chat prompt: the template over the history and the question (`role`'s: a tool's result too),
+        ready for the answer."""
         if not self.has_template:
             return encode(self.tokenizer, "\n\n".join([*(text for _, text in history), _question(question)]))
-        return encode(self.tokenizer, self._render([*history, ("user", _question(question))], True))
+        return encode(self.tokenizer, self._render([*history, (role, _question(question))], True))
 
-    def after_answer(self, question: str, passages: bool) -> tuple[list[int], list[int]]:
+    def after_answer(self, question: str, passages: bool, role: str = "user") -> tuple[list[int], list[int]]:
         """The ids after an answer's last token, as (head, tail): with new `passages`, the head runs to where they go
         and the tail is the usual suffix; else the head is empty and the tail is the question as the user wrote it,
         up to the next answer (the passages and the instruction stand in the earlier turns, as a chat has them)."""
         content = _rag_content() if passages else _question(question)
-        text = self._render([("user", "?"), ("assistant", _ANSWER), ("user", content)], True).split(_ANSWER, 1)[1]
+        text = self._render([("user", "?"), ("assistant", _ANSWER), (role, content)], True).split(_ANSWER, 1)[1]
         if passages:
             head, _ = text.split(_SLOT)
             return encode(self.tokenizer, head), self.prompts.build([], question).suffix

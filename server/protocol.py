@@ -21,6 +21,7 @@ the chat endpoint: no field that changes the answer's shape is ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,12 +56,25 @@ class ContentPart(_Body):
 class Message(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, as this server returned them
 
     def text(self) -> str:
-        """The message's text: the string, or its text parts joined (images and the like have none)."""
+        """The message's text: the string, or its text parts joined (images and the like have none); an assistant's
+        call is the text the model wrote for it (model/constrain.tool_call), so a kept turn still matches."""
+        if self.tool_calls:
+            return " ".join(_call_text(call) for call in self.tool_calls)
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
+
+
+def _call_text(call: dict) -> str:
+    function = call.get("function") or {}
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, json.JSONDecodeError):
+        raise BadField("messages", "a tool call's arguments must be a JSON object in a string") from None
+    return json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
 
 
 class JsonSchemaFormat(_Body):
@@ -134,10 +148,11 @@ class ChatRequest(_Generate):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
 
     def question(self) -> str:
-        """The last message, the user's: the question the server retrieves for and answers."""
+        """The last message: the user's question the server retrieves for and answers, or a tool's result (the
+        model answers it as plain chat)."""
         last = self.messages[-1]
-        if last.role != "user":
-            raise BadField("messages", f"the last message must be the user's, got role '{last.role}'")
+        if last.role not in ("user", "tool"):
+            raise BadField("messages", f"the last message must be the user's or a tool's, got role '{last.role}'")
         return last.text()
 
     def history(self) -> list[tuple[str, str]]:
@@ -181,7 +196,9 @@ class ChatRequest(_Generate):
     def options(self, default_max_tokens: int, grammars=None) -> dict:
         """Keep each turn's KV for its follow-up (engine/conversations.py); `grammars` (KVRag.grammars) builds the
         answer's grammar, where the request asks for one."""
+        tool = self.messages[-1].role == "tool"
         return {**super().options(default_max_tokens), "history": self.history(), "keep_turn": True,
+                **({"rag": False, "last_role": "tool"} if tool else {}),
                 "grammar": self.grammar(grammars) if grammars is not None else None,
                 "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens}
 

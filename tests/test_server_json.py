@@ -117,3 +117,16 @@ def test_langchain_structured_output_and_bound_tools(served):
     message = llm.bind_tools([WEATHER], tool_choice="required").invoke(QUESTION)
     assert message.tool_calls[0]["name"] == "get_weather"
     assert message.tool_calls[0]["args"]["unit"] in ("celsius", "fahrenheit")
+
+
+def test_a_tool_result_continues_the_turn_that_called(served):
+    _, client = served
+    call = chat(client, tools=[WEATHER], tool_choice="required").choices[0].message
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in call.tool_calls]},
+                {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "21 degrees"}]
+    reply = client.chat.completions.create(model=MODEL, max_tokens=8, messages=messages, tools=[WEATHER],
+                                           tool_choice="none")
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.tool_calls is None
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0  # the calling turn's KV, kept, continued
+    assert reply.model_extra["sources"] == []  # a tool's result is answered without retrieval

@@ -27,10 +27,12 @@ from kvrag.bench.serve_store import model_args
 from kvrag.errors import KvragError
 
 FOLLOW_UP = "Explain your answer in one sentence."
-# what the JSON requests ask for: an answer and how sure the model is of it
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
+# what the JSON requests ask for: an answer (bounded: a 135M model's greedy answer can repeat itself inside an open
+# string past any token budget) and how sure the model is of it
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 120},
                                            "confidence": {"type": "string", "enum": ["low", "medium", "high"]}},
           "required": ["answer", "confidence"], "additionalProperties": False}
+JSON_MAX_TOKENS = 256  # room for the longest document SCHEMA allows, a digit a token: the grammar cannot count tokens
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,17 @@ def run(cfg: ChatConfig, log: Callable[[str], None]) -> dict:
         pairs, parsed = asyncio.run(_converse(cfg, server, log))
     good = [p for p in pairs if "error" not in p]
     ratios = [p["follow_up_ttft_s"] / p["first_ttft_s"] for p in good]
+
+    def median_ratio(new: bool) -> float | None:  # follow-ups that brought new passages, or answered from context
+        picked = [r for r, p in zip(ratios, good, strict=True) if bool(p["follow_up_new_sources"]) == new]
+        return statistics.median(picked) if picked else None
+
     return {"schema": "kvrag.bench-serve-chat/1",
             "config": {**cfg.__dict__, "work": str(cfg.work), "store": str(cfg.store), "questions": len(cfg.questions)},
             "follow_up": FOLLOW_UP, "pairs": pairs, "failed": len(pairs) - len(good),
             "follow_up_over_first_ttft_p50": statistics.median(ratios) if ratios else None,
+            "from_context_over_first_ttft_p50": median_ratio(False), "with_new_passages_over_first_ttft_p50":
+                median_ratio(True), "with_new_passages": sum(bool(p["follow_up_new_sources"]) for p in good),
             "first_ttft_p50_s": statistics.median(p["first_ttft_s"] for p in good) if good else None,
             "follow_up_ttft_p50_s": statistics.median(p["follow_up_ttft_s"] for p in good) if good else None,
             "json": parsed}
@@ -88,7 +97,8 @@ async def _pair(api, model: str, question: str, cfg: ChatConfig) -> dict:
         return {"question": question, "error": f"{type(exc).__name__}: {exc}"}
     return {"question": question, "first_ttft_s": first["ttft_s"], "follow_up_ttft_s": second["ttft_s"],
             "first_prompt_tokens": first["prompt_tokens"], "prompt_tokens": second["prompt_tokens"],
-            "cached_tokens": second["cached_tokens"], "follow_up_sources": second["sources"]}
+            "cached_tokens": second["cached_tokens"], "follow_up_sources": second["sources"],
+            "follow_up_new_sources": second["new_sources"]}
 
 
 async def _turn(api, model: str, messages: list[dict], cfg: ChatConfig) -> dict:
@@ -101,13 +111,15 @@ async def _turn(api, model: str, messages: list[dict], cfg: ChatConfig) -> dict:
         if chunk.choices and chunk.choices[0].delta.content is not None:
             if first is None:
                 first = time.perf_counter()
-                out["sources"] = len((chunk.model_extra or {}).get("sources") or [])
+                sources = (chunk.model_extra or {}).get("sources") or []
+                out["sources"] = len(sources)
+                out["new_sources"] = sum(s.get("tier") != "context" for s in sources)
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             details = chunk.usage.prompt_tokens_details
             out.update(prompt_tokens=chunk.usage.prompt_tokens, cached_tokens=(details.cached_tokens or 0)
                        if details else 0)
-    return {"sources": 0, **out, "text": text.strip(), "ttft_s": (first or time.perf_counter()) - start}
+    return {"sources": 0, "new_sources": 0, **out, "text": text.strip(), "ttft_s": (first or time.perf_counter()) - start}
 
 
 async def _json_requests(api, model: str, cfg: ChatConfig, log) -> dict:
@@ -116,7 +128,7 @@ async def _json_requests(api, model: str, cfg: ChatConfig, log) -> dict:
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
     for i in range(cfg.json_requests):
         question = cfg.questions[i % len(cfg.questions)]
-        reply = await api.chat.completions.create(model=model, max_tokens=cfg.max_tokens * 4, temperature=0,
+        reply = await api.chat.completions.create(model=model, max_tokens=JSON_MAX_TOKENS, temperature=0,
                                                   response_format=fmt, extra_body={"k": cfg.k},
                                                   messages=[{"role": "user", "content": question}])
         text = reply.choices[0].message.content or ""
@@ -138,15 +150,20 @@ def _fits(text: str) -> bool:
 
 
 def markdown(report: dict) -> str:
-    rows = ["| # | first TTFT s | follow-up TTFT s | ratio | cached / prompt |", "|---|---|---|---|---|"]
+    rows = ["| # | first TTFT s | follow-up TTFT s | ratio | cached / prompt | new passages |", "|---|---|---|---|---|---|"]
     for i, p in enumerate(report["pairs"]):
         if "error" in p:
-            rows.append(f"| {i} | {p['error']} | | | |")
+            rows.append(f"| {i} | {p['error']} | | | | |")
             continue
         rows.append(f"| {i} | {p['first_ttft_s']:.3f} | {p['follow_up_ttft_s']:.3f} | "
-                    f"{p['follow_up_ttft_s'] / p['first_ttft_s']:.2f} | {p['cached_tokens']}/{p['prompt_tokens']} |")
+                    f"{p['follow_up_ttft_s'] / p['first_ttft_s']:.2f} | {p['cached_tokens']}/{p['prompt_tokens']} | "
+                    f"{p['follow_up_new_sources']} |")
     ratio = report["follow_up_over_first_ttft_p50"]
     rows += ["", f"follow-up TTFT over first-turn TTFT, median: {ratio:.2f}" if ratio else "no pair served"]
+    for key, what in (("from_context_over_first_ttft_p50", "answered from the passages already in the context"),
+                      ("with_new_passages_over_first_ttft_p50", "bringing new passages")):
+        if report[key] is not None:
+            rows.append(f"  {what}: {report[key]:.2f}")
     if report["json"]:
         rows.append(f"JSON mode: {report['json']['fit']}/{report['json']['requests']} parse and fit the schema")
     return "\n".join(rows)

@@ -178,7 +178,7 @@ class LLMEngine:
         if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
             seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
-                                "bytes_loaded": pre.bytes_loaded, "chunk_tiers": pre.chunk_tiers,
+                                "bytes_loaded": pre.bytes_loaded, "chunk_tiers": self._tiers(seq, pre),
                                 "ratio": config.ratio if req.mode == "blend" else None,
                                 "reused_tokens": self._reused_tokens(seq, pre)}
             if req.keep_first_logits:
@@ -287,6 +287,15 @@ class LLMEngine:
         computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
         kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
         return (len(self.prefiller.preamble) if seq.plan is None else seq.head_reused) + kept
+
+    @staticmethod
+    def _tiers(seq: Sequence, pre: Prefilled) -> list[str]:
+        """Per chunk of the request, where its KV came from; "context" for a chunk a conversation's kept turn already
+        holds (not sent again)."""
+        if seq.plan is None:
+            return pre.chunk_tiers
+        tiers = dict(zip((c for c, _ in seq.plan.chunks), pre.chunk_tiers, strict=False))
+        return [tiers.get(c, "context") for c, _ in seq.request.chunks]
 
     def _keep_turn(self, seq: Sequence) -> None:
         """Keep a finished chat turn's ids and pool rows for a follow-up (engine/conversations.py): only where its

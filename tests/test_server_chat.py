@@ -101,6 +101,7 @@ def test_a_follow_up_continues_its_first_turn_and_reuses_its_kv(served, hf):
     assert reply.choices[0].message.content == text_of(rag, greedy(hf, ids))
     # every row of the first turn in the pool was reused: its prompt and answer (the last answer token was never fed)
     assert reply.usage.prompt_tokens_details.cached_tokens == len(turn_ids) - (answer.finish_reason == "length")
+    assert {s["tier"] for s in reply.model_extra["sources"]} == {"context"}  # not sent again
 
 
 def test_a_follow_up_of_an_unknown_turn_renders_the_history(served, hf):

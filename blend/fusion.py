@@ -137,7 +137,7 @@ class BlendKV:
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         if self.tap is not None:
             self.tap(q, rows.pos, self.k_rot, self.positions)
-        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions)
+        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions, layer)
 
 
 class Selector:

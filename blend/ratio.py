@@ -139,7 +139,7 @@ def measure_profile(model: Transformer, codec: str, keys: int = 2048) -> LoadCom
 
         def run():
             qkv = model.project(1, h, pos)
-            model.finish(1, h, model.attend(qkv.q, pos, k_all, v_all, key_pos))
+            model.finish(1, h, model.attend(qkv.q, pos, k_all, v_all, key_pos, 1))
 
         with torch.inference_mode():
             run()

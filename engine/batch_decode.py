@@ -15,7 +15,6 @@ import torch
 
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode_step as native_decode
-from kvrag.kernels.attention import attend_few_rows
 from kvrag.model.step import Rows, run_layers
 from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockTable
@@ -76,7 +75,7 @@ class PoolKV:
         self.v_all[layer].index_copy_(0, self.new_slots, v)
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
-        k, v, group = self.k_all[layer], self.v_all[layer], self.model.cfg.group_size
+        k, v = self.k_all[layer], self.v_all[layer]
         for b, tap in enumerate(self.taps):
             if tap is not None:
                 tap(q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
@@ -86,7 +85,7 @@ class PoolKV:
             pool = self.paged[0]  # [L, 2, N, bs, Hkv, hd]
             out = triton_attention.decode_attention(q.to(pool.dtype), pool[layer, 0], pool[layer, 1], *self.paged[1:])
             return out.view(q.shape[0], -1).to(q.dtype)  # [B, Hq * hd]
-        return torch.cat([attend_few_rows(q[b:b + 1], k[r], v[r], group) for b, r in enumerate(self.slots)])
+        return torch.cat([self.model.attend_latest(q[b:b + 1], k[r], v[r], layer) for b, r in enumerate(self.slots)])
 
 
 def _paged_tables(kv: SequenceKV, tables: Sequence[BlockTable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -236,7 +236,9 @@ class Prefiller:
             # keys rotated to their places as they load (with Triton, by the fused load kernel), unless the memory
             # tiers keep this prompt's keys (before rotary) afterwards
             positions = None
-            if lease is None:  # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix
+            # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix; a scaled or
+            # partial rotary (yarn, Phi-3) the loader's inv_freq rotation lacks: the blend rotates those keys itself
+            if lease is None and self.model.cfg.plain_rotary:
                 positions = layout.positions[:loaded_rows]
             loader = open_loader(source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
                                  delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,

@@ -69,6 +69,25 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
 
 
+def attend_window(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
+                  group: int, attn_dtype: torch.dtype, window: int) -> torch.Tensor:
+    """`attend` for a sliding-window layer: a query at p sees the keys at p - window < k_pos <= p (HF's
+    sliding_window_overlay); k_pos None: the query follows every key, so it sees the last `window` ones. SDPA with
+    an explicit [R, S] mask: the row and Triton kernels take no window, so such a model runs here."""
+    if k_pos is None:
+        k, v = k[-window:], v[-window:]
+        if q.shape[0] <= FEW_ROWS:
+            return attend_few_rows(q, k, v, group)
+    q, k, v = (x.to(attn_dtype) for x in (q, k, v))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, len, hd]
+    mask = None
+    if k_pos is not None:
+        qp, kp = q_pos.to(q.device)[:, None], k_pos.to(q.device)[None, :]
+        mask = (kp <= qp) & (kp > qp - window)  # [R, S]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=group > 1)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+
 def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Scattered rows (sorted q_pos over keys at 0..S-1) through the Triton rows kernel: the contiguous cache is a
     pool of one block of S rows -> [R, Hq * hd] float32."""

@@ -1,4 +1,4 @@
-"""Typed configuration of a Llama-family model, read from a Hugging Face config.json.
+"""Typed configuration of a decoder model, read from a Hugging Face config.json.
 
 Only what the runtime implements is accepted; anything else is refused with one clear line
 rather than silently producing wrong logits.
@@ -6,24 +6,34 @@ rather than silently producing wrong logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvrag.errors import KvragError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first name for LongRoPE
+REFUSED_ARCHITECTURES = {"gemma2": "gemma2 (soft-capping, sliding-window layers, (1+w) norms) is not supported yet",
+                         "gemma3_text": "gemma3 (q/k norms, local rope theta, (1+w) norms) is not supported yet",
+                         "gemma3": "gemma3 (q/k norms, local rope theta, (1+w) norms) is not supported yet"}
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling as in HF's `rope_parameters` / `rope_scaling` (linear or llama3)."""
+    """Rotary scaling as in HF's `rope_parameters` / `rope_scaling` (see SUPPORTED_ROPE_TYPES)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    attention_factor: float = 1.0  # yarn / longrope: cos and sin are scaled by it
+    beta_fast: float = 32.0  # yarn's ramp
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors (the long ones are not run)
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -51,6 +61,9 @@ class ModelConfig:
     tie_embeddings: bool
     max_positions: int
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k before rotary
+    partial_rotary_factor: float = 1.0  # Phi-3 and others: only the first fraction of a head rotates
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" or "sliding_attention" (None: all alike)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,39 +73,75 @@ class ModelConfig:
             )
         if self.n_heads % self.n_kv_heads:
             raise KvragError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads")
-        if self.head_dim % 2:
-            raise KvragError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        if self.head_dim % 2 or self.rotary_dim % 2:
+            raise KvragError(f"head dim {self.head_dim} (rotary {self.rotary_dim}) must be even for rotary embeddings")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise KvragError(f"layer_types names {len(self.layer_types)} layers, the model has {self.n_layers}")
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's leading dims rotate (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int | None) -> int | None:
+        """The keys a query at p sees at `layer` are those at p - window < k <= p (None: every earlier key)."""
+        if self.sliding_window is None or self.layer_types is None:
+            return self.sliding_window
+        if layer is None:
+            if len(set(self.layer_types)) > 1:
+                raise KvragError("attention of a model with mixed sliding/full layers needs its layer")
+            layer = 0
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def plain_attention(self) -> bool:
+        """Causal attention over every earlier key: what the native row kernel and the Triton kernels compute."""
+        return all(self.window(i) is None for i in range(self.n_layers))
+
+    @property
+    def plain_rotary(self) -> bool:
+        """Every dim rotates by unscaled cos/sin: what the blend loader's own rotation (inv_freq alone) computes."""
+        return self.rotary_dim == self.head_dim and self.rope_scaling.attention_factor == 1.0
+
+    @property
+    def plain(self) -> bool:
+        """A Llama-shaped layer throughout: what the native decode step (kernels/decode.cpp) computes."""
+        return self.plain_attention and not self.qk_norm and self.rotary_dim == self.head_dim
+
+    def identity(self) -> dict[str, Any]:
+        """What the model's fingerprint hashes: every field, less those added later while at their defaults (so a
+        model's fingerprint, and its stores, stay what they were)."""
+        def kept(obj) -> dict[str, Any]:
+            return {f.name: getattr(obj, f.name) for f in fields(obj)
+                    if f.name not in _LATER_FIELDS or getattr(obj, f.name) != f.default}
+        return {**kept(self), "rope_scaling": kept(self.rope_scaling)}
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a config.json dict (transformers 4.x `rope_theta` or 5.x `rope_parameters`)."""
         arch = cfg.get("model_type", "?")
+        if arch in REFUSED_ARCHITECTURES:
+            raise KvragError(f"model architecture {REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise KvragError(
                 f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy_scaling = cfg.get("rope_scaling") or {}
-        rope = {**legacy_scaling, **rope}
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = RopeScaling(
-            rope_type=rope_type,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
-        )
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         window = cfg.get("sliding_window")
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None
+        layer_types = cfg.get("layer_types")
+        if window and not layer_types and "max_window_layers" in cfg:  # an older Qwen config: HF's own rule
+            layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
+                           for i in range(int(cfg["num_hidden_layers"]))]
+        scaling, max_positions = _rope_scaling(cfg, rope)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -103,10 +152,62 @@ class ModelConfig:
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            max_positions=max_positions,
             sliding_window=int(window) if window else None,
+            qk_norm=arch == "qwen3",
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            layer_types=tuple(layer_types) if window and layer_types else None,
         )
+
+
+_LATER_FIELDS = {"qk_norm", "partial_rotary_factor", "layer_types", "attention_factor", "beta_fast", "beta_slow",
+                 "truncate", "short_factor"}
+
+
+def _rope_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[RopeScaling, int]:
+    """The rotary scaling of a config.json and the longest context kvrag runs it at."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = ROPE_ALIASES.get(rope_type, rope_type)
+    max_positions = int(cfg.get("max_position_embeddings", 4096))
+    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:  # HF's fallback for yarn and longrope; llama3 configs always name it
+        original = max_positions if rope_type in ("yarn", "longrope") else 8192
+    factor = rope.get("factor")
+    attention = rope.get("attention_factor")
+    short = None
+    if rope_type == "yarn":
+        factor = float(factor if factor is not None else max_positions / original)
+        attention = attention if attention is not None else _yarn_mscale(factor, rope)
+    elif rope_type == "longrope":
+        # HF derives the factor from the two lengths when it is not named
+        factor = float(factor if factor is not None else max_positions / original)
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short = tuple(float(x) for x in rope["short_factor"])
+        # past the original length HF switches every position to the long factors: not run here, so cap there
+        max_positions = min(max_positions, int(original))
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        factor=float(factor if factor is not None else 1.0),
+        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_positions=int(original),
+        attention_factor=float(attention if attention is not None else 1.0),
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        truncate=bool(rope.get("truncate", True)),
+        short_factor=short,
+    )
+    return scaling, max_positions
+
+
+def _yarn_mscale(factor: float, rope: dict[str, Any]) -> float:
+    """YaRN's attention factor (HF's get_mscale), from `factor` and the optional mscale / mscale_all_dim."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)

@@ -89,7 +89,7 @@ def _tokenizer_digest(path: Path) -> str:
 
 
 def _fingerprint(config: ModelConfig, weights_digest: str, tokenizer_digest: str) -> str:
-    arch = json.dumps(config.__dict__, default=lambda o: o.__dict__, sort_keys=True)
+    arch = json.dumps(config.identity(), sort_keys=True)
     return xxhash.xxh3_128(f"{arch}|{weights_digest}|{tokenizer_digest}".encode()).hexdigest()[:24]
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import attend_few_rows
 from kvrag.model import rotary
+from kvrag.model.step import CacheKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class RowStep:
         c = self.cfg = model.cfg
         self.model, self.cache, self.wants_native = model, cache, native
         self.native = native and model.native and native_decode.step_serves(model.step_weights())
+        # the arithmetic below is a Llama-shaped layer's: another family (q/k norms, a partial rotary, sliding
+        # windows) steps through the model's general primitives, the reference step's own ops
+        self.general = not c.plain
         # [cap + offset, 1, hd] each: every position a row of this cache can take
         self.cos, self.sin = model.positions_cos_sin(torch.arange(cache.capacity + cache.offset))
         self.whole = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, self.cos, self.sin) if self.native else None
@@ -55,7 +59,7 @@ class RowStep:
         self.act = new(1, c.intermediate_size)  # [1, I]
         # float32 keys and values for the exact attention: the cache's rows so far now, each new row as it comes
         self.k32 = self.v32 = None
-        if not self.native:
+        if not self.native and not self.general:
             self.k32, self.v32 = (torch.empty(x.shape, device=x.device) for x in (cache.k, cache.v))  # [L, cap, Hkv, hd]
             self.k32[:, :cache.length], self.v32[:, :cache.length] = cache.k[:, :cache.length], cache.v[:, :cache.length]
         self.synced = cache.length  # rows below this are in k32 and v32 (rows written elsewhere later are not)
@@ -64,6 +68,11 @@ class RowStep:
         """Feed `token` at row cache.length (position length + offset): its K and V into the cache, the next-token
         logits [V] out."""
         n = self.cache.length
+        if self.general:
+            rows = Rows.at(self.model, torch.tensor([token]), torch.tensor([n + self.cache.offset]))
+            logits = run_layers(self.model, rows, CacheKV(self.model, self.cache, rows.pos, self.cache.offset))
+            self.cache.length = self.synced = n + 1
+            return logits[0]
         if self.whole is not None:
             self.h.copy_(self.model.embed_tokens[token])
             out = torch.empty(self.model.lm_head.shape[0])  # [V] the head's bf16 logits, widened

@@ -104,7 +104,7 @@ class CacheKV:
         c = self.cache
         if self.tap is not None:
             self.tap(q, rows.pos, c.k[layer, :self.stop], self.key_pos)
-        return self.model.attend(q, rows.pos, c.k[layer, :self.stop], c.v[layer, :self.stop], self.key_pos)
+        return self.model.attend(q, rows.pos, c.k[layer, :self.stop], c.v[layer, :self.stop], self.key_pos, layer)
 
 
 class GrowingKV:
@@ -136,7 +136,7 @@ class GrowingKV:
         self.k_rot, self.v = k_rot, v
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
-        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos)
+        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos, layer)
 
 
 def full_forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""Our own layer-by-layer forward for Llama-family models (Llama, Mistral, Qwen2) over HF weights.
+"""Our own layer-by-layer forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) over HF weights.
 
 The forward is split into per-layer primitives so that blending can run any layer on any subset
 of token rows at explicit absolute positions, and read or replace that layer's K (before rotary)
@@ -42,6 +42,8 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [D]
     w_gate_up: torch.Tensor  # [2 * I, D]  gate and up fused
     w_down: torch.Tensor  # [D, I]
+    q_norm: torch.Tensor | None = None  # [hd]  Qwen3's RMSNorm over each query head, before rotary
+    k_norm: torch.Tensor | None = None  # [hd]  and over each key head
 
 
 @dataclass
@@ -75,12 +77,31 @@ class Transformer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
-        self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [hd/2]
+        self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [rotary_dim/2]
         self.segment_plans = attention.SegmentPlans()  # the last scattered-row attention plan, for the next layer's call
         # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: Runtime.load sets it
         # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
         self.triton = False
         self.native = True  # kvrag's C++ CPU kernels where they serve (config.py's native; Runtime.load sets it)
+
+    # The native decode step (kernels/decode.cpp) computes a Llama-shaped layer and the Triton and row kernels plain
+    # causal attention: a model with more (q/k norms, a partial rotary, sliding windows) runs torch's ops instead of
+    # teaching them every family. `native` and `triton` read False for such a model whatever Runtime.load set.
+    @property
+    def native(self) -> bool:
+        return self._native and self.cfg.plain
+
+    @native.setter
+    def native(self, on: bool) -> None:
+        self._native = on
+
+    @property
+    def triton(self) -> bool:
+        return self._triton and self.cfg.plain_attention
+
+    @triton.setter
+    def triton(self, on: bool) -> None:
+        self._triton = on
 
     def compute_state(self) -> dict[str, torch.Tensor]:
         """Every weight as the forward uses it (fused, cast): what model/prepared.py caches on disk."""
@@ -108,19 +129,24 @@ class Transformer:
     def _layer_weights(self, i: int, take, tensors) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
-        wqkv = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                          take(attn + "v_proj.weight")])
+
+        def fused(whole: str, parts: list[str]) -> torch.Tensor:  # Phi-3 keeps qkv_proj and gate_up_proj fused
+            return take(whole) if whole in tensors else torch.cat([take(name) for name in parts])
+
         bqkv = None
         if self.cfg.qkv_bias or (attn + "q_proj.bias") in tensors:
             bqkv = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
+        qk_norm = self.cfg.qk_norm
         return LayerWeights(
             attn_norm=take(p + "input_layernorm.weight"),
-            wqkv=wqkv,
+            wqkv=fused(attn + "qkv_proj.weight", [attn + f"{x}_proj.weight" for x in "qkv"]),
             bqkv=bqkv,
             wo=take(attn + "o_proj.weight"),
             mlp_norm=take(p + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            w_gate_up=fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             w_down=take(p + "mlp.down_proj.weight"),
+            q_norm=take(attn + "q_norm.weight") if qk_norm else None,
+            k_norm=take(attn + "k_norm.weight") if qk_norm else None,
         )
 
     @classmethod
@@ -148,7 +174,8 @@ class Transformer:
         return self.embed_tokens[ids.to(self.device)]
 
     def positions_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary.cos_sin(self.inv_freq, positions.to(self.device), self.dtype)
+        return rotary.cos_sin(self.inv_freq, positions.to(self.device), self.dtype,
+                              self.cfg.rope_scaling.attention_factor)
 
     def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerQKV:
@@ -160,11 +187,15 @@ class Transformer:
         x = self.rms_norm(h, w.attn_norm)
         qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, (Hq + 2*Hkv) * hd]
         nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q = qkv[:, :nq].view(-1, c.n_heads, c.head_dim)  # [T, Hq, hd]
-        k = qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim)  # [T, Hkv, hd]
+        q = self._head_norm(w.q_norm, qkv[:, :nq].view(-1, c.n_heads, c.head_dim))  # [T, Hq, hd]
+        k = self._head_norm(w.k_norm, qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim))  # [T, Hkv, hd]
         v = qkv[:, nq + nk:].view(-1, c.n_kv_heads, c.head_dim)  # [T, Hkv, hd]
         cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
         return LayerQKV(q=rotary.rotate(q, cos, sin), k=k, v=v)
+
+    def _head_norm(self, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of q or k [T, H, hd] (over hd), where the model has one; else x itself."""
+        return x if weight is None else self.rms_norm(x, weight)
 
     def attention_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The attention norm of rows h [T, D]: what `project_kv` and `queries` take, computed once for both."""
@@ -176,14 +207,14 @@ class Transformer:
         c = self.cfg
         kv = self._qkv_columns(layer, x, slice(c.n_heads * c.head_dim, None))  # [T, 2 * Hkv * hd]
         k, v = kv.view(-1, 2, c.n_kv_heads, c.head_dim).unbind(1)  # [T, Hkv, hd] each
-        return k, v
+        return self._head_norm(self.layers[layer].k_norm, k), v
 
     def queries(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`project`'s q alone from x = attention_input(layer, h) [T, D], rotated by `rope` (their positions'
         cos, sin): [T, Hq, hd]."""
         c = self.cfg
         q = self._qkv_columns(layer, x, slice(0, c.n_heads * c.head_dim))  # [T, Hq * hd]
-        return rotary.rotate(q.view(-1, c.n_heads, c.head_dim), *rope)
+        return rotary.rotate(self._head_norm(self.layers[layer].q_norm, q.view(-1, c.n_heads, c.head_dim)), *rope)
 
     def _qkv_columns(self, layer: int, x: torch.Tensor, columns: slice) -> torch.Tensor:
         """Some output columns of the fused q/k/v projection (with their bias, if any) for rows x [T, D]."""
@@ -198,15 +229,28 @@ class Transformer:
         return rotary.rotate(k.to(self.dtype), cos, sin, out)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               k_pos: torch.Tensor | None) -> torch.Tensor:
+               k_pos: torch.Tensor | None, layer: int | None = None) -> torch.Tensor:
         """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd].
 
         A query at position p sees exactly the keys at positions <= p (absolute-position mask,
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
         Runs in `attention_dtype` (float32 for bf16 on a CPU without AMX); returns [R, Hq * hd] in the model's dtype.
+        `layer` picks the layer's sliding window, where the model has one (it may be None when all layers agree).
         """
+        window = self.cfg.window(layer)
+        if window is not None:
+            return attention.attend_window(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
+                                           window).to(self.dtype)
         return attention.attend(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
                                 self.uses_row_kernel(), self.segment_plans, self.triton).to(self.dtype)
+
+    def attend_latest(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """A decode step's attention: q [R, Hq, hd] after every key k, v [S, Hkv, hd], the last being its own row
+        (only the last `window` keys, where the layer slides) -> [R, Hq * hd]."""
+        window = self.cfg.window(layer)
+        if window is not None:
+            k, v = k[-window:], v[-window:]
+        return attention.attend_few_rows(q, k, v, self.cfg.group_size)
 
     def step_weights(self) -> StepWeights:
         """What the native decode step reads (kernels/decode_step.py), in its order."""
@@ -217,7 +261,7 @@ class Transformer:
 
     def uses_row_kernel(self) -> bool:
         """Whether causal attention goes through kvrag's AVX-512 row kernel (see `row_kernel_serves`)."""
-        return self.native and attention.row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
+        return self._native and self.cfg.plain_attention and attention.row_kernel_serves(self.cfg.head_dim, self.attention_dtype, self.device)
 
     def rows_read_after(self, layer: int, n_rows: int) -> slice:
         """Which of a prefill's n_rows need their attention and MLP output at `layer`: all of them, except at

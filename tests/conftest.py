@@ -121,6 +121,38 @@ def tiny_llama3_rope_dir(tmp_path_factory, smol) -> Path:
                            rope_parameters=rope)
 
 
+# Each family kvrag runs beyond the Llama fixtures above, as (model_type, config overrides): small sliding windows
+# (64) so that a 300-token prompt crosses them.
+FAMILIES = {
+    "qwen3": ("qwen3", dict(head_dim=32)),  # q/k norms, head dim != hidden / heads
+    "qwen3_window": ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    "phi3": ("phi3", dict(pad_token_id=0)),  # fused qkv_proj and gate_up_proj
+    "phi3_longrope": ("phi3", dict(pad_token_id=0, max_position_embeddings=2048, original_max_position_embeddings=512,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.3, 1.7, 2.2],
+                                                    "long_factor": [2.0, 3.0, 5.0, 8.0]})),
+    "mistral_window": ("mistral", dict(sliding_window=64)),
+    "llama_yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                  "original_max_position_embeddings": 256})),
+    "llama_dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
+    "qwen2_yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1000000.0,
+                                                  "original_max_position_embeddings": 128})),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory, smol):
+    """tiny_family(name) -> the directory of FAMILIES[name]'s tiny random model, built at its first use."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            arch, overrides = FAMILIES[name]
+            built[name] = _tiny_model_dir(tmp_path_factory.mktemp(name), smol, arch, **overrides)
+        return built[name]
+    return get
+
+
 @pytest.fixture(scope="session")
 def musique_path() -> Path:
     """The real MuSiQue file, for the tests whose point is the data set itself (mark them `benchmark_data`)."""

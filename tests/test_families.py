@@ -1,0 +1,106 @@
+"""Every model family kvrag runs beyond Llama (tests/conftest.py FAMILIES) against transformers' own forward, and
+its batched decode against its own one-at-a-time decode; what kvrag does not run is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvrag.engine.batch_decode import BatchDecoder
+from kvrag.engine.kv_pool import SequenceKV
+from kvrag.errors import KvragError
+from kvrag.model.config import ModelConfig
+from kvrag.model.files import resolve_model
+from kvrag.model.generate import decode_step, prefill
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import Transformer
+
+FAMILY_NAMES = ["qwen3", "qwen3_window", "phi3", "phi3_longrope", "mistral_window", "llama_yarn", "llama_dynamic",
+                "qwen2_yarn"]
+
+
+def _ours(path, dtype=torch.float32) -> Transformer:
+    local = resolve_model(str(path))
+    return Transformer.from_safetensors(local.config, local.weight_files(), dtype)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_logits_match_transformers(name, tiny_family):
+    """A 300-token prompt (past every sliding window, 64): every position's logits, held as the Llama tests are."""
+    path = tiny_family(name)
+    ids = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]  # [T, V]
+        ours, _ = full_forward(_ours(path), ids, all_logits=True)
+    assert ours.shape == ref.shape
+    print(f"{name}: max abs logit diff {float((ours - ref).abs().max()):.2e}, rel {_rel_err(ours, ref):.2e}")
+    assert _rel_err(ours, ref) < 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_batched_decode_equals_one_at_a_time(name, tiny_family):
+    """Three prompts (40, 70, 90 tokens: past the windows) decode 8 steps together through the engine's batch step
+    over a pool of 16-token blocks, against each stepped alone (decode_step) and against one full forward over the
+    prompt and the fed tokens (each step's logits are that forward's row)."""
+    model, steps = _ours(tiny_family(name)), 8
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (40, 70, 90)]
+    feeds = torch.randint(0, 49152, (len(prompts), steps), generator=g)
+    c = model.cfg
+    kv = SequenceKV(model, budget_bytes=64 * 16 * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4, block_size=16)
+    with torch.inference_mode():
+        tables = [kv.admit(prefill(model, ids, extra=steps)[1], len(ids)) for ids in prompts]
+        decoder, batched = BatchDecoder(model, kv, 256, native=False), []
+        for j in range(steps):
+            for t in tables:
+                kv.grow(t)
+            batched.append(decoder.step(feeds[:, j].tolist(), tables))  # [B, V]
+        for b, ids in enumerate(prompts):
+            cache = prefill(model, ids, extra=steps)[1]
+            alone = torch.stack([decode_step(model, cache, int(t)) for t in feeds[b]])  # [steps, V]
+            torch.testing.assert_close(torch.stack([s[b] for s in batched]), alone, rtol=1e-5, atol=1e-5)
+            full, _ = full_forward(model, torch.cat([ids, feeds[b]]), all_logits=True)  # [T + steps, V]
+            torch.testing.assert_close(alone, full[len(ids):], rtol=1e-4, atol=1e-4)
+
+
+def test_native_and_triton_stay_off_where_the_kernels_do_not_compute_the_family(tiny_family):
+    """A family the native decode step or the Triton/row kernels do not compute runs torch's ops, whatever is set."""
+    for name, decode_plain, attention_plain in [("qwen3", False, True), ("mistral_window", False, False),
+                                                ("llama_yarn", True, True), ("phi3_longrope", False, True)]:
+        model = _ours(tiny_family(name))
+        model.native = model.triton = True
+        assert (model.native, model.triton) == (decode_plain, attention_plain), name
+
+
+def test_qwen3_has_per_head_norms_and_its_own_head_dim(tiny_family):
+    model = _ours(tiny_family("qwen3_window"))
+    assert model.cfg.head_dim == 32 and model.layers[0].q_norm.shape == (32,)
+    assert [model.cfg.window(i) for i in range(3)] == [None, 64, 64]
+
+
+def test_longrope_runs_its_short_factors_within_the_original_context(tiny_family):
+    cfg = _ours(tiny_family("phi3_longrope")).cfg
+    assert cfg.max_positions == 512 and cfg.rotary_dim == 8 and cfg.rope_scaling.attention_factor > 1
+
+
+@pytest.mark.parametrize("model_type, word", [("gemma2", "gemma2"), ("gemma3_text", "gemma3"), ("olmo", "olmo")])
+def test_unsupported_families_are_refused_in_one_line(model_type, word, tiny_llama_dir):
+    raw = json.loads((tiny_llama_dir / "config.json").read_text())
+    with pytest.raises(KvragError) as err:
+        ModelConfig.from_hf({**raw, "model_type": model_type})
+    assert word in str(err.value) and "\n" not in str(err.value)
+
+
+def test_older_models_keep_their_fingerprints(tiny_llama_dir):
+    """Fields added for the new families stay out of a model's identity at their defaults (its stores stay valid)."""
+    cfg = resolve_model(str(tiny_llama_dir)).config
+    assert not {"qk_norm", "partial_rotary_factor", "layer_types"} & cfg.identity().keys()
+    assert not {"attention_factor", "short_factor"} & cfg.identity()["rope_scaling"].keys()

@@ -74,17 +74,21 @@ class Conversations:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user") -> Plan | None:
+    def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user",
+             room: int | None = None) -> Plan | None:
         """The request's prompt (`role`: the question's, user or tool); None for the single-turn RAG prompt
-        (preamble, chunks, suffix)."""
+        (preamble, chunks, suffix). A kept turn is continued only if the prompt then fits in `room` tokens: else the
+        history is rendered from its text, without the earlier turns' passages."""
         if rag and not history:
             return None
         turn = self._get(turn_key(history)) if history and history[-1][0] == "assistant" else None
         chunks = tuple(chunks) if rag else ()
         if isinstance(turn, KeptTurn):
-            chunks = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
-            head, tail = self.chat.after_answer(question, bool(chunks), role)
-            return Plan((*turn.ids, *head), chunks, tuple(tail), turn)
+            new = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
+            head, tail = self.chat.after_answer(question, bool(new), role)
+            plan = Plan((*turn.ids, *head), new, tuple(tail), turn)
+            if room is None or plan.tokens <= room:
+                return plan
         if not rag:
             return Plan((), (), tuple(self.chat.plain_ids(history, question, role)), None)
         return Plan(tuple(self.chat.head_ids(history)), chunks, tuple(self.runtime.prompts.build([], question).suffix),

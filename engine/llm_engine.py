@@ -73,7 +73,7 @@ class LLMEngine:
         prompts = self.prefiller.runtime.prompts
         check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
         plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
-                                       request.last_role)
+                                       request.last_role, room=self.max_positions - request.sampling.max_tokens)
         head = len(prompts.preamble_ids) if plan is None else len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "

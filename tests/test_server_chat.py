@@ -160,3 +160,21 @@ def test_n_choices_each_sampled_with_their_own_seed(served):
                 finished.add(choice.index)
     assert finished == {0, 1, 2}
     assert [pieces[i].strip() for i in range(3)] == [a.text for a in want]
+
+
+def test_a_follow_up_too_long_to_continue_its_kept_turn_renders_the_history(served, hf):
+    rag, server, _ = served
+    first_q = "Who invented the Quarn loom?"
+    answer = rag.ask(first_q, passages=PASSAGES, max_tokens=STEPS, keep_turn=True)
+    history = [{"role": "user", "content": first_q}, {"role": "assistant", "content": answer.text}]
+    messages = [*history, {"role": "user", "content": "When?"}]
+    kept = template(hf[1], [{"role": "user", "content": rag_content(first_q)}]) + answer.token_ids
+    from_text = template(hf[1], messages)  # plain chat: the kept turn's passages are what makes it longer
+    room = rag.runtime.model.cfg.max_positions - len(from_text)  # the text's prompt fits; the kept one would not
+    assert len(kept) > len(from_text)
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": room, "messages": messages, "stop": ["\n", " "], "rag": False}).json()
+    assert reply["usage"]["prompt_tokens"] == len(from_text), reply
+    fits = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 2, "messages": messages, "rag": False}).json()
+    assert fits["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # with room, the kept turn is continued

@@ -32,6 +32,7 @@ from kvrag.corpus.retrieve import MIN_SCORE
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
+from kvrag.engine.model_check import blending_allowed
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
@@ -100,10 +101,12 @@ class KVRag:
         self.runtime = Runtime.from_config(config)
         cache = build_cache(self.runtime, config.codec, config.host_cache, config.gpu_cache, config.cache_policy)
         prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
+        force_full = config.model_check and not blending_allowed(self.runtime)  # a model blending gets wrong
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
         return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
                                                  codec=config.codec, native=config.native,
-                                                 chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache")))
+                                                 chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache"),
+                                                 force_full=force_full))
 
     # ---- asking ---------------------------------------------------------------------------------
 

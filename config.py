@@ -19,6 +19,8 @@ else from its default; nothing below this module reads the environment (home.py 
     gpu_cache        KVRAG_GPU_CACHE        None: 0, or on a GPU a share of its memory (store/tiers/config.py)
     cache_policy     KVRAG_CACHE_POLICY     pgdsf (or gdsf, lru)
     reorder_window   KVRAG_REORDER_WINDOW   8: a waiting question is passed over at most this often (0: FIFO)
+    model_check      KVRAG_MODEL_CHECK      True: blend only a model that passed its blending check (docs/model-check.md;
+                                            0: skip the check, for tests and benchmarks that blend on purpose)
 
 The AWS_* variables (credentials, endpoint, region) are kept as they are for a store on object storage. The rest
 (kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
@@ -56,6 +58,7 @@ class KVRagConfig:
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "256MiB"  # kept conversation turns (engine/conversations.py); "0": none
+    model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     # options alone
     codec: str = "fp16"
     kv_budget: str = "1GiB"
@@ -97,6 +100,7 @@ ENVIRONMENT = {
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
     "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
+    "model_check": "KVRAG_MODEL_CHECK",
 }
 
 

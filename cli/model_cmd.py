@@ -1,7 +1,10 @@
-"""`kvrag model info`, and `kvrag model bench` as a hidden alias of `kvrag bench model`."""
+"""`kvrag model info`, `kvrag model check`, and `kvrag model bench` as a hidden alias of `kvrag bench model`."""
 
 from __future__ import annotations
 
+import sys
+
+import typer
 from rich.table import Table
 
 from kvrag.cli.common import (
@@ -9,6 +12,7 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    load_runtime,
     print_json,
     stderr_console,
 )
@@ -59,3 +63,38 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
                                   f"{c.n_kv_heads} KV heads, head dim {c.head_dim}, rope θ {c.rope_theta:g}")
     stderr_console().print(table)
 
+
+
+@model_app.command("check")
+def check(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEVICE_OPTION,
+          as_json: bool = JSON_OPTION) -> None:
+    """Check that blending over stored KV gives this model what a full prefill gives, and store the result.
+
+    Runs afresh (a few seconds on SmolLM2): blending at ratio 1 and reusing a chunk's KV where it was computed must
+    equal a full prefill up to rounding, and blending at the default ratio must stay close to it. The stored result
+    is what `kvrag ask`, `kvrag serve` and the Python API read at first use: a model that fails is answered with full
+    prefill. Exit status 1 when a check fails.
+
+    Example: kvrag model check --dtype float32 --json
+    """
+    from kvrag.engine.model_check import check_model, report_path, store_report
+
+    runtime = load_runtime(model, dtype, device)
+    report = check_model(runtime)
+    store_report(runtime, report)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        table = Table(title=f"{runtime.local.name} ({report.dtype}): blending check, {report.seconds:.1f} s",
+                      caption=f"kept in {report_path(runtime)}")
+        for column in ("check", "figure", "value", "bound", "passed"):
+            table.add_column(column)
+        for c in report.checks:
+            for key, value in c.figures.items():
+                table.add_row(c.name, key, f"{value:.4g}", f"{c.bound[key]:.4g}", "yes" if c.passed else "NO")
+        stderr_console().print(table)
+    failed = report.failed()
+    if failed is not None:
+        print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}); questions are answered "
+              "with full prefill", file=sys.stderr)
+        raise typer.Exit(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,7 @@ class EngineConfig:
     # pieces (0: the whole prompt in one step)
     prefill_chunk: int = 512
     chat_cache_bytes: int = 256 << 20  # kept conversation turns and heads (engine/conversations.py); 0: none
+    force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
 
 
 class LLMEngine:
@@ -70,6 +71,8 @@ class LLMEngine:
         this; only the engine's thread may `add` it). KvragError when it cannot run here at all."""
         if request.mode not in MODES:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
+        if self.config.force_full and request.mode != "full":
+            request = replace(request, mode="full")
         prompts = self.prefiller.runtime.prompts
         check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
         plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,

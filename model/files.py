@@ -55,6 +55,12 @@ def resolve_model(spec: str | None = None) -> LocalModel:
     return _hf_directory(Path(spec).expanduser())
 
 
+def model_home(fingerprint: str) -> Path:
+    """`$KVRAG_HOME/models/<fingerprint>/`: the default model's converted files, and what kvrag keeps per model
+    (its blending check, engine/model_check.py), whichever directory its own files live in."""
+    return kvrag_home() / "models" / fingerprint
+
+
 # ---- fingerprints ------------------------------------------------------------------------------
 
 

@@ -16,6 +16,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# KVRag's first-use blending check (engine/model_check.py) off for the session, so no test pays for it or has its
+# blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
+os.environ["KVRAG_MODEL_CHECK"] = "0"
 
 import signal  # noqa: E402
 
@@ -38,6 +41,7 @@ MUSIQUE_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmark_data: reads the real MuSiQue file (KVRAG_TEST_DATA); skips without it")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skips without one")
+    config.addinivalue_line("markers", "model_check: runs with KVRag's first-use blending check on")
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +53,10 @@ def session_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_home(session_home, monkeypatch):
+def _isolated_home(session_home, monkeypatch, request):
     monkeypatch.setenv("KVRAG_HOME", str(session_home))
+    if request.node.get_closest_marker("model_check") is not None:
+        monkeypatch.delenv("KVRAG_MODEL_CHECK", raising=False)
     monkeypatch.delenv("KVRAG_MODEL", raising=False)
     monkeypatch.delenv("KVRAG_DTYPE", raising=False)
     monkeypatch.delenv("KVRAG_STORE", raising=False)

@@ -1,0 +1,152 @@
+"""The per-model blending check (engine/model_check.py): it passes on every model kvrag runs, fails when the loader
+rotates stored keys by the other rotary convention, and a KVRag over a model that failed answers with full prefill
+and says so in one line."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from kvrag.engine import model_check
+from kvrag.engine.model_check import cached_check, check_model, report_path
+from kvrag.model import rotary
+from kvrag.model.runtime import Runtime
+from kvrag.tests.conftest import FAMILIES, run_cli_in_process
+
+pytestmark = pytest.mark.model_check
+
+TINY = ["tiny_llama_dir", "tiny_llama_hd64_dir", "tiny_qwen2_dir", "tiny_llama3_rope_dir"]
+PASSAGES = [("Varnholt Bridge", "The Varnholt Bridge was finished in 1893 by the engineer Odile Marrant."),
+            ("Odile Marrant", "Odile Marrant was born in Quessac in 1851 and taught at the mining school in Dunmore.")]
+QUESTION = "Where was the engineer of the Varnholt Bridge born?"
+
+
+def interleaved_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """The other rotary convention (GPT-J's interleaved pairs (2i, 2i+1) instead of rotate-half's (i, i + d/2)),
+    with rotary.rotate's signature: x [T, H, hd], cos/sin [T, 1, rot] (each frequency repeated over the halves)."""
+    rot = cos.shape[-1]
+    c, s = cos[..., :rot // 2], sin[..., :rot // 2]  # [T, 1, rot/2]: one angle per pair
+    even, odd = x[..., 0:rot:2].clone(), x[..., 1:rot:2].clone()  # [T, H, rot/2]
+    out = torch.empty_like(x) if out is None else out
+    out[..., rot:] = x[..., rot:]
+    out[..., 0:rot:2] = even * c - odd * s
+    out[..., 1:rot:2] = odd * c + even * s
+    return out
+
+
+@pytest.fixture
+def broken_rotary(monkeypatch):
+    """The loader (and its in-memory chunks' copy-in) rotates loaded keys by the wrong convention; the full prefill's
+    own rotary (model/rotary.py, used by every computed row) is untouched."""
+    import kvrag.blend.layer_work as layer_work
+    import kvrag.blend.loader as loader
+
+    wrong = types.SimpleNamespace(rotate=interleaved_rotate, cos_sin=rotary.cos_sin)
+    monkeypatch.setattr(loader, "rotary", wrong)
+    monkeypatch.setattr(layer_work, "rotary", wrong)
+
+
+def _figures(report) -> dict:
+    return {c.name: c.figures for c in report.checks}
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+@pytest.mark.parametrize("fixture", TINY)
+def test_the_check_passes_on_the_tiny_llama_models(fixture, dtype, request):
+    runtime = Runtime.load(str(request.getfixturevalue(fixture)), dtype=dtype)
+    report = check_model(runtime)
+    assert report.passed, _figures(report)
+    if report.dtype == "float32":  # the blend's and the full prefill's rows are the same bits on the CPU
+        assert _figures(report)["blend_ratio_1"]["max_rel_error"] < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_check_passes_on_every_family(name, tiny_family):
+    report = check_model(Runtime.load(str(tiny_family(name))))
+    assert report.passed, _figures(report)
+
+
+@pytest.mark.real_model
+def test_the_check_passes_on_smollm2(smol):
+    report = check_model(Runtime.load(None))
+    assert report.passed, _figures(report)
+    assert report.to_json()["schema"] == "kvrag.model-check/1"
+
+
+def test_a_wrong_rotary_of_loaded_keys_fails_it(tiny_llama_dir, broken_rotary):
+    report = check_model(Runtime.load(str(tiny_llama_dir), dtype="float32"))
+    status = {c.name: c.passed for c in report.checks}
+    assert status["blend_ratio_1"]  # every row computed: nothing loaded, nothing rotated by the loader
+    assert not status["reuse_at_own_position"]
+    assert not report.passed and report.failed().name == "reuse_at_own_position"
+
+
+@pytest.mark.real_model
+def test_a_wrong_rotary_fails_smollm2_on_reuse_and_on_the_default_blend(smol, broken_rotary):
+    report = check_model(Runtime.load(None))
+    status = {c.name: c.passed for c in report.checks}
+    assert status == {"blend_ratio_1": True, "reuse_at_own_position": False, "blend_default": False}, \
+        _figures(report)
+
+
+def test_the_report_is_stored_by_model_and_dtype(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    f32, bf16 = (Runtime.load(str(tiny_llama_dir), dtype=d) for d in ("float32", "bfloat16"))
+    assert report_path(f32) != report_path(bf16)
+    assert cached_check(f32, run=False) is None
+    first = cached_check(f32)
+    assert report_path(f32).parent == tmp_path / "models" / f32.fingerprint
+    assert json.loads(report_path(f32).read_text())["passed"] is True
+    monkeypatch.setattr(model_check, "check_model", lambda runtime: pytest.fail("ran again"))
+    assert cached_check(f32).to_json() == first.to_json()  # read back, not run again
+    assert cached_check(bf16, run=False) is None  # another dtype is checked on its own
+
+
+def test_kvrag_over_a_failing_model_answers_with_full_prefill(tiny_llama_dir, store_copy, tmp_path, monkeypatch,
+                                                              capsys, broken_rotary):
+    from kvrag import KVRag
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))  # the broken report stays out of the session's home
+    options = dict(model=str(tiny_llama_dir), dtype="float32", host_cache="0", preload_retriever=False)
+    with KVRag(store_copy, **options) as rag:
+        blended = rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=8)
+        full = rag.ask(QUESTION, passages=PASSAGES, mode="full", max_tokens=8)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "blending check" in line]
+    assert len(lines) == 1 and "reuse_at_own_position" in lines[0] and "full prefill" in lines[0], lines
+    assert blended.mode == "full" and blended.token_ids == full.token_ids
+    monkeypatch.setenv("KVRAG_MODEL_CHECK", "0")  # skipped: blends whatever the stored report says
+    with KVRag(store_copy, **options) as rag:
+        assert rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=2).mode == "blend"
+    assert "blending check" not in capsys.readouterr().err
+
+
+def test_kvrag_over_a_passing_model_blends(tiny_llama_dir, store_copy, tmp_path, monkeypatch, capsys):
+    from kvrag import KVRag
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    with KVRag(store_copy, model=str(tiny_llama_dir), dtype="float32", host_cache="0", preload_retriever=False) as rag:
+        assert rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=2).mode == "blend"
+    assert "blending check" not in capsys.readouterr().err
+    assert cached_check(rag.runtime, run=False).passed  # stored at first use
+
+
+def test_model_check_cli_json(tiny_llama_dir, kvrag):
+    proc = kvrag("model", "check", "--model", str(tiny_llama_dir), "--dtype", "float32", "--json")
+    report = json.loads(proc.stdout)
+    assert report["schema"] == "kvrag.model-check/1" and report["passed"] is True and report["dtype"] == "float32"
+    assert [c["name"] for c in report["checks"]] == ["blend_ratio_1", "reuse_at_own_position", "blend_default"]
+    assert all({"passed", "bound"} <= set(c) for c in report["checks"])
+
+
+def test_model_check_cli_fails_with_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, broken_rotary):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "check", "--model",
+                                        str(tiny_llama_dir), "--dtype", "float32", "--json")
+    assert code == 1
+    assert json.loads(out)["passed"] is False
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "reuse_at_own_position" in line]
+    assert len(err.strip().splitlines()) == 1

@@ -225,7 +225,10 @@ def cached_check(runtime: Runtime, run: bool = True) -> CheckReport | None:
     report = stored_report(runtime)
     if report is None and run:
         report = check_model(runtime)
-        store_report(runtime, report)
+        try:
+            store_report(runtime, report)
+        except OSError:  # a read-only KVRAG_HOME: the check holds for this process, and runs again next time
+            pass
     return report
 
 

@@ -50,6 +50,16 @@ def broken_rotary(monkeypatch):
     monkeypatch.setattr(layer_work, "rotary", wrong)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The check's small prefills at one torch thread: on two cores, OpenMP's spinning threads (no GOMP_SPINCOUNT
+    in a test process) made them 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _figures(report) -> dict:
     return {c.name: c.figures for c in report.checks}
 

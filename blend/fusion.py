@@ -116,13 +116,13 @@ class BlendKV:
                 k_rot[:n_pre] = pre.k[layer]
             else:
                 m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
-                              out=k_rot[:n_pre])
+                              out=k_rot[:n_pre], layer=layer)
             if loaded is not None:
                 n_loaded = loaded[0].shape[0]
                 k_rot[n_pre:n_pre + n_loaded] = loaded[0] if self.rotated_source else \
                     m.rotate_keys(loaded[0], self.positions[n_pre:n_pre + n_loaded],
-                                  (self.rope[0][n_pre:n_pre + n_loaded], self.rope[1][n_pre:n_pre + n_loaded]))
-            k_rot[n_pre + rows.index] = m.rotate_keys(new_k, rows.pos, rows.rope)
+                                  (self.rope[0][n_pre:n_pre + n_loaded], self.rope[1][n_pre:n_pre + n_loaded]), layer=layer)
+            k_rot[n_pre + rows.index] = m.rotate_keys(new_k, rows.pos, rows.rope, layer=layer)
             self.k_rot = k_rot
             return
         k_all = torch.empty(n_total, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
@@ -132,7 +132,7 @@ class BlendKV:
         k_all[n_pre + rows.index] = new_k
         if self.rest_kv is not None:  # views: the decoder only writes past n_total
             self.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
-        self.k_rot = m.rotate_keys(k_all, self.positions, self.rope, out=self.cache.k[layer, :n_total])
+        self.k_rot = m.rotate_keys(k_all, self.positions, self.rope, out=self.cache.k[layer, :n_total], layer=layer)
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         if self.tap is not None:

@@ -71,7 +71,7 @@ class PoolKV:
         self.paged = _paged_tables(kv, tables) if model.triton else None
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_all[layer].index_copy_(0, self.new_slots, self.model.rotate_keys(k, rows.pos, rows.rope))
+        self.k_all[layer].index_copy_(0, self.new_slots, self.model.rotate_keys(k, rows.pos, rows.rope, layer=layer))
         self.v_all[layer].index_copy_(0, self.new_slots, v)
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:

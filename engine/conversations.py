@@ -165,7 +165,7 @@ def _joined(model, prefix: LayerKV, new: LayerKV) -> LayerKV:
                        [torch.cat([a.to(model.dtype), b]) for a, b in zip(prefix.v, new.v, strict=True)],
                        torch.cat([prefix.positions.to(new.positions.device), new.positions]))
     rope = model.positions_cos_sin(new.positions)
-    return LayerKV([torch.cat([a, model.rotate_keys(b, new.positions, rope)]) for a, b in zip(prefix.k, new.k,
-                                                                                           strict=True)],
+    return LayerKV([torch.cat([a, model.rotate_keys(b, new.positions, rope, layer=i)])
+                    for i, (a, b) in enumerate(zip(prefix.k, new.k, strict=True))],
                    [torch.cat([a, b]) for a, b in zip(prefix.v, new.v, strict=True)],
                    torch.cat([prefix.positions.to(new.positions.device), new.positions]), rotated=True)

@@ -343,5 +343,6 @@ def _rotated_prefix(prefiller: Prefilling) -> DecodeCache:
     """The preamble's KV as a prefill leaves it in a decode cache: keys rotated to positions 0..P-1."""
     model, pre = prefiller.runtime.model, prefiller.preamble
     with torch.inference_mode():
-        layers = [(model.rotate_keys(k, pre.positions), v.to(model.dtype)) for k, v in zip(pre.k, pre.v, strict=True)]
+        layers = [(model.rotate_keys(k, pre.positions, layer=i), v.to(model.dtype))
+                  for i, (k, v) in enumerate(zip(pre.k, pre.v, strict=True))]
     return DecodeCache.from_prompt(model, layers, 0)

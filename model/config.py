@@ -12,12 +12,16 @@ from typing import Any
 
 from kvrag.errors import KvragError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")  # (1+w) norms, post-attention/feedforward norms, scaled embeddings, gelu-tanh MLP
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first name for LongRoPE
-REFUSED_ARCHITECTURES = {"gemma2": "gemma2 (soft-capping, sliding-window layers, (1+w) norms) is not supported yet",
-                         "gemma3_text": "gemma3 (q/k norms, local rope theta, (1+w) norms) is not supported yet",
-                         "gemma3": "gemma3 (q/k norms, local rope theta, (1+w) norms) is not supported yet"}
+# A multimodal Gemma 3 checkpoint runs as its text model: its config's text_config, filled with HF's Gemma3TextConfig
+# defaults (the hub's configs name only what differs), and its language model's weights (Transformer.from_safetensors)
+GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262_208, "hidden_size": 2304,
+                        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                        "max_position_embeddings": 131_072, "sliding_window": 4096, "tie_word_embeddings": True}
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k before rotary
     partial_rotary_factor: float = 1.0  # Phi-3 and others: only the first fraction of a head rotates
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" or "sliding_attention" (None: all alike)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power (None: head_dim's)
+    attn_softcap: float | None = None  # Gemma 2: scores become tanh(s / c) * c before the softmax
+    final_softcap: float | None = None  # Gemma 2: the same on the final logits
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers rotate by this theta (unscaled), full by rope_theta
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -75,8 +83,23 @@ class ModelConfig:
             raise KvragError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads")
         if self.head_dim % 2 or self.rotary_dim % 2:
             raise KvragError(f"head dim {self.head_dim} (rotary {self.rotary_dim}) must be even for rotary embeddings")
+        if self.rope_local_theta is not None and self.layer_types is None:
+            raise KvragError("a local rope theta needs layer_types to tell the sliding layers")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise KvragError(f"layer_types names {len(self.layer_types)} layers, the model has {self.n_layers}")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer: (1+w) RMSNorms, norms after attention and MLP too, embeddings scaled by sqrt(D), gelu-tanh."""
+        return self.architecture in GEMMA
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates by rope_local_theta (Gemma 3's sliding layers) rather than rope_theta."""
+        return self.rope_local_theta is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
     def group_size(self) -> int:
@@ -100,18 +123,21 @@ class ModelConfig:
 
     @property
     def plain_attention(self) -> bool:
-        """Causal attention over every earlier key: what the native row kernel and the Triton kernels compute."""
-        return all(self.window(i) is None for i in range(self.n_layers))
+        """Causal attention over every earlier key, scaled by head_dim^-1/2 and not capped: what the native row kernel
+        and the Triton kernels compute."""
+        return not self.gemma and all(self.window(i) is None for i in range(self.n_layers))
 
     @property
     def plain_rotary(self) -> bool:
-        """Every dim rotates by unscaled cos/sin: what the blend loader's own rotation (inv_freq alone) computes."""
-        return self.rotary_dim == self.head_dim and self.rope_scaling.attention_factor == 1.0
+        """Every dim of every layer rotates by unscaled cos/sin of one inv_freq: what the blend loader's own rotation
+        (inv_freq alone) computes."""
+        return (self.rotary_dim == self.head_dim and self.rope_scaling.attention_factor == 1.0
+                and self.rope_local_theta is None)
 
     @property
     def plain(self) -> bool:
         """A Llama-shaped layer throughout: what the native decode step (kernels/decode.cpp) computes."""
-        return self.plain_attention and not self.qk_norm and self.rotary_dim == self.head_dim
+        return self.plain_attention and not self.qk_norm and self.rotary_dim == self.head_dim and not self.gemma
 
     def identity(self) -> dict[str, Any]:
         """What the model's fingerprint hashes: every field, less those added later while at their defaults (so a
@@ -125,13 +151,19 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a config.json dict (transformers 4.x `rope_theta` or 5.x `rope_parameters`)."""
         arch = cfg.get("model_type", "?")
-        if arch in REFUSED_ARCHITECTURES:
-            raise KvragError(f"model architecture {REFUSED_ARCHITECTURES[arch]}")
+        if arch == "gemma3":  # multimodal: the text model alone (images are not run)
+            text = {**GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+            if text["model_type"] != "gemma3_text":
+                raise KvragError(f"gemma3 with a '{text['model_type']}' text model is not supported")
+            return cls.from_hf(text)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise KvragError(
                 f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        gemma: dict[str, Any] = {}
+        if arch in GEMMA:
+            rope, gemma = _gemma(cfg, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         window = cfg.get("sliding_window")
@@ -142,7 +174,7 @@ class ModelConfig:
             layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
                            for i in range(int(cfg["num_hidden_layers"]))]
         scaling, max_positions = _rope_scaling(cfg, rope)
-        return cls(
+        kwargs = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -162,10 +194,54 @@ class ModelConfig:
             partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
             layer_types=tuple(layer_types) if window and layer_types else None,
         )
+        return cls(**{**kwargs, **gemma})
+
+
+def _gemma(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma 2 / Gemma 3 text config's global rope parameters and the fields that differ from the Llama reading,
+    with HF's defaults where a config leaves a key out (older Gemma 3 configs: rope_local_base_freq and
+    sliding_window_pattern; transformers 5: rope_parameters per layer type)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise KvragError(f"{arch} with activation '{act}' is not supported (only gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise KvragError(f"{arch} with bidirectional attention (an embedding model) is not supported")
+    n_layers, gemma3 = int(cfg["num_hidden_layers"]), arch == "gemma3_text"
+    pattern = int(cfg.get("sliding_window_pattern", 6)) if gemma3 else 2  # every pattern-th layer is global
+    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                             for i in range(n_layers)]
+    params = cfg.get("rope_parameters") or {}
+    rope = {**(cfg.get("rope_scaling") or {}), **params}
+    local_theta = None
+    if gemma3:
+        by_type = "full_attention" in params or "sliding_attention" in params  # transformers 5's rope per layer type
+        rope = dict(params.get("full_attention") or {}) if by_type else rope
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = (params.get("sliding_attention") if by_type else None) or \
+            {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        if local.get("rope_type", "default") != "default":
+            raise KvragError(f"gemma3 with a scaled local rope ('{local['rope_type']}') is not supported")
+        local_theta = float(local["rope_theta"])
+    fields_ = dict(
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        layer_types=tuple(layer_types),
+        qk_norm=gemma3,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        attn_softcap=_optional(cfg.get("attn_logit_softcapping", None if gemma3 else 50.0)),
+        final_softcap=_optional(cfg.get("final_logit_softcapping", None if gemma3 else 30.0)),
+        rope_local_theta=local_theta,
+    )
+    return rope, fields_
+
+
+def _optional(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 _LATER_FIELDS = {"qk_norm", "partial_rotary_factor", "layer_types", "attention_factor", "beta_fast", "beta_slow",
-                 "truncate", "short_factor"}
+                 "truncate", "short_factor", "query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                 "rope_local_theta"}
 
 
 def _rope_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[RopeScaling, int]:

@@ -13,8 +13,9 @@ import torch
 from kvrag.model.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[rotary_dim // 2] float32 inverse frequencies, with the config's rope scaling applied.
+def inverse_frequencies(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """[rotary_dim // 2] float32 inverse frequencies, with the config's rope scaling applied (`local`: Gemma 3's
+    sliding layers', from rope_local_theta and unscaled).
 
     "dynamic" is the default frequencies: HF rescales them only for a sequence past max_position_embeddings,
     which kvrag never runs (ModelConfig.max_positions). "longrope" runs its short factors alone (the long ones
@@ -22,6 +23,8 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """
     d, s = cfg.rotary_dim, cfg.rope_scaling
     exponents = torch.arange(0, d, 2, dtype=torch.float64) / d  # [d/2]
+    if local:
+        return (1.0 / (cfg.rope_local_theta ** exponents)).float()
     inv = 1.0 / (cfg.rope_theta ** exponents)
     if s.rope_type == "linear":
         inv = inv / s.factor
@@ -78,6 +81,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     Equal to x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], computed per half
     (cos and sin repeat over the two halves) so that no rotated copy of x is made.
     """
+    if cos.shape[-2] != 1:  # a model with per-layer rope (Transformer.layer_rope) must pick its layer's first
+        raise ValueError(f"rotate takes one layer's cos/sin [T, 1, rot], got {tuple(cos.shape)}")
     rot = cos.shape[-1]
     half = rot // 2
     out = torch.empty_like(x) if out is None else out

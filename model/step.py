@@ -29,7 +29,7 @@ class Rows:
 
     h: torch.Tensor  # [R, D] hidden states
     pos: torch.Tensor  # [R] absolute positions
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin of `pos`, [R, 1, hd] each
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin of `pos`, [R, 1, hd] each ([R, 2, hd]: Transformer.layer_rope)
     index: torch.Tensor | None = None  # [R] the rows' places among the target's computed rows (a blend narrows them)
 
     @classmethod
@@ -97,7 +97,7 @@ class CacheKV:
         self.tap = None  # called with each layer's queries and keys (keyformer.AttentionScore), where set
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.model.rotate_keys(k, rows.pos, rows.rope, out=self.cache.k[layer, self.slots])
+        self.model.rotate_keys(k, rows.pos, rows.rope, out=self.cache.k[layer, self.slots], layer=layer)
         self.cache.v[layer, self.slots] = v
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -126,11 +126,11 @@ class GrowingKV:
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
         self.new_k.append(k)
         self.new_v.append(v)
-        k_rot = self.model.rotate_keys(k, rows.pos, rows.rope)
+        k_rot = self.model.rotate_keys(k, rows.pos, rows.rope, layer=layer)
         if self.prefix is not None:
             p = self.prefix
             prefix_k = p.k[layer].to(self.model.dtype) if p.rotated else \
-                self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope)
+                self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope, layer=layer)
             k_rot = torch.cat([prefix_k, k_rot])
             v = torch.cat([p.v[layer].to(self.model.dtype), v])
         self.k_rot, self.v = k_rot, v

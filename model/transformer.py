@@ -1,4 +1,5 @@
-"""Our own layer-by-layer forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) over HF weights.
+"""Our own layer-by-layer forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 / 3 (their
+differences in model/gemma.py) over HF weights.
 
 The forward is split into per-layer primitives so that blending can run any layer on any subset
 of token rows at explicit absolute positions, and read or replace that layer's K (before rotary)
@@ -7,7 +8,7 @@ and V:
     h = embed(ids)                                   # [T, D]
     for layer in range(n_layers):
         qkv = model.project(layer, h, positions)     # q rotated; k *before* rotary; v
-        k_rot = model.rotate_keys(k_all, key_pos)    # rotate a fresh copy at use time
+        k_rot = model.rotate_keys(k_all, key_pos, layer=layer)  # rotate a fresh copy at use time
         a = model.attend(qkv.q, positions, k_rot, v_all, key_pos)
         h = model.finish(layer, h, a)
     logits = model.logits(h[-1:])
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from kvrag.errors import KvragError
 from kvrag.kernels import attention
 from kvrag.kernels.decode_step import LAYER_TENSORS, StepWeights
-from kvrag.model import rotary
+from kvrag.model import gemma, rotary
 from kvrag.model.config import ModelConfig
 from kvrag.model.device import attention_dtype
 
@@ -44,6 +45,8 @@ class LayerWeights:
     w_down: torch.Tensor  # [D, I]
     q_norm: torch.Tensor | None = None  # [hd]  Qwen3's RMSNorm over each query head, before rotary
     k_norm: torch.Tensor | None = None  # [hd]  and over each key head
+    post_attn_norm: torch.Tensor | None = None  # [D]  Gemma: a norm of the attention output before the residual add
+    post_mlp_norm: torch.Tensor | None = None  # [D]  and of the MLP's output
 
 
 @dataclass
@@ -77,7 +80,12 @@ class Transformer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention_dtype = attention_dtype(dtype, self.device)  # SDPA's inputs (see device.attention_dtype)
+        self.is_gemma = cfg.gemma  # read at every norm: an attribute, not the config's property
         self.inv_freq = rotary.inverse_frequencies(cfg).to(self.device)  # [rotary_dim/2]
+        # Gemma 3's sliding layers rotate by their own theta: positions_cos_sin then gives both variants side by side
+        # ([T, 2, rot]: global, local) and layer_rope picks a layer's; None for every other model ([T, 1, rot])
+        self.local_inv_freq = rotary.inverse_frequencies(cfg, local=True).to(self.device) \
+            if cfg.rope_local_theta is not None else None  # [rotary_dim/2]
         self.segment_plans = attention.SegmentPlans()  # the last scattered-row attention plan, for the next layer's call
         # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: Runtime.load sets it
         # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
@@ -136,17 +144,19 @@ class Transformer:
         bqkv = None
         if self.cfg.qkv_bias or (attn + "q_proj.bias") in tensors:
             bqkv = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
-        qk_norm = self.cfg.qk_norm
+        qk_norm, g = self.cfg.qk_norm, self.cfg.gemma
         return LayerWeights(
             attn_norm=take(p + "input_layernorm.weight"),
             wqkv=fused(attn + "qkv_proj.weight", [attn + f"{x}_proj.weight" for x in "qkv"]),
             bqkv=bqkv,
             wo=take(attn + "o_proj.weight"),
-            mlp_norm=take(p + "post_attention_layernorm.weight"),
+            mlp_norm=take(p + ("pre_feedforward_layernorm.weight" if g else "post_attention_layernorm.weight")),
             w_gate_up=fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             w_down=take(p + "mlp.down_proj.weight"),
             q_norm=take(attn + "q_norm.weight") if qk_norm else None,
             k_norm=take(attn + "k_norm.weight") if qk_norm else None,
+            post_attn_norm=take(p + "post_attention_layernorm.weight") if g else None,
+            post_mlp_norm=take(p + "post_feedforward_layernorm.weight") if g else None,
         )
 
     @classmethod
@@ -156,26 +166,51 @@ class Transformer:
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    tensors[name] = sf.get_tensor(name)
+                    text_name = gemma.text_model_name(name)  # a multimodal checkpoint's language model alone
+                    if text_name is not None:
+                        tensors[text_name] = sf.get_tensor(name)
         return cls(cfg, tensors, dtype, device)
 
     # ---- primitives -------------------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm computed in float32 and cast back, as transformers does."""
-        return weight * self._normed(x).to(x.dtype)
+        return self._weighted(self._normed(x), weight, x.dtype)
+
+    def _weighted(self, normed: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A norm's weight applied to float32 normed rows [R, D] -> dtype: Llama's weight * normed in dtype, Gemma's
+        normed * (1 + weight) in float32 before the cast (as each family's HF norm does)."""
+        if self.is_gemma:
+            return (normed * (1.0 + weight.float())).to(dtype)
+        return weight * normed.to(dtype)
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) in float32, before the norm's weight: [R, D]."""
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_eps)  # one fused kernel
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> hidden [T, D]."""
-        return self.embed_tokens[ids.to(self.device)]
+        """ids [T] -> hidden [T, D] (Gemma's scaled by sqrt(D), the factor rounded to the model's dtype as in HF)."""
+        h = self.embed_tokens[ids.to(self.device)]
+        return h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype) if self.is_gemma else h
 
     def positions_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary.cos_sin(self.inv_freq, positions.to(self.device), self.dtype,
-                              self.cfg.rope_scaling.attention_factor)
+        """cos, sin [T, 1, rot] of `positions` [T]; [T, 2, rot] (global, local) for a model with a local rope theta,
+        of which `layer_rope` picks a layer's (rows' rope is sliced by row: it travels with them either way)."""
+        positions = positions.to(self.device)
+        rope = rotary.cos_sin(self.inv_freq, positions, self.dtype, self.cfg.rope_scaling.attention_factor)
+        if self.local_inv_freq is None:
+            return rope
+        local = rotary.cos_sin(self.local_inv_freq, positions, self.dtype)
+        return torch.cat([rope[0], local[0]], dim=1), torch.cat([rope[1], local[1]], dim=1)
+
+    def layer_rope(self, layer: int | None, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s cos, sin [T, 1, rot] out of positions_cos_sin's; the rope itself where every layer shares it."""
+        if self.local_inv_freq is None:
+            return rope
+        if layer is None:
+            raise KvragError("rotary of a model with a local rope theta needs its layer")
+        v = 1 if self.cfg.local_rope(layer) else 0
+        return rope[0][:, v:v + 1], rope[1][:, v:v + 1]
 
     def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerQKV:
@@ -190,7 +225,7 @@ class Transformer:
         q = self._head_norm(w.q_norm, qkv[:, :nq].view(-1, c.n_heads, c.head_dim))  # [T, Hq, hd]
         k = self._head_norm(w.k_norm, qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim))  # [T, Hkv, hd]
         v = qkv[:, nq + nk:].view(-1, c.n_kv_heads, c.head_dim)  # [T, Hkv, hd]
-        cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
+        cos, sin = self.layer_rope(layer, rope if rope is not None else self.positions_cos_sin(positions))
         return LayerQKV(q=rotary.rotate(q, cos, sin), k=k, v=v)
 
     def _head_norm(self, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +249,8 @@ class Transformer:
         cos, sin): [T, Hq, hd]."""
         c = self.cfg
         q = self._qkv_columns(layer, x, slice(0, c.n_heads * c.head_dim))  # [T, Hq * hd]
-        return rotary.rotate(self._head_norm(self.layers[layer].q_norm, q.view(-1, c.n_heads, c.head_dim)), *rope)
+        q = self._head_norm(self.layers[layer].q_norm, q.view(-1, c.n_heads, c.head_dim))  # [T, Hq, hd]
+        return rotary.rotate(q, *self.layer_rope(layer, rope))
 
     def _qkv_columns(self, layer: int, x: torch.Tensor, columns: slice) -> torch.Tensor:
         """Some output columns of the fused q/k/v projection (with their bias, if any) for rows x [T, D]."""
@@ -223,9 +259,10 @@ class Transformer:
 
     def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """Pre-rotary keys [S, Hkv, hd] rotated to absolute `positions` [S] (into `out`, else a new tensor)."""
-        cos, sin = rope if rope is not None else self.positions_cos_sin(positions)
+                    out: torch.Tensor | None = None, layer: int | None = None) -> torch.Tensor:
+        """Pre-rotary keys [S, Hkv, hd] of `layer` rotated to absolute `positions` [S] (into `out`, else a new
+        tensor). `layer` may be None where every layer rotates alike (layer_rope)."""
+        cos, sin = self.layer_rope(layer, rope if rope is not None else self.positions_cos_sin(positions))
         return rotary.rotate(k.to(self.dtype), cos, sin, out)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -238,6 +275,8 @@ class Transformer:
         `layer` picks the layer's sliding window, where the model has one (it may be None when all layers agree).
         """
         window = self.cfg.window(layer)
+        if self.is_gemma:
+            return gemma.attend(self.cfg, q, q_pos, k, v, k_pos, window).to(self.dtype)
         if window is not None:
             return attention.attend_window(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
                                            window).to(self.dtype)
@@ -250,6 +289,8 @@ class Transformer:
         window = self.cfg.window(layer)
         if window is not None:
             k, v = k[-window:], v[-window:]
+        if self.is_gemma:
+            return gemma.attend(self.cfg, q, None, k, v, None, None).to(q.dtype)
         return attention.attend_few_rows(q, k, v, self.cfg.group_size)
 
     def step_weights(self) -> StepWeights:
@@ -272,7 +313,8 @@ class Transformer:
     def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
         w = self.layers[layer]
-        h = h + F.linear(attn, w.wo)
+        out = F.linear(attn, w.wo)  # [R, D]
+        h = h + (out if w.post_attn_norm is None else self.rms_norm(out, w.post_attn_norm))
         if h.shape[0] <= MLP_ROWS:
             return self._mlp_residual(w, h)
         out = torch.empty_like(h)  # [R, D]
@@ -281,9 +323,11 @@ class Transformer:
         return out
 
     def _mlp_residual(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """h + MLP(norm(h)) for rows h [R, D]."""
+        """h + MLP(norm(h)) for rows h [R, D] (Gemma: gelu-tanh, and the output normed too)."""
         gate, up = F.linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
-        return h + F.linear(F.silu(gate) * up, w.w_down)
+        act = F.gelu(gate, approximate="tanh") if self.is_gemma else F.silu(gate)  # [R, I]
+        out = F.linear(act * up, w.w_down)  # [R, D]
+        return h + (out if w.post_mlp_norm is None else self.rms_norm(out, w.post_mlp_norm))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h [R, D] -> float32 logits [R, V].
@@ -294,14 +338,16 @@ class Transformer:
         hidden state: the head of the distribution is exact, the tail keeps its bf16 rounding.
         """
         normed = self._normed(h)  # [R, D] float32, shared by both heads
-        return self.rescored(F.linear(self.final_norm * normed.to(h.dtype), self.lm_head).float(), normed)
+        out = self.rescored(F.linear(self._weighted(normed, self.final_norm, h.dtype), self.lm_head).float(), normed)
+        return gemma.softcap(out, self.cfg.final_softcap)  # monotonic: the rescored best stay the best
 
     def rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The head's logits out [R, V] (float32 holding bf16 values) with each row's RESCORED best computed again
         in float32 from its float32-normalised final hidden state normed [R, D] (see `logits`), in place."""
         if self.dtype != torch.float32:
             top = out.topk(min(RESCORED, out.shape[-1]), dim=-1).indices  # [R, K]
-            exact = torch.einsum("rd,rkd->rk", self.final_norm.float() * normed, self.lm_head[top].float())  # [R, K]
+            exact = torch.einsum("rd,rkd->rk", self._weighted(normed, self.final_norm, torch.float32),
+                                 self.lm_head[top].float())  # [R, K]
             out.scatter_(-1, top, exact)
         return out
 

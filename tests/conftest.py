@@ -84,6 +84,9 @@ def _tiny_model_dir(root: Path, smol, arch: str, **overrides) -> Path:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         rms_norm_eps=1e-5, tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2,
     )
+    if "text_config" in overrides:  # a multimodal model (Gemma 3): the tiny text model's fields go into its text_config
+        overrides = dict(overrides)
+        base = {"text_config": {**base, **overrides.pop("text_config")}}
     base.update(overrides)
     config = AutoConfig.for_model(arch, **base)
     torch.manual_seed(1234)
@@ -127,6 +130,7 @@ def tiny_llama3_rope_dir(tmp_path_factory, smol) -> Path:
                            rope_parameters=rope)
 
 
+GEMMA_LAYERS = ["sliding_attention", "full_attention"] * 2
 # Each family kvrag runs beyond the Llama fixtures above, as (model_type, config overrides): small sliding windows
 # (64) so that a 300-token prompt crosses them.
 FAMILIES = {
@@ -143,6 +147,23 @@ FAMILIES = {
     "llama_dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
     "qwen2_yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1000000.0,
                                                   "original_max_position_embeddings": 128})),
+    # (1+w) norms, post-attention/feedforward norms, scaled embeddings; caps small enough to bite at this scale
+    "gemma2": ("gemma2", dict(head_dim=16, num_hidden_layers=4, sliding_window=64, layer_types=GEMMA_LAYERS,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                              tie_word_embeddings=True)),
+    # q/k norms, and the sliding layers' own rope theta (the full layers' scaled, linear)
+    "gemma3_text": ("gemma3_text", dict(head_dim=32, num_hidden_layers=4, sliding_window=64, layer_types=GEMMA_LAYERS,
+                                        query_pre_attn_scalar=24, tie_word_embeddings=True, rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # a multimodal checkpoint (language_model.model.* weights beside a vision tower), run as its text model
+    "gemma3": ("gemma3", dict(text_config=dict(model_type="gemma3_text", head_dim=32, num_hidden_layers=4,
+                                               sliding_window=64, layer_types=GEMMA_LAYERS, query_pre_attn_scalar=24),
+                              vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                 patch_size=14),
+                              mm_tokens_per_image=4, tie_word_embeddings=True)),
 }
 
 

@@ -19,7 +19,7 @@ from kvrag.model.step import full_forward
 from kvrag.model.transformer import Transformer
 
 FAMILY_NAMES = ["qwen3", "qwen3_window", "phi3", "phi3_longrope", "mistral_window", "llama_yarn", "llama_dynamic",
-                "qwen2_yarn"]
+                "qwen2_yarn", "gemma2", "gemma3_text", "gemma3"]
 
 
 def _ours(path, dtype=torch.float32) -> Transformer:
@@ -74,7 +74,8 @@ def test_family_batched_decode_equals_one_at_a_time(name, tiny_family):
 def test_native_and_triton_stay_off_where_the_kernels_do_not_compute_the_family(tiny_family):
     """A family the native decode step or the Triton/row kernels do not compute runs torch's ops, whatever is set."""
     for name, decode_plain, attention_plain in [("qwen3", False, True), ("mistral_window", False, False),
-                                                ("llama_yarn", True, True), ("phi3_longrope", False, True)]:
+                                                ("llama_yarn", True, True), ("phi3_longrope", False, True),
+                                                ("gemma2", False, False), ("gemma3_text", False, False)]:
         model = _ours(tiny_family(name))
         model.native = model.triton = True
         assert (model.native, model.triton) == (decode_plain, attention_plain), name
@@ -91,12 +92,39 @@ def test_longrope_runs_its_short_factors_within_the_original_context(tiny_family
     assert cfg.max_positions == 512 and cfg.rotary_dim == 8 and cfg.rope_scaling.attention_factor > 1
 
 
-@pytest.mark.parametrize("model_type, word", [("gemma2", "gemma2"), ("gemma3_text", "gemma3"), ("olmo", "olmo")])
+@pytest.mark.parametrize("model_type, word", [("gemma2", "activation"), ("olmo", "olmo")])
 def test_unsupported_families_are_refused_in_one_line(model_type, word, tiny_llama_dir):
     raw = json.loads((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(KvragError) as err:
         ModelConfig.from_hf({**raw, "model_type": model_type})
     assert word in str(err.value) and "\n" not in str(err.value)
+
+
+def test_gemma3_rotates_its_sliding_layers_by_their_own_theta(tiny_family):
+    """Rows carry both rotations ([T, 2, hd]); each layer takes its own, so the blend loader (one inv_freq) does not
+    rotate Gemma 3's keys and a rotation without its layer is refused rather than broadcast over the heads."""
+    model = _ours(tiny_family("gemma3_text"))
+    c = model.cfg
+    assert (c.rope_local_theta, c.rope_theta, c.rope_scaling.rope_type) == (10000.0, 1e6, "linear")
+    assert not c.plain_rotary and _ours(tiny_family("gemma2")).cfg.plain_rotary
+    pos = torch.arange(5)
+    rope = model.positions_cos_sin(pos)
+    assert rope[0].shape == (5, 2, c.head_dim)
+    k = torch.randn(5, c.n_kv_heads, c.head_dim)
+    sliding, full = (model.rotate_keys(k, pos, rope, layer=i) for i in (0, 1))
+    assert not torch.allclose(sliding, full)
+    with pytest.raises(KvragError):
+        model.rotate_keys(k, pos, rope)
+
+
+def test_older_gemma3_configs_read_as_newer_ones(tiny_family):
+    """transformers 4's Gemma 3 config (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern and
+    no layer_types) reads as the same model as transformers 5's per-layer-type rope_parameters."""
+    raw = json.loads((tiny_family("gemma3_text") / "config.json").read_text())
+    old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+               sliding_window_pattern=2)
+    assert ModelConfig.from_hf(old) == ModelConfig.from_hf(raw)
 
 
 def test_older_models_keep_their_fingerprints(tiny_llama_dir):

@@ -14,7 +14,7 @@ from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
 
 FAMILY_NAMES = ["qwen3", "qwen3_window", "phi3", "phi3_longrope", "mistral_window", "llama_yarn", "llama_dynamic",
-                "qwen2_yarn"]
+                "qwen2_yarn", "gemma2", "gemma3_text", "gemma3"]
 QUESTION = "Which lake is the deepest?"
 STEPS = 6
 

@@ -87,7 +87,8 @@ def test_fingerprint_follows_weights(tiny_llama_dir, tmp_path):
         (lambda c: c.update(model_type="gpt2"), "architecture 'gpt2' is not supported"),
         (lambda c: c.update(rope_parameters={"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}),
          "rope scaling 'proportional' is not implemented"),
-        (lambda c: c.update(model_type="gemma2"), "gemma2 .* is not supported yet"),
+        (lambda c: c.update(model_type="gemma2"), "gemma2 with activation 'silu' is not supported"),
+        (lambda c: c.update(model_type="gemma3", text_config={"model_type": "siglip"}), "gemma3 with a 'siglip'"),
     ],
 )
 def test_unsupported_models_are_refused(tiny_llama_dir, tmp_path, edit, message):

@@ -152,6 +152,15 @@ def test_model_check_cli_json(tiny_llama_dir, kvrag):
     assert all({"passed", "bound"} <= set(c) for c in report["checks"])
 
 
+def test_model_check_cli_table(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """Without --json: a table of every figure (on stderr) and exit 0."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "check", "--model",
+                                      str(tiny_llama_dir), "--dtype", "float32")
+    assert code == 0, err
+    assert all(name in err for name in ("blend_ratio_1", "reuse_at_own_position", "confident_prompts", "mean_kl"))
+
+
 def test_model_check_cli_fails_with_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, broken_rotary):
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
     code, out, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "check", "--model",

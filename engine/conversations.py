@@ -121,15 +121,6 @@ class Conversations:
         kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
         self._put(turn_key([*history, question, ("assistant", answer)]), KeptTurn(tuple(ids), kv, chunk_ids))
 
-    def seen(self, history: Sequence[Turn]) -> frozenset[str]:
-        """The chunks already in the context a follow-up with this history continues (none if not kept)."""
-        turn = self._get(turn_key(history)) if history else None
-        return turn.chunk_ids if isinstance(turn, KeptTurn) else frozenset()
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def _get(self, key: str):
         with self._lock:
             value = self._kept.get(key)

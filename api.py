@@ -77,6 +77,7 @@ class KVRag:
         self.env = StoreEnv.open(local_store(store, remote), max_map_size=config.max_map_size)  # s3://: its mirror
         self._retriever = None
         self._grammars = None
+        self._grammars_lock = threading.Lock()
         self._retriever_lock = threading.Lock()
         self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds
         preload = threading.Thread(target=self._preload_retriever, daemon=True) if config.preload_retriever else None
@@ -180,7 +181,7 @@ class KVRag:
     def grammars(self):
         """The model's grammars for constrained decoding (model/constrain.Grammars: json_object, json_schema,
         tool_call), built at first use (its token table takes a few tenths of a second)."""
-        with self._retriever_lock:
+        with self._grammars_lock:  # not the retriever's: its load holds that one for seconds
             if self._grammars is None:
                 from kvrag.model.constrain import Grammars
 

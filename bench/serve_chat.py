@@ -13,15 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
-
-from kvrag.bench.serve_load import client
+from kvrag.bench.serve_load import ask, client
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_store import model_args
 from kvrag.errors import KvragError
@@ -77,7 +73,7 @@ async def _converse(cfg: ChatConfig, server: ServerProcess, log) -> tuple[list[d
     pairs = []
     async with client(server.url) as api:
         model = server.model_id()
-        await _turn(api, model, [{"role": "user", "content": cfg.questions[0]}], cfg)  # loads and warms up
+        await ask(api, model, cfg.questions[0], 0, {"k": cfg.k}, cfg.max_tokens)  # loads and warms up
         for q in range(min(cfg.pairs, len(cfg.questions))):
             pairs.append(await _pair(api, model, cfg.questions[q], cfg))
             log(f"conversation {q}: " + (pairs[-1].get("error") or "first {first_ttft_s:.3f} s, follow-up "
@@ -88,38 +84,16 @@ async def _converse(cfg: ChatConfig, server: ServerProcess, log) -> tuple[list[d
 
 
 async def _pair(api, model: str, question: str, cfg: ChatConfig) -> dict:
-    try:
-        first = await _turn(api, model, [{"role": "user", "content": question}], cfg)
-        history = [{"role": "user", "content": question}, {"role": "assistant", "content": first["text"]},
-                   {"role": "user", "content": FOLLOW_UP}]
-        second = await _turn(api, model, history, cfg)
-    except (openai.APIError, httpx.HTTPError) as exc:
-        return {"question": question, "error": f"{type(exc).__name__}: {exc}"}
-    return {"question": question, "first_ttft_s": first["ttft_s"], "follow_up_ttft_s": second["ttft_s"],
-            "first_prompt_tokens": first["prompt_tokens"], "prompt_tokens": second["prompt_tokens"],
-            "cached_tokens": second["cached_tokens"], "follow_up_sources": second["sources"],
-            "follow_up_new_sources": second["new_sources"]}
-
-
-async def _turn(api, model: str, messages: list[dict], cfg: ChatConfig) -> dict:
-    """One streamed turn: its text, the client's TTFT, the usage."""
-    start, first, text, out = time.perf_counter(), None, "", {}
-    stream = await api.chat.completions.create(model=model, messages=messages, stream=True, max_tokens=cfg.max_tokens,
-                                               temperature=0, stream_options={"include_usage": True},
-                                               extra_body={"k": cfg.k})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None:
-            if first is None:
-                first = time.perf_counter()
-                sources = (chunk.model_extra or {}).get("sources") or []
-                out["sources"] = len(sources)
-                out["new_sources"] = sum(s.get("tier") != "context" for s in sources)
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            details = chunk.usage.prompt_tokens_details
-            out.update(prompt_tokens=chunk.usage.prompt_tokens, cached_tokens=(details.cached_tokens or 0)
-                       if details else 0)
-    return {"sources": 0, "new_sources": 0, **out, "text": text.strip(), "ttft_s": (first or time.perf_counter()) - start}
+    extra = {"k": cfg.k}
+    first = await ask(api, model, question, 0, extra, cfg.max_tokens)
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": first.text.strip()}]
+    second = await ask(api, model, FOLLOW_UP, 1, extra, cfg.max_tokens, history) if first.ok else first
+    if not second.ok:
+        return {"question": question, "error": second.error or "no answer"}
+    return {"question": question, "first_ttft_s": first.ttft_s, "follow_up_ttft_s": second.ttft_s,
+            "first_prompt_tokens": first.prompt_tokens, "prompt_tokens": second.prompt_tokens,
+            "cached_tokens": second.cached_tokens, "follow_up_sources": len(second.sources),
+            "follow_up_new_sources": sum(s.get("tier") != "context" for s in second.sources)}
 
 
 async def _json_requests(api, model: str, cfg: ChatConfig, log) -> dict:

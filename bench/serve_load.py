@@ -33,6 +33,7 @@ class Result:
     cached_tokens: int = 0  # prompt tokens whose KV was reused (usage.prompt_tokens_details)
     completion_tokens: int = 0
     sources: list[dict] = field(default_factory=list)
+    text: str = ""  # the answer as streamed
 
     @property
     def ok(self) -> bool:
@@ -71,17 +72,19 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 
 async def ask(api: openai.AsyncOpenAI, model: str, question: str, index: int, extra: dict,
-              max_tokens: int) -> Result:
-    """One streamed chat completion, timed from the client's side."""
+              max_tokens: int, history: list[dict] | None = None) -> Result:
+    """One streamed chat completion (after `history`'s messages, if any), timed from the client's side."""
     result = Result(index, time.perf_counter())
     try:
         stream = await api.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": question}], stream=True, max_tokens=max_tokens,
-            temperature=0, stream_options={"include_usage": True}, extra_body=extra)
+            model=model, messages=[*(history or []), {"role": "user", "content": question}], stream=True,
+            max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True}, extra_body=extra)
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content is not None and result.first is None:
+            content = chunk.choices[0].delta.content if chunk.choices else None
+            if content is not None and result.first is None:
                 result.first = time.perf_counter()
                 result.sources = (chunk.model_extra or {}).get("sources") or []
+            result.text += content or ""
             if chunk.usage is not None:
                 details = chunk.usage.prompt_tokens_details
                 result.prompt_tokens, result.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens

@@ -147,8 +147,7 @@ class Server:
         runs: list[Run] = []
         try:
             question = body.question()
-            options = body.options(self.settings.max_tokens, lambda: self.rag.grammars) if endpoint == "chat" else \
-                body.options(self.settings.max_tokens)
+            options = body.options(self.settings.max_tokens, lambda: self.rag.grammars)
             for i in range(body.n or 1):
                 choice = _next_choice(options, runs[0], i) if i else options
                 runs.append(await Run.start(self.rag, question, choice, body.stops(), arrival))

@@ -121,8 +121,8 @@ class _Generate(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return tuple(s for s in stop if s)
 
-    def options(self, default_max_tokens: int) -> dict:
-        """Keyword arguments for KVRag.submit (the question aside). Unset sampling fields take kvrag's defaults:
+    def options(self, default_max_tokens: int, grammars=None) -> dict:
+        """Keyword arguments for KVRag.submit (the question aside); `grammars` serves a chat's constrained answer. Unset sampling fields take kvrag's defaults:
         greedy (temperature 0), which answers the same every time, unlike OpenAI's default of 1."""
         try:
             ratio = RatioPolicy.parse(self.ratio, "ratio")

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
-from kvrag.config import KVRagConfig
+from kvrag.config import KV_RULE, KVRagConfig
 from kvrag.corpus.mirror import local_store
 from kvrag.corpus.retrieve import MIN_SCORE
 from kvrag.engine.answer import Answer
@@ -52,7 +52,7 @@ Passage = tuple[str, str]  # (title, text)
 # events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
 # error every bad input raises, and the `ratio` option as a value.
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-__all__ = ["DONE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
+__all__ = ["DONE", "KV_RULE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
 class KVRag:
@@ -115,7 +115,7 @@ class KVRag:
                chunk_ids: Sequence[str] | None = None, passages: Sequence[Passage] | None = None,
                mode: str = "blend", ratio: float | str | RatioPolicy = "auto", max_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
-               kv_tokens: int = 0, kv_rule: str = "keyformer", logprobs: int | None = None,
+               kv_tokens: int = 0, kv_rule: str = KV_RULE, logprobs: int | None = None,
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
                grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`

@@ -38,6 +38,10 @@ DEFAULT_REORDER_WINDOW = 8  # RAGCache's reordering passes a request over at mos
 # retrieval's absolute cutoff (`min_score`, cosine similarity): under it a chunk is not about the question, and a
 # request left with none is answered as plain chat; chosen on a tune split in docs/retrieval-cutoff.md
 MIN_SCORE = 0.33
+# The default rules of Keyformer's two uses (issue 41; docs/keyformer.md has the figures that chose them): which
+# tokens a reduced stored chunk keeps, and which rows a decode-time budget keeps.
+KEEP_RULE = "window"
+KV_RULE = "keyformer"
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class KVRagConfig:
     max_waiting: int = 0
     speculate: bool = False
     keep: float = 1.0
-    keep_rule: str = "keyformer"
+    keep_rule: str = KEEP_RULE
     preload_retriever: bool = True
     tune_process: bool = False
     aws: Mapping[str, str] = field(default_factory=dict)  # the AWS_* variables: a store on object storage

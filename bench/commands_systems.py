@@ -233,33 +233,40 @@ def bench_remote(
 def bench_keyformer(
     items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue items of the split to run."),
     split: str = typer.Option("tune", "--split", help="tune (items 0-49) or report (50-99)."),
+    offset: int = typer.Option(0, "--offset", min=0, max=49, help="Start this many items into the split."),
     load: bool = typer.Option(False, "--load", help="Load and blend the reduced chunks (needs --store): store and "
                                                     "load bytes, TTFT, first-token fidelity and F1 per variant."),
-    budget: bool = typer.Option(False, "--budget", help="The decode-time budget (needs --store, filled by --load): "
-                                                        "ROUGE-L of long generations against the unbudgeted one."),
+    budget: bool = typer.Option(False, "--budget", help="The decode-time budget: ROUGE-L of summaries under 70/50/30 percent "
+                                                        "budgets against the unbudgeted one."),
+    rules: str = typer.Option("keyformer,h2o,window", "--rules", help="The rules to compare. With --budget each is "
+                              "name[:modifier+...] (blend/kv_budget.py: pooled, prompt, tau=answer, recent=R)."),
+    passages: int = typer.Option(5, "--passages", min=1, help="With --budget: the item's first passages summarised."),
     store: Path = typer.Option(None, "--store", help="The bench store, filled on first use by --load (resumable)."),
-    records: Path = typer.Option(None, "--records", help="With --load: append each item's records to this JSON-lines "
-                                                         "file as it ends; a rerun skips the items it holds."),
+    records: Path = typer.Option(None, "--records", help="With --load or --budget: append each item's records to this "
+                                 "JSON-lines file as it ends; a rerun skips the items it holds."),
     codecs: str = typer.Option("fp16,int8", "--codecs", help="With --load: the codecs to compare."),
+    keeps: str = typer.Option("1,0.7,0.5,0.3", "--keeps", help="With --load: the kept shares to compare."),
     plot_path: Path = typer.Option(None, "--plot", help="With --load: write the fidelity-against-bytes plot here."),
-    max_tokens: int = typer.Option(32, "--max-tokens", min=1,
-                                   help="With --load: longest answer for F1; with --budget: tokens generated."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1,
+                                   help="With --load: longest answer for F1 (32); with --budget: longest summary (128)."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """Keyformer (issue 27). Alone: store bytes per token at keep 1/0.7/0.5/0.3 and the share of the question's
+    """Keyformer (issues 27, 41). Alone: store bytes per token at keep 1/0.7/0.5/0.3 and the share of the question's
     attention on the kept tokens, per rule (keyformer, h2o, window). --load: every (codec, rule, keep) loaded and
-    blended at 0.15 against a full prefill. --budget: long generations under a decode-time budget.
+    blended at 0.15 against a full prefill. --budget: summaries under a decode-time budget, resumable (--records).
     Example: kvrag bench keyformer --load --split report --items 50 --store /tmp/kf-store --plot kf.png"""
     from kvrag.bench.rag.datasets import load_dataset
 
     if split not in ("tune", "report"):
         raise KvragError(f"--split must be tune or report, got {split!r}")
-    if (load or budget) and store is None:
-        raise KvragError("--load and --budget need --store DIR (a bench store, filled on first use by --load)")
+    if load and store is None:
+        raise KvragError("--load needs --store DIR (a bench store, filled on first use)")
     data = load_dataset("musique")
-    chosen = [data.items[i] for i in data.indices(split)[:items]]
+    chosen = [data.items[i] for i in data.indices(split)[offset:offset + items]]
+    if not chosen:
+        raise KvragError(f"--offset {offset} is past the {split} split's items")
     progress = stderr_console()
 
     def on_item(n: int, total: int) -> None:
@@ -268,19 +275,32 @@ def bench_keyformer(
     if load:
         from kvrag.bench import keyformer_load as bench
 
-        result = bench.run(chosen, store.expanduser(), model, dtype, codecs.split(","), max_tokens=max_tokens,
+        result = bench.run(chosen, store.expanduser(), model, dtype, codecs.split(","), rules.split(","),
+                           _shares(keeps, "--keeps"), max_tokens=max_tokens or 32,
                            on_item=on_item, records=records.expanduser() if records else None)
         if plot_path is not None:
             bench.plot(result, plot_path)
     elif budget:
         from kvrag.bench import keyformer_budget as bench
 
-        result = bench.run(chosen, store.expanduser(), model, dtype, max_tokens, on_item=on_item)
+        result = bench.run(chosen, model, dtype, max_tokens or 128, rules.split(","), passages=passages, on_item=on_item,
+                           records=records.expanduser() if records else None)
     else:
         from kvrag.bench import keyformer as bench
 
         result = bench.run(chosen, model, dtype)
     emit(result, bench.markdown, as_json)
+
+
+def _shares(text: str, option: str) -> list[float]:
+    """A comma-separated list of shares in (0, 1]; KvragError naming the option."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 1 for v in values):
+        raise KvragError(f"{option} must be comma-separated shares in (0, 1], got {text!r}")
+    return values
 
 
 @bench_app.command("gpu")

@@ -157,7 +157,7 @@ def _item_records(engines: dict, reference: Prefiller, vs: list[Variant], chunks
             ttft = time.perf_counter() - start
             logits = pre.logits.float().cpu()
             out[v.name] = {
-                "ttft_s": ttft, "bytes_loaded": pre.bytes_loaded, "rows": pre.chunk_tokens,
+                "ttft_s": ttft, "bytes_loaded": pre.bytes_loaded, "rows": pre.chunk_tokens, "token": int(logits.argmax()),
                 "recomputed": pre.recomputed_chunk_tokens, "top1": float(top1_agrees(ref_logits, logits)),
                 "kl": kl_divergence(ref_logits, logits), "f1": best_f1(_answer(engine, pre, max_tokens), golds)}
             engine.flush_write_back()
@@ -195,19 +195,24 @@ def store_bytes(runtime: Runtime, env: StoreEnv, items: list[dict], vs: list[Var
 
 
 def summarize(records: dict[str, list[dict]], per_token: dict[str, float]) -> dict[str, dict]:
-    """Means per variant; TTFT as the median per-item ratio to keep 1's in the same codec."""
+    """Means per variant; TTFT as the median per-item ratio to keep 1's in the same codec; against keep 1's blend,
+    the share of first tokens it agrees with and the mean KL's ratio (what the reduction alone costs)."""
     out = {}
     for name, rows in records.items():
         codec = name.split(":")[0]
         base = records.get(f"{codec}:full")
         ratios = [r["ttft_s"] / b["ttft_s"] for r, b in zip(rows, base, strict=True)] if base else []
+        same = [r["token"] == b["token"] for r, b in zip(rows, base or [], strict=False) if "token" in r and "token" in b]
         out[name] = {"items": len(rows), "top1": float(np.mean([r["top1"] for r in rows])),
                      "kl": float(np.mean([r["kl"] for r in rows])),
                      "f1": float(np.mean([r["f1"] or 0.0 for r in rows])),
                      "ttft_ms_median": 1000 * float(np.median([r["ttft_s"] for r in rows])),
                      "ttft_vs_keep1_median": float(np.median(ratios)) if ratios else None,
                      "load_bytes_mean": float(np.mean([r.get("bytes_loaded", 0) for r in rows])),
-                     "store_bytes_per_token": per_token.get(name)}
+                     "store_bytes_per_token": per_token.get(name),
+                     "top1_vs_keep1": float(np.mean(same)) if same else None,
+                     "kl_vs_keep1": float(np.mean([r["kl"] for r in rows]) / max(1e-12, np.mean([b["kl"] for b in base])))
+                     if base else None}
     return out
 
 
@@ -228,14 +233,19 @@ def run(items: list[dict], store: Path, model: str | None = None, dtype: str | N
 
 
 def markdown(result: dict) -> str:
-    lines = ["| variant | store B/token | load KB/prompt | TTFT ms | TTFT / keep 1 | top-1 | KL | F1 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | store B/token | load KB/prompt | TTFT ms | TTFT / keep 1 | top-1 | KL | F1 | top-1 = keep 1's "
+             "| KL / keep 1's |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         per_token = f"{s['store_bytes_per_token']:,.0f}" if s["store_bytes_per_token"] else "-"
         ratio = f"{s['ttft_vs_keep1_median']:.3f}" if s["ttft_vs_keep1_median"] is not None else "-"
         lines.append(f"| {name} | {per_token} | {s['load_bytes_mean'] / 1024:,.0f} | {s['ttft_ms_median']:.0f} | "
-                     f"{ratio} | {s['top1']:.2f} | {s['kl']:.4f} | {s['f1']:.3f} |")
+                     f"{ratio} | {s['top1']:.2f} | {s['kl']:.4f} | {s['f1']:.3f} | {_cell(s.get('top1_vs_keep1'))} | "
+                     f"{_cell(s.get('kl_vs_keep1'))} |")
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plot(result: dict, path: Path) -> Path:

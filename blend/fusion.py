@@ -99,7 +99,7 @@ class BlendKV:
         self.positions, self.rope, self.rotated_source = positions, rope, rotated_source  # [N], cos/sin [N, 1, hd]
         self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's loaded (k, v), set by the caller
         self.k_rot = self.v = None  # this layer's [N, Hkv, hd] each, between place and attend
-        self.tap = None  # called with each layer's queries and keys (keyformer.AttentionScore), where set
+        self.tap = None  # called with each layer's queries and keys (kv_budget.AttentionScore), where set
 
     def place(self, layer: int, rows: Rows, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         m, pre, loaded = self.model, self.preamble, self.loaded
@@ -136,7 +136,7 @@ class BlendKV:
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         if self.tap is not None:
-            self.tap(q, rows.pos, self.k_rot, self.positions)
+            self.tap(layer, q, rows.pos, self.k_rot, self.positions)
         return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions, layer)
 
 

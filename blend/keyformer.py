@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvrag.blend.kv_budget import attention_logits, gumbel_softmax
+from kvrag.config import KEEP_RULE
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV
 from kvrag.model.step import GrowingKV, Rows, run_layers
@@ -34,7 +36,7 @@ from kvrag.store.codec import DecodedKV
 # of the budget works best (Sec. 5.3, "recent window") and its code's default is 30 % (d-matrix-ai/keyformer-llm,
 # `--recent 30` of `--kv_cache`): recent_tokens = int(budget * 0.30), key_tokens = budget - recent_tokens.
 RECENT_SHARE = 0.3
-TAU_PROMPT = 1.0  # the paper's tau_init: tau rises from 1 to 2 over a generation, and the prompt is step 0
+TAU_PROMPT = 1.0  # the paper's tau_init, at the prompt (step 0)
 SINKS = 4  # the window baseline's first tokens (StreamingLLM's four attention sinks)
 
 
@@ -43,7 +45,7 @@ class KeepConfig:
     """What `precompute --keep` stores of each chunk."""
 
     keep: float = 1.0  # share of the chunk's tokens kept; 1: the full chunk
-    rule: str = "keyformer"
+    rule: str = KEEP_RULE
     recent: float = RECENT_SHARE  # share of the kept budget given to the most recent tokens
     tau: float = TAU_PROMPT
     seed: int = 0  # Gumbel noise: with the chunk id, it fixes the draw (a store is reproducible)
@@ -91,25 +93,11 @@ class LayerView:
 
     def logits(self) -> torch.Tensor:
         """Scaled attention logits [Hkv, g, T, S] in float32, -inf where a key lies after the query."""
-        t, hq, hd = self.q.shape
-        h_kv = self.k.shape[1]
-        q = self.q.float().view(t, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, T, hd]
-        k = self.k.float().permute(1, 2, 0)  # [Hkv, hd, S]
-        logits = torch.matmul(q, k.unsqueeze(1)) * hd ** -0.5  # [Hkv, g, T, S]
-        hidden = self.k_pos[None, :] > self.q_pos[:, None]  # [T, S]
-        return logits.masked_fill_(hidden, -math.inf)
+        return attention_logits(self.q, self.k, self.q_pos, self.k_pos)
 
     def accumulated(self, probs: torch.Tensor) -> torch.Tensor:
         """Attention probabilities [Hkv, g, T, S] summed over query heads and queries, chunk keys only: [Hkv, T]."""
         return probs.sum(dim=(1, 2))[:, -self.n_chunk:]
-
-
-def gumbel_softmax(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
-    """softmax((logits + g) / tau) over the last dimension, g ~ Gumbel(0, 1) drawn per element as the paper's code
-    (torch's gumbel_softmax) does."""
-    noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
-    noise.log_().neg_()  # -log(Exp(1)) ~ Gumbel(0, 1)
-    return ((logits + noise) / tau).softmax(-1)
 
 
 def keyformer(view: LayerView, cfg: KeepConfig) -> torch.Tensor:
@@ -249,70 +237,3 @@ def kept_layers(stored: Sequence[DecodedKV], device: torch.device | str = "cpu",
         k, v = (torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype) for x in value)
         out.append((k, v, torch.from_numpy(value.positions.astype(np.int64)).to(device)))
     return out
-
-
-# ---- a decode-time budget: Keyformer's eviction while a sequence generates ----------------------------------
-
-
-class AttentionScore:
-    """Keyformer's score of a sequence's KV rows, accumulated as queries attend to them: each observed query
-    adds the Gumbel-regularised softmax of its logits over the rows it sees, summed over its heads, at every
-    layer. The prompt's rows from `from_position` on (the question) observe at prefill, at tau 1; each generated
-    token observes as it decodes, at the `tau` its engine sets (rising from 1 to 2 over the generation, as the
-    paper's schedule does). rule "h2o" adds the plain softmax (no noise); "window" scores nothing (the budget then
-    keeps the most recent rows, `recent`)."""
-
-    def __init__(self, from_position: int, device: torch.device | str = "cpu", seed: int = 0,
-                 rule: str = "keyformer"):
-        check_rule(rule, "KV budget rule")
-        self.from_position, self.tau, self.rule = from_position, TAU_PROMPT, rule
-        self.scores = torch.zeros(0, device=device)  # [S] float32, one per KV row
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-
-    def __call__(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor | None) -> None:
-        """Queries q [R, Hq, hd] at q_pos [R] over rotated keys k [S, Hkv, hd] at k_pos [S] (None: all visible)."""
-        observed = q_pos >= self.from_position  # [R]
-        if self.rule == "window" or not bool(observed.any()):
-            return
-        q_pos = q_pos[observed]
-        k_pos = torch.zeros(k.shape[0], dtype=q_pos.dtype, device=q_pos.device) if k_pos is None else k_pos
-        logits = LayerView(q[observed], k, q_pos, k_pos.to(q_pos.device)).logits()  # [Hkv, g, R, S]
-        probs = gumbel_softmax(logits, self.tau, self.generator) if self.rule == "keyformer" else logits.softmax(-1)
-        added = probs.sum(dim=(0, 1, 2))  # [S]
-        self.scores = self._padded(added.shape[0])
-        self.scores[:added.shape[0]] += added
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Only these rows stay (the others were dropped): their scores, in order."""
-        self.scores = self._padded(int(rows.max()) + 1 if rows.numel() else 0)[rows.to(self.scores.device)]
-
-    @property
-    def recent(self) -> float:
-        """The budget's share for the most recent rows: Keyformer's split, or all of it for the window."""
-        return 1.0 if self.rule == "window" else RECENT_SHARE
-
-    def budget_rows(self, n_rows: int, budget: int, protected: int) -> torch.Tensor:
-        """The rows of the first n_rows to keep under `budget` (see `budget_rows`)."""
-        return budget_rows(self._padded(n_rows)[:n_rows], budget, protected, self.recent)
-
-    def _padded(self, n_rows: int) -> torch.Tensor:
-        """The scores of at least n_rows rows: 0 for rows no query has seen yet (every row, under the window)."""
-        if self.scores.shape[0] >= n_rows:
-            return self.scores
-        return torch.cat([self.scores, self.scores.new_zeros(n_rows - self.scores.shape[0])])
-
-
-def budget_rows(scores: torch.Tensor, budget: int, protected: int, recent: float = RECENT_SHARE) -> torch.Tensor:
-    """The rows a sequence keeps when its KV is cut to `budget` rows: the first `protected` (the preamble, shared
-    by every sequence and the attention sinks), the most recent round(recent * budget), and the best-scoring of
-    the rest. scores [S] -> kept row indices [min(S, budget)], ascending."""
-    n = scores.shape[0]
-    if n <= budget:
-        return torch.arange(n, device=scores.device)
-    if budget <= protected:
-        raise KvragError(f"a KV budget of {budget} tokens does not exceed the {protected} tokens of the preamble")
-    n_recent = min(budget - protected, round(recent * budget))
-    top = scores[protected:n - n_recent].topk(budget - protected - n_recent).indices + protected
-    rows = torch.cat([torch.arange(protected, device=scores.device), top,
-                      torch.arange(n - n_recent, n, device=scores.device)])
-    return rows.sort().values

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
+from kvrag.config import KEEP_RULE, KV_RULE
 from kvrag.errors import KvragError
 from kvrag.home import default_store_dir
 
@@ -40,14 +41,14 @@ CACHE_POLICY_OPTION = typer.Option(None, "--cache-policy", envvar="KVRAG_CACHE_P
 KEEP_OPTION = typer.Option(1.0, "--keep", help="Share of each chunk's tokens whose KV is kept, in (0, 1]: below 1, "
                                                "the key tokens' KV alone (Keyformer), stored apart from full "
                                                "chunks by `precompute --keep`. 1 (default): full chunks.")
-KEEP_RULE_OPTION = typer.Option("keyformer", "--keep-rule", help="How --keep picks tokens: keyformer (default), "
-                                                                 "h2o or window (first + recent tokens).")
+KEEP_RULE_OPTION = typer.Option(KEEP_RULE, "--keep-rule", help=f"How --keep picks tokens: window (first + recent "
+                                f"tokens), keyformer or h2o (default {KEEP_RULE}: docs/keyformer.md).")
 KV_TOKENS_OPTION = typer.Option(0, "--kv-budget", "--kv-tokens", min=0,
                                 help="A decode-time KV budget per answer, in tokens: past it, the lowest-scoring "
                                      "tokens' KV is dropped (Keyformer's score) and its memory freed. 0: none.")
-KV_RULE_OPTION = typer.Option("keyformer", "--kv-rule",
-                              help="With --kv-budget: which tokens go first: keyformer (default), h2o "
-                                   "(accumulated attention) or window (all but the most recent).")
+KV_RULE_OPTION = typer.Option(KV_RULE, "--kv-rule",
+                              help=f"With --kv-budget: which tokens go first: keyformer, h2o (accumulated attention) "
+                                   f"or window (all but the most recent); default {KV_RULE} (docs/keyformer.md).")
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")

@@ -78,7 +78,7 @@ class PoolKV:
         k, v = self.k_all[layer], self.v_all[layer]
         for b, tap in enumerate(self.taps):
             if tap is not None:
-                tap(q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
+                tap(layer, q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
         if self.paged is not None:  # Triton: every sequence at once, K/V read in place through the block tables
             from kvrag.kernels import triton_attention  # imports Triton: only where it runs
 

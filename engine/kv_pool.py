@@ -78,19 +78,21 @@ class SequenceKV:
         table.n_tokens += 1
 
     def keep_rows(self, table: BlockTable, rows: torch.Tensor) -> None:
-        """Only a table's rows `rows` [m] (ascending) stay, moved to its first m slots, and the blocks past them go
-        back to the pool. The rows below the first dropped one stay where they are, so shared blocks (the
-        preamble's, which a decode-time budget never drops) are never written."""
-        m = int(rows.shape[0])
-        stays = rows == torch.arange(m, device=rows.device)  # [m] rows already in their place
-        first_moved = m if bool(stays.all()) else int((~stays).nonzero()[0])
+        """Only a table's rows `rows` stay, moved to its first m slots, and the blocks past them go back to the
+        pool: rows [m] (every layer and head alike) or [L, Hkv, m] (each layer and KV head its own, ascending). The
+        slots below the first moved row stay where they are, so shared blocks (the preamble's, which a decode-time
+        budget never drops) are never written."""
+        k, v = self.layer_views()
+        m = int(rows.shape[-1])
+        rows = rows.expand(k.shape[0], k.shape[2], m)  # [L, Hkv, m]
+        first_moved = _first_moved(rows)
         self.pool.make_private(table, table.blocks_of(range(first_moved, m)))
         slots = self.rows(table)  # [T], after any private copy
-        k, v = self.layer_views()
-        src, dst = slots[rows[first_moved:]], slots[first_moved:m]  # [m - first_moved]
-        for layer in range(k.shape[0]):
-            k[layer].index_copy_(0, dst, k[layer, src])
-            v[layer].index_copy_(0, dst, v[layer, src])
+        src, dst = slots[rows[..., first_moved:]], slots[first_moved:m]  # [L, Hkv, m'], [m']
+        heads = torch.arange(k.shape[2], device=slots.device)
+        for layer in range(k.shape[0]):  # each head's rows gathered first: a source may be another's destination
+            k[layer].index_copy_(0, dst, k[layer][src[layer].T, heads])
+            v[layer].index_copy_(0, dst, v[layer][src[layer].T, heads])
         n_blocks = self.pool.layout.blocks_for(m)
         self.pool.allocator.decref(table.blocks[n_blocks:])
         del table.blocks[n_blocks:]
@@ -120,3 +122,10 @@ class SequenceKV:
 
 
 __all__ = ["OutOfBlocks", "SequenceKV"]
+
+
+def _first_moved(rows: torch.Tensor) -> int:
+    """The first slot whose row changes in some layer or head, of rows [L, Hkv, m] kept (m: none changes)."""
+    m = rows.shape[-1]
+    stays = (rows == torch.arange(m, device=rows.device)).all(dim=0).all(dim=0)  # [m]
+    return m if bool(stays.all()) else int((~stays).nonzero()[0])

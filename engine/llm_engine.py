@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvrag.blend.keyformer import check_rule
+from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import SUFFIX_GUESS
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
@@ -74,7 +74,7 @@ class LLMEngine:
         if self.config.force_full and request.mode != "full":
             request = replace(request, mode="full")
         prompts = self.prefiller.runtime.prompts
-        check_rule(request.kv_rule, "KV budget rule")  # said at submission, not at its prefill
+        parse_rule(request.kv_rule)  # said at submission, not at its prefill
         plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
                                        request.last_role, room=self.max_positions - request.sampling.max_tokens)
         head = len(prompts.preamble_ids) if plan is None else len(plan.head)
@@ -208,8 +208,8 @@ class LLMEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         for s in seqs:
-            if s.attention is not None:  # Keyformer's temperature, rising from 1 to 2 over the generation
-                s.attention.tau = 1.0 + len(s.output) / s.request.sampling.max_tokens
+            if s.attention is not None:  # Keyformer's temperature, rising over the generation
+                s.attention.advance(len(s.output), s.request.sampling.max_tokens)
         logits = self.decoder.step([s.feed_token for s in seqs], [s.table for s in seqs], [s.offset for s in seqs],
                                    [s.attention for s in seqs])
         for seq, row in zip(seqs, logits, strict=True):
@@ -227,8 +227,8 @@ class LLMEngine:
         rows = seq.attention.budget_rows(seq.length, seq.request.kv_tokens, seq.head_rows)
         self.kv.keep_rows(seq.table, rows)
         seq.attention.keep(rows)
-        seq.offset += seq.length - int(rows.shape[0])
-        seq.length = int(rows.shape[0])
+        seq.offset += seq.length - int(rows.shape[-1])
+        seq.length = int(rows.shape[-1])
 
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
         """The next token from logits [V]; no stop token before the request's min_tokens."""
@@ -241,6 +241,10 @@ class LLMEngine:
             logits = logits.clone()
             logits[list(self.prefiller.stop_ids)] = -math.inf
         token = choose(logits, sampling, seq.generator)
+        if seq.request.forced:  # teacher forcing: the forced token goes on, the model's own choice is counted
+            forced = seq.request.forced[min(len(seq.output), len(seq.request.forced) - 1)]
+            seq.agreed += int(token == forced)
+            token = forced
         if seq.constraint is not None:
             seq.constraint.accept(token)
         if seq.request.logprobs is not None:  # the model's own distribution, before sampling's settings

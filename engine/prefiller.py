@@ -16,7 +16,8 @@ import torch
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
-from kvrag.blend.keyformer import AttentionScore, KeepConfig
+from kvrag.blend.keyformer import KeepConfig
+from kvrag.blend.kv_budget import AttentionScore, parse_rule
 from kvrag.blend.layer_work import ChunkRef, CorruptChunk, DecoderPause
 from kvrag.blend.loader import open_loader
 from kvrag.blend.staging import StagingArea
@@ -187,10 +188,14 @@ class Prefiller:
         return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap,
                            framing.head_ids if framing is not None else None)
 
-    def _observer(self, chunks, rule: str, framing: Framing | None) -> AttentionScore:
-        """Scores of a prompt's rows by its question's (the suffix's) attention."""
+    def _observer(self, chunks, spec: str, framing: Framing | None) -> AttentionScore:
+        """Scores of a prompt's rows by the attention of its question (the suffix), or of every query the prefill
+        computes past the head (a rule's `prompt`)."""
+        rule = parse_rule(spec)
         head = len(self.preamble) if framing is None else len(framing.head_ids)
-        return AttentionScore(head + sum(len(ids) for _, ids in chunks), self.model.device, rule=rule)
+        start = head if rule.observe == "prompt" else head + sum(len(ids) for _, ids in chunks)
+        cfg = self.model.cfg
+        return AttentionScore(rule, cfg.n_layers, cfg.n_kv_heads, start, self.model.device)
 
     def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
                       tap: AttentionScore | None = None, framing: Framing | None = None) -> Prefilled:

@@ -17,6 +17,7 @@ import torch
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
+from kvrag.config import KV_RULE
 from kvrag.engine.answer import Answer
 from kvrag.model.generate import SamplingConfig
 from kvrag.store.tiers.allocator import BlockTable
@@ -37,7 +38,7 @@ class Request:
     # a decode-time KV budget (Keyformer): past this many rows (and a block more), the lowest-scoring are dropped
     # down to it and their blocks freed (0: none)
     kv_tokens: int = 0
-    kv_rule: str = "keyformer"  # how the budget scores rows: keyformer, h2o (no noise) or window (recent rows)
+    kv_rule: str = KV_RULE  # how the budget scores rows (blend/kv_budget.py): keyformer, h2o or window
     # each generated token's log-probability under the model, with this many of the most likely alternatives
     # (OpenAI's logprobs / top_logprobs); None: none are kept
     logprobs: int | None = None
@@ -51,6 +52,9 @@ class Request:
     # free text
     grammar: object | None = None
     last_role: str = "user"  # the question's role: "tool" for a tool's result (plain chat)
+    # teacher forcing (benchmarks): these tokens are the answer, fed whatever the model would choose, and
+    # Sequence.agreed counts the steps where its greedy choice was the forced token
+    forced: tuple[int, ...] = ()
 
 
 class Status(enum.Enum):
@@ -73,7 +77,8 @@ class Sequence:
         self.table: BlockTable | None = None  # its KV in the pool, while running
         self.length = 0  # tokens whose KV is in the pool
         self.offset = 0  # positions without KV before the newest row (dropped tokens): its position less its row
-        self.attention = None  # keyformer.AttentionScore of its rows, under a decode-time budget
+        self.attention = None  # kv_budget.AttentionScore of its rows, under a decode-time budget
+        self.agreed = 0  # with request.forced: the steps whose greedy token was the forced one
         self.output: list[int] = []  # generated tokens
         # with request.logprobs: per generated token, (its log-probability, [(token, log-probability)] of the
         # request.logprobs most likely); `chosen` holds the next one until its token is kept

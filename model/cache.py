@@ -28,12 +28,15 @@ class DecodeCache:
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only these rows stay (indices [m], ascending), moved to the front; the dropped ones' positions become
-        gaps. Rows after the last kept one would need their own offsets: keep the last row."""
-        n, m = self.length, int(rows.shape[0])
+        """Only these rows stay, moved to the front: rows [m] (every layer and head alike) or [L, Hkv, m] (each layer
+        and KV head its own, ascending). The dropped ones' positions become gaps. Rows after the last kept one
+        would need their own offsets: keep the last row."""
+        n, m = self.length, int(rows.shape[-1])
+        rows = rows.to(self.k.device).expand(self.k.shape[0], self.k.shape[2], m)  # [L, Hkv, m]
+        heads = torch.arange(self.k.shape[2], device=self.k.device)
         for layer in range(self.k.shape[0]):
-            self.k[layer, :m] = self.k[layer, rows]
-            self.v[layer, :m] = self.v[layer, rows]
+            self.k[layer, :m] = self.k[layer][rows[layer].T, heads]
+            self.v[layer, :m] = self.v[layer][rows[layer].T, heads]
         self.length, self.offset = m, self.offset + n - m
         self.stepper = None  # its float32 copies hold the old rows
 

@@ -94,7 +94,7 @@ class CacheKV:
         self.slots = slice(start, self.stop)  # the new rows: consecutive positions
         # the mask's key positions: slot numbers, at or below the real ones, so every earlier slot stays visible
         self.key_pos = torch.arange(self.stop, device=model.device)  # [S]
-        self.tap = None  # called with each layer's queries and keys (keyformer.AttentionScore), where set
+        self.tap = None  # called with each layer's queries and keys (kv_budget.AttentionScore), where set
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
         self.model.rotate_keys(k, rows.pos, rows.rope, out=self.cache.k[layer, self.slots], layer=layer)
@@ -103,7 +103,7 @@ class CacheKV:
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         c = self.cache
         if self.tap is not None:
-            self.tap(q, rows.pos, c.k[layer, :self.stop], self.key_pos)
+            self.tap(layer, q, rows.pos, c.k[layer, :self.stop], self.key_pos)
         return self.model.attend(q, rows.pos, c.k[layer, :self.stop], c.v[layer, :self.stop], self.key_pos, layer)
 
 

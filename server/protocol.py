@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvrag.api import MIN_SCORE, KvragError, RatioPolicy
+from kvrag.api import KV_RULE, MIN_SCORE, KvragError, RatioPolicy
 
 MAX_CHOICES = 16  # n's bound: each choice is a sequence of its own in the engine's batch
 
@@ -115,7 +115,7 @@ class _Generate(_Body):
     mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
     ratio: float | Literal["auto"] = "auto"
     kv_tokens: int = Field(0, ge=0)  # a decode-time KV budget (Keyformer), in tokens; 0: none
-    kv_rule: Literal["keyformer", "h2o", "window"] = "keyformer"
+    kv_rule: Literal["keyformer", "h2o", "window"] = KV_RULE
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []

@@ -65,9 +65,9 @@ def test_keyformer_is_the_gumbel_softmax_of_the_logits(tiny, hf_probs):
     cfg = KeepConfig(0.5, "keyformer", tau=1.7, seed=3)
     _, scores = keyformer.score_chunk(tiny.model, _preamble(tiny), tiny.ids_tensor(CHUNK), cfg,
                                       keyformer.chunk_generator(cfg, "c", torch.device("cpu")))
-    # the same draws, layer by layer: standard Gumbel noise as -log(Exp(1)), one per (head, query, key)
+    # the same draws, layer by layer: standard Gumbel noise as -log(-log U), one per (head, query, key)
     gen = keyformer.chunk_generator(cfg, "c", torch.device("cpu"))
-    noise = [-torch.empty(p.shape).exponential_(generator=gen).log() for p in hf_probs]
+    noise = [-(-torch.rand(p.shape, generator=gen).log()).log() for p in hf_probs]
     ref = _reference(hf_probs, tiny.model.cfg.n_kv_heads, noise, tau=1.7)
     torch.testing.assert_close(scores, ref, atol=2e-4, rtol=1e-4)
     assert not torch.allclose(scores, _reference(hf_probs, tiny.model.cfg.n_kv_heads), atol=1e-2)  # noise counts
@@ -76,7 +76,7 @@ def test_keyformer_is_the_gumbel_softmax_of_the_logits(tiny, hf_probs):
 def test_the_scoring_pass_stores_the_same_kv_as_precompute(tiny):
     preamble = _preamble(tiny)
     plain = chunk_kv(tiny, preamble, CHUNK)
-    scored, _ = keyformer.score_chunk(tiny.model, preamble, tiny.ids_tensor(CHUNK), KeepConfig(0.5))
+    scored, _ = keyformer.score_chunk(tiny.model, preamble, tiny.ids_tensor(CHUNK), KeepConfig(0.5, "keyformer"))
     for a, b in zip(plain.k + plain.v, scored.k + scored.v, strict=True):
         assert torch.equal(a, b)
 
@@ -85,7 +85,7 @@ def test_scores_are_deterministic_under_a_seed(tiny):
     preamble, ids = _preamble(tiny), tiny.ids_tensor(CHUNK)
 
     def run(seed: int, chunk_id: str) -> torch.Tensor:
-        cfg = KeepConfig(0.5, seed=seed)
+        cfg = KeepConfig(0.5, "keyformer", seed=seed)
         return keyformer.score_chunk(tiny.model, preamble, ids, cfg,
                                      keyformer.chunk_generator(cfg, chunk_id, tiny.model.device))[1]
 
@@ -117,9 +117,9 @@ def test_selection_keeps_round_keep_t_with_the_recent_window_and_the_best_of_the
 
 def test_one_set_sums_layers_and_heads_per_layer_sets_do_not():
     scores = torch.rand(3, 2, 20, generator=torch.Generator().manual_seed(0))
-    one = keyformer.positions(scores, KeepConfig(0.5))
+    one = keyformer.positions(scores, KeepConfig(0.5, "keyformer"))
     assert one.tolist() == keyformer.select(scores.sum(dim=(0, 1)), 0.5).tolist()
-    per = keyformer.positions(scores, KeepConfig(0.5, per_layer=True))
+    per = keyformer.positions(scores, KeepConfig(0.5, "keyformer", per_layer=True))
     assert [p.tolist() for p in per] == [keyformer.select(s.sum(0), 0.5).tolist() for s in scores]
 
 
@@ -147,8 +147,8 @@ def test_bad_settings_are_one_clear_error(bad):
 
 def test_variants_name_what_changes_the_kept_set():
     assert KeepConfig(1.0).variant == ""
-    assert KeepConfig(0.5).variant == "keyformer:keep=0.5:recent=0.3:tau=1:seed=0"
+    assert KeepConfig(0.5, "keyformer").variant == "keyformer:keep=0.5:recent=0.3:tau=1:seed=0"
     assert KeepConfig(0.5, "h2o").variant == "h2o:keep=0.5:recent=0.3"
     assert KeepConfig(0.3, "window", per_layer=True).variant == "window:keep=0.3:sinks=4:per-layer"
-    assert KeepConfig(0.5, seed=1).variant != KeepConfig(0.5).variant
+    assert KeepConfig(0.5, "keyformer", seed=1).variant != KeepConfig(0.5, "keyformer").variant
 

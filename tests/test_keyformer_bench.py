@@ -64,3 +64,49 @@ def test_the_load_bench_resumes_from_its_records(tiny_llama_dir, invented_items,
     assert summary["fp16:window@0.5"]["load_bytes_mean"] < summary["fp16:full"]["load_bytes_mean"]
     with pytest.raises(KvragError, match="another run"):
         keyformer_load.run(items, **{**kwargs, "max_tokens": 3})
+
+
+def test_rouge_l_by_hand():
+    from kvrag.bench.keyformer_budget import rouge_l
+
+    # LCS of "a b c d" and "a c d e" is "a c d": P = R = 3/4
+    assert rouge_l("a b c d", "a c d e") == 0.75
+    assert rouge_l("a b", "a b") == 1.0 and rouge_l("x", "y") == 0.0 and rouge_l("", "") == 1.0
+
+
+def test_the_budget_bench_resumes_from_its_records(tiny_llama_dir, invented_items, tmp_path):
+    """bench keyformer --budget: every rule@share scored against the unbudgeted answer of the same batch; each item's
+    records land in the file as it ends, a rerun over more items adds only the new one, and a file of other settings
+    is refused."""
+    import json
+
+    import pytest
+
+    from kvrag.bench import keyformer_budget
+    from kvrag.errors import KvragError
+
+    records = tmp_path / "budget.jsonl"
+    kwargs = {"model": str(tiny_llama_dir), "dtype": "float32", "tokens": 24, "rules": ["keyformer", "window"],
+              "shares": [0.6], "passages": 3, "records": records}
+    first = keyformer_budget.run(invented_items[:1], **kwargs)
+    assert len(records.read_text().splitlines()) == 2  # the header and item 0
+    second = keyformer_budget.run(invented_items[:2], **kwargs)
+    assert len(records.read_text().splitlines()) == 3
+    assert second["per_item"][0] == first["per_item"][0] and second["items"] == 2
+    assert set(second["rouge_l"]) == {"keyformer@0.6", "window@0.6"} and second["default"] == "keyformer"
+    for item in second["per_item"]:
+        assert item["none@1"]["rouge_l"] == 1.0 and item["none@1"]["same_prefix"] == item["none@1"]["tokens"]
+        assert item["none@1"]["agree"] == 1.0  # fed its own answer, the unbudgeted model chooses it at every step
+        # the budget (0.6 of prompt + 24) is under the prompt: rows are cut at once
+        assert 0.6 * (item["prompt"]["tokens"] + 24) < item["prompt"]["tokens"]
+        for key in second["rouge_l"]:
+            assert 0 <= item[key]["rouge_l"] <= 1 and item[key]["same_prefix"] <= item["none@1"]["tokens"]
+            # agreement counts every step, so it is at least the share before the first difference
+            assert item[key]["same_prefix"] / item["none@1"]["tokens"] <= item[key]["agree"] <= 1
+    assert "**keyformer** (default)" in keyformer_budget.markdown(second)
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert lines[0]["rules"] == ["keyformer", "window"]
+    with pytest.raises(KvragError, match="another run"):
+        keyformer_budget.run(invented_items[:1], **{**kwargs, "tokens": 12})
+    with pytest.raises(KvragError, match="KV budget rule"):
+        keyformer_budget.run(invented_items[:1], **{**kwargs, "rules": ["keyformer:wide"]})

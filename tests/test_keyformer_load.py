@@ -22,7 +22,7 @@ from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 
-KEEP = KeepConfig(0.5)
+KEEP = KeepConfig(0.5, "keyformer")
 QUESTION = "Which of these places is the oldest?"
 
 

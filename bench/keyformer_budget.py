@@ -1,8 +1,8 @@
 """Keyformer's decode-time budget: a summary held to a share of its KV, against the same summary with all of it
 (issue 41).
 
-Each item's first `passages` passages are prefilled (in full by default: the budget's effect alone, no store) under
-a request to summarise them, and the answer generated greedily up to `tokens` tokens, once with no budget and once
+Each item's first `passages` passages are blended at 0.15 (as kvrag answers; the chunks are computed into a scratch
+store first, so every sequence reads the same values) under a request to summarise them, and the answer generated greedily up to `tokens` tokens, once with no budget and once
 per (rule, share): the budget is share x (prompt + tokens) rows, so the prompt is cut at once and again as the
 answer grows. All of an item's sequences decode in one batch of the engine. Per (rule, share): ROUGE-L (word LCS
 F-measure) of the text against the unbudgeted text, the tokens equal before the first difference, and, in a second
@@ -63,11 +63,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def run_item(llm: LLMEngine, chunks, tokens: int, rules: Sequence[str], shares: Sequence[float],
-             mode: str = "full") -> dict[str, dict]:
+             mode: str = "blend") -> dict[str, dict]:
     """One item: the unbudgeted answer and one per (rule, share), all in one batch."""
-    sampling = SamplingConfig(max_tokens=tokens)
     base = Request(SUMMARY, tuple((c, tuple(ids)) for c, ids in chunks), mode, BlendConfig(0.15), RatioPolicy(0.15),
-                   sampling=sampling)
+                   sampling=SamplingConfig(max_tokens=1))
+    llm.add(base)  # a blend stores the chunks it computes: every sequence below then loads the same values
+    _drain(llm)
+    base = replace(base, sampling=SamplingConfig(max_tokens=tokens))
     seqs = {("none", 1.0): llm.add(base)}
     positions = seqs["none", 1.0].prompt_tokens + tokens
     for rule in rules:
@@ -92,7 +94,7 @@ def _drain(llm: LLMEngine) -> None:
 
 
 def run(items: list[dict], model: str | None = None, dtype: str | None = None, tokens: int = 128,
-        rules: Sequence[str] = RULES, shares: Sequence[float] = SHARES, passages: int = 5, mode: str = "full",
+        rules: Sequence[str] = RULES, shares: Sequence[float] = SHARES, passages: int = 5, mode: str = "blend",
         store: Path | None = None, records: Path | None = None, on_item=None) -> dict:
     """ROUGE-L and first divergence per rule@share over `items` (MuSiQue format), resumable through `records`."""
     for rule in rules:

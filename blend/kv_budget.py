@@ -97,13 +97,16 @@ def gumbel_softmax(logits: torch.Tensor, tau: float, generator: torch.Generator 
     return ((logits + noise) / tau).softmax(-1)
 
 
-def attention_logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+def attention_logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     exact: bool = True) -> torch.Tensor:
     """Scaled logits [Hkv, g, R, S] in float32 of queries q [R, Hq, hd] over rotated keys k [S, Hkv, hd], -inf where a
-    key lies after its query."""
+    key lies after its query. exact=False: the product in the keys' dtype, as Keyformer's code scores (a decode step
+    then skips a float32 copy of every key)."""
     r, hq, hd = q.shape
     h_kv = k.shape[1]
-    qf = q.float().view(r, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, R, hd]
-    logits = torch.matmul(qf, k.float().permute(1, 2, 0).unsqueeze(1)) * hd ** -0.5  # [Hkv, g, R, S]
+    dtype = torch.float32 if exact else k.dtype
+    qf = q.to(dtype).view(r, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, R, hd]
+    logits = torch.matmul(qf, k.to(dtype).permute(1, 2, 0).unsqueeze(1)).float() * hd ** -0.5  # [Hkv, g, R, S]
     return logits.masked_fill_(k_pos[None, :] > q_pos[:, None], -math.inf)
 
 
@@ -127,7 +130,7 @@ class AttentionScore:
             return
         q_pos = q_pos[observed]
         k_pos = torch.zeros(k.shape[0], dtype=q_pos.dtype, device=q_pos.device) if k_pos is None else k_pos
-        logits = attention_logits(q[observed], k, q_pos, k_pos.to(q_pos.device))  # [Hkv, g, R, S]
+        logits = attention_logits(q[observed], k, q_pos, k_pos.to(q_pos.device), exact=False)  # [Hkv, g, R, S]
         if self.rule.score == "gumbel":
             probs = gumbel_softmax(logits, self.tau, self.generator)
         else:

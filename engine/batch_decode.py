@@ -76,16 +76,18 @@ class PoolKV:
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         k, v = self.k_all[layer], self.v_all[layer]
+        keys = [k[r] if tap is not None else None for r, tap in zip(self.slots, self.taps, strict=True)]  # [n_b, Hkv, hd]
         for b, tap in enumerate(self.taps):
             if tap is not None:
-                tap(layer, q[b:b + 1], rows.pos[b:b + 1], k[self.slots[b]], None)
+                tap(layer, q[b:b + 1], rows.pos[b:b + 1], keys[b], None)
         if self.paged is not None:  # Triton: every sequence at once, K/V read in place through the block tables
             from kvrag.kernels import triton_attention  # imports Triton: only where it runs
 
             pool = self.paged[0]  # [L, 2, N, bs, Hkv, hd]
             out = triton_attention.decode_attention(q.to(pool.dtype), pool[layer, 0], pool[layer, 1], *self.paged[1:])
             return out.view(q.shape[0], -1).to(q.dtype)  # [B, Hq * hd]
-        return torch.cat([self.model.attend_latest(q[b:b + 1], k[r], v[r], layer) for b, r in enumerate(self.slots)])
+        return torch.cat([self.model.attend_latest(q[b:b + 1], k[r] if keys[b] is None else keys[b], v[r], layer)
+                          for b, r in enumerate(self.slots)])
 
 
 def _paged_tables(kv: SequenceKV, tables: Sequence[BlockTable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -83,6 +83,7 @@ def test_the_budget_bench_resumes_from_its_records(tiny_llama_dir, invented_item
     import pytest
 
     from kvrag.bench import keyformer_budget
+    from kvrag.config import KV_RULE
     from kvrag.errors import KvragError
 
     records = tmp_path / "budget.jsonl"
@@ -93,7 +94,7 @@ def test_the_budget_bench_resumes_from_its_records(tiny_llama_dir, invented_item
     second = keyformer_budget.run(invented_items[:2], **kwargs)
     assert len(records.read_text().splitlines()) == 3
     assert second["per_item"][0] == first["per_item"][0] and second["items"] == 2
-    assert set(second["rouge_l"]) == {"keyformer@0.6", "window@0.6"} and second["default"] == "keyformer"
+    assert set(second["rouge_l"]) == {"keyformer@0.6", "window@0.6"} and second["default"] == KV_RULE
     for item in second["per_item"]:
         assert item["none@1"]["rouge_l"] == 1.0 and item["none@1"]["same_prefix"] == item["none@1"]["tokens"]
         assert item["none@1"]["agree"] == 1.0  # fed its own answer, the unbudgeted model chooses it at every step
@@ -103,7 +104,7 @@ def test_the_budget_bench_resumes_from_its_records(tiny_llama_dir, invented_item
             assert 0 <= item[key]["rouge_l"] <= 1 and item[key]["same_prefix"] <= item["none@1"]["tokens"]
             # agreement counts every step, so it is at least the share before the first difference
             assert item[key]["same_prefix"] / item["none@1"]["tokens"] <= item[key]["agree"] <= 1
-    assert "**keyformer** (default)" in keyformer_budget.markdown(second)
+    assert f"**{KV_RULE}** (default)" in keyformer_budget.markdown(second)
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert lines[0]["rules"] == ["keyformer", "window"]
     with pytest.raises(KvragError, match="another run"):

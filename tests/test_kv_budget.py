@@ -178,7 +178,7 @@ def test_the_engine_holds_a_sequence_to_its_budget_and_answers_as_alone(tiny, in
     sampling = SamplingConfig(max_tokens=40)
     budget = 200  # under the prompt's rows: cut at once, and again as the answer grows
     requests = [Request(QUESTION, chunks, "blend", BlendConfig(0.3), RatioPolicy(0.3), sampling=sampling,
-                        kv_tokens=budget),
+                        kv_tokens=budget, kv_rule="keyformer"),
                 Request(QUESTION, chunks, "full", sampling=sampling, kv_tokens=budget, kv_rule="h2o"),
                 Request(QUESTION, chunks, "reuse", sampling=sampling, kv_tokens=budget, kv_rule="window"),
                 Request(QUESTION, chunks, "full", sampling=sampling)]

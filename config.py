@@ -41,7 +41,7 @@ MIN_SCORE = 0.33
 # The default rules of Keyformer's two uses (issue 41; docs/keyformer.md has the figures that chose them): which
 # tokens a reduced stored chunk keeps, and which rows a decode-time budget keeps.
 KEEP_RULE = "window"
-KV_RULE = "window"
+KV_RULE = "keyformer"
 
 
 @dataclass(frozen=True)

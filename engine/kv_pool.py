@@ -121,11 +121,12 @@ class SequenceKV:
             v[layer].index_copy_(0, slots, cache.v[layer, start:stop])
 
 
-__all__ = ["OutOfBlocks", "SequenceKV"]
-
-
 def _first_moved(rows: torch.Tensor) -> int:
     """The first slot whose row changes in some layer or head, of rows [L, Hkv, m] kept (m: none changes)."""
     m = rows.shape[-1]
     stays = (rows == torch.arange(m, device=rows.device)).all(dim=0).all(dim=0)  # [m]
     return m if bool(stays.all()) else int((~stays).nonzero()[0])
+
+
+__all__ = ["OutOfBlocks", "SequenceKV"]
+

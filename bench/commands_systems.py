@@ -275,8 +275,12 @@ def bench_keyformer(
     if load:
         from kvrag.bench import keyformer_load as bench
 
+        shares = _positive_floats(keeps, "--keeps")
+        if max(shares) > 1:
+            raise KvragError(f"--keeps takes shares in (0, 1], got {keeps!r}")
+
         result = bench.run(chosen, store.expanduser(), model, dtype, codecs.split(","), rules.split(","),
-                           _shares(keeps, "--keeps"), max_tokens=max_tokens or 32,
+                           shares, max_tokens=max_tokens or 32,
                            on_item=on_item, records=records.expanduser() if records else None)
         if plot_path is not None:
             bench.plot(result, plot_path)
@@ -290,17 +294,6 @@ def bench_keyformer(
 
         result = bench.run(chosen, model, dtype)
     emit(result, bench.markdown, as_json)
-
-
-def _shares(text: str, option: str) -> list[float]:
-    """A comma-separated list of shares in (0, 1]; KvragError naming the option."""
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v <= 1 for v in values):
-        raise KvragError(f"{option} must be comma-separated shares in (0, 1], got {text!r}")
-    return values
 
 
 @bench_app.command("gpu")

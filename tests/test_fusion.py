@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from itertools import pairwise
 
 import pytest
@@ -263,10 +264,21 @@ def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
     assert len({id(plan) for plan in plans[1:]}) == 4  # other rows, other keys, then the first rows again: rebuilt
 
 
-def test_loader_overlaps_compute(tiny_runtime, stored):
-    """With a slow store, each layer's load runs while the previous layer computes (timestamps)."""
+def test_loader_overlaps_compute(tiny_runtime, stored, monkeypatch):
+    """With a slow store and a slow layer, each layer's load runs while the previous layer computes (timestamps).
+    Both stages sleep (50 and 40 ms a layer, the GIL released as in a real load or kernel), so what overlapping
+    saves is some 80 ms against a few ms of a busy machine's jitter; the tiny model's own layer takes about 1 ms."""
+    import kvrag.blend.fusion as fusion
+
+    real_step = fusion.layer_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.04)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(fusion, "layer_step", slow_step)
     env, _, chunks = stored
-    engine = Prefiller.open(tiny_runtime, env, load_delay_s=0.03)
+    engine = Prefiller.open(tiny_runtime, env, load_delay_s=0.05)
     out = engine.prefill(chunks, QUESTION, mode="reuse")
     loads = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "load"}
     computes = {layer: (s, e) for kind, layer, s, e in out.spans if kind == "compute"}

@@ -301,7 +301,7 @@ def bench_gpu(
     items: int = typer.Option(None, "--items", min=1, help="MuSiQue report items (50-99) timed on SmolLM2 "
                               "(default 50; 2 with --cpu-smoke)."),
     items_8b: int = typer.Option(None, "--items-8b", min=1, help="Items timed on the random Llama-3.1-8B-shaped "
-                                 "model (default 10: its KV is 128 KB a token; 2 with --cpu-smoke)."),
+                                 "model (default 20, items 50-69: its KV is 128 KB a token; 2 with --cpu-smoke)."),
     skip_8b: bool = typer.Option(False, "--skip-8b", help="Leave the 8B-shaped model out."),
     dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
     out: Path = typer.Option(None, "--out", help="Also write the JSON report to this file."),
@@ -327,7 +327,7 @@ def bench_gpu(
     from kvrag.bench import gpu
 
     plan = gpu.Plan(smoke=cpu_smoke, items=items or (2 if cpu_smoke else 50),
-                    items_8b=items_8b or (2 if cpu_smoke else 10), skip_8b=skip_8b, dataset=dataset)
+                    items_8b=items_8b or (2 if cpu_smoke else 20), skip_8b=skip_8b, dataset=dataset)
     progress = stderr_console()
     report = stamped(gpu.run(plan, lambda m: progress.print(m, highlight=False, soft_wrap=True)))
     if out is not None:

@@ -39,7 +39,17 @@ def test_the_cpu_smoke_run_reports_every_part(smol, tmp_path, kvrag):
         for r in m["records"]:
             assert 0 < r["recomputed"] < r["chunk_rows"] < r["prompt_tokens"]
             assert 0 < r["blend_flops"] < r["full_flops"]
-    assert set(report["targets"]) >= {"blend_vs_floor", "blend_vs_full"}
+        # the tier run: the first chunk an exact path of depth 1 (its stored KV), every other from the host tier
+        assert m["tier_ms"] > 0 and m["tier_from_store"] == 0, m["model"]
+        for r in m["records"]:
+            n = sum(r["tier_chunks"].values())
+            assert n > 1 and r["tier_chunks"] == {"tree": 1, "host": n - 1} and r["tier_bytes_loaded"] == 0, r
+        launches = m["launches"]
+        assert launches["full"]["ops"] > 0 and launches["blend"]["ops"] > 0
+        assert all(c["kernels"] is None and c["copies"] is None for c in launches.values())  # no GPU here
+    judged = [t["what"] for t in report["targets"]]
+    assert len(judged) == 4 and all(isinstance(t["met"], bool) for t in report["targets"])
+    assert any("tier_vs_full" in w for w in judged) and any("full_vs_floor" in w for w in judged)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

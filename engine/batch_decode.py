@@ -84,7 +84,9 @@ class PoolKV:
             from kvrag.kernels import triton_attention  # imports Triton: only where it runs
 
             pool = self.paged[0]  # [L, 2, N, bs, Hkv, hd]
-            out = triton_attention.decode_attention(q.to(pool.dtype), pool[layer, 0], pool[layer, 1], *self.paged[1:])
+            # the lengths are the tables' own tokens: no host read of them a layer (check=False)
+            out = triton_attention.decode_attention(q.to(pool.dtype), pool[layer, 0], pool[layer, 1], *self.paged[1:],
+                                                    check=False)
             return out.view(q.shape[0], -1).to(q.dtype)  # [B, Hq * hd]
         return torch.cat([self.model.attend_latest(q[b:b + 1], k[r] if keys[b] is None else keys[b], v[r], layer)
                           for b, r in enumerate(self.slots)])

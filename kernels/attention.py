@@ -17,39 +17,39 @@ from kvrag.kernels import row_attention
 
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
-           group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: SegmentPlans,
+           group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: AttendPlans,
            triton: bool = False) -> torch.Tensor:
     """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd] at k_pos [S]
     (None: every key visible, as in decoding) -> [R, Hq * hd], in the inputs' or the attention dtype (the caller
     casts). Runs in `attn_dtype`; `row_kernel`: the native row kernel serves this model (row_kernel_serves);
-    `plans`: the caller's cache of key-segment plans; `triton`: scattered rows go through the Triton rows kernel
-    (on a GPU; on a CPU only under TRITON_INTERPRET, to test it)."""
-    if k_pos is not None and not _is_arange(k_pos) and _is_rising(k_pos):
-        # keys with gaps (a Keyformer-reduced chunk's dropped tokens): a query sees the keys up to the last one at
-        # or before its position, as a query at that key's index does over keys 0..S-1, which every path serves
-        q_pos = torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True) - 1
-        k_pos = torch.arange(k_pos.shape[0], device=k_pos.device)
-    if q.shape[0] <= FEW_ROWS and (k_pos is None or int(k_pos.max()) <= int(q_pos.min())):
-        return attend_few_rows(q, k, v, group)  # a decode step, or the last row of a prefill
-    if (k_pos is not None and row_kernel and _is_sorted(q_pos) and _is_arange(k_pos)
-            and 0 <= int(q_pos[0]) and int(q_pos[-1]) < k_pos.shape[0]):
-        # causal prefill, a prefill after a cached prefix, or a blend's scattered rows: one kernel for all
-        # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
-        out = row_attention.row_attention(q, q_pos.to(q.device), k, v)  # [R, Hq, hd] float32
-        return out.view(q.shape[0], -1)
-    if triton and k_pos is not None and _is_sorted(q_pos) and _is_arange(k_pos) and not _is_plain_causal(q_pos, k_pos):
-        return _attend_triton(q, q_pos, k, v)  # plainly causal stays with SDPA's flash kernel
+    `plans`: the caller's memo of what the positions are (read once a prompt) and of key-segment plans; `triton`:
+    scattered rows go through the Triton rows kernel (on a GPU; on a CPU only under TRITON_INTERPRET, to test it)."""
+    if k_pos is None and q.shape[0] <= FEW_ROWS:
+        return attend_few_rows(q, k, v, group)  # a decode step
+    shape = None if k_pos is None else plans.shape(q_pos, k_pos)
+    if shape is not None:
+        if q.shape[0] <= FEW_ROWS and shape.keys_before:
+            return attend_few_rows(q, k, v, group)  # the last row of a prefill
+        q_pos, k_pos = shape.q_pos, shape.k_pos  # over keys with gaps, as remapped (PositionShape)
+        scattered = shape.sorted_q and shape.arange_k
+        if row_kernel and scattered and 0 <= shape.q_first and shape.q_last < k_pos.shape[0]:
+            # causal prefill, a prefill after a cached prefix, or a blend's scattered rows: one kernel for all
+            # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
+            out = row_attention.row_attention(q, q_pos.to(q.device), k, v)  # [R, Hq, hd] float32
+            return out.view(q.shape[0], -1)
+        if triton and scattered and 0 <= shape.q_first and not shape.plain_causal:
+            return _attend_triton(q, q_pos, k, v)  # plainly causal stays with SDPA's flash kernel
     q, k, v = (x.to(attn_dtype) for x in (q, k, v))  # no copy unless they differ
     # [1, H, len, hd]: SDPA's fused CPU/CUDA kernels want a batch dimension. Grouped-query attention
     # (each KV head serves group_size query heads) is SDPA's enable_gqa: no expanded copy of K and V,
     # and its causal CPU kernel runs about 20 % faster than over expanded heads.
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     sdpa = partial(F.scaled_dot_product_attention, enable_gqa=group > 1)
-    if k_pos is None:
+    if shape is None:
         out = sdpa(qh, kh, vh)
-    elif _is_plain_causal(q_pos, k_pos):
+    elif shape.plain_causal:
         out = sdpa(qh, kh, vh, is_causal=True)
-    elif _is_causal_tail(q_pos, k_pos) and 2 * q.shape[0] >= k.shape[0]:
+    elif shape.causal_tail and 2 * q.shape[0] >= k.shape[0]:
         # Queries are most of the last rows of the keys (a prefill after a cached prefix). SDPA's
         # is_causal aligns top-left, so pad the queries with zero rows up to the keys' length,
         # use the fast causal kernel, and drop the padding: exact, and no [R, S] mask. Only when
@@ -58,9 +58,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         pad = kh.shape[2] - qh.shape[2]
         qh = F.pad(qh, (0, 0, pad, 0))
         out = sdpa(qh, kh, vh, is_causal=True)[:, :, pad:]
-    elif _is_sorted(q_pos) and _is_arange(k_pos):
+    elif shape.sorted_q and shape.arange_k:
         if qh.device.type == "cpu" and _FLASH_CPU is not None:
-            out = _attend_key_segments_grouped(qh, kh, vh, q_pos.to(q.device), group, plans)
+            out = _attend_key_segments_grouped(qh, kh, vh, q_pos.to(q.device), group, plans, shape.q_last)
         else:
             out = _attend_row_blocks(sdpa, qh, kh, vh, q_pos.to(q.device))
     else:
@@ -95,7 +95,8 @@ def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: tor
 
     visible = (q_pos.to(q.device) + 1).clamp(max=k.shape[0]).to(torch.int32)  # [R] keys each row sees
     table = torch.zeros(1, dtype=torch.int32, device=q.device)  # [1]: block 0 holds every row
-    out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible)  # [R, Hq, hd]
+    # every row sees 1..S keys (positions >= 0, sorted; checked by `attend`): no host read of `visible`
+    out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible, check=False)  # [R, Hq, hd]
     return out.view(q.shape[0], -1)
 
 
@@ -104,14 +105,6 @@ def row_kernel_serves(head_dim: int, attn_dtype: torch.dtype, device: torch.devi
     this project's 2-core AVX512 machine, causal attention over 6.3k tokens 265 vs 345 ms a layer in SDPA's flash
     kernel; a blend's ≈980 scattered rows 51-61 vs 70-88 ms; with a bf16 model's Q.K in bf16 pairs, 200 and 35 ms)."""
     return device.type == "cpu" and attn_dtype == torch.float32 and row_attention.supports(head_dim)
-
-
-def _is_causal_tail(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """True when keys are positions 0..S-1 in order and queries are the last R of them, in order."""
-    n, r = k_pos.shape[0], q_pos.shape[0]
-    if r == 0 or r > n or int(k_pos[0]) != 0 or int(k_pos[-1]) != n - 1 or int(q_pos[0]) != n - r:
-        return False
-    return bool((q_pos[1:] - q_pos[:-1] == 1).all()) and bool((k_pos[1:] - k_pos[:-1] == 1).all())
 
 
 FEW_ROWS = 8  # decoding: this many query rows over every key go through two float32 matmuls
@@ -164,7 +157,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
-                                 group: int, plans: SegmentPlans) -> torch.Tensor:
+                                 group: int, plans: AttendPlans, q_last: int) -> torch.Tensor:
     """`_attend_key_segments` with each KV head's query heads stacked as rows of one head.
 
     qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Query head h reads KV head h // group, so the
@@ -173,16 +166,16 @@ def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
     (74 vs 79 ms a blended layer at R≈980 over 6.3k keys, bf16, 2 cores).
     """
     if group == 1:
-        return _attend_key_segments(qh, kh, vh, q_pos, plans)
+        return _attend_key_segments(qh, kh, vh, q_pos, plans, q_last)
     _, n_heads, n_rows, hd = qh.shape
     n_kv = kh.shape[1]
     stacked = qh.view(n_kv, group, n_rows, hd).transpose(1, 2).reshape(1, n_kv, n_rows * group, hd)
-    out = _attend_key_segments(stacked, kh, vh, q_pos.repeat_interleave(group), plans)  # [1, Hkv, R * group, hd]
+    out = _attend_key_segments(stacked, kh, vh, q_pos.repeat_interleave(group), plans, q_last)  # [1, Hkv, R*g, hd]
     return out.view(n_kv, n_rows, group, hd).transpose(1, 2).reshape(1, n_heads, n_rows, hd)
 
 
 def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
-                         plans: SegmentPlans) -> torch.Tensor:
+                         plans: AttendPlans, q_last: int) -> torch.Tensor:
     """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1, by key segment.
 
     qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each segment of SEGMENT_KEYS keys is attended
@@ -190,7 +183,7 @@ def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q
     small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
     their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
     """
-    plan = plans.get(q_pos, min(kh.shape[2], int(q_pos[-1]) + 1), qh.dtype)
+    plan = plans.segments(q_pos, min(kh.shape[2], q_last + 1), qh.dtype)
     acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
     lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp
     for r0, r1, k0, k1, mask in plan.parts:
@@ -217,14 +210,57 @@ class _SegmentPlan:
                 and torch.equal(self.q_pos, q_pos))
 
 
-class SegmentPlans:
-    """The last plan built, per model. Every blended layer after the last selection attends the same rows, so the
-    plan (its masks above all: ≈2 ms a layer to build) is made once per prompt instead of once per layer."""
+@dataclass(frozen=True)
+class PositionShape:
+    """What `attend` reads of one pair of position tensors, read once: on a GPU each read is a device-to-host sync,
+    which stops the host from queueing the next kernels, and every layer of a prompt attends the same pair.
+    Over keys with gaps (a reduced chunk's dropped tokens) a query sees the keys up to the last one at or before
+    its position, as a query at that key's index does over keys 0..S-1: q_pos and k_pos are given so remapped."""
+
+    given: tuple[torch.Tensor, torch.Tensor]  # the pair as passed (held, so `is` can recognise it)
+    q_pos: torch.Tensor  # [R] as attended
+    k_pos: torch.Tensor  # [S] as attended
+    q_first: int
+    q_last: int
+    sorted_q: bool
+    arange_k: bool  # keys at 0..S-1
+    keys_before: bool  # no key after the first query (the last row of a prefill)
+    plain_causal: bool  # queries and keys the same rising positions: SDPA's is_causal is exact
+    causal_tail: bool  # keys 0..S-1, queries the last R of them in order
+
+    @classmethod
+    def of(cls, q_pos: torch.Tensor, k_pos: torch.Tensor) -> PositionShape:
+        given = (q_pos, k_pos)
+        if not _is_arange(k_pos) and _is_rising(k_pos):
+            q_pos = torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True) - 1
+            k_pos = torch.arange(k_pos.shape[0], device=k_pos.device)
+        n, r = k_pos.shape[0], q_pos.shape[0]
+        first, last = (int(q_pos[0]), int(q_pos[-1])) if r else (0, -1)
+        arange_k, sorted_q = _is_arange(k_pos), _is_sorted(q_pos)
+        plain = q_pos.shape == k_pos.shape and r > 0 and bool((q_pos == k_pos.to(q_pos.device)).all()) \
+            and _is_rising(q_pos)
+        tail = arange_k and 0 < r <= n and first == n - r and _is_rising(q_pos) and last == n - 1
+        keys_before = n == 0 or (r > 0 and int(k_pos.max()) <= int(q_pos.min()))
+        return cls(given, q_pos, k_pos, first, last, sorted_q, arange_k, keys_before, plain, tail)
+
+
+class AttendPlans:
+    """Per model: the last pair of positions' PositionShape (recognised by identity: position tensors are never
+    written in place) and the last key-segment plan. Every layer of a prompt attends the same positions, and every
+    blended layer after the last selection the same rows, so both (the plan's masks above all: ≈2 ms a layer to
+    build) are made once per prompt instead of once per layer."""
 
     def __init__(self):
         self.last: _SegmentPlan | None = None
+        self.last_shape: PositionShape | None = None
 
-    def get(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
+    def shape(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> PositionShape:
+        last = self.last_shape
+        if last is None or last.given[0] is not q_pos or last.given[1] is not k_pos:
+            self.last_shape = PositionShape.of(q_pos, k_pos)
+        return self.last_shape
+
+    def segments(self, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype) -> _SegmentPlan:
         if self.last is None or not self.last.serves(q_pos, n_keys, dtype):
             self.last = _segment_plan(q_pos, n_keys, dtype)
         return self.last
@@ -269,10 +305,3 @@ def _is_rising(pos: torch.Tensor) -> bool:
 def _is_arange(pos: torch.Tensor) -> bool:
     n = pos.shape[0]
     return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1 and bool((pos[1:] - pos[:-1] == 1).all())
-
-
-def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """True when queries and keys are the same increasing positions: SDPA's is_causal is exact then."""
-    if q_pos.shape != k_pos.shape or q_pos.numel() == 0:
-        return False
-    return bool((q_pos == k_pos).all()) and bool((q_pos[1:] > q_pos[:-1]).all())

@@ -205,14 +205,17 @@ def decode_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 
 def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                   visible: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel for `rows_attention_twin` (same arguments, same result within the module's tolerance)."""
+                   visible: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """The Triton kernel for `rows_attention_twin` (same arguments, same result within the module's tolerance).
+    check=False skips reading `visible` back to the host (a sync a call, a layer a prompt): for callers that
+    built it within the table's reach."""
     n_kv, hd = _check_pools(q, k_pool, v_pool)
     _check_index("block_table", block_table, 1, q.device)
     _check_index("visible", visible, 1, q.device)
     if visible.shape[0] != q.shape[0]:
         raise ValueError(f"visible has {visible.shape[0]} entries for {q.shape[0]} query rows")
-    _check_reach(visible, block_table.shape[0] * k_pool.shape[1], "visible")
+    if check:
+        _check_reach(visible, block_table.shape[0] * k_pool.shape[1], "visible")
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [R, Hq, hd]
     if q.shape[0] == 0:
         return out
@@ -227,9 +230,11 @@ def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, splits: int | None = None, check: bool = True) -> torch.Tensor:
     """The Triton kernel for `decode_attention_twin` (same arguments, same result within the module's tolerance).
-    splits: how many parts each sequence's keys are cut into (default: enough programs to fill the GPU)."""
+    splits: how many parts each sequence's keys are cut into (default: enough programs to fill the GPU);
+    check=False skips reading `seq_lens` back to the host (a sync a layer a step): for callers whose lengths come
+    from the tables themselves."""
     n_kv, hd = _check_pools(q, k_pool, v_pool)
     _check_index("block_tables", block_tables, 2, q.device)
     _check_index("seq_lens", seq_lens, 1, q.device)
@@ -237,7 +242,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"must have one row per sequence of q ({q.shape[0]})")
     capacity = block_tables.shape[1] * k_pool.shape[1]
-    _check_reach(seq_lens, capacity, "seq_lens")
+    if check:
+        _check_reach(seq_lens, capacity, "seq_lens")
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [B, Hq, hd]
     if q.shape[0] == 0:
         return out

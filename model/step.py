@@ -39,6 +39,10 @@ class Rows:
         return cls(model.embed(ids), positions, model.positions_cos_sin(positions), index)
 
     def take(self, which: torch.Tensor | slice) -> Rows:
+        if isinstance(which, slice) and which.indices(len(self)) == (0, len(self), 1):
+            # every row: the same tensors, so attention recognises the positions (read once a prompt: on a GPU
+            # each read of them is a sync, kernels/attention.py)
+            return Rows(self.h, self.pos, self.rope, self.index)
         index = None if self.index is None else self.index[which]
         return Rows(self.h[which], self.pos[which], (self.rope[0][which], self.rope[1][which]), index)
 

@@ -86,7 +86,7 @@ class Transformer:
         # ([T, 2, rot]: global, local) and layer_rope picks a layer's; None for every other model ([T, 1, rot])
         self.local_inv_freq = rotary.inverse_frequencies(cfg, local=True).to(self.device) \
             if cfg.rope_local_theta is not None else None  # [rotary_dim/2]
-        self.segment_plans = attention.SegmentPlans()  # the last scattered-row attention plan, for the next layer's call
+        self.attend_plans = attention.AttendPlans()  # what the last positions are, and their plan, for the next layer
         # Triton kernels (kernels/triton_*.py) for scattered-row and paged decode attention: Runtime.load sets it
         # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
         self.triton = False
@@ -281,7 +281,7 @@ class Transformer:
             return attention.attend_window(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
                                            window).to(self.dtype)
         return attention.attend(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
-                                self.uses_row_kernel(), self.segment_plans, self.triton).to(self.dtype)
+                                self.uses_row_kernel(), self.attend_plans, self.triton).to(self.dtype)
 
     def attend_latest(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """A decode step's attention: q [R, Hq, hd] after every key k, v [S, Hkv, hd], the last being its own row

@@ -254,7 +254,7 @@ def test_segment_plans_follow_the_rows(tiny_runtime, monkeypatch):
     plans = []
     for q_pos, n_keys in [(one, 300), (one, 300), (other, 300), (shorter, 200), (one, 300)]:
         got = model.attend(q, q_pos, k[:n_keys], v[:n_keys], torch.arange(n_keys)).view(40, hq, hd)
-        plans.append(model.segment_plans.last)
+        plans.append(model.attend_plans.last)
         for r, p in enumerate(q_pos.tolist()):
             kx = k[: p + 1].repeat_interleave(group, dim=1)
             vx = v[: p + 1].repeat_interleave(group, dim=1)

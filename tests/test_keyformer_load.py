@@ -87,7 +87,7 @@ def test_keys_with_gaps_are_attended_as_a_masked_softmax(rows, row_kernel):
              "last": k_pos[-1:]}[rows]
     q = torch.randn(len(q_pos), 6, 64, generator=gen)
     k, v = torch.randn(2, 300, 2, 64, generator=gen)
-    out = attention.attend(q, q_pos, k, v, k_pos, 3, torch.float32, row_kernel, attention.SegmentPlans())
+    out = attention.attend(q, q_pos, k, v, k_pos, 3, torch.float32, row_kernel, attention.AttendPlans())
     torch.testing.assert_close(out, _masked_reference(q, q_pos, k, v, k_pos, 3), atol=2e-5, rtol=1e-4)
 
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates: before the import below
 
 from kvrag.kernels import triton_attention as ta  # noqa: E402
-from kvrag.kernels.attention import SegmentPlans, attend  # noqa: E402
+from kvrag.kernels.attention import AttendPlans, attend  # noqa: E402
 from kvrag.store.tiers.allocator import BlockTable  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,7 +152,7 @@ def test_rows_twin_keeps_attend_position_semantics(gaps):
     table = shuffled_table(n_keys, 5, 20, seed=34)
     q = torch.randn(13, 9, hd, generator=g).to(DEVICE)
     keys, values = gathered(k, table, n_keys), gathered(v, table, n_keys)
-    expected = attend(q, q_pos.to(DEVICE), keys, values, k_pos.to(DEVICE), group, torch.float32, False, SegmentPlans())
+    expected = attend(q, q_pos.to(DEVICE), keys, values, k_pos.to(DEVICE), group, torch.float32, False, AttendPlans())
     out = ta.rows_attention_twin(q, k, v, table, ta.visible_keys(q_pos, k_pos).to(DEVICE))
     torch.testing.assert_close(out.reshape(13, -1), expected, rtol=0, atol=1e-5)
 

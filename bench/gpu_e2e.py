@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path

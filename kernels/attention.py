@@ -231,17 +231,34 @@ class PositionShape:
     @classmethod
     def of(cls, q_pos: torch.Tensor, k_pos: torch.Tensor) -> PositionShape:
         given = (q_pos, k_pos)
-        if not _is_arange(k_pos) and _is_rising(k_pos):
+        facts = _facts(q_pos, k_pos)
+        if not facts["arange_k"] and facts["rising_k"]:
             q_pos = torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True) - 1
             k_pos = torch.arange(k_pos.shape[0], device=k_pos.device)
+            facts = _facts(q_pos, k_pos)
         n, r = k_pos.shape[0], q_pos.shape[0]
-        first, last = (int(q_pos[0]), int(q_pos[-1])) if r else (0, -1)
-        arange_k, sorted_q = _is_arange(k_pos), _is_sorted(q_pos)
-        plain = q_pos.shape == k_pos.shape and r > 0 and bool((q_pos == k_pos.to(q_pos.device)).all()) \
-            and _is_rising(q_pos)
-        tail = arange_k and 0 < r <= n and first == n - r and _is_rising(q_pos) and last == n - 1
-        keys_before = n == 0 or (r > 0 and int(k_pos.max()) <= int(q_pos.min()))
-        return cls(given, q_pos, k_pos, first, last, sorted_q, arange_k, keys_before, plain, tail)
+        first, last = facts["q_first"], facts["q_last"]
+        plain = q_pos.shape == k_pos.shape and facts["equal"] and facts["rising_q"]
+        tail = facts["arange_k"] and 0 < r <= n and first == n - r and facts["rising_q"] and last == n - 1
+        return cls(given, q_pos, k_pos, first, last, facts["sorted_q"], facts["arange_k"], facts["keys_before"],
+                   plain, tail)
+
+
+def _facts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict:
+    """Every fact PositionShape needs of q_pos [R] and k_pos [S], in one read back to the host (one sync)."""
+    r, n = q_pos.shape[0], k_pos.shape[0]
+    if r == 0 or n == 0:
+        return {"q_first": 0, "q_last": -1, "sorted_q": False, "rising_q": False, "arange_k": False,
+                "rising_k": False, "keys_before": n == 0, "equal": False}
+    k_pos = k_pos.to(q_pos.device)
+    dq, dk = q_pos[1:] - q_pos[:-1], k_pos[1:] - k_pos[:-1]
+    equal = (q_pos == k_pos).all() if q_pos.shape == k_pos.shape else torch.tensor(False, device=q_pos.device)
+    values = torch.stack([q_pos[0], q_pos[-1], q_pos.min(), k_pos[0], k_pos[-1], k_pos.max(), (dq >= 0).all(),
+                          (dq > 0).all(), (dk == 1).all(), (dk > 0).all(), equal]).tolist()
+    q_first, q_last, q_min, k_first, k_last, k_max, sorted_q, rising_q, step_k, rising_k, eq = values
+    return {"q_first": q_first, "q_last": q_last, "sorted_q": bool(sorted_q), "rising_q": bool(rising_q),
+            "arange_k": k_first == 0 and k_last == n - 1 and bool(step_k), "rising_k": bool(rising_k),
+            "keys_before": k_max <= q_min, "equal": bool(eq)}
 
 
 class AttendPlans:
@@ -292,16 +309,3 @@ def _merge(acc: torch.Tensor, lse: torch.Tensor, r0: int, r1: int, out: torch.Te
     new = torch.logaddexp(old, out_lse)
     acc[:, :, r0:r1].mul_(torch.exp(old - new)[..., None]).add_(out.float() * torch.exp(out_lse - new)[..., None])
     lse[:, :, r0:r1] = new
-
-
-def _is_sorted(pos: torch.Tensor) -> bool:
-    return pos.numel() > 0 and bool((pos[1:] >= pos[:-1]).all())
-
-
-def _is_rising(pos: torch.Tensor) -> bool:
-    return pos.numel() > 0 and bool((pos[1:] > pos[:-1]).all())
-
-
-def _is_arange(pos: torch.Tensor) -> bool:
-    n = pos.shape[0]
-    return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1 and bool((pos[1:] - pos[:-1] == 1).all())

@@ -26,9 +26,10 @@ import numpy as np
 
 from kvrag.bench.keyformer_load import RecordLog, item_chunks
 from kvrag.blend.config import BlendConfig
-from kvrag.blend.kv_budget import DEFAULT_RULE, parse_rule
+from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.cli.common import load_runtime
+from kvrag.config import KV_RULE
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
@@ -117,7 +118,7 @@ def run(items: list[dict], model: str | None = None, dtype: str | None = None, t
 def summary(per_item: list[dict[str, dict]], tokens: int, wall_s: float) -> dict:
     """The report: mean ROUGE-L and tokens before the first difference per rule@share, and the default rule."""
     keys = [k for k in per_item[0] if "@" in k and not k.startswith("none@")]
-    return {"items": len(per_item), "tokens": tokens, "wall_s": wall_s, "default": DEFAULT_RULE,
+    return {"items": len(per_item), "tokens": tokens, "wall_s": wall_s, "default": KV_RULE,
             "prompt_tokens": float(np.mean([r["prompt"]["tokens"] for r in per_item])),
             "answer_tokens": float(np.mean([r["none@1"]["tokens"] for r in per_item])),
             "rouge_l": {k: float(np.mean([r[k]["rouge_l"] for r in per_item])) for k in keys},

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvrag.blend.kv_budget import attention_logits, gumbel_softmax
+from kvrag.blend.kv_budget import RECENT_SHARE, attention_logits, gumbel_softmax
 from kvrag.config import KEEP_RULE
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV
@@ -32,10 +32,6 @@ from kvrag.model.step import GrowingKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 from kvrag.store.codec import DecodedKV
 
-# The kept budget's split: Keyformer keeps a recent window w and the rest by score; the paper finds w at 20-30 %
-# of the budget works best (Sec. 5.3, "recent window") and its code's default is 30 % (d-matrix-ai/keyformer-llm,
-# `--recent 30` of `--kv_cache`): recent_tokens = int(budget * 0.30), key_tokens = budget - recent_tokens.
-RECENT_SHARE = 0.3
 TAU_PROMPT = 1.0  # the paper's tau_init, at the prompt (step 0)
 SINKS = 4  # the window baseline's first tokens (StreamingLLM's four attention sinks)
 

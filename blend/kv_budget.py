@@ -28,12 +28,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kvrag.config import KV_RULE
 from kvrag.errors import KvragError
 
+# The kept budget's split: Keyformer keeps a recent window w and the rest by score; the paper finds w at 20-30 %
+# of the budget works best (Sec. 5.3, "recent window") and its code's default is 30 % (d-matrix-ai/keyformer-llm,
+# `--recent 30` of `--kv_cache`): recent_tokens = int(budget * 0.30), key_tokens = budget - recent_tokens.
 RECENT_SHARE = 0.3
 TAU_STEP = 0.01  # Keyformer's code: tau = tau_init + itr_count * tau_delta, tau_init 1, tau_delta 0.01
-DEFAULT_RULE = KV_RULE  # config.py
 
 
 @dataclass(frozen=True)

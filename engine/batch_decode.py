@@ -67,10 +67,7 @@ class PoolKV:
         self.model, self.kv, self.tables = model, kv, tables
         self.taps = taps or [None] * len(tables)
         self.k_all, self.v_all = kv.layer_views()  # [L, slots, Hkv, hd] each
-        # the new token's slot: its table's last row (built from ints: every row's slot would cost B x context)
-        bs = kv.block_size
-        last = [t.blocks[(t.n_tokens - 1) // bs] * bs + (t.n_tokens - 1) % bs for t in tables]
-        self.new_slots = torch.tensor(last, dtype=torch.long, device=self.k_all.device)  # [B]
+        self.new_slots = kv.last_slots(tables)  # [B] each new token's slot
         self.paged = _paged_tables(kv, tables) if model.triton else None
         self._slots: list[torch.Tensor] | None = None
 

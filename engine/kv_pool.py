@@ -10,6 +10,8 @@ block is copied before it is written (BlockPool.make_private), so a sequence nev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvrag.model.cache import DecodeCache
@@ -110,6 +112,13 @@ class SequenceKV:
         """The flat slots of a table's tokens [T]: where its K and V rows live in `layer_views`."""
         return self.pool.slot_index([table])
 
+    def last_slots(self, tables: Sequence[BlockTable]) -> torch.Tensor:
+        """Each table's newest row's flat slot [B] (where a decode step writes its K/V), from the tables' ints:
+        `rows` would build every row's slot to read the last."""
+        bs = self.block_size
+        last = [t.blocks[(t.n_tokens - 1) // bs] * bs + (t.n_tokens - 1) % bs for t in tables]
+        return torch.tensor(last, dtype=torch.long, device=self.pool.kv.device)
+
     def _copy_rows(self, table: BlockTable, cache: DecodeCache, start: int, stop: int) -> None:
         """Rows start..stop-1 of every layer of a contiguous cache into the table's slots for those positions."""
         if stop <= start:
@@ -129,4 +138,3 @@ def _first_moved(rows: torch.Tensor) -> int:
 
 
 __all__ = ["OutOfBlocks", "SequenceKV"]
-

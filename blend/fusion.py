@@ -147,8 +147,9 @@ class Selector:
     the layer's projection."""
 
     def __init__(self, model: Transformer, config: BlendConfig, n_chunk: int, chunk_starts: torch.Tensor | None,
-                 selected: torch.Tensor):
+                 selected: torch.Tensor, forced: torch.Tensor | None = None):
         self.model, self.config, self.n_chunk, self.chunk_starts = model, config, n_chunk, chunk_starts
+        self.forced = forced  # [C] bool: chunk rows kept at every check (a prompt's own text: it has no loaded KV)
         self.schedule = config.selection_schedule()
         self.first = min(self.schedule)
         self.ratio = config.ratio  # this prompt's share, set at the first check
@@ -171,6 +172,10 @@ class Selector:
         if layer == self.first:
             self.ratio = prompt_ratio(score, self.n_chunk, self.config)
         n_keep = keep_count(n_sel, self.schedule[layer], self.n_chunk, self.config, self.ratio)
+        if self.forced is not None:  # on top of the share: it is a share of the stored rows' work
+            forced = self.forced[chunk_part]
+            score = score.masked_fill(forced, math.inf)
+            n_keep = min(n_sel, n_keep + int(forced.sum()))
         top = torch.topk(score, n_keep).indices.sort().values
         self.selected = chunk_part[top]
         keep = torch.cat([top, torch.arange(n_sel, len(rows), device=top.device)])  # places within `rows`
@@ -183,7 +188,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
                   chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None,
-                  tap=None) -> FusionResult:
+                  tap=None, forced: torch.Tensor | None = None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -193,7 +198,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     `exact_rows`, which are reused as loaded at every layer (see the module doc). `chunk_starts` [K]: where each
     chunk begins among the chunk tokens (for `config.chunk_start_rows`). `rest_positions` [C + S]: the rows'
     absolute positions when they have gaps (reduced chunks: their kept tokens alone), else right after the preamble.
-    `tap`: sees every layer's queries and keys (a decode-time budget's scores).
+    `tap`: sees every layer's queries and keys (a decode-time budget's scores). `forced` [C] bool: chunk rows with
+    no loaded KV worth the name (a prompt's own text), selected at every check on top of the ratio's share.
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -216,7 +222,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         raise ValueError("keep_rest keeps keys before rotary, which a rotated exact prefix does not hand out")
     kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
     kv.tap = tap
-    selector = Selector(model, config, n_chunk, chunk_starts, result.selected) if config is not None else None
+    selector = Selector(model, config, n_chunk, chunk_starts, result.selected, forced) if config is not None else None
     # the rows (indices into rest) that go through attention and the MLP at the first layer
     index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
     rows = Rows(model.embed(rest_ids[index]), positions[n_pre:][index], (rope[0][n_pre + index], rope[1][n_pre + index]),

@@ -23,6 +23,7 @@ from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
 from kvrag.blend.layer_work import ChunkRef, CorruptChunk
 from kvrag.blend.ratio import LoadComputeProfile, cached_profile
+from kvrag.engine.prompt_reuse import PROMPT_TIER, Piece
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
@@ -33,6 +34,7 @@ from kvrag.store.kv import MissingChunk
 from kvrag.store.manifest import check_or_record
 from kvrag.store.remote import RemoteOptions, store_table
 from kvrag.store.tiers.cost_profile import CostProfile
+from kvrag.store.tiers.knowledge_tree import STORE as STORE_TIER
 from kvrag.store.tiers.reorder import order_priority
 
 
@@ -87,6 +89,46 @@ class ChunkSource:
             else:
                 refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
         return refs, time.perf_counter() - start
+
+    def piece_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
+                   pieces: Sequence[Piece]) -> tuple[list[ChunkRef], list[str]]:
+        """Refs for a plain prompt's pieces (engine/prompt_reuse.py), and where each one's KV came from: a whole
+        stored chunk is read by the loader, part of one is read now and cut to its rows, and prompt text gets zeros
+        (the blend computes it at every layer)."""
+        m = self.model
+        refs, tiers = [], []
+        for (name, ids), piece in zip(chunks, pieces, strict=True):
+            if piece.chunk_id is None:
+                zeros = torch.zeros(len(ids), m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
+                kv = LayerKV([zeros] * m.cfg.n_layers, [zeros] * m.cfg.n_layers, torch.arange(len(ids)))
+                refs.append(ChunkRef(name, ids, kv))
+                tiers.append(PROMPT_TIER)
+            elif name == piece.chunk_id and self.table is not None and not self.table.missing([name]):
+                refs.append(ChunkRef(name, ids))
+                tiers.append(STORE_TIER)
+            else:
+                kv, tier = self._stored_rows(piece, len(ids))
+                refs.append(ChunkRef(name, ids, kv))
+                tiers.append(tier)
+        return refs, tiers
+
+    def _stored_rows(self, piece: Piece, n: int) -> tuple[LayerKV, str]:
+        """Rows offset .. offset+n of a stored chunk's KV (keys before rotary), and their tier: the store's, or
+        computed now (not stored yet, or damaged: then stored, or repaired, at the next write-back)."""
+        m, rows = self.model, slice(piece.offset, piece.offset + n)
+        try:
+            if self.table is None:
+                raise MissingChunk(piece.chunk_id)
+            layers = [self.table.get_layer(piece.chunk_id, layer, expect_token_ids=piece.stored)
+                      for layer in range(m.cfg.n_layers)]
+        except KvragError as exc:
+            if not isinstance(exc, MissingChunk):
+                self._repair.add(piece.chunk_id)
+            kv, _ = self.compute_chunk(piece.chunk_id, piece.stored)
+            return LayerKV([k[rows] for k in kv.k], [v[rows] for v in kv.v], torch.arange(n)), "computed"
+        k = [torch.from_numpy(d.k[rows]).to(m.device, m.dtype) for d in layers]  # [n, Hkv, hd] each
+        v = [torch.from_numpy(d.v[rows]).to(m.device, m.dtype) for d in layers]
+        return LayerKV(k, v, torch.arange(n)), STORE_TIER
 
     def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
         """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.engine.prefiller import Framing
+from kvrag.engine.prompt_reuse import Piece, PromptSpans, split
 from kvrag.model.chat import ChatPrompts, Turn
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
+
+BLOCK = 16  # the prefix cache's unit: a head is reused up to its last whole block the cache holds
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class Plan:
     chunks: tuple[tuple[str, tuple[int, ...]], ...]
     tail: tuple[int, ...]
     turn: KeptTurn | None  # the kept turn it continues, held from submission to prefill
+    pieces: tuple[Piece, ...] | None = None  # a plain prompt's stored spans and text between (prompt_reuse.py)
+    salt: str = ""  # whose prefix cache the head is looked up in
 
     @property
     def tokens(self) -> int:
@@ -56,32 +61,53 @@ class Plan:
         return [*self.head, *(i for _, ids in self.chunks for i in ids), *self.tail]
 
 
-def turn_key(turns: Sequence[Turn]) -> str:
+@dataclass(frozen=True)
+class Block:
+    """BLOCK rows of a prompt head's KV, keys before rotary: k, v [L, BLOCK, Hkv, hd]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def turn_key(turns: Sequence[Turn], salt: str = "") -> str:
     """A conversation's text as its key: roles and stripped texts (what a client sends back of an answer)."""
-    text = json.dumps([[role, text.strip()] for role, text in turns], ensure_ascii=False)
+    text = json.dumps([salt, *([role, text.strip()] for role, text in turns)], ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def block_keys(ids: Sequence[int], salt: str = "") -> list[str]:
+    """One key per whole BLOCK of ids, each hashing the salt and every id up to its block's end (vLLM's prefix
+    caching's chained block hashes): equal keys mean equal prefixes."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=16, person=b"kvrag-prefix")
+    keys = []
+    for end in range(BLOCK, len(ids) + 1, BLOCK):
+        digest.update(b"".join(i.to_bytes(4, "little") for i in ids[end - BLOCK:end]))
+        keys.append("block:" + digest.copy().hexdigest())
+    return keys
 
 
 class Conversations:
     """Kept turns and heads of one engine's model, within `budget_bytes` (0: none kept). Any thread may `plan`;
     `framing` and `keep` run on the engine's thread."""
 
-    def __init__(self, runtime: Runtime, budget_bytes: int):
+    def __init__(self, runtime: Runtime, budget_bytes: int, spans: PromptSpans | None = None):
         self.runtime, self.model = runtime, runtime.model
         self.chat = ChatPrompts(runtime.prompts)
+        self.spans = spans  # stored passages found in plain prompts (None: plain prompts are computed whole)
         self.budget = budget_bytes
-        self._kept: OrderedDict[str, KeptTurn | LayerKV] = OrderedDict()  # turn keys and head keys, LRU first
+        self._kept: OrderedDict[str, KeptTurn | Block] = OrderedDict()  # turn keys and block keys, LRU first
         self._bytes = 0
         self._lock = threading.Lock()
 
     def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user",
-             room: int | None = None) -> Plan | None:
+             room: int | None = None, salt: str = "", find_spans: bool = True) -> Plan | None:
         """The request's prompt (`role`: the question's, user or tool); None for the single-turn RAG prompt
         (preamble, chunks, suffix). A kept turn is continued only if the prompt then fits in `room` tokens: else the
-        history is rendered from its text, without the earlier turns' passages."""
+        history is rendered from its text, without the earlier turns' passages. A plain prompt's stored passages are
+        blended where `find_spans` (prompt_reuse.py); `salt` keys what a client's prompts leave cached."""
         if rag and not history:
             return None
-        turn = self._get(turn_key(history)) if history and history[-1][0] == "assistant" else None
+        turn = self._get(turn_key(history, salt)) if history and history[-1][0] == "assistant" else None
         chunks = tuple(chunks) if rag else ()
         if isinstance(turn, KeptTurn):
             new = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
@@ -90,9 +116,18 @@ class Conversations:
             if room is None or plan.tokens <= room:
                 return plan
         if not rag:
-            return Plan((), (), tuple(self.chat.plain_ids(history, question, role)), None)
+            return self._plain(self.chat.plain_ids(history, question, role), salt, find_spans)
         return Plan(tuple(self.chat.head_ids(history)), chunks, tuple(self.runtime.prompts.build([], question).suffix),
-                    None)
+                    None, salt=salt)
+
+    def _plain(self, ids: list[int], salt: str, find_spans: bool) -> Plan:
+        """A plain prompt: cut around its stored passages, or a head up to its last block boundary and a tail."""
+        if find_spans and self.spans is not None:
+            cut = split(ids, self.spans.find(ids, salt), self.spans.index)
+            if cut is not None:
+                return Plan(cut.head, cut.chunks, cut.tail, None, cut.pieces, salt)
+        head = (len(ids) - 1) // BLOCK * BLOCK
+        return Plan(tuple(ids[:head]), (), tuple(ids[head:]), None, salt=salt)
 
     def framing(self, plan: Plan) -> tuple[Framing, int]:
         """The plan's head KV and tail, and how many head rows were reused rather than computed."""
@@ -100,26 +135,49 @@ class Conversations:
         if plan.turn is not None:
             reused, kv = plan.turn.rows, plan.turn.kv
         else:
-            kept = self._get(_head_key(head)) if head else None
-            reused, kv = (len(head), kept) if isinstance(kept, LayerKV) else (0, None)
+            reused, kv = self._cached_head(head, plan.salt)
         if reused < len(head):
             with torch.inference_mode():
                 _, new = extend(m, kv, self.runtime.ids_tensor(head[reused:]))
             kv = new if kv is None else _joined(m, kv, new)
             if plan.turn is None:
-                self._put(_head_key(head), kv)
+                self._keep_blocks(head, kv, plan.salt, reused)
         if kv is None:  # plain chat with nothing before its tail
             empty = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
             kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
-        return Framing(head, kv, list(plan.tail)), reused
+        return Framing(head, kv, list(plan.tail), plan.pieces), reused
+
+    def _cached_head(self, head: list[int], salt: str) -> tuple[int, LayerKV | None]:
+        """The longest run of the head's leading blocks the prefix cache holds, and their KV (keys before rotary)."""
+        blocks = []
+        for key in block_keys(head, salt):
+            block = self._get(key)
+            if not isinstance(block, Block):
+                break
+            blocks.append(block)
+        if not blocks:
+            return 0, None
+        k = torch.cat([b.k for b in blocks], dim=1)  # [L, n, Hkv, hd]
+        v = torch.cat([b.v for b in blocks], dim=1)
+        return k.shape[1], LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]))
+
+    def _keep_blocks(self, head: list[int], kv: LayerKV, salt: str, start: int) -> None:
+        """Cache the head's whole blocks from row `start` on (the ones before it are cached already)."""
+        if kv.rotated:
+            return
+        k, v = torch.stack(kv.k), torch.stack(kv.v)  # [L, n, Hkv, hd] each
+        for i, key in enumerate(block_keys(head, salt)):
+            if i * BLOCK >= start:
+                rows = slice(i * BLOCK, (i + 1) * BLOCK)
+                self._put(key, Block(k[:, rows].clone(), v[:, rows].clone()))
 
     def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
-             pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str]) -> None:
+             pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str], salt: str = "") -> None:
         """Keep a finished turn: `ids` every id of its prompt and answer, `pool_rows` the K and V [L, n, Hkv, hd]
         of the first n, copied out of the pool (keys rotated); `question` the last message, (role, text)."""
         k, v = pool_rows
         kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
-        self._put(turn_key([*history, question, ("assistant", answer)]), KeptTurn(tuple(ids), kv, chunk_ids))
+        self._put(turn_key([*history, question, ("assistant", answer)], salt), KeptTurn(tuple(ids), kv, chunk_ids))
 
     def _get(self, key: str):
         with self._lock:
@@ -128,7 +186,7 @@ class Conversations:
                 self._kept.move_to_end(key)
             return value
 
-    def _put(self, key: str, value: KeptTurn | LayerKV) -> None:
+    def _put(self, key: str, value: KeptTurn | Block) -> None:
         size = _nbytes(value)
         with self._lock:
             if size > self.budget or key in self._kept:
@@ -140,13 +198,10 @@ class Conversations:
                 self._bytes -= _nbytes(old)
 
 
-def _head_key(head: Sequence[int]) -> str:
-    return "head:" + hashlib.sha256(json.dumps(list(head)).encode()).hexdigest()
-
-
-def _nbytes(value: KeptTurn | LayerKV) -> int:
-    kv = value.kv if isinstance(value, KeptTurn) else value
-    return sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
+def _nbytes(value: KeptTurn | Block) -> int:
+    if isinstance(value, Block):
+        return value.k.numel() * value.k.element_size() * 2
+    return sum(t.numel() * t.element_size() for t in (*value.kv.k, *value.kv.v))
 
 
 def _joined(model, prefix: LayerKV, new: LayerKV) -> LayerKV:

@@ -20,6 +20,7 @@ from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
+from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.errors import KvragError
@@ -43,6 +44,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     chat_cache_bytes: int = 256 << 20  # kept conversation turns and heads (engine/conversations.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
+    prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
 
 
 class LLMEngine:
@@ -54,7 +56,9 @@ class LLMEngine:
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
         self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
-        self.conversations = Conversations(prefiller.runtime, config.chat_cache_bytes)
+        source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
+        spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
+        self.conversations = Conversations(prefiller.runtime, config.chat_cache_bytes, spans)
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
@@ -76,7 +80,8 @@ class LLMEngine:
         prompts = self.prefiller.runtime.prompts
         parse_rule(request.kv_rule)  # said at submission, not at its prefill
         plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
-                                       request.last_role, room=self.max_positions - request.sampling.max_tokens)
+                                       request.last_role, room=self.max_positions - request.sampling.max_tokens,
+                                       salt=request.salt, find_spans=request.mode in ("blend", "reuse"))
         head = len(prompts.preamble_ids) if plan is None else len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
@@ -289,6 +294,8 @@ class LLMEngine:
         the blend also selected are counted once."""
         if seq.request.mode == "full":
             return 0
+        if seq.plan is not None and seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
+            return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens)
         chunks = seq.request.chunks if seq.plan is None else seq.plan.chunks
         tiers = zip(chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
         computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
@@ -322,7 +329,7 @@ class LLMEngine:
         chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
         answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
         self.conversations.keep(req.history, (req.last_role, req.question), answer, ids, (k[:, rows].clone(), v[:, rows].clone()),
-                                chunk_ids)
+                                chunk_ids, req.salt)
 
     def _order_priority(self, seq: Sequence) -> float:
         """RAGCache's order (ChunkSource.order_priority) for prompts that read the tiers; 0 for the others."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from kvrag.blend.layer_work import ChunkRef, CorruptChunk, DecoderPause
 from kvrag.blend.loader import open_loader
 from kvrag.blend.staging import StagingArea
 from kvrag.engine.chunk_source import ChunkSource
+from kvrag.engine.prompt_reuse import Piece
 from kvrag.errors import KvragError
 from kvrag.model.cache import DecodeCache
 from kvrag.model.generate import ChunkedPrefill, stop_ids
@@ -82,6 +83,9 @@ class Framing:
     head_ids: list[int]
     head: LayerKV
     tail: list[int]
+    # a plain prompt's pieces (engine/prompt_reuse.py), one per chunk: stored rows, or prompt text computed at
+    # every layer; None: every chunk is a whole stored chunk
+    pieces: tuple[Piece, ...] | None = None
 
 
 class FullPrefill:
@@ -224,8 +228,17 @@ class Prefiller:
         exact = source.exact_prefix(lease) if framing is None else framing.head
         rest = list(chunks[matched:])
         memory = source.memory_kv(lease) if lease is not None else [None] * len(rest)
-        refs, missing_s = source.chunk_refs(rest, memory)
-        if mode == "blend" and config.ratio == 0:
+        forced, piece_tiers = None, None
+        if framing is not None and framing.pieces is not None:
+            t0 = time.perf_counter()
+            refs, piece_tiers = source.piece_refs(rest, framing.pieces)
+            missing_s = time.perf_counter() - t0
+            forced = _prompt_rows(rest, framing.pieces).to(self.model.device)
+            if mode == "reuse" or config.ratio == 0:  # the prompt's own text is computed all the same
+                mode, config = "blend", replace(config, ratio=0.0, deviation_mass=0.0)
+        else:
+            refs, missing_s = source.chunk_refs(rest, memory)
+        if mode == "blend" and config.ratio == 0 and forced is None:
             mode = "reuse"  # ratio 0 is full KV reuse, by definition
         if mode == "prefix":
             refs = refs[:1]
@@ -252,7 +265,7 @@ class Prefiller:
             fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
                                   loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
                                   exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),
-                                  rest_positions=layout.positions, tap=tap)
+                                  rest_positions=layout.positions, tap=tap, forced=forced)
         finally:
             if loader is not None:
                 loader.close()
@@ -261,8 +274,9 @@ class Prefiller:
         load_s = loader.busy_s if loader else 0.0
         timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
                    "compute_missing": missing_s}
-        tiers = ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
-                                      for i, ref in enumerate(refs)]
+        tiers = piece_tiers if piece_tiers is not None else \
+            ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
+                                  for i, ref in enumerate(refs)]
         if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
             not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
             source.keep_for_later(lease, rest, fused.rest_kv, not_in_memory, elapsed)
@@ -280,6 +294,12 @@ class Prefiller:
             return 0
         table = self.source.table
         return refs[0].n_rows if table is None or table.codec in ("fp16", "bf16") else 0
+
+
+def _prompt_rows(chunks: Sequence[tuple[str, Sequence[int]]], pieces: Sequence[Piece]) -> torch.Tensor:
+    """[C] bool: the chunk rows that are the prompt's own text (computed at every layer, never loaded)."""
+    return torch.tensor([p.chunk_id is None for (_, ids), p in zip(chunks, pieces, strict=True) for _ in ids],
+                        dtype=torch.bool)
 
 
 def preamble_kv(runtime: Runtime) -> LayerKV:

@@ -55,6 +55,9 @@ class Request:
     # teacher forcing (benchmarks): these tokens are the answer, fed whatever the model would choose, and
     # Sequence.agreed counts the steps where its greedy choice was the forced token
     forced: tuple[int, ...] = ()
+    # whose cache this request's prompt reads and adds to (a tenant: vLLM's cache_salt, or its API key): the prefix
+    # cache's blocks, kept turns and the passages its prompts leave in the store; "" is the shared default
+    salt: str = ""
 
 
 class Status(enum.Enum):

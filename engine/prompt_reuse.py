@@ -1,0 +1,97 @@
+"""Reuse for any prompt: the stored passages a client's own prompt carries, cut out as chunks to blend.
+
+A plain prompt (chat or completion, no retrieval of ours) is rendered to ids, and the store's passage index
+(store/passage_index.py) finds the runs of them that are stored chunks, whatever template surrounds them. The prompt
+becomes
+
+    head   the ids before the first stored span: an exact prefix (block-cached: engine/conversations.py)
+    pieces each stored span (its rows of the chunk's stored KV, blended as retrieved chunks are), and between two
+           spans the prompt's own text (a separator, a source marker, a passage not stored): computed at every
+           layer, as the suffix is
+    tail   the ids after the last span (the question and the template's end): computed
+
+A prompt with no stored span is a head cut at a block boundary and a short tail, so the prefix cache serves what it
+shares with earlier prompts (a system prompt, a conversation's head).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrag.store.chunks import ChunkTable
+from kvrag.store.env import StoreEnv
+from kvrag.store.passage_index import PassageIndex, Span
+
+PROMPT_TIER = "prompt"  # a piece of the prompt's own text: computed, never loaded
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one chunk of a plan is: rows offset.. of a stored chunk (its whole ids `stored`), or, with chunk_id
+    None, prompt text computed at every layer."""
+
+    chunk_id: str | None
+    offset: int = 0
+    stored: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Split:
+    head: tuple[int, ...]
+    chunks: tuple[tuple[str, tuple[int, ...]], ...]  # (a name for the piece, its ids in the prompt)
+    pieces: tuple[Piece, ...]
+    tail: tuple[int, ...]
+
+    @property
+    def stored_tokens(self) -> int:
+        return sum(len(ids) for (_, ids), p in zip(self.chunks, self.pieces, strict=True) if p.chunk_id is not None)
+
+
+class PromptSpans:
+    """The store's passage index, filled from its chunk table at first use (and by `add` as passages are kept)."""
+
+    def __init__(self, env: StoreEnv | None):
+        self.env, self.index = env, PassageIndex()
+        self._filled = False
+        self._lock = threading.Lock()
+
+    def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
+        self._fill()
+        return self.index.find(ids, salt)
+
+    def add(self, chunk_id: str, ids: Sequence[int], salt: str = "") -> None:
+        self.index.add(chunk_id, ids, salt)
+
+    def _fill(self) -> None:
+        with self._lock:
+            if self._filled or self.env is None:
+                return
+            self.index.add_many((r.chunk_id, r.token_ids) for r in ChunkTable(self.env).iter())
+            self._filled = True
+
+
+def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Split | None:
+    """The prompt cut around its stored spans (see the module doc); None when it has none. The tail keeps at least
+    one token: the prompt's last row is the one whose logits are read."""
+    ids = tuple(ids)
+    spans = list(spans)
+    if spans and spans[-1].end >= len(ids):
+        last = spans[-1]
+        spans[-1] = Span(last.start, last.chunk_id, last.offset, len(ids) - 1 - last.start)
+    spans = [s for s in spans if s.length > 0]
+    if not spans:
+        return None
+    chunks, pieces, at = [], [], spans[0].start
+    for span in spans:
+        if span.start > at:  # the prompt's own text between two stored spans
+            chunks.append((f"prompt[{at}:{span.start}]", ids[at:span.start]))
+            pieces.append(Piece(None))
+        stored = index.token_ids(span.chunk_id)
+        whole = span.offset == 0 and span.length == len(stored)
+        name = span.chunk_id if whole else f"{span.chunk_id}[{span.offset}:{span.offset + span.length}]"
+        chunks.append((name, ids[span.start:span.end]))
+        pieces.append(Piece(span.chunk_id, span.offset, stored))
+        at = span.end
+    return Split(ids[:spans[0].start], tuple(chunks), tuple(pieces), ids[at:])

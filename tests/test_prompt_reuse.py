@@ -1,0 +1,156 @@
+"""Stored passages found inside a client's own prompt (store/passage_index.py, engine/prompt_reuse.py), blended
+against a full prefill of the same prompt; the prefix cache over plain prompts' heads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.sequence import Request
+from kvrag.model.generate import SamplingConfig
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv, layers_to_numpy
+from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, chunk_id_for
+from kvrag.store.env import StoreEnv
+from kvrag.store.kv import KVTable
+from kvrag.store.passage_index import MIN_SPAN, PassageIndex
+
+# ---- the index, on hand-made ids ----------------------------------------------------------------------------
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def test_spans_found_wherever_they_stand_and_cut_at_differing_ids():
+    a, b, c = _ids(1, 120), _ids(2, 90), _ids(3, 200)
+    index = PassageIndex()
+    for name, ids in (("a", a), ("b", b), ("c", c)):
+        index.add(name, ids)
+    # b trimmed by 5 ids at its start (a client's template merged them), then some text, then a whole,
+    # c missing, then c's middle (a client cut it)
+    prompt = [7, 8, 9] + b[5:] + [11] * 20 + a + [12, 13] + c[40:150] + [14, 15]
+    spans = index.find(prompt)
+    assert [(s.chunk_id, s.offset, s.length) for s in spans] == [("b", 5, 85), ("a", 0, 120), ("c", 40, 110)]
+    for s in spans:  # each span is the stored chunk's ids, exactly
+        stored = {"a": a, "b": b, "c": c}[s.chunk_id]
+        assert prompt[s.start:s.end] == stored[s.offset:s.offset + s.length]
+
+
+def test_a_changed_id_inside_a_passage_splits_it_and_short_runs_are_not_reused():
+    a = _ids(4, 150)
+    index = PassageIndex()
+    index.add("a", a)
+    changed = a[:70] + [5] + a[71:]
+    assert [(s.offset, s.length) for s in index.find(changed)] == [(0, 70), (71, 79)]
+    assert index.find(a[:MIN_SPAN - 1]) == []
+
+
+def test_a_salted_passage_is_seen_by_its_own_salt_alone():
+    a, b = _ids(5, 100), _ids(6, 100)
+    index = PassageIndex()
+    index.add("corpus", a)
+    index.add("mine", b, salt="alice")
+    prompt = a + [1, 2, 3] + b
+    assert [s.chunk_id for s in index.find(prompt, "alice")] == ["corpus", "mine"]
+    assert [s.chunk_id for s in index.find(prompt, "bob")] == ["corpus"]
+    assert [s.chunk_id for s in index.find(prompt)] == ["corpus"]
+
+
+# ---- the engine: a client's template over stored chunks, against a full prefill -------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tiny_llama_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_dir), "float32")
+
+
+@pytest.fixture
+def corpus(tmp_path, tiny_runtime, invented_items):
+    """A store whose chunk table and KV table hold four invented passages (as index + precompute leave them)."""
+    rt = tiny_runtime
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    prefiller = Prefiller.open(rt, env)
+    texts = [" ".join(ctx["text"].split()[:60]) for ctx in invented_items[0]["ctxs"][:4]]
+    records = []
+    for i, text in enumerate(texts):
+        ids = tuple(rt.prompts.passage_ids(f"Doc {i}", text))
+        records.append(ChunkRecord(chunk_id_for(ids, rt.local.tokenizer_fingerprint), "d", f"Doc {i}", text, 0,
+                                   len(text), ids))
+    ChunkTable(env).put_docs([(DocRecord("d", "d.txt", "", "h", tuple(DocChunk(r.chunk_id, 0, 1, len(r.token_ids))
+                                                                       for r in records)), records)])
+    table = KVTable(env, rt.fingerprint, "fp16")
+    with torch.inference_mode():
+        for r in records[:3]:  # the fourth is indexed, its KV not computed yet
+            table.put_chunk(r.chunk_id, r.token_ids, layers_to_numpy(chunk_kv(rt, prefiller.preamble, r.token_ids)))
+    yield env, prefiller, texts
+    env.close()
+
+
+def _client_prompt(texts: list[str]) -> str:
+    """An Open WebUI-style RAG template: the passages inside <source> tags, the question after."""
+    sources = "\n".join(f'<source id="{i + 1}">{t}</source>' for i, t in enumerate(texts))
+    return ("### Task:\nRespond to the user query using the provided context.\n\n<context>\n" + sources +
+            "\n</context>\n\n<user_query>\nWho was the spouse of the performer?\n</user_query>")
+
+
+def _run(engine: LLMEngine, request: Request):
+    seq = engine.add(request)
+    while not seq.done.is_set():
+        engine.step()
+    return seq
+
+
+def _request(question: str, mode: str = "blend", ratio: float = 0.15, **extra) -> Request:
+    return Request(question, (), mode, BlendConfig(ratio=ratio), RatioPolicy.parse(ratio, "ratio"),
+                   sampling=SamplingConfig(max_tokens=4), rag=False, keep_first_logits=True, **extra)
+
+
+def test_a_client_prompt_reuses_its_stored_passages_and_ratio_one_is_full_prefill(corpus):
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    question = _client_prompt([texts[2], texts[0], texts[3]])  # in a new order, one not precomputed yet
+    full = _run(engine, _request(question, mode="full"))
+    whole = _run(engine, _request(question, ratio=1.0))
+    plan = whole.plan
+    assert [p.chunk_id is None for p in plan.pieces] == [False, True, False, True, False]  # texts, separators
+    assert sum(len(ids) for _, ids in plan.chunks) + len(plan.head) + len(plan.tail) == full.prompt_tokens
+    torch.testing.assert_close(whole.first_logits, full.first_logits, rtol=1e-4, atol=2e-4)
+    assert whole.output == full.output
+    blended = _run(engine, _request(question))
+    stored = sum(len(ids) for (_, ids), p in zip(plan.chunks, plan.pieces, strict=True) if p.chunk_id)
+    # most stored rows reused; the separators between the passages and the question computed
+    assert stored * 0.7 < blended.reused_tokens - blended.head_reused <= stored
+    assert blended.prefill_info["reused_tokens"] == blended.reused_tokens
+
+
+def test_the_prompts_own_text_is_computed_at_every_layer(corpus):
+    """With ratio 0 the stored rows are reused as loaded, and the text between them (separators, tags) computed: the
+    same prompt with a separator changed gives the logits a full prefill of it gives only where they are computed."""
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    reuse = _run(engine, _request(_client_prompt(texts[:2]), mode="reuse"))
+    assert reuse.prefill_info["recomputed_chunk_tokens"] == sum(
+        len(ids) for (_, ids), p in zip(reuse.plan.chunks, reuse.plan.pieces, strict=True) if p.chunk_id is None)
+
+
+def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(corpus):
+    env, prefiller, _ = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    system = ("You are a careful assistant for the harbour archive. Answer in one sentence, cite nothing, and say "
+              "so when you do not know. ") * 3
+    first = _run(engine, _request("Who kept the light?", history=(("system", system),)))
+    second = _run(engine, _request("When was it built?", history=(("system", system),)))
+    system_ids = len(engine.conversations.chat.plain_ids((("system", system),), "x"))
+    assert first.head_reused == 0
+    assert second.head_reused >= system_ids - 32  # every whole block the two prompts share
+    alone = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0)),
+                 _request("When was it built?", history=(("system", system),)))
+    torch.testing.assert_close(second.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)
+    other = _run(engine, _request("When was it built?", history=(("system", system),), salt="tenant-b"))
+    assert other.head_reused == 0  # another tenant's cache: nothing shared

@@ -34,6 +34,7 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
 from kvrag.engine.model_check import blending_allowed
 from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.prompt_reuse import carries_passages
 from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
@@ -117,7 +118,9 @@ class KVRag:
                top_p: float = 1.0, seed: int | None = None, selection: BlendConfig | None = None,
                kv_tokens: int = 0, kv_rule: str = KV_RULE, logprobs: int | None = None,
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
-               grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None) -> Generation:
+               grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None,
+               logit_bias: dict[int, float] | None = None, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, salt: str = "") -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
         from the store, else the k best retrieved (dropping those under relative_cutoff x the best score, and those
         under `min_score`, the cosine similarity below which a chunk is not about the question: docs/retrieval-cutoff.md).
@@ -131,7 +134,11 @@ class KVRag:
         with no passages and no RAG instruction. `keep_turn`: keep this turn's KV, so that a follow-up whose history
         ends with this answer reuses it (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON
         schema, a tool call) the answer is decoded within. `last_role`: "tool" for a tool's result as the last
-        message (with rag False). `listener`: called with no arguments from the
+        message (with rag False). `salt`: whose caches the request reads and adds to (a tenant; "" the shared one).
+        Where retrieval happens is the config's `retrieval`: with auto, a prompt that carries passages of its own (a
+        stored chunk's text, or a passage-like paragraph: engine/prompt_reuse.py) is not retrieved for; without
+        retrieval the prompt's stored passages are found and blended wherever they stand. `listener`: called with no
+        arguments from the
         engine's thread after each token and at the end (to wake an event loop that reads `Generation.seq.events`
         without blocking)."""
         if not question or not question.strip():
@@ -141,16 +148,18 @@ class KVRag:
         start = time.perf_counter()
         policy = ratio if isinstance(ratio, RatioPolicy) else RatioPolicy.parse(ratio, "ratio")
         blend = policy.start(selection)
-        sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
+        sampling = SamplingConfig(max_tokens, temperature, top_p, seed, logit_bias=logit_bias or (),
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
 
         history = tuple((role, text) for role, text in history)
         given = chunk_ids is not None or passages is not None
-        retrieve = rag and k > 0 and not given
+        retrieve = rag and k > 0 and not given and self._retrieves(question, history, salt)
 
         def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
             return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
                            tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs, history=history,
-                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar, last_role=last_role)
+                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar, last_role=last_role,
+                           salt=salt)
 
         query = search_text(question, history)
         if self.speculator is not None and retrieve and not history:
@@ -160,6 +169,12 @@ class KVRag:
             if retrieve or given else ([], [])
         retrieve_s = time.perf_counter() - start
         return Generation(self, self.loop.submit(request(chunks, sources), listener), retrieve_s)
+
+    def _retrieves(self, question: str, history: Sequence[tuple[str, str]], salt: str) -> bool:
+        """Whether a question that may be retrieved for is (the config's `retrieval`)."""
+        if self.config.retrieval != "auto":
+            return self.config.retrieval == "server"
+        return not carries_passages(self.engine.conversations, question, history, salt)
 
     def ask(self, question: str, **options) -> Answer:
         """Answer one question (the options of `submit`) and return when it is done."""

@@ -62,6 +62,8 @@ class KVRagConfig:
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "256MiB"  # kept conversation turns (engine/conversations.py); "0": none
+    # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
+    retrieval: str = "auto"
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     # options alone
     codec: str = "fp16"
@@ -93,6 +95,8 @@ class KVRagConfig:
         if options.get("aws") is None:
             values["aws"] = {k: v for k, v in environ.items() if k.startswith("AWS_")}
         config = cls(**values)
+        if config.retrieval not in RETRIEVAL:
+            raise KvragError(f"retrieval must be one of {', '.join(RETRIEVAL)}, got {config.retrieval!r}")
         if config.reorder_window < 0:
             raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
         return config
@@ -104,8 +108,11 @@ ENVIRONMENT = {
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
     "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
-    "model_check": "KVRAG_MODEL_CHECK",
+    "model_check": "KVRAG_MODEL_CHECK", "retrieval": "KVRAG_RETRIEVAL",
 }
+# auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
+# server: always (a request's `rag: false` aside); client: never, the application sends its passages
+RETRIEVAL = ("auto", "server", "client")
 
 
 def _parse(variable: str, text: str, default):

@@ -49,6 +49,10 @@ def serve_command(
     speculate: bool = typer.Option(False, "--speculate",
                                    help="Start a question's prefill on an IVF index's early search stages "
                                         "(RAGCache's speculative pipelining; nothing to gain on a Flat index)."),
+    retrieval: str = typer.Option("auto", "--retrieval", envvar="KVRAG_RETRIEVAL",
+                                  help="Where retrieval happens: auto (here, unless a prompt carries passages of its "
+                                       "own), server (always here), client (never: the application sends its "
+                                       "passages). Stored passages in any prompt are blended either way."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
@@ -61,6 +65,8 @@ def serve_command(
     import torch
 
     from kvrag.api import KVRag
+    from kvrag.config import RETRIEVAL
+    from kvrag.errors import KvragError
     from kvrag.server.app import ServerSettings
     from kvrag.server.run import bind, listen, serve
     from kvrag.store.env import StoreEnv
@@ -68,6 +74,8 @@ def serve_command(
     from kvrag.store.tiers.config import CacheConfig, parse_bytes
 
     codec_id(codec)
+    if retrieval not in RETRIEVAL:
+        raise KvragError(f"--retrieval must be one of {', '.join(RETRIEVAL)}, got {retrieval}")
     parse_bytes(kv_budget, "--kv-budget")
     CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
     path = resolve_store(store)
@@ -79,7 +87,7 @@ def serve_command(
         with KVRag(path, model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
                    host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running,
                    max_waiting=max_waiting, tune_process=True, speculate=speculate, keep=keep,
-                   keep_rule=keep_rule) as rag:
+                   keep_rule=keep_rule, retrieval=retrieval) as rag:
             settings = ServerSettings(model_name or rag.runtime.local.name, api_key or None, max_tokens)
             console.print(f"serving {settings.model_name} on {listen(sock)}/v1"
                           f"{' (API key required)' if settings.api_key else ''}; SIGTERM or Ctrl-C stops",

@@ -5,8 +5,10 @@ chunks, and a tail (the question's suffix). When a finished turn asked to be kep
 and the KV its sequence left in the pool (prompt, passages included, and answer) are kept here under the text of
 the conversation so far. A follow-up whose history is that text continues from those exact ids: their KV is
 reused as it stood (vLLM's prefix caching over a chat), the chunks already in that context are not repeated, and
-only the new turn is computed. Heads computed from a history (a system prompt that every request repeats) are
-kept too. Both are bounded in bytes, least recently used first out.
+only the new turn is computed. Every prefilled prompt's whole blocks are kept too, under chained block hashes (a
+system prompt every request repeats, a few-shot head, an exact repeat): a later prompt reuses its longest cached run
+of leading blocks, as vLLM's automatic prefix caching does, each tenant's (salt's) apart. Both are bounded in bytes,
+least recently used first out.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Block:
-    """BLOCK rows of a prompt head's KV, keys before rotary: k, v [L, BLOCK, Hkv, hd]."""
+    """BLOCK rows of a prompt's KV, keys rotated to their positions: k, v [L, BLOCK, Hkv, hd]."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -123,7 +125,8 @@ class Conversations:
     def _plain(self, ids: list[int], salt: str, find_spans: bool) -> Plan:
         """A plain prompt: cut around its stored passages, or a head up to its last block boundary and a tail."""
         if find_spans and self.spans is not None:
-            cut = split(ids, self.spans.find(ids, salt), self.spans.index)
+            cached = self._cached_rows(ids, salt)  # an exact prefix beats a blended span: spans start after it
+            cut = split(ids, [s for s in self.spans.find(ids, salt) if s.start >= cached], self.spans.index)
             if cut is not None:
                 return Plan(cut.head, cut.chunks, cut.tail, None, cut.pieces, salt)
         head = (len(ids) - 1) // BLOCK * BLOCK
@@ -140,15 +143,14 @@ class Conversations:
             with torch.inference_mode():
                 _, new = extend(m, kv, self.runtime.ids_tensor(head[reused:]))
             kv = new if kv is None else _joined(m, kv, new)
-            if plan.turn is None:
-                self._keep_blocks(head, kv, plan.salt, reused)
         if kv is None:  # plain chat with nothing before its tail
             empty = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
             kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
         return Framing(head, kv, list(plan.tail), plan.pieces), reused
 
     def _cached_head(self, head: list[int], salt: str) -> tuple[int, LayerKV | None]:
-        """The longest run of the head's leading blocks the prefix cache holds, and their KV (keys before rotary)."""
+        """The longest run of the head's leading blocks the prefix cache holds, and their KV (keys rotated: a prefix
+        block always stands at the same positions)."""
         blocks = []
         for key in block_keys(head, salt):
             block = self._get(key)
@@ -159,15 +161,20 @@ class Conversations:
             return 0, None
         k = torch.cat([b.k for b in blocks], dim=1)  # [L, n, Hkv, hd]
         v = torch.cat([b.v for b in blocks], dim=1)
-        return k.shape[1], LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]))
+        return k.shape[1], LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
 
-    def _keep_blocks(self, head: list[int], kv: LayerKV, salt: str, start: int) -> None:
-        """Cache the head's whole blocks from row `start` on (the ones before it are cached already)."""
-        if kv.rotated:
-            return
-        k, v = torch.stack(kv.k), torch.stack(kv.v)  # [L, n, Hkv, hd] each
-        for i, key in enumerate(block_keys(head, salt)):
-            if i * BLOCK >= start:
+    def _cached_rows(self, ids: Sequence[int], salt: str) -> int:
+        """How many leading rows of `ids` the prefix cache holds now (whole blocks)."""
+        with self._lock:
+            keys = block_keys(ids, salt)
+            held = next((i for i, key in enumerate(keys) if key not in self._kept), len(keys))
+        return held * BLOCK
+
+    def keep_prefix(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, salt: str = "") -> None:
+        """Cache a prefilled prompt's whole blocks (vLLM's automatic prefix caching): `ids` its ids, k and v its rows
+        [L, >= len(ids), Hkv, hd], keys rotated. Blocks held already are only touched, not copied again."""
+        for i, key in enumerate(block_keys(ids, salt)):
+            if self._get(key) is None:
                 rows = slice(i * BLOCK, (i + 1) * BLOCK)
                 self._put(key, Block(k[:, rows].clone(), v[:, rows].clone()))
 

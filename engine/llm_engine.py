@@ -16,6 +16,7 @@ import torch
 
 from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import SUFFIX_GUESS
+from kvrag.engine.admission import PassageKeeper
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
@@ -26,6 +27,7 @@ from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.errors import KvragError
 from kvrag.model.cache import DecodeCache
 from kvrag.model.generate import choose
+from kvrag.store.chunks import ChunkTable
 
 
 class PromptTooLong(KvragError):
@@ -45,6 +47,7 @@ class EngineConfig:
     chat_cache_bytes: int = 256 << 20  # kept conversation turns and heads (engine/conversations.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
+    kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/admission.py); 0: none
 
 
 class LLMEngine:
@@ -59,6 +62,12 @@ class LLMEngine:
         source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
         spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
         self.conversations = Conversations(prefiller.runtime, config.chat_cache_bytes, spans)
+        self.keeper = None  # clients' new passages, stored at their second sighting (engine/admission.py)
+        if spans is not None and source.table is not None:
+            cfg, local = self.model.cfg, prefiller.runtime.local
+            per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2  # fp16 K and V
+            self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,
+                                        config.kept_passages_bytes // per_token)
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
@@ -192,7 +201,12 @@ class LLMEngine:
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, self._choose(seq, pre.logits))
+            if seq.plan is not None and not pre.offset and pre.cache.length == seq.prompt_tokens:
+                self.conversations.keep_prefix(seq.plan.ids(), pre.cache.k, pre.cache.v, req.salt)
+        admitted = self._admit(seq)
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
+        for chunk_id, passage in admitted:  # its record once its KV is in: a record never names missing KV
+            self.keeper.recorded(ChunkTable(self.prefiller.source.env), chunk_id, passage, seq.request.salt)
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
         if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
@@ -245,7 +259,7 @@ class LLMEngine:
         elif len(seq.output) < sampling.min_tokens:
             logits = logits.clone()
             logits[list(self.prefiller.stop_ids)] = -math.inf
-        token = choose(logits, sampling, seq.generator)
+        token = choose(logits, sampling, seq.generator, seq.output)  # with logit_bias and penalties; `raw` stays as is
         if seq.request.forced:  # teacher forcing: the forced token goes on, the model's own choice is counted
             forced = seq.request.forced[min(len(seq.output), len(seq.request.forced) - 1)]
             seq.agreed += int(token == forced)
@@ -286,6 +300,21 @@ class LLMEngine:
         seq.finished_at = time.perf_counter()
         seq.push(DONE)
         seq.done.set()
+
+    def _admit(self, seq: Sequence) -> list[tuple[str, tuple[int, ...]]]:
+        """A plain prompt's passages that are to be stored now (their second sighting), their KV computed as
+        precompute would and queued for the write-back."""
+        plan = seq.plan
+        if self.keeper is None or plan is None or seq.request.rag or seq.request.mode not in ("blend", "reuse"):
+            return []
+        admitted = []
+        for passage in self.keeper.passages(plan.pieces, plan.chunks, plan.head, plan.tail):
+            chunk_id = self.keeper.sighted(passage, seq.request.salt)
+            if chunk_id is not None:
+                with torch.inference_mode():
+                    self.prefiller.source.compute_chunk(chunk_id, passage)
+                admitted.append((chunk_id, passage))
+        return admitted
 
     def _reused_tokens(self, seq: Sequence, pre) -> int:
         """Prompt tokens whose KV came from the store, a memory tier or a kept conversation turn and was not

@@ -16,15 +16,22 @@ shares with earlier prompts (a system prompt, a conversation's head).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrag.model.prompt import encode
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.passage_index import PassageIndex, Span
 
 PROMPT_TIER = "prompt"  # a piece of the prompt's own text: computed, never loaded
+CLIENT_DOC = "client:"  # the doc id of a passage kept from a client's prompt (engine/admission.py): this + its salt
+# a paragraph this long (between line breaks or tags) is a passage, not a question: LangChain's, LlamaIndex's and
+# Open WebUI's templates put each passage on lines or in tags of its own
+PASSAGE_TOKENS = 48
+_BREAKS = re.compile(r"\n|</?[A-Za-z_][^<>\n]{0,80}>")
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,9 @@ class PromptSpans:
         with self._lock:
             if self._filled or self.env is None:
                 return
-            self.index.add_many((r.chunk_id, r.token_ids) for r in ChunkTable(self.env).iter())
+            for r in ChunkTable(self.env).iter():  # a passage kept from a client's prompts carries its salt
+                salt = r.doc_id[len(CLIENT_DOC):] if r.doc_id.startswith(CLIENT_DOC) else ""
+                self.index.add(r.chunk_id, r.token_ids, salt)
             self._filled = True
 
 
@@ -95,3 +104,14 @@ def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Spl
         pieces.append(Piece(span.chunk_id, span.offset, stored))
         at = span.end
     return Split(ids[:spans[0].start], tuple(chunks), tuple(pieces), ids[at:])
+
+
+def carries_passages(conversations, question: str, history: Sequence[tuple[str, str]], salt: str = "") -> bool:
+    """Whether a request's messages (not the model's earlier answers) hold passages of their own: a paragraph of
+    PASSAGE_TOKENS or more, or a stored chunk's text. `conversations`: the engine's (its tokenizer and spans)."""
+    tokenizer, spans = conversations.runtime.tokenizer, conversations.spans
+    texts = [question, *(text for who, text in history if who != "assistant")]
+    for text in texts:
+        if any(len(encode(tokenizer, part)) >= PASSAGE_TOKENS for part in _BREAKS.split(text) if part.strip()):
+            return True
+    return spans is not None and bool(spans.find(encode(tokenizer, "\n".join(texts)), salt))

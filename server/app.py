@@ -14,6 +14,7 @@ a benchmark or a test may run it in-process. The app never closes the KVRag it w
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import time
 from collections.abc import Awaitable
@@ -45,7 +46,7 @@ from kvrag.server.responses import (
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str  # the id /v1/models lists and every request must name
-    api_key: str | None = None  # when set, /v1/* wants `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, /v1/* wants `Authorization: Bearer <key>`; several: comma-separated
     max_tokens: int = 256  # a request's longest answer when it names none
     retry_after_s: int = 1  # what a 429 (full queue) tells the client to wait
 
@@ -124,6 +125,7 @@ class Server:
     # ---- a generation -----------------------------------------------------------------------------
 
     async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest, request: Request):
+        body = body.model_copy(update={"cache_salt": self._salt(body.cache_salt, request)})
         runs = await self._start(endpoint, body, time.perf_counter())
         ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
         tools = endpoint == "chat" and body.calls_tools()
@@ -147,6 +149,7 @@ class Server:
         runs: list[Run] = []
         try:
             question = body.question()
+            body.bias(self.rag.runtime.model.cfg.vocab_size)  # a token id the model has not: a 400, not a 500
             options = body.options(self.settings.max_tokens, lambda: self.rag.grammars)
             for i in range(body.n or 1):
                 choice = _next_choice(options, runs[0], i) if i else options
@@ -201,6 +204,15 @@ class Server:
         outcome = "disconnected" if run.close() else run.finish_reason or run.seq.finish_reason or "error"
         self.metrics.finished(endpoint, outcome, run.seq, run.arrival)
 
+    def _salt(self, cache_salt: str | None, request: Request) -> str:
+        """Whose caches a request uses: its API key's (when keys are configured; a digest, never the key) and, within
+        it, its `cache_salt`'s. Corpus chunks are shared by all."""
+        key = ""
+        if self.settings.api_key:
+            given = request.headers.get("authorization", "").partition(" ")[2].strip()
+            key = hashlib.sha256(given.encode()).hexdigest()[:32]
+        return f"{key}:{cache_salt}" if cache_salt else key
+
     # ---- checks -----------------------------------------------------------------------------------
 
     def _check_model(self, name: str) -> None:
@@ -213,11 +225,21 @@ class Server:
 
 
 def _next_choice(options: dict, first: Run, index: int) -> dict:
-    """Choice `index` of a request: the first choice's chunks (retrieved once), its own seed."""
+    """Choice `index` of a request: the first choice's prompt (its chunks, retrieved once; plain chat where it had
+    none), its own seed."""
     seed = options.get("seed")
-    chosen = {} if options.get("passages") is not None or options.get("chunk_ids") is not None else \
-        {"chunk_ids": [s["chunk_id"] for s in first.sources()], "rag": bool(first.sources())}
-    return {**options, **chosen, "seed": None if seed is None else seed + index}
+    return {**options, **_same_prompt(options, first), "seed": None if seed is None else seed + index}
+
+
+def _same_prompt(options: dict, first: Run) -> dict:
+    """The options that give a later choice the first's prompt: given chunks or passages are given again; retrieved
+    ones become chunk_ids, and none at all plain chat (an empty chunk_ids would be a RAG prompt with no passages)."""
+    if options.get("passages") is not None or options.get("chunk_ids") is not None:
+        return {}
+    request = first.seq.request
+    if not request.rag:
+        return {"rag": False}
+    return {"chunk_ids": [chunk_id for chunk_id, _ in request.chunks]}
 
 
 def _refusal(exc: BaseException, metrics: Metrics, endpoint: str, question_field: str, retry_after_s: int):
@@ -279,12 +301,14 @@ async def _unless_gone(text: Awaitable, request: Request):
 
 
 def _key_check(api_key: str):
-    """A dependency that wants `Authorization: Bearer <api_key>` (compared in constant time)."""
-    expected = api_key.encode()
+    """A dependency that wants `Authorization: Bearer <key>`, one of api_key's comma-separated keys (each compared in
+    constant time)."""
+    expected = [key.strip().encode() for key in api_key.split(",") if key.strip()]
 
     async def check(authorization: str | None = Header(None)) -> None:
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
+        if scheme.lower() != "bearer" or not any(matches):
             message = "incorrect API key provided" if authorization else "an API key is required: " \
                       "Authorization: Bearer <key>"
             raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,8 +1,11 @@
 """The request bodies the server takes: OpenAI's fields that matter here, and kvrag's own as extra fields.
 
 Known fields are checked strictly (a string where a number belongs is a 400, not a coercion); fields this server
-does not know are ignored, as clients send many (`frequency_penalty`, `user`, ...). kvrag's extra fields, which
-the `openai` client sends with `extra_body={...}`:
+does not know are ignored, as clients send many (`user`, `metadata`, ...), but none that changes the answer is:
+`logit_bias`, `frequency_penalty` and `presence_penalty` are served as OpenAI defines them; image, audio or file
+content parts (a text-only model), completions' `echo`, `suffix` and `best_of` > n, and chat's deprecated
+`functions` / `function_call` are each a 400 naming the field. kvrag's extra fields, which the `openai` client sends
+with `extra_body={...}`:
 
     k, relative_cutoff      retrieval: the k best chunks, dropping those under relative_cutoff x the best score
                             (k 0: no retrieval, plain chat)
@@ -64,8 +67,17 @@ class Message(_Body):
         if self.tool_calls:
             return " ".join(_call_text(call) for call in self.tool_calls)
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content if part.type == "text")
+            return "".join(_part_text(part) for part in self.content)
         return self.content or ""
+
+
+def _part_text(part: ContentPart) -> str:
+    """A text part's text; any other part (an image, audio, a file) a 400: a text-only model cannot read it, and
+    answering without it would answer a question the client did not ask."""
+    if part.type != "text":
+        raise BadField("messages", f"this server serves a text-only model: content part type '{part.type}' is "
+                       "not supported")
+    return part.text or ""
 
 
 def _call_text(call: dict) -> str:
@@ -105,6 +117,9 @@ class _Generate(_Body):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, max_length=4)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices per request, each its own sequence
+    logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}, added to the logits
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
     # kvrag's extra fields
     k: int = Field(5, ge=0, le=1000)
     rag: bool = True
@@ -116,6 +131,9 @@ class _Generate(_Body):
     ratio: float | Literal["auto"] = "auto"
     kv_tokens: int = Field(0, ge=0)  # a decode-time KV budget (Keyformer), in tokens; 0: none
     kv_rule: Literal["keyformer", "h2o", "window"] = KV_RULE
+    # vLLM's field: what this request's prompts leave cached (prefix blocks, kept passages) is seen by requests with
+    # the same salt (and API key) alone
+    cache_salt: str | None = Field(None, max_length=256)
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -124,6 +142,7 @@ class _Generate(_Body):
     def options(self, default_max_tokens: int, grammars=None) -> dict:
         """Keyword arguments for KVRag.submit (the question aside); `grammars` serves a chat's constrained answer. Unset sampling fields take kvrag's defaults:
         greedy (temperature 0), which answers the same every time, unlike OpenAI's default of 1."""
+        self.refuse_unserved()
         try:
             ratio = RatioPolicy.parse(self.ratio, "ratio")
         except KvragError as exc:
@@ -136,11 +155,32 @@ class _Generate(_Body):
                 "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
-                "kv_rule": self.kv_rule, "logprobs": self.top_alternatives()}
+                "kv_rule": self.kv_rule, "logprobs": self.top_alternatives(), "logit_bias": self.bias(),
+                "salt": self.cache_salt or "",
+                "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0}
 
     def top_alternatives(self) -> int | None:
         """How many alternatives each token's logprobs lists; None: no logprobs asked."""
         return None
+
+    def refuse_unserved(self) -> None:
+        """BadField for a field set to a value this server does not serve and that would change the answer."""
+
+    def bias(self, vocab_size: int | None = None) -> dict[int, float] | None:
+        """logit_bias as {token id: bias}; BadField naming it for an id that is no integer (or, given `vocab_size`,
+        not in the vocabulary) or a bias out of [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            token = int(key) if key.strip().isdigit() else -1
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise BadField("logit_bias", f"logit_bias: '{key}' is not a token id of this model's vocabulary"
+                               + (f" (0..{vocab_size - 1})" if vocab_size else ""))
+            if not -100 <= value <= 100:
+                raise BadField("logit_bias", f"logit_bias: the bias of token {key} must be in [-100, 100], got {value}")
+            bias[token] = value
+        return bias
 
 
 class ChatRequest(_Generate):
@@ -166,6 +206,13 @@ class ChatRequest(_Generate):
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # deprecated for tools: refused, never ignored
+    function_call: str | dict | None = None
+
+    def refuse_unserved(self) -> None:
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise BadField(name, f"{name} is deprecated and not served: send tools")
 
     def calls_tools(self) -> bool:
         """Whether the answer may be a tool call (tools given, tool_choice not "none")."""
@@ -215,6 +262,18 @@ class ChatRequest(_Generate):
 class CompletionRequest(_Generate):
     prompt: str | list[str] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def refuse_unserved(self) -> None:
+        if self.echo:
+            raise BadField("echo", "echo is not served: the answer comes without its prompt")
+        if self.suffix:
+            raise BadField("suffix", "suffix is not served: this server completes after the prompt, not between")
+        if self.best_of is not None and self.best_of not in (1, self.n or 1):
+            raise BadField("best_of", f"best_of is not served: ask for n choices (best_of must equal n, got "
+                           f"{self.best_of} with n {self.n or 1})")
 
     def top_alternatives(self) -> int | None:
         if self.logprobs is not None:

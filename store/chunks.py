@@ -221,6 +221,14 @@ class ChunkTable:
 
         return self.env.write(put)
 
+    def put_records(self, records: Iterable[ChunkRecord]) -> int:
+        """Chunks that belong to no document (passages kept from clients' prompts); one already stored is left."""
+        def put(txn: lmdb.Transaction) -> int:
+            return sum(txn.put(bytes.fromhex(r.chunk_id), r.to_bytes(), db=self._chunks, overwrite=False)
+                       for r in records)
+
+        return self.env.write(put)
+
     def remove_docs(self, doc_ids: Iterable[str], owners: dict[str, list[DocRecord]]) -> None:
         """Delete document records, and re-point chunks whose owning document went or changed.
 

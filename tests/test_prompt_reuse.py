@@ -115,18 +115,23 @@ def test_a_client_prompt_reuses_its_stored_passages_and_ratio_one_is_full_prefil
     env, prefiller, texts = corpus
     engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
     question = _client_prompt([texts[2], texts[0], texts[3]])  # in a new order, one not precomputed yet
-    full = _run(engine, _request(question, mode="full"))
+    # the reference on an engine of its own: its head would be an exact prefix for the next prompts here
+    full = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20)), _request(question, mode="full"))
     whole = _run(engine, _request(question, ratio=1.0))
     plan = whole.plan
     assert [p.chunk_id is None for p in plan.pieces] == [False, True, False, True, False]  # texts, separators
     assert sum(len(ids) for _, ids in plan.chunks) + len(plan.head) + len(plan.tail) == full.prompt_tokens
     torch.testing.assert_close(whole.first_logits, full.first_logits, rtol=1e-4, atol=2e-4)
     assert whole.output == full.output
-    blended = _run(engine, _request(question))
+    blended = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20)), _request(question))
     stored = sum(len(ids) for (_, ids), p in zip(plan.chunks, plan.pieces, strict=True) if p.chunk_id)
     # most stored rows reused; the separators between the passages and the question computed
     assert stored * 0.7 < blended.reused_tokens - blended.head_reused <= stored
     assert blended.prefill_info["reused_tokens"] == blended.reused_tokens
+    # an exact repeat: the prompt up to its last block is an exact prefix now, and only the rest is computed
+    repeat = _run(engine, _request(question))
+    assert repeat.plan.pieces is None and repeat.head_reused >= full.prompt_tokens - 16
+    torch.testing.assert_close(repeat.first_logits, full.first_logits, rtol=1e-4, atol=2e-4)
 
 
 def test_the_prompts_own_text_is_computed_at_every_layer(corpus):
@@ -149,8 +154,39 @@ def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(corpus):
     system_ids = len(engine.conversations.chat.plain_ids((("system", system),), "x"))
     assert first.head_reused == 0
     assert second.head_reused >= system_ids - 32  # every whole block the two prompts share
-    alone = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0)),
+    # the reference computes every row (the system prompt, seen twice, is now also a kept passage: not reused here)
+    alone = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0, prompt_spans=False)),
                  _request("When was it built?", history=(("system", system),)))
     torch.testing.assert_close(second.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)
     other = _run(engine, _request("When was it built?", history=(("system", system),), salt="tenant-b"))
     assert other.head_reused == 0  # another tenant's cache: nothing shared
+
+
+def test_a_new_passage_is_kept_at_its_second_sighting_for_its_own_tenant(corpus, invented_items):
+    """Passages the store lacks: stored at the second sighting (not the first: one-off prompts never flood the
+    store), a hit at the third, for the same salt alone; the kept passage's KV is what precompute computes."""
+    env, prefiller, _ = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    new = [" ".join(ctx["text"].split()[:60]) for ctx in invented_items[1]["ctxs"][:2]]
+    prompt = _client_prompt(new)
+
+    def stored_spans(seq) -> int:
+        return 0 if seq.plan.pieces is None else sum(p.chunk_id is not None for p in seq.plan.pieces)
+
+    first = _run(engine, _request(prompt, salt="alice"))
+    assert stored_spans(first) == 0 and engine.keeper.stats.admitted == 0
+    second = _run(engine, _request(prompt, salt="alice"))
+    assert stored_spans(second) == 0 and engine.keeper.stats.admitted == 2
+    # in a new order (the same order again is an exact prefix hit: the prefix cache serves it before any span)
+    third = _run(engine, _request(_client_prompt(new[::-1]), salt="alice"))
+    assert stored_spans(third) == 2
+    bob = _run(engine, _request(_client_prompt(new[::-1]), salt="bob"))
+    assert bob.plan.pieces is None and bob.head_reused == 0  # bob's prompts see none of alice's
+    table = KVTable(env, prefiller.runtime.fingerprint, "fp16")
+    kept = [r for r in ChunkTable(env).iter() if r.doc_id == "client:alice"]
+    assert len(kept) == 2
+    for record in kept:
+        with torch.inference_mode():
+            expected = chunk_kv(prefiller.runtime, prefiller.preamble, record.token_ids)
+        got = table.get_layer(record.chunk_id, 1, expect_token_ids=record.token_ids)
+        torch.testing.assert_close(torch.from_numpy(got.k).float(), expected.k[1].float(), rtol=1e-2, atol=1e-2)

@@ -139,22 +139,41 @@ def test_random_arrivals_and_cancellations_in_a_small_pool(runtime, requests, al
 
 
 def test_a_pool_too_small_preempts_and_every_answer_is_as_alone(runtime, requests):
-    """Two prompts admitted into a pool that holds them and two blocks more, each then generating 48 tokens (three
-    blocks each): the newer is preempted (asserted) and prefilled again, and both answer as they do alone."""
+    """Two prompts in the least pool that admits the second beside the first, each then generating enough to outgrow
+    it: the newer is preempted (asserted) and prefilled again, and both answer as they do alone. The pool is counted
+    from the first's blocks as held, since a full prefill shares the preamble's blocks only on paths where it
+    reproduces their bits (per CPU path: dtype and kernels)."""
     from dataclasses import replace
 
-    pair = [replace(requests[i], mode="full", sampling=SamplingConfig(max_tokens=48, min_tokens=48)) for i in (1, 3)]
-    want = [run(new_engine(runtime), [r])[0] for r in pair]
     probe = new_engine(runtime)
-    blocks = len(probe.kv.shared) + sum(-(-(probe.new_sequence(r).prompt_rows + 1) // 16) for r in pair) + 2
+    shared = len(probe.kv.shared)
+    # the second's admission leaves free at most the preamble blocks it was counted for but shares, and one spare;
+    # both then decode n - 3 steps together, growing by 2 * ((n - 3) // 16) >= shared + 2 blocks: more than that
+    n = 16 * -(-(shared + 2) // 2) + 3
+    pair = [replace(requests[i], mode="full", sampling=SamplingConfig(max_tokens=n, min_tokens=n)) for i in (1, 3)]
+    (want_first, held), (want_second, _) = (run_alone(runtime, r) for r in pair)
+    # scheduler.next_prefill admits beside one running sequence: room for the prompt and its first token, plus one
+    blocks = shared + held + probe.kv.blocks_needed(probe.new_sequence(pair[1]).prompt_rows + 1) + 1
     engine = new_engine(runtime, budget_blocks=blocks)
     seqs = [engine.add(r) for r in pair]
     while engine.has_work():
         engine.step()
         check_pool(engine)
     assert sum(seq.preemptions for seq in seqs) > 0
-    assert [seq.output for seq in seqs] == want
+    assert [seq.output for seq in seqs] == [want_first, want_second]
     assert pool_is_empty(engine)
+
+
+def run_alone(runtime, request: Request) -> tuple[list[int], int]:
+    """A request's answer on its own, and the blocks it holds after its first step (its prompt's and first
+    token's, less the preamble's it shares)."""
+    engine = new_engine(runtime)
+    seq = engine.add(request)
+    engine.step()
+    held = engine.sequence_blocks
+    while engine.has_work():
+        engine.step()
+    return seq.output, held
 
 
 def test_live_reordering_serves_the_cached_prompt_first(runtime, requests):

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-gpu bench-load gpu-bundle test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-clients bench-gpu bench-load gpu-bundle test-cuda
 
 install: $(STAMP)
 
@@ -142,6 +142,11 @@ bench-index: $(STAMP)
 # `ask` over a store on object storage (issue 29): MuSiQue's report items as the corpus on a SeaweedFS started on
 # 127.0.0.1 (REMOTE_ARGS='--url s3://bucket/prefix' for a real one, AWS variables from the environment); TTFT cold
 # in the object store, warm in the local tier, and in memory, with requests and MB per question. About 5 minutes.
+# Prompts that carry their own passages (three client templates over MuSiQue report items): share found stored, TTFT,
+# first-token agreement and KL against full prefill, an exact repeat, and the hit rate over 500 novel questions.
+bench-clients: bench-data $(STAMP)
+	$(BIN)/kvrag bench clients --dataset $(BENCH_DATA) --items 10 --stream 500
+
 bench-remote: bench-data $(STAMP)
 	$(BIN)/kvrag bench remote --dataset $(BENCH_DATA) --items 10 $(REMOTE_ARGS)
 

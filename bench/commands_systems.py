@@ -229,6 +229,31 @@ def bench_remote(
     emit(report, markdown, as_json)
 
 
+@bench_app.command("clients")
+def bench_clients(
+    items: int = typer.Option(10, "--items", min=1, max=50, help="MuSiQue report items (50-99): their passages are "
+                              "the corpus, their questions sent in each client's template."),
+    stream_requests: int = typer.Option(500, "--stream", min=0, help="Novel questions over Zipf-popular passages."),
+    zipf: float = typer.Option(1.0, "--zipf", help="The stream's popularity exponent."),
+    store: Path = typer.Option(Path(".kvrag/bench-clients"), "--store", help="The bench's store (made if absent)."),
+    seed: int = typer.Option(0, "--seed"),
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Prompts that carry their own passages (LangChain, LlamaIndex and Open WebUI templates): the share found
+    stored, TTFT, first-token agreement and KL against full prefill, an exact repeat, and the hit rate over a stream.
+
+    Example: kvrag bench clients --items 10 --stream 500
+    """
+    from kvrag.bench.clients import markdown, run
+    from kvrag.bench.rag.datasets import musique_report_items
+
+    console = stderr_console()
+    chosen = musique_report_items(dataset)[:items]
+    report = stamped(run(store, chosen, stream_requests, zipf, seed, lambda m: console.print(m, highlight=False)))
+    emit(report, markdown, as_json)
+
+
 @bench_app.command("keyformer")
 def bench_keyformer(
     items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue items of the split to run."),

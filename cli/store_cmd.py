@@ -44,13 +44,20 @@ def stats_command(
     Example: kvrag store stats --store ./my-store
     """
     with _open(store) as env:
+        from kvrag.store.chunks import ChunkTable
         from kvrag.store.maintenance import stats
 
         result = stats(env)
+        kept = ChunkTable(env).client_records()
+    client = {"passages": len(kept), "tokens": sum(len(r.token_ids) for r in kept),
+              "tenants": len({r.doc_id for r in kept})}
     if json_out:
-        typer.echo(json.dumps(_stats_json(result), indent=2))
+        typer.echo(json.dumps({**_stats_json(result), "client_passages": client}, indent=2))
     else:
-        _print_stats(Console(stderr=True), result)
+        err = Console(stderr=True)
+        _print_stats(err, result)
+        err.print(f"passages kept from clients' prompts: {client['passages']:,} ({client['tokens']:,} tokens, "
+                  f"{client['tenants']} tenant(s)); `kvrag store gc --client-passages` drops them")
 
 
 @store_app.command("verify")
@@ -88,6 +95,8 @@ def gc_command(
                                                           "drop every other model's."),
     drop_model: str | None = typer.Option(None, "--drop-model", help="Drop all KV of this model fingerprint."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would go; delete nothing."),
+    client_passages: bool = typer.Option(False, "--client-passages",
+                                         help="Drop the passages kept from clients' prompts too (records and KV)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Drop KV of chunks that are no longer indexed, and of other models with --model / --drop-model.
@@ -100,7 +109,12 @@ def gc_command(
     from kvrag.store.chunks import ChunkTable
 
     with _open(store) as env:
-        indexed = ChunkTable(env).ids()
+        table = ChunkTable(env)
+        indexed = table.ids()
+        dropped = [r.chunk_id for r in table.client_records()] if client_passages else []
+        if dropped and not dry_run:  # records first: a record never names KV that is gone
+            table.delete_records(dropped)
+        indexed -= set(dropped)
         if not indexed:
             if model is None and drop_model is None:
                 raise KvragError(f"no chunks are indexed in {env.path}, so gc would drop all KV; "

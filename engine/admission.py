@@ -5,8 +5,9 @@ passage (a retrieved document an application pasted in), anything shorter a temp
 counted by its ids and its tenant's salt. A one-off passage is never stored (one-off prompts would flood the store
 and push nothing useful in: LMCache's non-prefix hit rate decays for that reason); the second sighting stores it,
 its KV computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The bytes kept this
-way are bounded: past the bound nothing more is admitted, and what is stored already (the corpus above all) is
-never pushed out by it.
+way are bounded, those of earlier runs included: past the bound nothing more is admitted, and what is stored already
+(the corpus above all) is never pushed out by it. `kvrag store stats` counts them, `kvrag store gc --client-passages`
+drops them.
 
 The KV goes through the chunk source's write-back (after the answer's first token, one LMDB transaction per chunk:
 a kill loses nothing stored before and leaves no half-written value); its chunk record, marked as a client's
@@ -20,8 +21,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag.engine.prompt_reuse import CLIENT_DOC, PASSAGE_TOKENS, Piece, PromptSpans
-from kvrag.store.chunks import ChunkRecord, ChunkTable, chunk_id_for
+from kvrag.engine.prompt_reuse import PASSAGE_TOKENS, Piece, PromptSpans
+from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable, chunk_id_for
 
 SIGHTINGS_KEPT = 65536  # passages counted at once (least recently seen forgotten first)
 
@@ -37,7 +38,7 @@ class KeeperStats:
     sighted: int = 0  # passage-like segments seen in plain prompts
     admitted: int = 0  # stored at a second sighting
     refused: int = 0  # seen again, but the bound was reached
-    kept_tokens: int = 0  # tokens stored this way in this process's life
+    kept_tokens: int = 0  # tokens stored this way by this process
 
 
 class PassageKeeper:
@@ -79,7 +80,7 @@ class PassageKeeper:
                 self._seen.popitem(last=False)
             if count != 2:
                 return None
-            if self.stats.kept_tokens + len(passage) > self.bound_tokens:
+            if self.spans.client_tokens + len(passage) > self.bound_tokens:  # the store's, earlier runs' too
                 self.stats.refused += 1
                 return None
             self.stats.admitted += 1

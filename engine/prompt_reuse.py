@@ -22,12 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrag.model.prompt import encode
-from kvrag.store.chunks import ChunkTable
+from kvrag.store.chunks import CLIENT_DOC, ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.passage_index import PassageIndex, Span
 
 PROMPT_TIER = "prompt"  # a piece of the prompt's own text: computed, never loaded
-CLIENT_DOC = "client:"  # the doc id of a passage kept from a client's prompt (engine/admission.py): this + its salt
 # a paragraph this long (between line breaks or tags) is a passage, not a question: LangChain's, LlamaIndex's and
 # Open WebUI's templates put each passage on lines or in tags of its own
 PASSAGE_TOKENS = 48
@@ -61,14 +60,20 @@ class PromptSpans:
 
     def __init__(self, env: StoreEnv | None):
         self.env, self.index = env, PassageIndex()
+        self.client_tokens = 0  # tokens of the clients' kept passages in the store (admission's bound counts them)
         self._filled = False
         self._lock = threading.Lock()
 
     def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
+        """The stored spans of a prompt's ids that a request of this salt may reuse."""
         self._fill()
         return self.index.find(ids, salt)
 
     def add(self, chunk_id: str, ids: Sequence[int], salt: str = "") -> None:
+        """Index a passage kept from a client's prompts (under its salt)."""
+        self._fill()
+        with self._lock:
+            self.client_tokens += len(ids)
         self.index.add(chunk_id, ids, salt)
 
     def _fill(self) -> None:
@@ -76,8 +81,9 @@ class PromptSpans:
             if self._filled or self.env is None:
                 return
             for r in ChunkTable(self.env).iter():  # a passage kept from a client's prompts carries its salt
-                salt = r.doc_id[len(CLIENT_DOC):] if r.doc_id.startswith(CLIENT_DOC) else ""
-                self.index.add(r.chunk_id, r.token_ids, salt)
+                client = r.doc_id.startswith(CLIENT_DOC)
+                self.client_tokens += len(r.token_ids) if client else 0
+                self.index.add(r.chunk_id, r.token_ids, r.doc_id[len(CLIENT_DOC):] if client else "")
             self._filled = True
 
 

@@ -102,6 +102,9 @@ class DocRecord:
         return cls(d["doc"], d["source"], d["title"], d["hash"], tuple(DocChunk(*c) for c in d["chunks"]))
 
 
+CLIENT_DOC = "client:"  # the doc id of a passage kept from a client's prompt (engine/admission.py): this + its salt
+
+
 def _chunk_key(chunk_id: str) -> bytes | None:
     """The LMDB key of a chunk id, None for a string that is no chunk id (a user's typo)."""
     try:
@@ -256,9 +259,21 @@ class ChunkTable:
 
         self.env.write(remove)
 
+    def client_records(self) -> list[ChunkRecord]:
+        """The passages kept from clients' prompts (no document lists them; engine/admission.py)."""
+        return [r for r in self.iter() if r.doc_id.startswith(CLIENT_DOC)]
+
+    def delete_records(self, chunk_ids: Iterable[str]) -> None:
+        def delete(txn: lmdb.Transaction) -> None:
+            for chunk_id in chunk_ids:
+                txn.delete(bytes.fromhex(chunk_id), db=self._chunks)
+
+        self.env.write(delete)
+
     def delete_unreferenced(self, live: set[str]) -> list[str]:
-        """Delete every chunk no live document lists (crash leftovers included); returns their ids."""
-        dead = sorted(self.ids() - live)
+        """Delete every chunk no live document lists (crash leftovers included), clients' kept passages aside; returns
+        their ids."""
+        dead = sorted(self.ids() - live - {r.chunk_id for r in self.client_records()})
 
         def delete(txn: lmdb.Transaction) -> None:
             for chunk_id in dead:

@@ -110,19 +110,18 @@ def gc_command(
 
     with _open(store) as env:
         table = ChunkTable(env)
-        indexed = table.ids()
-        dropped = [r.chunk_id for r in table.client_records()] if client_passages else []
-        if dropped and not dry_run:  # records first: a record never names KV that is gone
-            table.delete_records(dropped)
-        indexed -= set(dropped)
+        dropped = frozenset(r.chunk_id for r in table.client_records()) if client_passages else frozenset()
+        indexed = table.ids() - dropped
         if not indexed:
-            if model is None and drop_model is None:
+            if model is None and drop_model is None and not dropped:
                 raise KvragError(f"no chunks are indexed in {env.path}, so gc would drop all KV; "
                                  "run `kvrag index` first, or use --model / --drop-model")
-            indexed = None  # only the model-wise drop
+            indexed = None  # only the model-wise drop, or the clients' passages
         from kvrag.store.maintenance import gc
 
-        report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run)
+        if dropped and not dry_run:  # records first: a record never names KV that is gone
+            table.delete_records(dropped)
+        report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run, drop_ids=dropped)
     if json_out:
         typer.echo(json.dumps(asdict(report), indent=2))
     else:

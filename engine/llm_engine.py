@@ -21,7 +21,7 @@ from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
-from kvrag.engine.prompt_reuse import PromptSpans
+from kvrag.engine.prompt_reuse import PROMPT_TIER, PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.errors import KvragError
@@ -324,7 +324,9 @@ class LLMEngine:
         if seq.request.mode == "full":
             return 0
         if seq.plan is not None and seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
-            return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens)
+            tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=True)  # a span whose chunk had no KV: computed now
+            computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
+            return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
         chunks = seq.request.chunks if seq.plan is None else seq.plan.chunks
         tiers = zip(chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
         computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
@@ -337,6 +339,8 @@ class LLMEngine:
         holds (not sent again)."""
         if seq.plan is None:
             return pre.chunk_tiers
+        if seq.plan.pieces is not None:  # a plain prompt's stored spans, where each one's KV came from
+            return [tier for tier in pre.chunk_tiers if tier != PROMPT_TIER]
         tiers = dict(zip((c for c, _ in seq.plan.chunks), pre.chunk_tiers, strict=False))
         return [tiers.get(c, "context") for c, _ in seq.request.chunks]
 

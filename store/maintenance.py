@@ -168,8 +168,8 @@ def verify(env: StoreEnv, *, repair: bool = False) -> VerifyReport:
 
 
 def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | None = None,
-       drop_model: str | None = None, dry_run: bool = False) -> GcReport:
-    """Drop KV of chunks not in `indexed_ids` (None: skip that test), of models other than
+       drop_model: str | None = None, dry_run: bool = False, drop_ids: frozenset[str] = frozenset()) -> GcReport:
+    """Drop KV of chunks not in `indexed_ids` (None: skip that test) or in `drop_ids`, of models other than
     `keep_model`, of `drop_model`, and preambles no manifest refers to. Claims of dropped chunks go too.
     """
     ensure_schema(env)
@@ -186,7 +186,7 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
             m = manifests.get(key.model_fp)
             gone = m is not None and key.chunk_id != preamble_chunk_id(m.preamble_hash)
         else:
-            gone = indexed_ids is not None and key.chunk_id not in indexed_ids
+            gone = key.chunk_id in drop_ids or (indexed_ids is not None and key.chunk_id not in indexed_ids)
         if gone:
             drop.append(key.prefix)
             try:

@@ -94,6 +94,9 @@ class KVRag:
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
+        spans = self.engine.conversations.spans  # the store's passage index, built beside the first questions
+        if spans is not None:
+            threading.Thread(target=spans.fill, name="kvrag-passage-index", daemon=True).start()
         self.speculator = Speculator(self.loop) if config.speculate else None
 
     def _engine(self, config: KVRagConfig, keep, remote: RemoteOptions) -> LLMEngine:

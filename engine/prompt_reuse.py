@@ -66,25 +66,30 @@ class PromptSpans:
 
     def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
         """The stored spans of a prompt's ids that a request of this salt may reuse."""
-        self._fill()
+        self.fill()
         return self.index.find(ids, salt)
 
     def add(self, chunk_id: str, ids: Sequence[int], salt: str = "") -> None:
         """Index a passage kept from a client's prompts (under its salt)."""
-        self._fill()
+        self.fill()
         with self._lock:
             self.client_tokens += len(ids)
         self.index.add(chunk_id, ids, salt)
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Index the store's chunks, once (KVRag does it beside the model's load; else the first plain prompt)."""
         with self._lock:
             if self._filled or self.env is None:
                 return
-            for r in ChunkTable(self.env).iter():  # a passage kept from a client's prompts carries its salt
-                client = r.doc_id.startswith(CLIENT_DOC)
-                self.client_tokens += len(r.token_ids) if client else 0
-                self.index.add(r.chunk_id, r.token_ids, r.doc_id[len(CLIENT_DOC):] if client else "")
+            self.index.add_many(self._records())
             self._filled = True
+
+    def _records(self):
+        """(chunk id, ids, salt) of every chunk in the store: a passage kept from a client's prompts carries its salt."""
+        for r in list(ChunkTable(self.env).iter()):  # read first: a long read transaction would hold up a map resize
+            client = r.doc_id.startswith(CLIENT_DOC)
+            self.client_tokens += len(r.token_ids) if client else 0
+            yield r.chunk_id, r.token_ids, r.doc_id[len(CLIENT_DOC):] if client else ""
 
 
 def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Split | None:

@@ -90,9 +90,41 @@ class PassageIndex:
         with self._lock:
             return tuple(self._by_id[chunk_id].tolist())
 
-    def add_many(self, records: Iterable[tuple[str, Sequence[int]]], salt: str = "") -> None:
-        for chunk_id, ids in records:
-            self.add(chunk_id, ids, salt)
+    def add_many(self, records: Iterable[tuple[str, Sequence[int], str]], batch: int = 4096) -> None:
+        """Index many stored chunks, (chunk id, token ids, salt) each, hashing a batch of them at once (a store's
+        chunks at the first plain prompt: per-chunk numpy calls would cost a minute per 100k chunks)."""
+        pending: list[tuple[str, np.ndarray, str]] = []
+        for chunk_id, ids, salt in records:
+            pending.append((chunk_id, np.asarray(ids, dtype=np.int64), salt))
+            if len(pending) == batch:
+                self._add_batch(pending)
+                pending = []
+        if pending:
+            self._add_batch(pending)
+
+    def _add_batch(self, records: list[tuple[str, np.ndarray, str]]) -> None:
+        with self._lock:
+            records = [r for r in records if (r[0], r[2]) not in self._known and r[1].shape[0] >= MIN_SPAN]
+            if not records:
+                return
+            lengths = np.array([ids.shape[0] for _, ids, _ in records])
+            first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [B] where each chunk starts in `flat`
+            flat = np.concatenate([ids for _, ids, _ in records]).astype(np.uint64)
+            offsets = [np.arange(0, n - WINDOW + 1, STRIDE, dtype=np.int64) for n in lengths.tolist()]
+            counts = np.array([o.shape[0] for o in offsets])
+            offset = np.concatenate(offsets)  # [H] each window's start in its chunk
+            entry = np.repeat(np.arange(len(self._names), len(self._names) + len(records)), counts)  # [H]
+            start = offset + np.repeat(first, counts)  # [H] in `flat`
+            hashes = np.zeros(start.shape[0], dtype=np.uint64)
+            for j in range(WINDOW):  # sum(id_j * M_j), as window_hashes computes it
+                hashes += flat[start + j] * _MULT[j]
+            for chunk_id, ids, salt in records:
+                self._known.add((chunk_id, salt))
+                self._by_id[chunk_id] = ids
+                self._ids.append(ids)
+                self._names.append(chunk_id)
+                self._salts.append(salt)
+            self._pending.append((hashes, entry, offset))
 
     def find(self, prompt_ids: Sequence[int], salt: str = "") -> list[Span]:
         """The stored spans of the prompt, left to right, not overlapping, each the longest at its place."""

@@ -51,6 +51,17 @@ def test_a_changed_id_inside_a_passage_splits_it_and_short_runs_are_not_reused()
     assert index.find(a[:MIN_SPAN - 1]) == []
 
 
+def test_indexing_in_batches_finds_what_indexing_one_by_one_finds():
+    chunks = [(f"c{i}", _ids(10 + i, 40 + 37 * i), "" if i % 3 else "alice") for i in range(12)]
+    one, many = PassageIndex(), PassageIndex()
+    for chunk_id, ids, salt in chunks:
+        one.add(chunk_id, ids, salt)
+    many.add_many(chunks, batch=5)
+    prompt = [1] * 5 + chunks[4][1][3:] + [2] * 9 + chunks[0][1] + chunks[9][1][:60] + chunks[11][1]
+    for salt in ("", "alice"):
+        assert many.find(prompt, salt) == one.find(prompt, salt) != []
+
+
 def test_a_salted_passage_is_seen_by_its_own_salt_alone():
     a, b = _ids(5, 100), _ids(6, 100)
     index = PassageIndex()

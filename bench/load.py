@@ -6,7 +6,7 @@ warm, as for a store in use). Then, on this machine:
 
     memcpy_gbps        a large numpy copy over the same threads (the staging pool's), the best of several
     map_copy_gbps      a plain copy of the same stored values out of LMDB's map, over the same threads
-    staging_gbps       every layer staged through an engine's StagingArea (blend/staging.py): read as views of the
+    staging_gbps       every layer staged through an engine's StagingArea (load/staging.py): read as views of the
                        map, checked, copied into the slot by the pool; stored bytes / wall time, the best round
     staging_share_of_memcpy
     python_ms_per_layer  the staging thread's own CPU time a layer (the reads and the hand-outs; the copies run on
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrag.blend.layer_work import ChunkRef
-from kvrag.blend.loader import open_loader
-from kvrag.blend.staged_loader import StagedLoader
-from kvrag.blend.staging import LayerPlan, StagingArea
+from kvrag.load.layer_work import ChunkRef
+from kvrag.load.loader import open_loader
+from kvrag.load.staged_loader import StagedLoader
+from kvrag.load.staging import LayerPlan, StagingArea
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable, encode_chunk
 

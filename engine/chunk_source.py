@@ -21,10 +21,10 @@ import torch
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk
 from kvrag.blend.ratio import LoadComputeProfile, cached_profile
 from kvrag.engine.prompt_reuse import PROMPT_TIER, Piece
 from kvrag.errors import KvragError
+from kvrag.load.layer_work import ChunkRef, CorruptChunk
 from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy

@@ -18,12 +18,12 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.keyformer import KeepConfig
 from kvrag.blend.kv_budget import AttentionScore, parse_rule
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk, DecoderPause
-from kvrag.blend.loader import open_loader
-from kvrag.blend.staging import StagingArea
 from kvrag.engine.chunk_source import ChunkSource
 from kvrag.engine.prompt_reuse import Piece
 from kvrag.errors import KvragError
+from kvrag.load.layer_work import ChunkRef, CorruptChunk, DecoderPause
+from kvrag.load.loader import open_loader
+from kvrag.load.staging import StagingArea
 from kvrag.model.cache import DecodeCache
 from kvrag.model.generate import ChunkedPrefill, stop_ids
 from kvrag.model.prefill import LayerKV, extend

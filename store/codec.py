@@ -19,7 +19,7 @@ Decoded arrays are fresh and writable (unless `copy=False` lets an uncompressed 
 Their dtype, unless `dtype` asks otherwise: fp16 → float16 (the stored values exactly; the loader
 converts once to its compute dtype, so a float32 detour would only add a copy), bf16 → float32 (exact),
 int8 → float32. `stored_kv` gives a checked payload's K and V without dequantising int8 (the values and their
-scales), for a load that dequantises on the device (blend/loader.py's fused path).
+scales), for a load that dequantises on the device (load/loader.py's fused path).
 """
 
 from __future__ import annotations

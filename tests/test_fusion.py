@@ -133,8 +133,8 @@ def test_keys_the_loader_rotates_give_the_same_blend_bit_for_bit(tmp_path, tiny_
                                                                  monkeypatch, deviation):
     """A bf16 model over an fp16 store: keys rotated as they load (the native pass on an AVX-512 CPU) give the blend
     exactly the logits and cache of keys loaded before rotary and rotated by the blend itself."""
-    from kvrag.blend.loader import LayerLoader
     from kvrag.kernels import fp16_to_bf16
+    from kvrag.load.loader import LayerLoader
 
     runtime = Runtime.load(str(tiny_llama_hd64_dir), "bfloat16")
     env, engine, chunks = _store(tmp_path / "store", runtime, invented_items)

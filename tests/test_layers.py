@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ("api.py", "blend", "cli", "corpus", "engine", "kernels", "model", "precompute", "server", "store",
+PACKAGE_DIRS = ("api.py", "blend", "load", "cli", "corpus", "engine", "kernels", "model", "precompute", "server", "store",
                 "bench", "home.py", "errors.py", "config.py", "__init__.py", "__main__.py")
 # Where configuration is read from the environment: the edge (docs/design.md, "Configuration"): config.py resolves
 # every setting, home.py where kvrag keeps its files, the CLI sets the process's own (offline, OpenMP), and the

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk
-from kvrag.blend.loader import LayerLoader, open_loader
+from kvrag.load.layer_work import ChunkRef, CorruptChunk
+from kvrag.load.loader import LayerLoader, open_loader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
@@ -118,7 +118,7 @@ def test_a_starved_idle_decoder_is_turned_off(table, monkeypatch):
     import threading
     import time
 
-    from kvrag.blend.layer_work import STARVED_WAIT_S, DecoderPause
+    from kvrag.load.layer_work import STARVED_WAIT_S, DecoderPause
 
     pause = DecoderPause()  # an engine's loaders share one
     original_put = LayerLoader._put_numpy

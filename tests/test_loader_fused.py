@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk
-from kvrag.blend.loader import open_loader
 from kvrag.kernels import triton_load
+from kvrag.load.layer_work import ChunkRef, CorruptChunk
+from kvrag.load.loader import open_loader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable

@@ -42,8 +42,8 @@ def interleaved_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def broken_rotary(monkeypatch):
     """The loader (and its in-memory chunks' copy-in) rotates loaded keys by the wrong convention; the full prefill's
     own rotary (model/rotary.py, used by every computed row) is untouched."""
-    import kvrag.blend.layer_work as layer_work
-    import kvrag.blend.loader as loader
+    import kvrag.load.layer_work as layer_work
+    import kvrag.load.loader as loader
 
     wrong = types.SimpleNamespace(rotate=interleaved_rotate, cos_sin=rotary.cos_sin)
     monkeypatch.setattr(loader, "rotary", wrong)

@@ -1,4 +1,4 @@
-"""The staging area (blend/staging.py) against the codec's own decode, and the staged loader's slots across loads."""
+"""The staging area (load/staging.py) against the codec's own decode, and the staged loader's slots across loads."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk
-from kvrag.blend.loader import open_loader
-from kvrag.blend.staged_loader import StagedLoader
-from kvrag.blend.staging import LayerPlan, StagingArea
+from kvrag.load.layer_work import ChunkRef, CorruptChunk
+from kvrag.load.loader import open_loader
+from kvrag.load.staged_loader import StagedLoader
+from kvrag.load.staging import LayerPlan, StagingArea
 from kvrag.store.codec import FLAG_K_PER_CHANNEL, read_header, stored_kv
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable

@@ -1,6 +1,6 @@
 """The layer loaders: chunk KV read, checked, decoded and placed one layer ahead of the compute.
 
-`open_loader` picks one. The staged loader (blend/staged_loader.py: one host slot, one copy and one launch a layer)
+`open_loader` picks one. The staged loader (load/staged_loader.py: one host slot, one copy and one launch a layer)
 serves a GPU, the fused load and `decode="thread"`. On a CPU otherwise, LayerLoader below decodes where the cores
 allow: a reader thread reads each layer's values from LMDB ahead of the compute (the part that waits on the disk);
 decoding (checksum, zstd, byte planes, the cast) is split into one item per stored chunk, which either of two
@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvrag.blend.layer_work import (
+from kvrag.kernels import fp16_to_bf16, triton_mode
+from kvrag.load.layer_work import (
     STARVED_WAIT_S,
     ChunkRef,
     CorruptChunk,
@@ -48,9 +49,8 @@ from kvrag.blend.layer_work import (
     rotation,
     row_starts,
 )
-from kvrag.blend.staged_loader import StagedLoader
-from kvrag.blend.staging import StagingArea
-from kvrag.kernels import fp16_to_bf16, triton_mode
+from kvrag.load.staged_loader import StagedLoader
+from kvrag.load.staging import StagingArea
 from kvrag.model import rotary
 from kvrag.model.device import triton_available
 from kvrag.store.codec import (

@@ -1,5 +1,5 @@
 """The staged layer loader: each layer's stored chunks gathered into one of an engine's host slots, then (on a
-device) one copy there and, fused, one load-kernel launch (issue 38's load path; blend/staging.py has the slots).
+device) one copy there and, fused, one load-kernel launch (issue 38's load path; load/staging.py has the slots).
 
 A reader thread walks the layers ahead of the compute (at most `lookahead` ahead, and no further than the slots
 allow): it reads a layer's values as views of LMDB's map in one read transaction, has the staging pool check,
@@ -22,8 +22,8 @@ from contextlib import nullcontext
 
 import torch
 
-from kvrag.blend.layer_work import ChunkRef, CorruptChunk, check_kept, place_rows, rotation, row_starts
-from kvrag.blend.staging import STORED_TORCH, LayerPlan, StagedLayer, StageFailed, StagingArea
+from kvrag.load.layer_work import ChunkRef, CorruptChunk, check_kept, place_rows, rotation, row_starts
+from kvrag.load.staging import STORED_TORCH, LayerPlan, StagedLayer, StageFailed, StagingArea
 from kvrag.model import rotary
 from kvrag.store.codec import FLAG_K_PER_CHANNEL, CorruptValue, read_header, stored_positions
 from kvrag.store.kv import KVTable, MissingChunk

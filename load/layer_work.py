@@ -1,4 +1,4 @@
-"""What the layer loader (blend/loader.py) works on: the prompt's chunk refs, one read layer's decoding items, the
+"""What the layer loader (load/loader.py) works on: the prompt's chunk refs, one read layer's decoding items, the
 pause that turns the idle-priority decoder off when it starves, and the checks a stored layer must pass."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from kvrag.engine.prompt_reuse import Piece
 from kvrag.errors import KvragError
 from kvrag.load.layer_work import ChunkRef, CorruptChunk, DecoderPause
 from kvrag.load.loader import open_loader
-from kvrag.load.staging import StagingArea
+from kvrag.load.staging import StagingArea, spare_cores
 from kvrag.model.cache import DecodeCache
 from kvrag.model.generate import ChunkedPrefill, stop_ids
 from kvrag.model.prefill import LayerKV, extend
@@ -146,7 +146,8 @@ class Prefiller:
         self.load_delay_s = load_delay_s
         self.decoder_pause = DecoderPause()  # this prefiller's loaders' idle decoder, off for a while once starved
         # the staged loader's host slots (pinned on a GPU) and threads, for this prefiller's life
-        self.staging = StagingArea(pinned=self.model.device.type == "cuda")
+        device = self.model.device.type
+        self.staging = StagingArea(pinned=device == "cuda", threads=spare_cores(device))
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
 
     @classmethod

@@ -50,7 +50,7 @@ from kvrag.load.layer_work import (
     row_starts,
 )
 from kvrag.load.staged_loader import StagedLoader
-from kvrag.load.staging import StagingArea
+from kvrag.load.staging import StagingArea, spare_cores
 from kvrag.model import rotary
 from kvrag.model.device import triton_available
 from kvrag.store.codec import (
@@ -71,7 +71,7 @@ def open_loader(table: KVTable | None, chunks: Sequence[ChunkRef], layers: Seque
     `area`, the engine's staging slots; a fresh one if None), else a LayerLoader decoding on the CPU."""
     is_fused = wants_fused(fused, device, positions, inv_freq)
     if device.type == "cuda" or is_fused or decode == "thread":
-        area = area if area is not None else StagingArea(pinned=device.type == "cuda")
+        area = area if area is not None else StagingArea(pinned=device.type == "cuda", threads=spare_cores(device.type))
         return StagedLoader(table, chunks, layers, dtype, device, area, delay_s=delay_s, positions=positions,
                             inv_freq=inv_freq, fused=is_fused, rope=rope)
     return LayerLoader(table, chunks, layers, dtype, device, delay_s=delay_s, decode=decode, positions=positions,

@@ -17,6 +17,7 @@ Rows of chunks that are not staged (in memory already) are left as they were: th
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,16 @@ class StageFailed(Exception):
     def __init__(self, index: int, reason: str):
         super().__init__(reason)
         self.index, self.reason = index, reason
+
+
+def spare_cores(device_type: str) -> int:
+    """Staging threads for an engine on this device: with a GPU computing, every core but the one that launches its
+    work (the lent GPU machines have 16); on the CPU, torch's forward has the cores, and two threads keep a layer's
+    read ahead of it."""
+    if device_type != "cuda":
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(2, cores - 1)
 
 
 class StagingArea:

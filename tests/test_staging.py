@@ -113,3 +113,13 @@ def test_bench_load_reports_what_the_issue_asks(tmp_path):
         assert report[key] > 0, key
     assert (report["copies_per_layer"], report["launches_per_layer"]) == (1, 1)
     assert "copies / launches a layer" in load.render(report)
+
+
+def test_staging_threads_are_the_cores_a_gpu_leaves_spare(monkeypatch):
+    from kvrag.load import staging
+
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert staging.spare_cores("cuda") == 15  # the lent GPU machines' 16 cores, one launching the GPU's work
+    assert staging.spare_cores("cpu") == 2  # torch's forward has the cores
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert staging.spare_cores("cuda") == 2

@@ -29,10 +29,11 @@ import torch
 from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
+from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 2  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 3  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds (docs/model-check.md has the measured figures). Ratio 1 and reuse at the chunk's own position differ from
 # a full prefill by rounding alone: in float32 not at all on the CPU (0.0 on every model measured), in bf16 by up to
@@ -146,7 +147,7 @@ def check_key(runtime: Runtime) -> dict[str, object]:
 
 
 def check_model(runtime: Runtime) -> CheckReport:
-    """Run the three checks on PROMPTS (a few seconds on SmolLM2: docs/model-check.md)."""
+    """Run the checks on PROMPTS, and the prompt's start (a few seconds on SmolLM2: docs/model-check.md)."""
     start = time.perf_counter()
     runs = last_logits(runtime)
     full, blended = runs["full"], runs["blend_default"]
@@ -157,10 +158,20 @@ def check_model(runtime: Runtime) -> CheckReport:
     clear = [(f, b) for f, b in zip(full, blended, strict=True) if _margin(f) >= CONFIDENT_MARGIN]
     agree = sum(int(f.argmax() == b.argmax()) for f, b in clear) / len(clear) if clear else 1.0
     kl = sum(kl_divergence(f, b) for f, b in zip(full, blended, strict=True)) / len(full)
+    checks.append(_prompt_start(runtime))
     checks.append(Check("blend_default", {"top1_agreement": agree, "confident_prompts": len(clear), "mean_kl": kl},
                         {"top1_agreement": AGREEMENT_BOUND, "mean_kl": KL_BOUND},
                         agree >= AGREEMENT_BOUND and kl <= KL_BOUND))
     return CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks, time.perf_counter() - start)
+
+
+def _prompt_start(runtime: Runtime) -> Check:
+    """A bare prompt (no chat template) starts with what the tokenizer puts before any text: a base model's BOS, without
+    which Gemma repeats the question whatever the passages say. A chat template writes its own start."""
+    tokenizer, preamble = runtime.tokenizer, runtime.prompts.preamble_ids
+    leading = leading_special_ids(tokenizer)
+    missing = 0 if getattr(tokenizer, "chat_template", None) or preamble[:len(leading)] == leading else len(leading)
+    return Check("prompt_start", {"missing_leading_tokens": missing}, {"missing_leading_tokens": 0}, missing == 0)
 
 
 def _margin(logits: torch.Tensor) -> float:

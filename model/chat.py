@@ -17,7 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrag.errors import KvragError
-from kvrag.model.prompt import _QSLOT, _SLOT, INSTRUCTION, QUESTION_TEMPLATE, PromptBuilder, encode
+from kvrag.model.prompt import (
+    _QSLOT,
+    _SLOT,
+    INSTRUCTION,
+    QUESTION_TEMPLATE,
+    PromptBuilder,
+    encode,
+    leading_specials,
+)
 
 Turn = tuple[str, str]  # (role, text): system, user, assistant, or what the model's template knows
 _ANSWER = "\x00KVRAG_ANSWER\x00"  # stands for an earlier answer while the template is rendered
@@ -43,8 +51,9 @@ class ChatPrompts:
     def plain_ids(self, history: Sequence[Turn], question: str, role: str = "user") -> list[int]:
         """A plain chat prompt: the template over the history and the question (`role`'s: a tool's result too),
         ready for the answer."""
-        if not self.has_template:
-            return encode(self.tokenizer, "\n\n".join([*(text for _, text in history), _question(question)]))
+        if not self.has_template:  # the bare prompt, as the single-turn one: after the tokenizer's BOS
+            body = "\n\n".join([*(text for _, text in history), _question(question)])
+            return encode(self.tokenizer, leading_specials(self.tokenizer) + body)
         return encode(self.tokenizer, self._render([*history, (role, _question(question))], True))
 
     def after_answer(self, question: str, passages: bool, role: str = "user") -> tuple[list[int], list[int]]:

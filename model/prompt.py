@@ -55,8 +55,8 @@ class PromptTemplate:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
             )
-        else:  # a base model without a chat template gets the bare prompt
-            text = content
+        else:  # a base model without a chat template: the bare prompt, after what its tokenizer puts first (BOS)
+            text = leading_specials(tokenizer) + content
         preamble, suffix = text.split(_SLOT)
         return cls(preamble=preamble, suffix_template=suffix)
 
@@ -69,6 +69,21 @@ class PromptTemplate:
     def full_text(self, passages: Sequence[str], question: str) -> str:
         """The whole prompt as one string (what a plain tokenizer call would see)."""
         return self.preamble + "".join(passages) + self.suffix(question)
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before any text it encodes (a base model's BOS: Gemma without its `<bos>`
+    repeats the question); [] for none. A chat template writes its own; a bare prompt gets these, as transformers'
+    plain encode gives them."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    marked = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return marked[:marked.index(plain[0])] if plain and plain[0] in marked else []
+
+
+def leading_specials(tokenizer) -> str:
+    """leading_special_ids as text (the prompt's segments are text, their special tokens spelt out)."""
+    ids = leading_special_ids(tokenizer)
+    return tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
 
 def encode(tokenizer, text: str) -> list[int]:

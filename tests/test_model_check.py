@@ -99,7 +99,7 @@ def test_a_wrong_rotary_of_loaded_keys_fails_it(tiny_llama_dir, broken_rotary):
 def test_a_wrong_rotary_fails_smollm2_on_reuse_and_on_the_default_blend(smol, broken_rotary):
     report = check_model(Runtime.load(None))
     status = {c.name: c.passed for c in report.checks}
-    assert status == {"blend_ratio_1": True, "reuse_at_own_position": False, "blend_default": False}, \
+    assert status == {"blend_ratio_1": True, "reuse_at_own_position": False, "prompt_start": True, "blend_default": False}, \
         _figures(report)
 
 
@@ -148,7 +148,7 @@ def test_model_check_cli_json(tiny_llama_dir, kvrag):
     proc = kvrag("model", "check", "--model", str(tiny_llama_dir), "--dtype", "float32", "--json")
     report = json.loads(proc.stdout)
     assert report["schema"] == "kvrag.model-check/1" and report["passed"] is True and report["dtype"] == "float32"
-    assert [c["name"] for c in report["checks"]] == ["blend_ratio_1", "reuse_at_own_position", "blend_default"]
+    assert [c["name"] for c in report["checks"]] == ["blend_ratio_1", "reuse_at_own_position", "prompt_start", "blend_default"]
     assert all({"passed", "bound"} <= set(c) for c in report["checks"])
 
 

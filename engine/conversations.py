@@ -151,14 +151,16 @@ class Conversations:
     def _cached_head(self, head: list[int], salt: str) -> tuple[int, LayerKV | None]:
         """The longest run of the head's leading blocks the prefix cache holds, and their KV (keys rotated: a prefix
         block always stands at the same positions)."""
-        blocks = []
+        blocks, keys = [], []
         for key in block_keys(head, salt):
             block = self._get(key)
             if not isinstance(block, Block):
                 break
             blocks.append(block)
+            keys.append(key)
         if not blocks:
             return 0, None
+        self._touch(reversed(keys))  # the first block last: the LRU drops a prefix's tail before its head
         k = torch.cat([b.k for b in blocks], dim=1)  # [L, n, Hkv, hd]
         v = torch.cat([b.v for b in blocks], dim=1)
         return k.shape[1], LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
@@ -173,10 +175,19 @@ class Conversations:
     def keep_prefix(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, salt: str = "") -> None:
         """Cache a prefilled prompt's whole blocks (vLLM's automatic prefix caching): `ids` its ids, k and v its rows
         [L, >= len(ids), Hkv, hd], keys rotated. Blocks held already are only touched, not copied again."""
-        for i, key in enumerate(block_keys(ids, salt)):
-            if self._get(key) is None:
+        keys = block_keys(ids, salt)
+        block_bytes = 2 * k[:, :BLOCK].numel() * k.element_size()
+        keys = keys[:max(0, self.budget // 2 // block_bytes)]  # a prompt over half the cache keeps its head alone
+        for i in reversed(range(len(keys))):  # the tail first: the head ends the most recent, the last to go
+            if self._get(keys[i]) is None:
                 rows = slice(i * BLOCK, (i + 1) * BLOCK)
-                self._put(key, Block(k[:, rows].clone(), v[:, rows].clone()))
+                self._put(keys[i], Block(k[:, rows].clone(), v[:, rows].clone()))
+
+    def _touch(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._kept:
+                    self._kept.move_to_end(key)
 
     def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
              pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str], salt: str = "") -> None:

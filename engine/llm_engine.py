@@ -44,7 +44,7 @@ class EngineConfig:
     # a full prefill longer than this runs this many tokens a step, the running sequences decoding between the
     # pieces (0: the whole prompt in one step)
     prefill_chunk: int = 512
-    chat_cache_bytes: int = 256 << 20  # kept conversation turns and heads (engine/conversations.py); 0: none
+    chat_cache_bytes: int = 1 << 30  # kept conversation turns and prompt blocks (engine/conversations.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
     kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/admission.py); 0: none

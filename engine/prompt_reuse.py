@@ -61,7 +61,7 @@ class PromptSpans:
     def __init__(self, env: StoreEnv | None):
         self.env, self.index = env, PassageIndex()
         self.client_tokens = 0  # tokens of the clients' kept passages in the store (admission's bound counts them)
-        self._filled = False
+        self._indexed = -1  # the chunk table's count when it was last indexed
         self._lock = threading.Lock()
 
     def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
@@ -70,26 +70,36 @@ class PromptSpans:
         return self.index.find(ids, salt)
 
     def add(self, chunk_id: str, ids: Sequence[int], salt: str = "") -> None:
-        """Index a passage kept from a client's prompts (under its salt)."""
-        self.fill()
+        """Index a passage kept from a client's prompts (under its salt), its record just written."""
         with self._lock:
-            self.client_tokens += len(ids)
-        self.index.add(chunk_id, ids, salt)
+            if self._indexed < 0:  # the table not indexed yet: its first fill indexes the record with the rest
+                return
+            if not self.index.knows(chunk_id, salt):
+                self.client_tokens += len(ids)
+                self.index.add(chunk_id, ids, salt)
+                self._indexed += 1  # the record this adds to the table: no need to read the table again for it
 
     def fill(self) -> None:
-        """Index the store's chunks, once (KVRag does it beside the model's load; else the first plain prompt)."""
+        """Index the store's chunks (KVRag starts it beside the model's load), and later the ones indexed since: a
+        prompt looks at the chunk table's count (an LMDB stat) and indexes again only when it has grown."""
+        if self.env is None:
+            return
         with self._lock:
-            if self._filled or self.env is None:
+            count = ChunkTable(self.env).count()
+            if count == self._indexed:
                 return
             self.index.add_many(self._records())
-            self._filled = True
+            self._indexed = count
 
     def _records(self):
-        """(chunk id, ids, salt) of every chunk in the store: a passage kept from a client's prompts carries its salt."""
+        """(chunk id, ids, salt) of the store's chunks not indexed yet: a passage kept from a client's prompts carries
+        its salt."""
         for r in list(ChunkTable(self.env).iter()):  # read first: a long read transaction would hold up a map resize
             client = r.doc_id.startswith(CLIENT_DOC)
-            self.client_tokens += len(r.token_ids) if client else 0
-            yield r.chunk_id, r.token_ids, r.doc_id[len(CLIENT_DOC):] if client else ""
+            salt = r.doc_id[len(CLIENT_DOC):] if client else ""
+            if not self.index.knows(r.chunk_id, salt):
+                self.client_tokens += len(r.token_ids) if client else 0
+                yield r.chunk_id, r.token_ids, salt
 
 
 def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Split | None:

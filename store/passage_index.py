@@ -85,6 +85,10 @@ class PassageIndex:
             offsets = np.arange(0, hashes.shape[0] * STRIDE, STRIDE, dtype=np.int64)
             self._pending.append((hashes, np.full(hashes.shape[0], entry, dtype=np.int64), offsets))
 
+    def knows(self, chunk_id: str, salt: str = "") -> bool:
+        with self._lock:
+            return (chunk_id, salt) in self._known
+
     def token_ids(self, chunk_id: str) -> tuple[int, ...]:
         """An indexed chunk's whole ids."""
         with self._lock:

@@ -201,3 +201,16 @@ def test_a_new_passage_is_kept_at_its_second_sighting_for_its_own_tenant(corpus,
             expected = chunk_kv(prefiller.runtime, prefiller.preamble, record.token_ids)
         got = table.get_layer(record.chunk_id, 1, expect_token_ids=record.token_ids)
         torch.testing.assert_close(torch.from_numpy(got.k).float(), expected.k[1].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_chunks_indexed_after_the_first_prompt_are_found(tmp_path):
+    """The passage index reads the chunk table again when it has grown (a `kvrag index` while the server runs)."""
+    from kvrag.engine.prompt_reuse import PromptSpans
+
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    a = tuple(_ids(7, 80))
+    spans = PromptSpans(env)
+    assert spans.find([1, 2, *a, 3]) == []
+    ChunkTable(env).put_records([ChunkRecord("ab" * 16, "d", "", "text", 0, 4, a)])
+    assert [(s.chunk_id, s.start, s.length) for s in spans.find([1, 2, *a, 3])] == [("ab" * 16, 2, 80)]
+    env.close()

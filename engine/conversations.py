@@ -122,6 +122,13 @@ class Conversations:
         return Plan(tuple(self.chat.head_ids(history)), chunks, tuple(self.runtime.prompts.build([], question).suffix),
                     None, salt=salt)
 
+    def replan(self, plan: Plan, find_spans: bool) -> Plan:
+        """A plain prompt cut again at its prefill, where the prefix cache now holds more of it than its head (an
+        exact repeat queued behind the prompt it repeats, whose blocks were kept after it was planned)."""
+        if plan.turn is not None or self._cached_rows(plan.ids(), plan.salt) <= len(plan.head):
+            return plan
+        return self._plain(plan.ids(), plan.salt, find_spans)
+
     def _plain(self, ids: list[int], salt: str, find_spans: bool) -> Plan:
         """A plain prompt: cut around its stored passages, or a head up to its last block boundary and a tail."""
         if find_spans and self.spans is not None:

@@ -214,3 +214,17 @@ def test_chunks_indexed_after_the_first_prompt_are_found(tmp_path):
     ChunkTable(env).put_records([ChunkRecord("ab" * 16, "d", "", "text", 0, 4, a)])
     assert [(s.chunk_id, s.start, s.length) for s in spans.find([1, 2, *a, 3])] == [("ab" * 16, 2, 80)]
     env.close()
+
+
+def test_an_exact_repeat_queued_behind_its_original_is_a_prefix_hit(corpus):
+    """Both planned before either is prefilled: the repeat is cut again at its prefill, when the original's blocks
+    are in the prefix cache, and computes its last block's rows alone."""
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    question = _client_prompt(texts[:3])
+    first, repeat = engine.add(_request(question)), engine.add(_request(question))
+    while not (first.done.is_set() and repeat.done.is_set()):
+        engine.step()
+    assert first.head_reused == 0 and repeat.plan.pieces is None
+    assert repeat.head_reused >= repeat.prompt_tokens - 16
+    assert repeat.output == first.output

@@ -19,6 +19,7 @@ import pytest
 
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
+from kvrag.tests.client_templates import open_webui_prompt
 
 MODEL = "tiny-llama"
 STEPS = 4
@@ -172,18 +173,6 @@ def _usage(raw) -> dict:
 
 
 # ---- Open WebUI: its RAG template in the user message --------------------------------------------------------------
-
-
-def open_webui_prompt(texts: list[str], query: str) -> str:
-    """Open WebUI's default RAG template (RAG_TEMPLATE), its sources as Open WebUI writes them."""
-    sources = "\n".join(f'<source id="{i + 1}" name="doc{i + 1}.txt">{t}</source>' for i, t in enumerate(texts))
-    return ("### Task:\nRespond to the user query using the provided context, incorporating inline citations in the "
-            "format [id] **only when the <source> tag includes an explicit id attribute** (e.g., <source id=\"1\">)."
-            "\n\n### Guidelines:\n- If you don't know the answer, clearly state that.\n"
-            "- Respond in the same language as the user's query.\n"
-            "- Do not cite if the <source> tag does not contain an id attribute.\n\n"
-            "### Output:\nProvide a clear and direct response to the user's query.\n\n"
-            f"<context>\n{sources}\n</context>\n\n<user_query>\n{query}\n</user_query>")
 
 
 def test_open_webui_rag_template_reuses_the_stored_passages_and_metrics_count_them(http, passages):

@@ -23,6 +23,7 @@ from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.maintenance import verify
 from kvrag.store.manifest import read_manifests
+from kvrag.tests.client_templates import open_webui_prompt
 from kvrag.tests.conftest import run_kvrag
 
 QUERY = "Which ledger names the keeper of the northern light?"
@@ -41,18 +42,6 @@ def invented_passage(rng: random.Random, tag: str) -> str:
         words = [rng.choice(WORDS) for _ in range(rng.randint(9, 13))]
         sentences.append(f"In {rng.randint(1700, 1950)} the {' '.join(words)}.")
     return f"Ledger {tag} records that " + " ".join(sentences)
-
-
-def open_webui_prompt(texts: list[str], query: str) -> str:
-    """Open WebUI's default RAG template (RAG_TEMPLATE), its sources as Open WebUI writes them."""
-    sources = "\n".join(f'<source id="{i + 1}" name="doc{i + 1}.txt">{t}</source>' for i, t in enumerate(texts))
-    return ("### Task:\nRespond to the user query using the provided context, incorporating inline citations in the "
-            "format [id] **only when the <source> tag includes an explicit id attribute** (e.g., <source id=\"1\">)."
-            "\n\n### Guidelines:\n- If you don't know the answer, clearly state that.\n"
-            "- Respond in the same language as the user's query.\n"
-            "- Do not cite if the <source> tag does not contain an id attribute.\n\n"
-            "### Output:\nProvide a clear and direct response to the user's query.\n\n"
-            f"<context>\n{sources}\n</context>\n\n<user_query>\n{query}\n</user_query>")
 
 
 def chat_body(model: str, content: str, salt: str, **fields) -> dict:

@@ -50,10 +50,6 @@ class Split:
     pieces: tuple[Piece, ...]
     tail: tuple[int, ...]
 
-    @property
-    def stored_tokens(self) -> int:
-        return sum(len(ids) for (_, ids), p in zip(self.chunks, self.pieces, strict=True) if p.chunk_id is not None)
-
 
 class PromptSpans:
     """The store's passage index, filled from its chunk table at first use (and by `add` as passages are kept)."""

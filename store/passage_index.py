@@ -71,19 +71,7 @@ class PassageIndex:
 
     def add(self, chunk_id: str, token_ids: Sequence[int], salt: str = "") -> None:
         """Index a stored chunk (once per chunk id and salt)."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        with self._lock:
-            if (chunk_id, salt) in self._known or ids.shape[0] < MIN_SPAN:
-                return
-            self._known.add((chunk_id, salt))
-            self._by_id[chunk_id] = ids
-            entry = len(self._names)
-            self._ids.append(ids)
-            self._names.append(chunk_id)
-            self._salts.append(salt)
-            hashes = window_hashes(ids)[::STRIDE]
-            offsets = np.arange(0, hashes.shape[0] * STRIDE, STRIDE, dtype=np.int64)
-            self._pending.append((hashes, np.full(hashes.shape[0], entry, dtype=np.int64), offsets))
+        self._add_batch([(chunk_id, np.asarray(token_ids, dtype=np.int64), salt)])
 
     def knows(self, chunk_id: str, salt: str = "") -> bool:
         with self._lock:

@@ -147,9 +147,10 @@ class Selector:
     the layer's projection."""
 
     def __init__(self, model: Transformer, config: BlendConfig, n_chunk: int, chunk_starts: torch.Tensor | None,
-                 selected: torch.Tensor, forced: torch.Tensor | None = None):
+                 selected: torch.Tensor, forced: torch.Tensor | None = None, prior: torch.Tensor | None = None):
         self.model, self.config, self.n_chunk, self.chunk_starts = model, config, n_chunk, chunk_starts
         self.forced = forced  # [C] bool: chunk rows kept at every check (a prompt's own text: it has no loaded KV)
+        self.prior = prior  # [C] the preview's reading of every chunk row (blend/preview.py), for the rules that rank by it
         self.schedule = config.selection_schedule()
         self.first = min(self.schedule)
         self.ratio = config.ratio  # this prompt's share, set at the first check
@@ -167,7 +168,8 @@ class Selector:
         fresh_k = kv.k_rot[n_pre + chunk_part] if kv.rotated_source else new_k[:n_sel]
         loaded_k, loaded_v = kv.loaded
         check = Check((fresh_k, new_v[:n_sel]), (loaded_k[chunk_part], loaded_v[chunk_part]), q,
-                      kv.k_rot[n_pre + chunk_part], chunk_part, self.chunk_starts, m.cfg.group_size)
+                      kv.k_rot[n_pre + chunk_part], chunk_part, self.chunk_starts, m.cfg.group_size,
+                      None if self.prior is None else self.prior[chunk_part])
         score = selection.score(check, self.config)
         if layer == self.first:
             self.ratio = prompt_ratio(score, self.n_chunk, self.config)
@@ -188,7 +190,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
                   chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None,
-                  tap=None, forced: torch.Tensor | None = None) -> FusionResult:
+                  tap=None, forced: torch.Tensor | None = None, prior: torch.Tensor | None = None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -200,6 +202,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     absolute positions when they have gaps (reduced chunks: their kept tokens alone), else right after the preamble.
     `tap`: sees every layer's queries and keys (a decode-time budget's scores). `forced` [C] bool: chunk rows with
     no loaded KV worth the name (a prompt's own text), selected at every check on top of the ratio's share.
+    `prior` [C]: the preview's reading of the chunk rows (blend/preview.py), for the rules that rank by it.
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -222,7 +225,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         raise ValueError("keep_rest keeps keys before rotary, which a rotated exact prefix does not hand out")
     kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
     kv.tap = tap
-    selector = Selector(model, config, n_chunk, chunk_starts, result.selected, forced) if config is not None else None
+    selector = Selector(model, config, n_chunk, chunk_starts, result.selected, forced, prior) \
+        if config is not None else None
     # the rows (indices into rest) that go through attention and the MLP at the first layer
     index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
     rows = Rows(model.embed(rest_ids[index]), positions[n_pre:][index], (rope[0][n_pre + index], rope[1][n_pre + index]),

@@ -36,6 +36,7 @@ class Check:
     rows: torch.Tensor  # [R] the rows' indices among the chunk tokens
     chunk_starts: torch.Tensor | None  # [K] where each chunk begins among the chunk tokens
     group: int  # query heads per KV head
+    prior: torch.Tensor | None = None  # [R] the preview's reading of the rows over every layer (blend/preview.py)
 
 
 def cacheblend(check: Check, config: BlendConfig) -> torch.Tensor:
@@ -55,7 +56,44 @@ def reading(check: Check, config: BlendConfig) -> torch.Tensor:
     return suffix_attention(check.q_suffix, check.k_rotated, check.group)
 
 
-SELECTION_RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {"cacheblend": cacheblend, "reading": reading}
+def query(check: Check, config: BlendConfig) -> torch.Tensor:
+    """ProphetKV: the rows the question reads most over every layer of the preview (full reuse's pass), whatever their
+    deviation: the budget goes to what the answer is drawn from, not to rows that are only globally salient."""
+    return check.prior if check.prior is not None else reading(check, config)
+
+
+def query_deviation(check: Check, config: BlendConfig) -> torch.Tensor:
+    """CacheBlend's rule with the preview's reading in place of the check layer's: deviation x (1 + attention_weight
+    x reading / its mean)."""
+    if check.prior is None:
+        return cacheblend(check, config)
+    dev = deviation(config.deviation, *check.fresh, *check.loaded)
+    return weigh_by_reading(dev, check.prior, max(config.attention_weight, 1.0))
+
+
+def chunks(check: Check, config: BlendConfig) -> torch.Tensor:
+    """A3: the budget goes to the chunks the question reads (the preview's reading summed over each chunk), and within
+    them to the rows that deviate: deviation x (the row's chunk's share / the mean chunk's)."""
+    read = check.prior if check.prior is not None else suffix_attention(check.q_suffix, check.k_rotated, check.group)
+    owner = chunk_owner(check.rows, check.chunk_starts)
+    per_chunk = torch.zeros(int(owner.max()) + 1 if owner.numel() else 1, device=read.device).index_add_(0, owner, read)
+    weight = per_chunk[owner] / per_chunk.mean().clamp_min(1e-12)
+    return deviation(config.deviation, *check.fresh, *check.loaded) * weight
+
+
+def chunk_starts_first(check: Check, config: BlendConfig) -> torch.Tensor:
+    """EPIC: the first tokens of every chunk (its attention sink, where a chunk computed alone differs most), an
+    equal number per chunk, whatever their deviation."""
+    owner = chunk_owner(check.rows, check.chunk_starts)
+    starts = check.chunk_starts if check.chunk_starts is not None else check.rows.new_zeros(1)
+    return -(check.rows - starts[owner]).float()
+
+
+SELECTION_RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {
+    "cacheblend": cacheblend, "reading": reading, "query": query, "query-deviation": query_deviation,
+    "chunks": chunks, "epic": chunk_starts_first,
+}
+PREVIEW_RULES = frozenset({"query", "query-deviation", "chunks"})  # rules that read blend/preview.py's prior
 
 
 def score(check: Check, config: BlendConfig) -> torch.Tensor:
@@ -91,6 +129,14 @@ def suffix_attention(q_suffix: torch.Tensor, k_rows: torch.Tensor, group: int) -
     qg = q_suffix.float().view(s, h_kv, group, hd).permute(1, 0, 2, 3).reshape(h_kv, s * group, hd)
     scores = torch.matmul(qg, k_rows.float().permute(1, 2, 0)) * hd ** -0.5  # [Hkv, S*g, R]
     return scores.softmax(-1).mean(dim=(0, 1))
+
+
+def chunk_owner(rows: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """The chunk [R] each of `rows` (indices into the chunk tokens) belongs to, for chunks beginning at `starts` [K]
+    (sorted; None: one chunk)."""
+    if starts is None:
+        return torch.zeros_like(rows)
+    return (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
 
 
 def chunk_start_mask(rows: torch.Tensor, starts: torch.Tensor, n_first: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.keyformer import KeepConfig
 from kvrag.blend.kv_budget import AttentionScore, parse_rule
+from kvrag.blend.preview import preview
+from kvrag.blend.selection import PREVIEW_RULES
 from kvrag.engine.chunk_source import ChunkSource
 from kvrag.engine.prompt_reuse import Piece
 from kvrag.errors import KvragError
@@ -248,7 +250,10 @@ class Prefiller:
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
         exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
-        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows else 0
+        # a rule that ranks by the preview's reading reads every layer first (blend/preview.py)
+        previewed = blend_cfg is not None and blend_cfg.selection in PREVIEW_RULES and loaded_rows > 0
+        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
+            and not previewed else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = None
         if loaded_rows:
@@ -263,10 +268,13 @@ class Prefiller:
                                  delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
                                  fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
         try:
-            fused = fused_prefill(self.model, exact, rt.ids_tensor(layout.ids + suffix), n_chunk,
-                                  loader, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
+            rest_ids, chunk_kv, prior = rt.ids_tensor(layout.ids + suffix), loader, None
+            if previewed:
+                prior, chunk_kv = preview(self.model, exact, rest_ids, n_chunk, loader, layout.positions)
+            fused = fused_prefill(self.model, exact, rest_ids, n_chunk,
+                                  chunk_kv, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
                                   exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),
-                                  rest_positions=layout.positions, tap=tap, forced=forced)
+                                  rest_positions=layout.positions, tap=tap, forced=forced, prior=prior)
         finally:
             if loader is not None:
                 loader.close()

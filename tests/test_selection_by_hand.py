@@ -1,5 +1,5 @@
 """The blend's selection pieces by hand: the question's reading of each key, the score that weighs deviation by it,
-the chunk-start rows, a prompt's ratio, the auto budget and the selection rules, each on a case worked out here."""
+the chunk-start rows, a prompt's ratio and the selection rules, each on a case worked out here."""
 
 from __future__ import annotations
 
@@ -62,18 +62,6 @@ def test_chunk_start_mask_and_prompt_ratio_by_hand():
     # the gradual schedule (1.5x the share, then the share) scaled to the prompt's ratio
     assert keep_count(10, 0.15, 20, massed, 0.2) == 6 and keep_count(10, 0.1, 20, massed, 0.2) == 4
     assert keep_count(3, 0.1, 20, massed, 0.2) == 3  # never more than were ranked
-
-
-def test_auto_budget_by_hand():
-    """`--ratio auto`'s cap: the largest share whose predicted first token costs no more than r*'s or fits the
-    budget. Per layer 0.001 s + 0.0001 s a row, 10 layers, 1 before the check, 1,000 chunk rows, no suffix:
-    blend(r) = 0.101 + 9 x (0.001 + 0.1 r) = 0.11 + 0.9 r. r* = 0.15 costs 0.245 s; 0.5 s allows r = 0.4333."""
-    from kvrag.blend.ratio import LoadComputeProfile, budget_ratio
-
-    profile = LoadComputeProfile(compute_base_s=0.001, compute_per_row_s=1e-4, load_per_token_s=0.0, keys=2048)
-    assert budget_ratio(profile, 10, 1, 1000, 0) == pytest.approx(0.39 / 0.9)
-    assert budget_ratio(profile, 10, 1, 10_000, 0) == pytest.approx(0.15)  # r* alone is past the budget
-    assert budget_ratio(profile, 10, 1, 100, 0) == 1.0  # all of it fits
 
 
 def test_selection_rules_by_hand():

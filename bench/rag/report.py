@@ -243,7 +243,7 @@ def markdown(report: dict, plots: Sequence[str] = ()) -> str:
                   f"{store['bytes_per_token']:,.0f} bytes per token ({store['codec']}).", ""]
     s = report["setup"]
     lines += [f"Setup (not timed in the runs): chunk KV {s['precompute_s']:.1f} s ({s['chunks_computed']} of "
-              f"{s['chunks']} chunks computed), auto profile {s['profile_s']:.1f} s, warm-up {s['warmup_s']:.1f} s.", ""]
+              f"{s['chunks']} chunks computed), warm-up {s['warmup_s']:.1f} s.", ""]
     reads = s.get("item_store_reads_s") or []
     if reads:
         lines += [f"Each item's stored KV was read once before its runs (not timed), so every loaded method found it "

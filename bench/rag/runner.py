@@ -1,7 +1,6 @@
 """Run every method on every item in one process: setup, warm-up, then methods interleaved per item.
 
-    setup     every item's chunks get their KV into the store first (and the `auto` controller its
-              profile), so no timed run pays for computing a chunk or profiling the machine
+    setup     every item's chunks get their KV into the store first, so no timed run pays for computing a chunk
     warm-up   each method once on a short prompt (the first item's first two chunks, a few tokens),
               not recorded: first calls allocate, compile and fault pages in
     runs      per item, the methods in a seeded random order, so drift on a busy machine (other jobs,
@@ -108,7 +107,6 @@ class Setup:
     chunks: int = 0  # distinct chunks over the items
     chunks_computed: int = 0  # of which were not in the store yet
     missing_after: int = 0  # chunks still not in the store after setup (0 unless writing failed)
-    profile_s: float = 0.0  # the `auto` controller's load/compute profile
     warmup_s: float = 0.0
     item_store_reads_s: list[float] = field(default_factory=list)  # per item: reading its stored KV (warm_store)
 
@@ -127,7 +125,7 @@ class BenchRun:
 
 def prepare(engine: Prefiller, items: list[BenchItem], methods: list[Method], config: RunConfig,
             on_progress: Progress | None = None) -> Setup:
-    """Store every item's chunk KV (one pass, nothing timed) and measure the auto profile once."""
+    """Store every item's chunk KV (one pass, nothing timed)."""
     setup = Setup(chunks=len({cid for item in items for cid, _ in item.chunks}))
     start = time.perf_counter()
     for n, item in enumerate(items):
@@ -139,10 +137,6 @@ def prepare(engine: Prefiller, items: list[BenchItem], methods: list[Method], co
     setup.precompute_s = time.perf_counter() - start
     if engine.source.table is not None:
         setup.missing_after = len(engine.source.table.missing(sorted({cid for item in items for cid, _ in item.chunks})))
-    if any(m.auto for m in methods):
-        t0 = time.perf_counter()
-        engine.source.profile(config.codec)
-        setup.profile_s = time.perf_counter() - t0
     if on_progress:
         on_progress("setup", "chunk KV stored", len(items), len(items))
     return setup

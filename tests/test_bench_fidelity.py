@@ -1,0 +1,76 @@
+"""`kvrag bench fidelity` end to end on the tiny random model: two short invented items and one RULER-style needle,
+every rule at two ratios; the report's figures against what they must be by construction (full prefill against
+itself, full reuse against itself, ratio 1 against full prefill), and an interrupted sweep resumed from its records.
+Timings are measured, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrag.bench.fidelity import agreed_prefix, tolerance_speedups
+from kvrag.tests.conftest import run_cli_in_process
+
+
+@pytest.fixture
+def short_items(tmp_path, invented_items):
+    """Two invented items in MuSiQue's format, three passages each cut to 40 words."""
+    items = [{**it, "ctxs": [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:3]]}
+             for it in invented_items[:2]]
+    path = tmp_path / "items_short.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def test_agreed_prefix_and_tolerance_by_hand():
+    assert agreed_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5 and agreed_prefix([1, 2], [1, 2, 3]) == 1.0
+    assert agreed_prefix([], []) == 1.0 and agreed_prefix([5], [6]) == 0.0
+    summary = {  # KL / reuse falls with the ratio; TTFT rises
+        "query@0.1": {"mode": "blend", "rule": "query", "ratio": 0.1, "kl_vs_reuse": 0.3, "median_ttft_ratio_to_full": 0.2},
+        "query@0.2": {"mode": "blend", "rule": "query", "ratio": 0.2, "kl_vs_reuse": 0.15, "median_ttft_ratio_to_full": 0.25},
+        "epic@0.2": {"mode": "blend", "rule": "epic", "ratio": 0.2, "kl_vs_reuse": 0.5, "median_ttft_ratio_to_full": 0.25},
+    }
+    hits = tolerance_speedups(summary, (0.2, 0.4))
+    assert hits["query"]["0.2"]["ratio"] == 0.2 and hits["query"]["0.2"]["speedup"] == pytest.approx(4.0)
+    assert hits["query"]["0.4"]["ratio"] == 0.1 and hits["epic"]["0.2"] is None
+
+
+def test_bench_fidelity_sweeps_rules_and_resumes(monkeypatch, capsys, tmp_path, tiny_llama_dir, short_items):
+    records = tmp_path / "fid.jsonl"
+    args = ("bench", "fidelity", "--dataset", str(short_items), "--split", "tune", "--items", "2",
+            "--model", str(tiny_llama_dir), "--dtype", "float32", "--store", str(tmp_path / "store"),
+            "--rules", "cacheblend,query,chunks,epic", "--ratios", "0.3,1", "--max-tokens", "4",
+            "--ruler", "needle", "--ruler-lengths", "700", "--ruler-per-cell", "1", "--records", str(records))
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", *args, "--out", str(tmp_path / "out"), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    methods = report["methods"]
+    assert list(methods) == ["full", "reuse"] + [f"{rule}@{r}" for rule in ("cacheblend", "query", "chunks", "epic")
+                                                 for r in ("0.3", "1")]
+    assert methods["full"]["top1_agreement"] == 1.0 and methods["full"]["mean_kl"] == 0.0
+    assert methods["full"]["agreed_prefix"] == 1.0 and methods["reuse"]["kl_vs_reuse"] == pytest.approx(1.0)
+    for rule in ("cacheblend", "query", "chunks", "epic"):
+        whole = methods[f"{rule}@1"]
+        assert whole["items"] == 2 and whole["top1_agreement"] == 1.0 and whole["mean_kl"] < 1e-6, rule
+        assert methods[f"{rule}@0.3"]["median_ttft_ratio_to_full"] is not None
+    assert set(report["tolerances"]) == {"cacheblend", "query", "chunks", "epic"}
+    assert report["ruler"]["tasks"] == 1 and set(report["ruler"]["kept_right"]) == set(methods)
+    assert (tmp_path / "out" / "fidelity_pareto.png").stat().st_size > 0
+    assert "| query@0.3 |" in (tmp_path / "out" / "report.md").read_text()
+    # an interrupted sweep: drop the second item's runs, and the rerun runs that item alone
+    lines = records.read_text().splitlines()
+    first = json.loads(lines[0])["item"]
+    records.write_text("\n".join(line for line in lines if json.loads(line)["item"] == first) + "\n")
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", *args, "--json")
+    assert code == 0, err
+    assert "item 1/2 (in the records)" in err and "item 2/2\n" in err
+    again = json.loads(out)["methods"]
+    assert again["cacheblend@1"]["items"] == 2 and again["full"]["mean_kl"] == 0.0
+
+
+def test_bench_fidelity_refuses_bad_options_in_one_line(monkeypatch, capsys):
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "fidelity", "--rules", "nope")
+    assert code != 0 and "--rules takes names from cacheblend" in err and "Traceback" not in err
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "fidelity", "--ratios", "0.1,2")
+    assert code != 0 and "--ratios takes ratios between 0 and 1" in err

@@ -4,7 +4,8 @@ Each setting is taken from the caller's option where one is given (not None), el
 else from its default; nothing below this module reads the environment (home.py aside: where kvrag keeps its files).
 
     setting          variable               default
-    model            KVRAG_MODEL            None: the bundled SmolLM2-135M-Instruct
+    model            KVRAG_MODEL            None: smollm2 (SmolLM2-135M-Instruct); else a short name (model/names.py),
+                                            a .gguf file, or a local Hugging Face directory
     dtype            KVRAG_DTYPE            auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)
     device           KVRAG_DEVICE           auto (cuda where torch sees one)
     kernels          KVRAG_KERNELS          auto (Triton's on a GPU); torch: SDPA and per-sequence decode

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a process stopped by Ctrl-C
 
 MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
-                            help="Local Hugging Face model directory (default: SmolLM2-135M-Instruct).")
+                            help="A short name (smollm2, the default; gemma3-270m; see kvrag model list), a .gguf "
+                                 "file (converted once), or a local Hugging Face model directory.")
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
 # The envvar is declared for --help; kvrag.home.default_store_dir reads the same variable when --store is unset.

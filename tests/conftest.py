@@ -5,6 +5,7 @@ items (tests/invented.py). Only tests marked `benchmark_data` read the real MuSi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -214,6 +215,16 @@ DOCS = {
     "deserts.txt": "The Sahara is the largest hot desert. Antarctica is the largest cold desert. " * 5,
     "seas.txt": "The Dead Sea's shore is the lowest land on Earth, about 430 metres below sea level. " * 3,
 }
+
+
+@pytest.fixture
+def short_items(tmp_path, invented_items) -> Path:
+    """Two invented items in MuSiQue's format, four passages each cut to 40 words, as a file."""
+    items = [{**it, "ctxs": [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:4]]}
+             for it in invented_items[:2]]
+    path = tmp_path / "items_short.json"
+    path.write_text(json.dumps(items))
+    return path
 
 
 def run_kvrag(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:

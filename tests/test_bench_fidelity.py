@@ -13,16 +13,6 @@ from kvrag.bench.fidelity import agreed_prefix, tolerance_speedups
 from kvrag.tests.conftest import run_cli_in_process
 
 
-@pytest.fixture
-def short_items(tmp_path, invented_items):
-    """Two invented items in MuSiQue's format, three passages each cut to 40 words."""
-    items = [{**it, "ctxs": [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:3]]}
-             for it in invented_items[:2]]
-    path = tmp_path / "items_short.json"
-    path.write_text(json.dumps(items))
-    return path
-
-
 def test_agreed_prefix_and_tolerance_by_hand():
     assert agreed_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5 and agreed_prefix([1, 2], [1, 2, 3]) == 1.0
     assert agreed_prefix([], []) == 1.0 and agreed_prefix([5], [6]) == 0.0

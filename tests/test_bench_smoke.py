@@ -21,16 +21,6 @@ def run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return run_cli_in_process(monkeypatch, capsys, "bench", *args)
 
 
-@pytest.fixture
-def short_items(tmp_path, invented_items):
-    """Two invented items in MuSiQue's format, four passages each cut to 40 words."""
-    items = [{**it, "ctxs": [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:4]]}
-             for it in invented_items[:2]]
-    path = tmp_path / "items_short.json"
-    path.write_text(json.dumps(items))
-    return path
-
-
 def test_bench_runs_every_method_and_writes_the_report(monkeypatch, capsys, tmp_path, tiny_llama_dir, short_items):
     out_dir = tmp_path / "out"
     code, out, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_items), "--model", str(tiny_llama_dir),

@@ -37,6 +37,9 @@ class BlendConfig:
     deviation_mass: float = 0.0
     max_ratio: float = 0.5
     selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES)
+    # the layers a previewing rule's reading is taken over (0: all; blend/preview.py): fewer keep more of the load
+    # overlapped with the blend (QCFuse's critical layers)
+    preview_layers: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -51,6 +54,8 @@ class BlendConfig:
             raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
         if self.chunk_start_rows < 0:
             raise KvragError(f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}")
+        if self.preview_layers < 0:
+            raise KvragError(f"--preview-layers must be >= 0 (0: every layer), got {self.preview_layers}")
         if not 0.0 <= self.deviation_mass < 1.0:
             raise KvragError(f"--deviation-mass must be in [0, 1), got {self.deviation_mass}")
 

@@ -190,7 +190,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
                   source: ChunkKVSource | None, loaded_rows: int, config: BlendConfig | None,
                   extra: int, keep_rest: bool = False, exact_rows: int = 0,
                   chunk_starts: torch.Tensor | None = None, rest_positions: torch.Tensor | None = None,
-                  tap=None, forced: torch.Tensor | None = None, prior: torch.Tensor | None = None) -> FusionResult:
+                  tap=None, forced: torch.Tensor | None = None, prior: torch.Tensor | None = None,
+                  layers: int | None = None) -> FusionResult:
     """Prefill preamble + chunks + suffix reusing loaded chunk KV.
 
     rest_ids [C + S]: chunk tokens then suffix tokens (n_chunk = C). The source covers chunk rows
@@ -203,6 +204,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     `tap`: sees every layer's queries and keys (a decode-time budget's scores). `forced` [C] bool: chunk rows with
     no loaded KV worth the name (a prompt's own text), selected at every check on top of the ratio's share.
     `prior` [C]: the preview's reading of the chunk rows (blend/preview.py), for the rules that rank by it.
+    `layers`: run the first this-many layers only (a preview's): no logits.
     """
     dev = model.device
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
@@ -231,7 +233,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
     rows = Rows(model.embed(rest_ids[index]), positions[n_pre:][index], (rope[0][n_pre + index], rope[1][n_pre + index]),
                 index)
-    for layer in range(model.cfg.n_layers):
+    n_layers = model.cfg.n_layers if layers is None else min(layers, model.cfg.n_layers)
+    for layer in range(n_layers):
         uses_loaded = loaded_rows > 0 and (selector is None or layer >= selector.first or exact_rows > 0)
         kv.loaded = None
         if uses_loaded:  # wait for the loader first, so compute spans exclude the wait
@@ -246,5 +249,6 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
         result.compute_s += t1 - t0
     if selector is not None:
         result.selected = selector.selected
-    result.logits = model.logits(rows.h[-1:])[0]
+    if n_layers == model.cfg.n_layers:
+        result.logits = model.logits(rows.h[-1:])[0]
     return result

@@ -46,23 +46,30 @@ class KeptLayers:
     """A chunk KV source (blend/fusion.py's ChunkKVSource) that passes `source`'s layers on and keeps a copy of each,
     so that the blend after a preview reads them again without the store."""
 
-    def __init__(self, source):
-        self.source, self.rotated = source, source.rotated
+    def __init__(self, source, keep_below: int | None = None):
+        self.source, self.rotated, self.keep_below = source, source.rotated, keep_below
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if index not in self.kept:
-            k, v = self.source.layer(index)  # [C, Hkv, hd] each; the loader may reuse its buffers: copy
-            self.kept[index] = (k.clone(), v.clone())
+        """Layer `index`'s (k, v) [C, Hkv, hd] each: a kept copy, or the source's (layers past `keep_below`, which
+        only the blend reads, pass through)."""
+        if index in self.kept:
+            return self.kept.pop(index)  # each layer is read once more, by the blend
+        k, v = self.source.layer(index)
+        if self.keep_below is not None and index >= self.keep_below:
+            return k, v
+        self.kept[index] = (k.clone(), v.clone())  # the loader may reuse its buffers
         return self.kept[index]
 
 
 def preview(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor, n_chunk: int, source,
-            rest_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, KeptLayers]:
-    """The question's reading [C] of the chunk rows over every layer, from full KV reuse's pass over `source`'s
-    layers (every chunk row loaded), and those layers kept for the blend (see fusion.fused_prefill's arguments)."""
-    kept = KeptLayers(source)
+            rest_positions: torch.Tensor | None = None, layers: int = 0) -> tuple[torch.Tensor, KeptLayers]:
+    """The question's reading [C] of the chunk rows over its first `layers` layers (0: every layer), from full KV
+    reuse's pass over `source`'s layers (every chunk row loaded); those layers kept for the blend, the later ones
+    passed on as the source gives them (see fusion.fused_prefill's arguments)."""
+    n = model.cfg.n_layers if layers <= 0 else min(layers, model.cfg.n_layers)
+    kept = KeptLayers(source, keep_below=n)
     reading = QueryReading(model.cfg.n_layers, len(preamble), n_chunk, model.device)
     fused_prefill(model, preamble, rest_ids, n_chunk, kept, n_chunk, None, 0, rest_positions=rest_positions,
-                  tap=reading)
-    return reading.fused(), kept
+                  tap=reading, layers=n)
+    return reading.fused(range(n)), kept

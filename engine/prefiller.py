@@ -270,7 +270,8 @@ class Prefiller:
         try:
             rest_ids, chunk_kv, prior = rt.ids_tensor(layout.ids + suffix), loader, None
             if previewed:
-                prior, chunk_kv = preview(self.model, exact, rest_ids, n_chunk, loader, layout.positions)
+                prior, chunk_kv = preview(self.model, exact, rest_ids, n_chunk, loader, layout.positions,
+                                          blend_cfg.preview_layers)
             fused = fused_prefill(self.model, exact, rest_ids, n_chunk,
                                   chunk_kv, loaded_rows, blend_cfg, extra, keep_rest=lease is not None,
                                   exact_rows=exact_rows, chunk_starts=layout.starts.to(self.model.device),

@@ -111,8 +111,10 @@ def test_a_previewing_blend_at_ratio_one_is_full_prefill(tiny, rule):
     assert 0 < part.recomputed_chunk_tokens < len(CHUNK) + len(other)
 
 
-def test_preview_keeps_each_layer_once(tiny):
-    """`preview` reads every layer of its source once, and the blend after it reads them from the copies."""
+@pytest.mark.parametrize("layers", [0, 2])
+def test_preview_keeps_each_layer_once(tiny, layers):
+    """`preview` reads every layer of its source once: the ones it reads itself (all, or the first `layers`) are kept
+    for the blend after it, the later ones pass through as the source gives them."""
     rt = tiny
     _, pre = extend(rt.model, None, rt.ids_tensor(rt.prompts.preamble_ids))
     suffix = rt.prompts.build([], QUESTION).suffix
@@ -129,7 +131,10 @@ def test_preview_keeps_each_layer_once(tiny):
 
     with torch.inference_mode():
         source = Counting(chunk_kv(rt, pre, CHUNK))
-        prior, kept = preview(rt.model, pre, rt.ids_tensor(CHUNK + suffix), len(CHUNK), source)
+        prior, kept = preview(rt.model, pre, rt.ids_tensor(CHUNK + suffix), len(CHUNK), source, layers=layers)
+        n = layers or rt.model.cfg.n_layers
+        assert source.reads == list(range(n)) and sorted(kept.kept) == list(range(n))
         for layer in range(rt.model.cfg.n_layers):
             kept.layer(layer)
     assert source.reads == list(range(rt.model.cfg.n_layers)) and prior.shape == (len(CHUNK),)
+    assert not kept.kept  # every copy handed over once

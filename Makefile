@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-clients bench-gpu bench-load gpu-bundle test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-clients bench-fidelity bench-gpu bench-load gpu-bundle test-cuda
 
 install: $(STAMP)
 
@@ -147,6 +147,14 @@ bench-index: $(STAMP)
 # first-token agreement and KL against full prefill, an exact repeat, and the hit rate over 500 novel questions.
 bench-clients: bench-data $(STAMP)
 	$(BIN)/kvrag bench clients --dataset $(BENCH_DATA) --items 10 --stream 500
+
+# Selection rules x recompute ratios on MuSiQue report items (about 6k tokens) and RULER-style tasks, against full
+# prefill: first-token agreement, KL, 32-token agreement, TTFT / full, F1; the Pareto plot. Hours on a laptop CPU:
+# each item's runs are appended to the records as it ends, and a rerun resumes there.
+FIDELITY_ARGS ?= --items 20 --rules cacheblend,query,chunks,epic
+bench-fidelity: bench-data $(STAMP)
+	$(BIN)/kvrag bench fidelity --dataset $(BENCH_DATA) $(FIDELITY_ARGS) --records bench-fidelity.jsonl \
+	  --out bench-fidelity
 
 bench-remote: bench-data $(STAMP)
 	$(BIN)/kvrag bench remote --dataset $(BENCH_DATA) --items 10 $(REMOTE_ARGS)

@@ -71,14 +71,24 @@ def query_deviation(check: Check, config: BlendConfig) -> torch.Tensor:
     return weigh_by_reading(dev, check.prior, max(config.attention_weight, 1.0))
 
 
-def chunks(check: Check, config: BlendConfig) -> torch.Tensor:
-    """A3: the budget goes to the chunks the question reads (the preview's reading summed over each chunk), and within
-    them to the rows that deviate: deviation x (the row's chunk's share / the mean chunk's)."""
+def chunk_weight(check: Check) -> torch.Tensor:
+    """Each row's chunk's share of the question's reading (the preview's where there is one, else the check layer's)
+    over the mean chunk's: [R]. A3's question-to-chunk attention: the passages the question reads get the budget."""
     read = check.prior if check.prior is not None else suffix_attention(check.q_suffix, check.k_rotated, check.group)
     owner = chunk_owner(check.rows, check.chunk_starts)
     per_chunk = torch.zeros(int(owner.max()) + 1 if owner.numel() else 1, device=read.device).index_add_(0, owner, read)
-    weight = per_chunk[owner] / per_chunk.mean().clamp_min(1e-12)
-    return deviation(config.deviation, *check.fresh, *check.loaded) * weight
+    return per_chunk[owner] / per_chunk.mean().clamp_min(1e-12)
+
+
+def chunks(check: Check, config: BlendConfig) -> torch.Tensor:
+    """A3 with CacheBlend's deviation: within the chunks the question reads, the rows that deviate. deviation x
+    chunk_weight; `chunks-preview` takes the reading from the preview instead of the check layer."""
+    return deviation(config.deviation, *check.fresh, *check.loaded) * chunk_weight(check)
+
+
+def chunks_weighted(check: Check, config: BlendConfig) -> torch.Tensor:
+    """CacheBlend's score (deviation weighted by the question's reading of the row) x chunk_weight."""
+    return cacheblend(check, config) * chunk_weight(check)
 
 
 def chunk_starts_first(check: Check, config: BlendConfig) -> torch.Tensor:
@@ -91,9 +101,9 @@ def chunk_starts_first(check: Check, config: BlendConfig) -> torch.Tensor:
 
 SELECTION_RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {
     "cacheblend": cacheblend, "reading": reading, "query": query, "query-deviation": query_deviation,
-    "chunks": chunks, "epic": chunk_starts_first,
+    "chunks": chunks, "chunks-preview": chunks, "chunks-weighted": chunks_weighted, "epic": chunk_starts_first,
 }
-PREVIEW_RULES = frozenset({"query", "query-deviation", "chunks"})  # rules that read blend/preview.py's prior
+PREVIEW_RULES = frozenset({"query", "query-deviation", "chunks-preview"})  # rules that read blend/preview.py's prior
 
 
 def score(check: Check, config: BlendConfig) -> torch.Tensor:

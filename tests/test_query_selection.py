@@ -95,7 +95,7 @@ def test_preview_reads_what_transformers_attention_reads(tiny, tiny_llama_dir):
     assert fused.shape == (len(CHUNK),) and torch.isclose(fused.sum(), torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("rule", ["query", "chunks", "query-deviation"])
+@pytest.mark.parametrize("rule", ["query", "chunks-preview", "query-deviation", "chunks"])
 def test_a_previewing_blend_at_ratio_one_is_full_prefill(tiny, rule):
     """Through the prefiller: the preview's extra pass and its kept layers change nothing when every row is
     recomputed; at the default ratio it recomputes the share asked for."""

@@ -43,6 +43,7 @@ MIN_SCORE = 0.33
 # tokens a reduced stored chunk keeps, and which rows a decode-time budget keeps.
 KEEP_RULE = "window"
 KV_RULE = "keyformer"
+DEFAULT_SELECTION = "chunks"  # the blend's selection rule (blend/selection.py, blend/config.py says why)
 
 
 @dataclass(frozen=True)

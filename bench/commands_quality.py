@@ -37,6 +37,7 @@ def _rules(text: str) -> tuple[str, ...]:
 def bench_fidelity(
     items: int = typer.Option(10, "--items", min=1, max=50, help="MuSiQue items of the split (about 6k tokens each)."),
     split: str = typer.Option("report", "--split", help="tune (items 0-49) or report (50-99)."),
+    offset: int = typer.Option(0, "--offset", min=0, max=49, help="Start this many items into the split."),
     rules: str = typer.Option("cacheblend,query,chunks,epic", "--rules", help="Selection rules to sweep."),
     ratios: str = typer.Option("0.05,0.1,0.15,0.2,0.3", "--ratios", help="Recompute ratios (0, full reuse, always runs)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Greedy answer length compared with full prefill's."),
@@ -72,7 +73,9 @@ def bench_fidelity(
     spec = FidelitySpec(_rules(rules), _floats(ratios, "--ratios"), max_tokens)
     lengths = tuple(int(x) for x in ruler_lengths.split(",") if x.strip()) if ruler else ()
     raw = read_dataset(dataset)
-    indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
+    indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][offset:offset + items]
+    if not indices:
+        raise KvragError(f"--offset {offset} is past the {split} split's items")
     console = stderr_console()
 
     def on_item(n: int, total: int, done: bool) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from kvrag.bench.rag.methods import Method, blend_method
 from kvrag.bench.rag.metrics import mean_or_none, median_or_none
 from kvrag.bench.rag.runner import BenchRun, MethodRun, RunConfig, run_bench
+from kvrag.blend.config import DEFAULT_SELECTION
 
 RULES = ("cacheblend", "query", "chunks", "epic")
 RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30)  # and 0: full reuse, the same for every rule
@@ -64,7 +65,7 @@ def summarize(bench: BenchRun) -> dict[str, dict]:
         runs = bench.by_method(m.name)
         kl = mean_or_none(r.kl for r in runs)
         out[m.name] = {
-            "mode": m.mode, "rule": m.selection or ("cacheblend" if m.mode == "blend" else None),
+            "mode": m.mode, "rule": m.selection or (DEFAULT_SELECTION if m.mode == "blend" else None),
             "ratio": 0.0 if m.mode == "reuse" else (1.0 if m.mode == "full" else m.ratio),
             "items": len(runs),
             "top1_agreement": mean_or_none(r.top1_agree for r in runs),

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvrag.blend import selection
+from kvrag.config import DEFAULT_SELECTION
 from kvrag.errors import KvragError
 
 # r*: the share of chunk tokens a blend recomputes unless told otherwise, and the floor `--ratio auto` starts from
@@ -36,11 +37,15 @@ class BlendConfig:
     # selection score's total on its norm's scale (up to max_ratio): a prompt whose deviation is spread out gets more
     deviation_mass: float = 0.0
     max_ratio: float = 0.5
-    selection: str = "cacheblend"  # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES)
-    # the layers a previewing rule's reading is taken over (0: all; blend/preview.py): fewer keep more of the load
-    # overlapped with the blend (QCFuse's critical layers). MuSiQue tune items 2-8, ratio 0.15, KL / full reuse's:
-    # `query` 0.125 over the first 8 layers against 0.162 over all 30; `chunks-preview` 0.110 (4), 0.114 (8), 0.103 (30)
-    preview_layers: int = 8
+    # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES). `chunks` (deviation x the
+    # question's reading of the row's chunk) on MuSiQue tune items 2-11 at 0.15: KL 0.143 of full reuse's against
+    # cacheblend's 0.219, at the same cost (docs/performance.md, issue 49)
+    selection: str = DEFAULT_SELECTION
+    # the layers a previewing rule's reading is taken over (0: all, as ProphetKV reads them; blend/preview.py): fewer
+    # keep more of the load overlapped with the blend (QCFuse's critical layers). MuSiQue tune items 2-9, ratio 0.15,
+    # KL / full reuse's: `query` 0.135 over all 30 layers, 0.267 over the first 8; `chunks-preview` 0.120 (30),
+    # 0.116 (8), 0.123 (4), 0.114 (2): too few items to tell those apart
+    preview_layers: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:

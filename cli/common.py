@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvrag.config import KEEP_RULE, KV_RULE
+from kvrag.config import DEFAULT_SELECTION, KEEP_RULE, KV_RULE
 from kvrag.errors import KvragError
 from kvrag.home import default_store_dir
 
@@ -53,9 +53,12 @@ KV_RULE_OPTION = typer.Option(KV_RULE, "--kv-rule",
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")
-SELECTION_OPTION = typer.Option("cacheblend", "--selection",
-                                help="Blend: the rule that ranks tokens at a check layer: cacheblend (deviation x "
-                                     "reading) or reading (the question's attention alone).")
+SELECTION_OPTION = typer.Option(DEFAULT_SELECTION, "--selection",
+                                help="Blend: the rule that ranks tokens at a check layer: chunks (deviation within "
+                                     "the passages the question reads; the default), cacheblend (deviation x the "
+                                     "question's reading of the token), reading, query (ProphetKV: a preview of the "
+                                     "question over the loaded KV), epic (each chunk's first tokens); "
+                                     "blend/selection.py lists them all.")
 
 
 def attention_weight_override(value: float | None) -> dict[str, float]:

@@ -20,7 +20,7 @@ import torch
 from kvrag.bench.rag.items import BenchItem
 from kvrag.bench.rag.methods import Method
 from kvrag.bench.rag.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
-from kvrag.blend.config import ATTENTION_WEIGHT, BlendConfig
+from kvrag.blend.config import ATTENTION_WEIGHT, DEFAULT_SELECTION, BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
@@ -49,7 +49,7 @@ class RunConfig:
     attention_weight: float = ATTENTION_WEIGHT
     chunk_start_rows: int = 0  # see BlendConfig
     deviation_mass: float = 0.0
-    selection: str = "cacheblend"  # see BlendConfig
+    selection: str = DEFAULT_SELECTION  # see BlendConfig
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

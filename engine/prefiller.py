@@ -255,18 +255,8 @@ class Prefiller:
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
             and not previewed else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
-        loader = None
-        if loaded_rows:
-            # keys rotated to their places as they load (with Triton, by the fused load kernel), unless the memory
-            # tiers keep this prompt's keys (before rotary) afterwards
-            positions = None
-            # the loader's rows are the first loaded_rows chunk rows, right after the exact prefix; a scaled or
-            # partial rotary (yarn, Phi-3) the loader's inv_freq rotation lacks: the blend rotates those keys itself
-            if lease is None and self.model.cfg.plain_rotary:
-                positions = layout.positions[:loaded_rows]
-            loader = open_loader(source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
-                                 delay_s=self.load_delay_s, positions=positions, inv_freq=self.model.inv_freq,
-                                 fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
+        loader = self._loader(refs, layers, layout.positions[:loaded_rows], rotate=lease is None) \
+            if loaded_rows else None
         try:
             rest_ids, chunk_kv, prior = rt.ids_tensor(layout.ids + suffix), loader, None
             if previewed:
@@ -293,6 +283,16 @@ class Prefiller:
         return Prefilled(fused.logits, fused.cache, fused.cache.length,
                          n_chunk + sum(len(ids) for _, ids in chunks[:matched]),
                          int(fused.selected.numel()), timings, loader.bytes_read if loader else 0, spans, tiers, tap)
+
+    def _loader(self, refs: list[ChunkRef], layers: range, positions: torch.Tensor, rotate: bool):
+        """A started loader of `layers` of the chunks `refs`, whose rows sit at `positions` [R]: keys rotated to their
+        places as they load (with Triton, by the fused load kernel) when `rotate` (not when the memory tiers keep
+        this prompt's keys before rotary afterwards) and the rotary is one the loader's inv_freq rotation covers (a
+        scaled or partial one, yarn or Phi-3's, the blend applies itself)."""
+        rotated = positions if rotate and self.model.cfg.plain_rotary else None
+        return open_loader(self.source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
+                           delay_s=self.load_delay_s, positions=rotated, inv_freq=self.model.inv_freq,
+                           fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
 
     def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it

@@ -75,6 +75,7 @@ def summarize(bench: BenchRun) -> dict[str, dict]:
             "agreed_prefix": mean_or_none(agreed_prefix(full[r.item].token_ids, r.token_ids) for r in runs),
             "median_ttft_ratio_to_full": median_or_none(r.ttft_ratio_to_full for r in runs),
             "median_ttft_ms": statistics.median(r.ttft_s for r in runs) * 1000 if runs else None,
+            "f1": mean_or_none(r.f1 for r in runs),
             "f1_where_full_right": mean_or_none(r.f1 for r in runs if r.item in right),
             "items_full_right": len(right),
         }
@@ -170,12 +171,12 @@ def markdown(report: dict) -> str:
     def f(x, fmt=".3f"):
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 (full right) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 | F1 (full right) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, m in report["methods"].items():
         lines.append(f"| {name} | {f(m['top1_agreement'], '.2f')} | {f(m['mean_kl'], '.4f')} | {f(m['kl_vs_reuse'])} "
                      f"| {f(m['identical_answer_share'], '.2f')} | {f(m['agreed_prefix'], '.2f')} "
-                     f"| {f(m['median_ttft_ratio_to_full'])} | {f(m['f1_where_full_right'])} |")
+                     f"| {f(m['median_ttft_ratio_to_full'])} | {f(m.get('f1'))} | {f(m['f1_where_full_right'])} |")
     lines += ["", "| rule | tolerance (KL / reuse) | cheapest ratio | TTFT / full | speed-up |", "|---|---|---|---|---|"]
     for rule, per_t in report["tolerances"].items():
         for t, hit in per_t.items():

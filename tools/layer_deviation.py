@@ -1,6 +1,6 @@
 """Where a blend's KV deviates from full prefill's, layer by layer (docs/performance.md, issue 49).
 
-    python tools/layer_deviation.py --items 3 [--store DIR] [--rules cacheblend,chunks] [--ratio 0.15]
+    python tools/layer_deviation.py --items 3 [--store DIR] [--rules cacheblend,chunks] [--ratio 0.15] [--model M]
 
 For each MuSiQue item (the benchmarks' copy), full prefill's cache against full KV reuse's and each rule's blend:
 per layer, ||V - V_full||^2 / ||V_full||^2 over the chunk rows past the first chunk (the first is exact). One JSON
@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=Path(".kvrag/layer-deviation"))
     parser.add_argument("--rules", default="cacheblend,chunks")
     parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--model", default=None, help="As kvrag's --model (default: SmolLM2).")
     args = parser.parse_args()
     raw = read_dataset(None)
     with StoreEnv.open(args.store, create=True) as env:
-        rt = load_runtime(None, None, None)
+        rt = load_runtime(args.model, None, None)
         pf = Prefiller.open(rt, env)
         for item in build_items(raw, [int(i) for i in args.items.split(",")], rt):
             with torch.inference_mode():

@@ -31,7 +31,7 @@ def serve_command(
     api_key: str = typer.Option(None, "--api-key", envvar="KVRAG_API_KEY",
                                 help="Require `Authorization: Bearer KEY` on /v1/* (default: no key)."),
     model_name: str = typer.Option(None, "--model-name",
-                                   help="The model id clients name (default: the model directory's name)."),
+                                   help="The model id clients name (default: the model's name, e.g. SmolLM2-135M-Instruct or gemma-3-270m)."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0,
                                     help="Requests that may wait for a prefill; more get 429 (0: no bound)."),
     max_running: int = typer.Option(32, "--max-running", min=1, help="Sequences decoding together, at most."),

@@ -1,7 +1,8 @@
 """A blend's preview (ProphetKV's first stage): before choosing what to recompute, the question alone is run over the
-loaded chunk KV, as full KV reuse runs it, and how much its queries read each chunk row is kept per layer. Deep
-layers' reading says which passages the question is about; the check layer's alone (blend/selection.py's `reading`)
-sees little more than the words it shares with them.
+loaded chunk KV, as full KV reuse runs it, and how much its queries read each chunk row is kept per layer. Ranking
+single rows by it (`query`) needs the deep layers' reading; ranking passages does not: the check layer's reading
+picks the same chunks (`chunks` against `chunks-preview`, docs/performance.md), which is why the default previews
+nothing.
 
 The preview's loaded layers are kept (`KeptLayers`) and handed to the blend that follows, so the store is read
 once; what it costs is the question's rows through every layer over the whole prompt's keys (reuse's compute).

@@ -3,7 +3,8 @@ best-scoring rows (as many as the ratio allows) are recomputed from there on.
 
 A rule is one function of what the check layer knows (`Check`) and the blend's settings, returning one score per
 row (higher: recompute sooner; inf: always). A new rule is one function and one line in SELECTION_RULES; BlendConfig's
-`selection` names the rule a blend uses.
+`selection` names the rule a blend uses (`chunks` by default), and the rules in PREVIEW_RULES get the preview's
+reading of each row as `Check.prior` (blend/preview.py). docs/performance.md compares them (issue 49).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class BlendConfig:
         if self.chunk_start_rows < 0:
             raise KvragError(f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}")
         if self.preview_layers < 0:
-            raise KvragError(f"--preview-layers must be >= 0 (0: every layer), got {self.preview_layers}")
+            raise KvragError(f"preview_layers must be >= 0 (0: every layer), got {self.preview_layers}")
         if not 0.0 <= self.deviation_mass < 1.0:
             raise KvragError(f"--deviation-mass must be in [0, 1), got {self.deviation_mass}")
 

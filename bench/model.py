@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.table import Table
 
-from kvrag.blend.ratio import best_time
 from kvrag.model.files import resolve_model
 from kvrag.model.prompt import PromptBuilder
 from kvrag.model.step import full_forward
@@ -32,6 +31,16 @@ class ModelBenchReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of fn, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def musique_prompt_ids(builder: PromptBuilder, item: dict) -> list[int]:

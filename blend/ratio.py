@@ -17,7 +17,6 @@ moment's load then decided a store's answers for ever. Such kept profiles are le
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
@@ -91,13 +90,3 @@ def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_t
     # what a full prefill of TTFT_BUDGET_TOKENS computes beyond a blend that recomputes nothing, over a share's rows
     allowed = (n_layers * TTFT_BUDGET_TOKENS - rows(0.0)) / (blended * chunk_tokens)
     return float(min(1.0, max(QUALITY_FLOOR, allowed)))  # r*'s own cost is always allowed
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    """The fastest of `repeats` runs of fn, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

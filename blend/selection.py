@@ -69,7 +69,7 @@ def query_deviation(check: Check, config: BlendConfig) -> torch.Tensor:
     if check.prior is None:
         return cacheblend(check, config)
     dev = deviation(config.deviation, *check.fresh, *check.loaded)
-    return weigh_by_reading(dev, check.prior, max(config.attention_weight, 1.0))
+    return weigh_by_reading(dev, check.prior, config.attention_weight)
 
 
 def chunk_weight(check: Check) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Where a prompt's chunk KV comes from: the store, the memory tiers, or computed now (and written back).
 
 A ChunkSource owns the store's KV table (checked against the model's manifest), the memory tiers (a TieredKVCache,
-or none), the chunks computed on the fly (written back between questions, replacing damaged ones). The prefiller (engine/prefiller.py) asks it for a prompt's chunk refs and its
-exact prefix; the resident engine asks it what a prompt will hold in the pool and how much of it is cached.
+or none) and the chunks computed on the fly (written back between questions, replacing damaged ones). The prefiller
+(engine/prefiller.py) asks it for a prompt's chunk refs and its exact prefix; the resident engine asks it what a
+prompt will hold in the pool and how much of it is cached.
 
 With memory tiers, a blend or reuse prompt first walks the knowledge tree: the chunks on its matched path are
 reused exactly (they join the preamble as an exact prefix, never recomputed); below the first miss, each chunk's

@@ -216,6 +216,17 @@ class KVRag:
         """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""
         return self._chunks(question, k, relative_cutoff, None, None, min_score)[1]
 
+    def held_chunks(self, limit: int = 4096) -> list[str]:
+        """The chunks this engine's memory tiers hold, the most recently used first, at most `limit` (what a replica
+        reports to a router: server/routing.py)."""
+        cache = self.engine.prefiller.source.cache
+        for _ in range(3):  # the engine's thread may change the tree while this one reads it: read again
+            try:
+                return [] if cache is None else cache.tree.held(limit)
+            except RuntimeError:
+                continue
+        return []
+
     # ---- life -------------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -127,8 +127,21 @@ def carries_passages(conversations, question: str, history: Sequence[tuple[str, 
     """Whether a request's messages (not the model's earlier answers) hold passages of their own: a paragraph of
     PASSAGE_TOKENS or more, or a stored chunk's text. `conversations`: the engine's (its tokenizer and spans)."""
     tokenizer, spans = conversations.runtime.tokenizer, conversations.spans
-    texts = [question, *(text for who, text in history if who != "assistant")]
-    for text in texts:
-        if any(len(encode(tokenizer, part)) >= PASSAGE_TOKENS for part in _BREAKS.split(text) if part.strip()):
-            return True
-    return spans is not None and bool(spans.find(encode(tokenizer, "\n".join(texts)), salt))
+    texts = client_texts(question, history)
+    return passage_like(tokenizer, texts) or bool(stored_spans(tokenizer, spans, texts, salt))
+
+
+def client_texts(question: str, history: Sequence[tuple[str, str]]) -> list[str]:
+    """What the client wrote: the question and every earlier message but the model's answers."""
+    return [question, *(text for who, text in history if who != "assistant")]
+
+
+def passage_like(tokenizer, texts: Sequence[str]) -> bool:
+    """Whether any paragraph of `texts` (between line breaks or tags) is PASSAGE_TOKENS long or more."""
+    return any(len(encode(tokenizer, part)) >= PASSAGE_TOKENS
+               for text in texts for part in _BREAKS.split(text) if part.strip())
+
+
+def stored_spans(tokenizer, spans: PromptSpans | None, texts: Sequence[str], salt: str = "") -> list[Span]:
+    """The stored passages found in `texts` (joined by line breaks), as the engine finds them in a prompt."""
+    return [] if spans is None else spans.find(encode(tokenizer, "\n".join(texts)), salt)

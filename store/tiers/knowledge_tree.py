@@ -130,3 +130,10 @@ class KnowledgeTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def held(self, limit: int) -> list[str]:
+        """The ids of the chunks some tier holds (at any depth), the most recently used first, at most `limit`: a
+        router's view of this replica, cheap to send and bounded."""
+        nodes = [node for node in self.nodes() if node.tables]
+        nodes.sort(key=lambda node: node.stats.last_access if node.stats else 0, reverse=True)
+        return list(dict.fromkeys(node.chunk_id for node in nodes))[:limit]

@@ -1,0 +1,81 @@
+"""Ray Serve request routers for the engine replicas (`kvrag serve --ray-serve`), on Serve's own extension point.
+
+    ChunkRouter       server/routing.py's chunk-aware ranking: warm replicas first, homes by rendezvous hash,
+                      load bounded (the default)
+    RoundRobinRouter  each request to the next replica in turn: the baseline `kvrag bench cluster` compares against
+
+A request names its chunks in the handle call's `route_chunks` keyword ((chunk id, tokens) pairs, found by the
+front: server/ray_serve.py). Each replica reports the chunks its memory tiers hold through Serve's routing stats
+(`record_routing_stats`, every few seconds); the router counts the requests it has in flight on each replica itself,
+from Serve's routed and completed callbacks, so the load it bounds is never stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvrag.server.routing import BALANCE, HELD, RoutingConfig, rank
+
+ROUTE_KWARG = "route_chunks"
+
+
+def route_chunks(request: PendingRequest | None) -> Sequence[tuple[str, int]]:
+    return () if request is None else request.kwargs.get(ROUTE_KWARG, ()) or ()
+
+
+class ChunkRouter(RequestRouter):
+    def initialize_state(self, held: float = HELD, balance: float = BALANCE, **_) -> None:
+        self.config = RoutingConfig(held, balance)
+        self.in_flight: Counter[str] = Counter()
+        self._routed: dict[str, str] = {}  # Serve's internal request id -> the replica it went to
+        self._held: dict[str, tuple[int, frozenset[str]]] = {}  # replica -> (its report's id, the chunks as a set)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        held = {rid: self._held_set(r) for rid, r in by_id.items()}
+        order = rank(route_chunks(pending_request), sorted(by_id), held, self.in_flight, self.config)
+        return [[by_id[rid]] for rid in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.in_flight[replica_id.unique_id] += 1
+        self._routed[pending_request.metadata.internal_request_id] = replica_id.unique_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._routed.pop(internal_request_id, None)
+        if rid is not None and self.in_flight[rid] > 0:
+            self.in_flight[rid] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.in_flight.pop(replica_id.unique_id, None)
+        self._held.pop(replica_id.unique_id, None)
+
+    def _held_set(self, replica: RunningReplica) -> frozenset[str]:
+        """The chunks a replica last reported, as a set (built again only when a new report came)."""
+        chunks = (replica.routing_stats or {}).get("chunks", ())
+        kept = self._held.get(replica.replica_id.unique_id)
+        if kept is None or kept[0] != id(chunks):
+            kept = (id(chunks), frozenset(chunks))
+            self._held[replica.replica_id.unique_id] = kept
+        return kept[1]
+
+
+class RoundRobinRouter(RequestRouter):
+    def initialize_state(self, **_) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        if not replicas:
+            return []
+        start = next(self._turn) % len(replicas)
+        return [[r] for r in replicas[start:] + replicas[:start]]
+
+
+ROUTERS = {"chunk": ChunkRouter, "round-robin": RoundRobinRouter}

@@ -1,0 +1,210 @@
+"""`kvrag serve --ray-serve N`: N engine replicas behind Ray Serve, each request sent to the replica whose memory
+tiers hold its chunks. The OpenAI surface is `kvrag serve`'s own: every replica runs server/app.py in-process.
+
+    client ──HTTP──> Serve's proxy ──> Front (1 replica, no model)
+                                         finds the request's chunks (request_chunks.py: retrieval done here, once,
+                                         and handed on as `chunk_ids`; or the stored passages in its prompt)
+                                       ──handle, route_chunks=...──> ChunkRouter (server/ray_routers.py) picks
+                                       ──> Engine replica i: KVRag + the app, its response streamed back
+
+The replicas share the store: a local one on one machine, or one on object storage (`--store s3://...`), each
+through its own mirror. A replica that dies before a response's first body bytes are out has its request sent to
+another (FAILOVER_TRIES in all); once a stream has begun, its client sees the stream end. `/metrics` is every
+replica's page with a `replica` label (server/federate.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvrag.api import KVRag, KVRagConfig, KvragError
+from kvrag.request_chunks import RequestChunks
+from kvrag.server.app import ServerSettings, create_app
+from kvrag.server.asgi_call import HttpRequest, Start, call
+from kvrag.server.errors import error_body
+from kvrag.server.federate import MetricsBoard, federated_page
+from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest
+from kvrag.server.ray_routers import ROUTE_KWARG, ROUTERS
+
+APP = "kvrag"
+BOARD = "kvrag-metrics-board"
+FAILOVER_TRIES = 3
+REPLICA_HEADER = "x-kvrag-replica"  # which replica answered: for operators and the tests
+GENERATE = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    replicas: int = 2
+    address: str | None = None  # None or "local": a local Ray cluster started here; "auto", "ray://host:10001": join
+    router: str = "chunk"  # chunk | round-robin (server/ray_routers.py)
+    cpus: float = 1.0  # per replica
+    gpus: float = 0.0  # per replica: 1 puts each on a device of its own
+    stats_period_s: float = 2.0  # how often each replica reports its held chunks (and its metrics)
+    held_limit: int = 4096  # chunk ids a report carries, at most
+    max_ongoing: int = 64  # requests a replica takes at once (its engine queues them)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.router not in ROUTERS:
+            raise KvragError(f"--ray-serve takes at least 1 replica and a router in {', '.join(ROUTERS)}")
+
+
+class EngineReplica:
+    """One replica: a KVRag over the store and kvrag's app on it."""
+
+    def __init__(self, store: str, config: KVRagConfig, settings: ServerSettings, held_limit: int):
+        self.rag = KVRag(store, config)
+        self.app = create_app(self.rag, settings)
+        self.held_limit = held_limit
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.board = ray.get_actor(BOARD, namespace="serve")
+
+    async def handle(self, request: HttpRequest, **_):
+        async for item in call(self.app, request):
+            yield Start(item.status, [*item.headers, (REPLICA_HEADER, self.name)]) if isinstance(item, Start) else item
+
+    def record_routing_stats(self) -> dict:
+        held = self.rag.held_chunks(self.held_limit)
+        self.board.put.remote(self.name, self.app.state.server.metrics.text().decode(), len(held))
+        return {"chunks": held}
+
+    def __del__(self):
+        with suppress(Exception):
+            self.rag.close()
+
+
+class Front:
+    """The ingress: finds each request's chunks and forwards it to the replica the router picks."""
+
+    def __init__(self, engine, store: str, config: KVRagConfig):
+        self.engine = engine.options(stream=True)
+        self.keys = RequestChunks(store, config)
+        self.board = ray.get_actor(BOARD, namespace="serve")
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        if request.url.path == "/metrics":
+            return Response(federated_page(await self.board.fresh.remote()), media_type=CONTENT_TYPE_LATEST)
+        chunks, body = await asyncio.to_thread(self.route, request.url.path, body)
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+        forwarded = HttpRequest(request.method, request.url.path, request.url.query.encode(),
+                                [*headers, (b"content-length", str(len(body)).encode())], body)
+        return await self.forward(forwarded, chunks)
+
+    def route(self, path: str, body: bytes) -> tuple[tuple[tuple[str, int], ...], bytes]:
+        """The request's chunks, and its body with retrieved chunks named (so the replica does not retrieve again).
+        A body that does not parse routes by load alone: the replica answers it with the error."""
+        kind = GENERATE.get(path)
+        if kind is None:
+            return (), body
+        try:
+            data = json.loads(body)
+            req = kind.model_validate(data)
+            question = req.question()
+            history = req.history() if isinstance(req, ChatRequest) else []
+            tool = isinstance(req, ChatRequest) and req.messages[-1].role == "tool"
+            passages = None if req.passages is None else \
+                [("", p) if isinstance(p, str) else (p.title, p.text) for p in req.passages]
+            found = self.keys.find(question, history, k=req.k, relative_cutoff=req.relative_cutoff,
+                                   min_score=req.min_score, chunk_ids=req.chunk_ids, passages=passages,
+                                   rag=req.rag and not tool, salt=req.cache_salt or "")
+        except (ValueError, BadField, KvragError):  # pydantic's ValidationError is a ValueError
+            return (), body
+        if found.retrieved is not None:
+            data.update({"chunk_ids": list(found.retrieved)} if found.retrieved else {"rag": False})
+            body = json.dumps(data).encode()
+        return found.chunks, body
+
+    async def forward(self, request: HttpRequest, chunks) -> Response:
+        """Send to the router's pick; on a replica lost before the first body bytes, to the next pick."""
+        for _ in range(FAILOVER_TRIES):
+            stream = self.engine.handle.remote(request, **{ROUTE_KWARG: chunks})
+            try:
+                start = await stream.__anext__()
+                first = await anext(stream, b"")  # a stream's first event, or a whole answer
+            except RETRYABLE:
+                continue
+            return StreamingResponse(_rest(stream, first), status_code=start.status, headers=dict(start.headers))
+        return JSONResponse(error_body(503, "no engine replica could take the request"), status_code=503)
+
+
+async def _rest(stream, first: bytes):
+    if first:
+        yield first
+    try:
+        async for piece in stream:
+            yield piece
+    except RETRYABLE:
+        logging.getLogger(__name__).warning("an engine replica died while streaming; the stream ends here")
+
+
+def application(store: str, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings):
+    """The Serve application: the front over `cluster.replicas` engine replicas, routed by `cluster.router`."""
+    router = RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
+                                 request_routing_stats_period_s=cluster.stats_period_s)
+    engine = serve.deployment(EngineReplica, name="Engine").options(
+        num_replicas=cluster.replicas, max_ongoing_requests=cluster.max_ongoing, request_router_config=router,
+        ray_actor_options={"num_cpus": cluster.cpus, "num_gpus": cluster.gpus})
+    front = serve.deployment(Front, name="Front").options(ray_actor_options={"num_cpus": 0},
+                                                          max_ongoing_requests=10_000)
+    config = _replica_config(config, cluster)
+    return front.bind(engine.bind(store, config, settings, cluster.held_limit), store, config)
+
+
+def _replica_config(config: KVRagConfig, cluster: ClusterSettings) -> KVRagConfig:
+    from dataclasses import replace
+
+    return replace(config, threads=config.threads or max(1, int(cluster.cpus)))
+
+
+class ClusterServer:
+    """The application on Ray Serve, on host:port; a local Ray cluster is started (and stopped) unless
+    `cluster.address` names one. `with ClusterServer(...) as server: ... server.url ...`"""
+
+    def __init__(self, store: str | Path, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings,
+                 host: str = "127.0.0.1", port: int = 8000):
+        self.store, self.config, self.settings, self.cluster = str(store), config, settings, cluster
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+        self._started_ray = False
+
+    def __enter__(self) -> ClusterServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not ray.is_initialized():
+            quiet = dict(logging_level=logging.ERROR, log_to_driver=False)
+            if self.cluster.address in (None, "local"):
+                cpus = math.ceil(self.cluster.replicas * self.cluster.cpus) + 1  # +1: the proxy and the front
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
+            else:
+                ray.init(address=self.cluster.address, **quiet)
+            self._started_ray = True
+        serve.start(http_options={"host": self.host, "port": self.port})
+        ray.remote(num_cpus=0)(MetricsBoard).options(name=BOARD, namespace="serve", get_if_exists=True,
+                                                      lifetime="detached").remote()
+        serve.run(application(self.store, self.config, self.settings, self.cluster), name=APP, route_prefix="/")
+
+    def stop(self) -> None:
+        with suppress(Exception):
+            serve.shutdown()
+        if self._started_ray:
+            ray.shutdown()

@@ -28,7 +28,13 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
     ModuleNotFoundError naming what is missing without the extra."""
     if (absent := missing()) is not None:
         raise ModuleNotFoundError(f"No module named {absent!r}", name=absent)
-    from kvrag.bench import commands, commands_parts, commands_quality, commands_systems  # noqa: F401  (each registers its commands)
+    from kvrag.bench import (  # noqa: F401  (each registers its commands)
+        commands,
+        commands_cluster,
+        commands_parts,
+        commands_quality,
+        commands_systems,
+    )
     from kvrag.bench.typer_app import bench_app
 
     if any(group.typer_instance is bench_app for group in app.registered_groups):

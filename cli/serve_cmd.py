@@ -56,11 +56,24 @@ def serve_command(
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
+    ray_serve: int = typer.Option(0, "--ray-serve", min=0, metavar="N",
+                                  help="Serve with N engine replicas on Ray Serve (pip install 'kvrag[serve]'), each "
+                                       "request routed to the replica whose memory holds its chunks (0: one process)."),
+    ray: str = typer.Option("local", "--ray", metavar="local|ADDRESS",
+                            help="With --ray-serve: `local` starts a Ray cluster here; `auto` or ray://host:10001 "
+                                 "joins a running one (its nodes must see the store and the model at these paths, "
+                                 "or use --store s3://...)."),
+    ray_router: str = typer.Option("chunk", "--ray-router", help="With --ray-serve: chunk (by the request's "
+                                   "chunks, load bounded) or round-robin."),
+    ray_cpus: float = typer.Option(1.0, "--ray-cpus", min=0.0, help="With --ray-serve: CPUs per replica."),
+    ray_gpus: float = typer.Option(0.0, "--ray-gpus", min=0.0,
+                                   help="With --ray-serve: GPUs per replica (1: each on a device of its own)."),
 ) -> None:
     """Serve the store over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics. SIGTERM or Ctrl-C stops accepting, lets running requests finish (--grace), then exits.
 
     Example: kvrag serve --store ./my-store --port 8000
+             kvrag serve --store ./my-store --ray-serve 2     (two replicas behind Ray Serve, routed by chunk)
     """
     import torch
 
@@ -80,6 +93,18 @@ def serve_command(
     CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
     path = resolve_store(store)
     StoreEnv.open(path).close()  # not a store: said before anything loads
+    if ray_serve:
+        from kvrag.cli.serve_ray import serve_on_ray
+        from kvrag.config import KVRagConfig
+
+        config = KVRagConfig.resolve(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
+                                     host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy,
+                                     max_running=max_running, max_waiting=max_waiting, keep=keep,
+                                     keep_rule=keep_rule, retrieval=retrieval)
+        cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus)
+        settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
+        return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path), config, settings, cluster,
+                            host, port)
     sock = bind(host, port)  # before the model loads: a port in use is said at once
     console = stderr_console()
     try:

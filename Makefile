@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-clients bench-fidelity bench-gpu bench-load gpu-bundle test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-fidelity bench-gpu bench-load gpu-bundle test-cuda
 
 install: $(STAMP)
 
@@ -158,6 +158,12 @@ bench-fidelity: bench-data $(STAMP)
 
 bench-remote: bench-data $(STAMP)
 	$(BIN)/kvrag bench remote --dataset $(BENCH_DATA) --items 10 $(REMOTE_ARGS)
+
+# Serving beyond one process (docs/cluster.md): 2 replicas on a local Ray Serve, chunk routing vs round robin on a
+# Zipf load over MuSiQue's report items; 8-64 replicas over 10M chunks simulated; precompute with Ray workers
+# writing the store; ranged vs whole-chunk reads over a local S3 at 1/5/20 ms of injected latency.
+bench-cluster: bench-data $(STAMP)
+	$(BIN)/kvrag bench cluster --dataset $(BENCH_DATA) $(CLUSTER_ARGS)
 
 # On a CUDA machine (`make install TORCH=cu126` first; sized for 5-8 minutes on one H100): each Triton kernel's GB/s
 # and TFLOP/s against the device's measured peaks and torch SDPA, then TTFT of full prefill and blend@0.15 on

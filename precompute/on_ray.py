@@ -1,11 +1,20 @@
-"""`kvrag precompute --ray`: the chunks without KV prefilled by Ray actors, stored by one writer.
+"""`kvrag precompute --ray`: the chunks without KV prefilled, encoded and (on object storage) stored by Ray actors.
 
 The driver (this process) lists the missing chunks, claims them a batch at a time (KVTable.claim, as precompute()
-does) and hands each batch to one of N actors; each actor loads the model once and returns every chunk's per-layer
-(K, V) as numpy arrays ready for the codec, with the kept positions under `--keep`. The driver alone writes: each
-chunk whole in one transaction (KVTable.put_chunk, which skips a chunk already there), so a driver killed midway and
-run again stores nothing twice and loses nothing but the batches in flight. A worker that dies is restarted (its
-model loaded again) and the batch it held is run again (Ray's max_restarts / max_task_retries).
+does) and hands each batch to one of N actors. Each actor loads the model once, prefills its chunks and encodes
+each itself (encode_chunk: the codec and zstd, the work that made a lone writer the bottleneck). Then:
+
+    a store on object storage (a mirror)  the actor PUTs each chunk with a client of its own, create-only
+                                          (RemoteKVTable.put_encoded), and reports what it stored; the driver
+                                          frees the batch's claims and keeps nothing in the mirror's cache tier
+    a local LMDB store                    the actor returns the record and value bytes (its node may not see the
+                                          driver's disk) and the driver commits them (KVTable.put_encoded)
+
+Either way a chunk is stored whole (one transaction, or one PUT) and only where it is not yet (a stored chunk is
+skipped, never stored twice), so a driver killed midway and run again loses nothing but the batches in flight. A
+worker that dies is restarted (its model loaded again) and its batch run again (Ray's max_restarts /
+max_task_retries); on object storage the rerun skips what the dead worker had already PUT. The preamble is stored
+the same way, by the first actor. The driver's busy time (all it does but wait on Ray) is writer_busy_s.
 
 The values are those precompute() stores: the same forward pass, one process per worker (needs `kvrag[ray]`).
 """
@@ -14,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,16 +39,17 @@ from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import (
     PrecomputeInterrupted,
     PrecomputeSummary,
+    RunPlan,
     chunk_kv,
     chunk_layers,
     layers_to_numpy,
     plan_run,
 )
-from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, Shard
+from kvrag.store.keys import preamble_chunk_id
+from kvrag.store.kv import KVTable, Shard, encode_chunk
 from kvrag.store.manifest import preamble_hash
-from kvrag.store.remote import RemoteOptions
+from kvrag.store.remote import RemoteOptions, remote_url
 
 RAY_BATCH = 4  # chunks per Ray task: few, so a killed worker redoes little and results stay small
 IN_FLIGHT_PER_WORKER = 2  # batches queued per actor: one computing, one ready to start; bounds the driver's memory
@@ -56,24 +66,39 @@ def import_ray():
     return ray
 
 
+@dataclass(frozen=True)
+class Destination:
+    """What a worker needs to encode chunks and, for a store on object storage (url set), to PUT them itself: the
+    driver's AWS variables travel with it, so every worker builds the client the driver would."""
+
+    codec: str
+    compress: bool
+    model_fp: str
+    url: str | None = None  # None: a local store, the driver commits
+    aws: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Prefilled:
-    """One chunk as a worker returns it: what KVTable.put_chunk takes, and the forward pass's time."""
+    """One chunk as a worker reports it: what to count and, for a local store, what the driver commits."""
 
     chunk_id: str
-    token_ids: tuple[int, ...]
-    layers: list[tuple[np.ndarray, np.ndarray]]  # per layer (K, V) [T_kept, Hkv, hd] in the codec's numpy dtype
-    positions: np.ndarray | list[np.ndarray] | None  # kept token positions (None: every token)
-    compute_s: float
+    tokens: int
+    kept_tokens: int  # stored per layer, averaged
+    compute_s: float  # the forward pass
+    store_s: float  # encoding, and the PUT on object storage
+    encoded: tuple[bytes, list[bytes]] | None = None  # record and values for the driver (a local store)
+    stored: bool = False  # the worker PUT it (False: an object was there already); with `encoded`, unused
 
 
 class PrefillWorker:
-    """A Ray actor (one CPU): loads the model once, then prefills batches of chunks right after the preamble.
+    """A Ray actor (one CPU): loads the model once, then prefills batches of chunks right after the preamble, encodes
+    them and, on object storage, stores them.
 
     on_batch(chunk_ids), if given, runs in the worker before each batch (tests kill the worker there).
     """
 
-    def __init__(self, model_path: str, dtype: str | None, codec: str, keep: KeepConfig,
+    def __init__(self, model_path: str, dtype: str | None, keep: KeepConfig, dest: Destination,
                  on_batch: Callable[[list[str]], None] | None = None):
         import ray
 
@@ -81,12 +106,17 @@ class PrefillWorker:
         torch.set_num_threads(max(1, int(cpus)))  # the cores Ray gave this actor, not the machine's
         keep_freed_memory()
         self.runtime = Runtime.load(model_path, dtype, "cpu")
-        self.codec, self.keep, self.on_batch = codec, keep, on_batch
+        self.keep, self.dest, self.on_batch = keep, dest, on_batch
+        self._tables: dict = {}  # variant -> RemoteKVTable, opened at first use
         with torch.inference_mode():
             self.preamble = chunk_kv(self.runtime, None, self.runtime.prompts.preamble_ids)
 
-    def preamble_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        return layers_to_numpy(self.preamble, self.codec)
+    def store_preamble(self, chunk_id: str) -> Prefilled:
+        """The preamble as a chunk of the full variant (put where it is missing, as precompute() does)."""
+        ids = tuple(self.runtime.prompts.preamble_ids)
+        if self._present(chunk_id, ""):
+            return Prefilled(chunk_id, len(ids), len(ids), 0.0, 0.0)
+        return self._store(chunk_id, ids, layers_to_numpy(self.preamble, self.dest.codec), None, "", 0.0)
 
     def prefill(self, batch: list[tuple[str, tuple[int, ...]]]) -> list[Prefilled]:
         if self.on_batch:
@@ -94,10 +124,37 @@ class PrefillWorker:
         out = []
         with torch.inference_mode():
             for chunk_id, token_ids in batch:
+                if self._present(chunk_id, self.keep.variant):  # a retried batch: PUT before this worker died
+                    out.append(Prefilled(chunk_id, len(token_ids), 0, 0.0, 0.0))
+                    continue
                 t0 = time.perf_counter()
-                layers, kept = chunk_layers(self.runtime, self.preamble, chunk_id, token_ids, self.keep, self.codec)
-                out.append(Prefilled(chunk_id, token_ids, layers, kept, time.perf_counter() - t0))
+                layers, kept = chunk_layers(self.runtime, self.preamble, chunk_id, token_ids, self.keep,
+                                            self.dest.codec)
+                out.append(self._store(chunk_id, token_ids, layers, kept, self.keep.variant,
+                                       time.perf_counter() - t0))
         return out
+
+    def _store(self, chunk_id: str, token_ids, layers, positions, variant: str, compute_s: float) -> Prefilled:
+        """Encode the chunk; PUT it on object storage, or hand the bytes back for the driver to commit."""
+        t0 = time.perf_counter()
+        encoded = encode_chunk(token_ids, layers, positions, self.dest.codec, self.dest.compress)
+        stored = self.dest.url is not None and self._table(variant).put_encoded(chunk_id, *encoded)
+        kept = round(np.mean([len(k) for k, _ in layers]))
+        return Prefilled(chunk_id, len(token_ids), kept, compute_s, time.perf_counter() - t0,
+                         None if self.dest.url else encoded, stored)
+
+    def _present(self, chunk_id: str, variant: str) -> bool:
+        """On object storage, whether a healthy object is there (reading its index also marks a damaged one, which
+        the PUT then replaces); a local store's driver checks when it commits."""
+        return self.dest.url is not None and self._table(variant).has(chunk_id)
+
+    def _table(self, variant: str):
+        if variant not in self._tables:
+            from kvrag.store.remote import open_table
+
+            self._tables[variant] = open_table(self.dest.url, self.dest.model_fp, self.dest.codec,
+                                               self.dest.compress, variant, aws=self.dest.aws)
+        return self._tables[variant]
 
 
 def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None = None, codec: str = "fp16",
@@ -107,7 +164,8 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
                    shard: Shard | None = None, compress: bool = True,
                    on_batch: Callable[[list[str]], None] | None = None,
                    remote: RemoteOptions | None = None) -> PrecomputeSummary:
-    """precompute() with the forward passes on `workers` Ray actors: the same chunks stored, the same summary.
+    """precompute() with the forward passes, the encoding and (on object storage) the writes on `workers` Ray
+    actors: the same chunks stored, the same summary, writer_busy_s being the driver's busy time.
 
     address: None or "local" starts a local cluster of `workers` CPUs (shut down at the end); "auto" or
     "ray://host:10001" connects to a running one, whose nodes must see the model directory at the same path.
@@ -121,26 +179,29 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     prompts = PromptBuilder(local.load_tokenizer())
     keep = keep or KeepConfig()
     run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote)
-    chunks, full, table, todo, summary = run.chunks, run.full, run.table, run.todo, run.summary
-    if todo or not full.has_preamble(preamble_hash(prompts.template.preamble)):
+    url = remote_url(store.path)
+    dest = Destination(codec, compress, local.fingerprint, url, dict((remote or RemoteOptions()).aws) if url else {})
+    preamble_id = preamble_chunk_id(preamble_hash(prompts.template.preamble))
+    need_preamble = not run.full.has(preamble_id)
+    if run.todo or need_preamble:
         with _connected(ray, address, workers):
-            actors = _start_workers(ray, local, dtype, codec, keep, workers, on_batch)
+            actors = _start_workers(ray, local, dtype, keep, dest, workers, on_batch)
             try:
-                full.put_preamble(preamble_hash(prompts.template.preamble), prompts.preamble_ids,
-                                  _get(ray, actors[0].preamble_layers.remote()))
+                busy_from = time.perf_counter()
+                waited_s = _store_preamble(ray, actors[0], run.full, preamble_id) if need_preamble else 0.0
                 if on_start:
-                    on_start(len(todo))
-                _run_batches(ray, actors, chunks, table, todo, batch, summary, on_progress)
-            except KeyboardInterrupt as exc:  # every chunk put so far is whole: the count is final
-                raise PrecomputeInterrupted(summary.computed) from exc
+                    on_start(len(run.todo))
+                waited_s += _run_batches(ray, actors, run, batch, on_progress)
+                run.summary.writer_busy_s = time.perf_counter() - busy_from - waited_s
+            except KeyboardInterrupt as exc:  # every chunk committed so far is whole: the count is final
+                raise PrecomputeInterrupted(run.summary.computed) from exc
             finally:
                 for actor in actors:
                     ray.kill(actor, no_restart=True)
     elif on_start:
         on_start(0)
-    summary.writer_busy_s = summary.store_s  # the driver is the writer: storing is all it does besides waiting
-    summary.wall_s = time.perf_counter() - start
-    return summary
+    run.summary.wall_s = time.perf_counter() - start
+    return run.summary
 
 
 @contextmanager
@@ -160,20 +221,34 @@ def _connected(ray, address: str | None, workers: int) -> Iterator[None]:
         ray.shutdown()
 
 
-def _start_workers(ray, local: LocalModel, dtype, codec: str, keep: KeepConfig, workers: int, on_batch) -> list:
+def _start_workers(ray, local: LocalModel, dtype, keep: KeepConfig, dest: Destination, workers: int,
+                   on_batch) -> list:
     actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
-    return [actor.remote(str(local.path), dtype, codec, keep, on_batch) for _ in range(workers)]
+    return [actor.remote(str(local.path), dtype, keep, dest, on_batch) for _ in range(workers)]
 
 
-def _run_batches(ray, actors: list, chunks: ChunkTable, table: KVTable, todo: list[str], batch: int,
-                 summary: PrecomputeSummary, on_progress) -> None:
-    """Claim each batch, send it to the least busy actor (at most IN_FLIGHT_PER_WORKER each), and store the
-    chunks of each batch that comes back; on any error, free the claims of what was not stored."""
+def _store_preamble(ray, actor, full: KVTable, chunk_id: str) -> float:
+    """Have the first actor store the preamble (the driver commits it for a local store); returns the seconds
+    spent waiting for it (the actor loading the model)."""
+    ref = actor.store_preamble.remote(chunk_id)
+    t0 = time.perf_counter()
+    ray.wait([ref])
+    waited_s = time.perf_counter() - t0
+    _commit(full, _get(ray, ref))
+    return waited_s
+
+
+def _run_batches(ray, actors: list, run: RunPlan, batch: int, on_progress) -> float:
+    """Claim each batch, send it to the least busy actor (at most IN_FLIGHT_PER_WORKER each), and record (for a
+    local store, commit) the chunks of each batch that comes back; on any error, free the claims of what was not
+    stored. Returns the seconds spent waiting in ray.wait (the rest is the driver's busy time)."""
+    chunks, table, todo, summary = run.chunks, run.table, run.todo, run.summary
     batches = [todo[i:i + batch] for i in range(0, len(todo), batch)]
     batches.reverse()  # popped from the end: in todo's order
     pending: dict = {}  # ObjectRef -> index of the actor computing it
     load = [0] * len(actors)
     unstored: set[str] = set()  # claimed by this run and not yet stored
+    waited_s = 0.0
     try:
         while batches or pending:
             while batches and len(pending) < IN_FLIGHT_PER_WORKER * len(actors):
@@ -187,28 +262,40 @@ def _run_batches(ray, actors: list, chunks: ChunkTable, table: KVTable, todo: li
                     records = [(r.chunk_id, r.token_ids) for r in chunks.get_many(mine)]
                     pending[actors[worker].prefill.remote(records)] = worker
             if pending:
-                [ref], _ = ray.wait(list(pending), num_returns=1)
+                t0 = time.perf_counter()
+                [ref], _ = ray.wait(list(pending), num_returns=1)  # fetches the result too: get only decodes
+                waited_s += time.perf_counter() - t0
                 load[pending.pop(ref)] -= 1
-                for chunk in _get(ray, ref):
-                    _store(table, chunk, summary)
+                done = _get(ray, ref)
+                for chunk in done:
+                    _count(summary, chunk, _commit(table, chunk))
                     unstored.discard(chunk.chunk_id)
                     if on_progress:
                         on_progress(summary.computed, summary.tokens, len(todo))
+                put_by_workers = [chunk.chunk_id for chunk in done if chunk.encoded is None]
+                if put_by_workers:  # their claims (a commit here drops its chunk's claim; a worker's PUT cannot)
+                    table.release(put_by_workers)
     except BaseException:
         table.release(unstored)  # Ctrl-C, a failed worker, a full disk: the next run takes these at once
         raise
+    return waited_s
 
 
-def _store(table: KVTable, chunk: Prefilled, summary: PrecomputeSummary) -> None:
-    t0 = time.perf_counter()
-    stored = table.put_chunk(chunk.chunk_id, chunk.token_ids, chunk.layers, chunk.positions)
-    summary.store_s += time.perf_counter() - t0
+def _commit(table: KVTable, chunk: Prefilled) -> bool:
+    """Commit a chunk a worker encoded for a local store; for one it PUT itself, whether it did."""
+    if chunk.encoded is None:
+        return chunk.stored
+    return table.put_encoded(chunk.chunk_id, *chunk.encoded)
+
+
+def _count(summary: PrecomputeSummary, chunk: Prefilled, stored: bool) -> None:
     summary.compute_s += chunk.compute_s
+    summary.store_s += chunk.store_s  # the workers' encoding and uploads: what held up their forward passes
     if stored:
         summary.computed += 1
-        summary.tokens += len(chunk.token_ids)
-        summary.kept_tokens += round(np.mean([len(k) for k, _ in chunk.layers]))
-    else:  # another process stored it since this run claimed it (its claim had expired)
+        summary.tokens += chunk.tokens
+        summary.kept_tokens += chunk.kept_tokens
+    else:  # stored meanwhile by another process (its claim had expired), or by this worker before it died
         summary.skipped_by_others += 1
 
 

@@ -1,4 +1,5 @@
-"""precompute --ray: a local Ray cluster's actors store byte for byte what the single-process precompute stores;
+"""precompute --ray: a local Ray cluster's actors store byte for byte what the single-process precompute stores,
+in a local store and on object storage (a real SeaweedFS on 127.0.0.1), encoded by the workers, never the driver;
 reruns, an interrupted driver and a worker killed mid-batch still end with every chunk stored once."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,15 @@ import torch
 
 from kvrag.blend.keyformer import KeepConfig
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import on_ray
 from kvrag.precompute.on_ray import precompute_ray
 from kvrag.precompute.plain import PrecomputeInterrupted, precompute
+from kvrag.store import kv as kv_module
 from kvrag.store.env import StoreEnv
 from kvrag.store.maintenance import verify
-from kvrag.tests.conftest import run_cli_in_process
+from kvrag.store.remote import ObjectStore, RemoteOptions, cached_kv, remote_kv
+from kvrag.tests.conftest import DOCS, run_cli_in_process, run_kvrag
+from kvrag.tests.test_remote_store import s3  # noqa: F401  (s3: the SeaweedFS fixture, one per module)
 
 ray = pytest.importorskip("ray")
 
@@ -36,23 +42,33 @@ def ray_cluster(session_home):
 
 
 @pytest.fixture(scope="module")
-def reference(indexed_store, tiny_llama_dir, tmp_path_factory) -> dict[str, dict[bytes, bytes]]:
-    """Per variant, every entry of the kv database after the single-process precompute (one thread, as a
-    Ray worker of one CPU computes)."""
-    runtime = Runtime.load(str(tiny_llama_dir), "float32")
+def runtime(tiny_llama_dir) -> Runtime:
+    return Runtime.load(str(tiny_llama_dir), "float32")
+
+
+@contextmanager
+def one_thread():
+    """The single-process precompute on one thread, as a Ray worker of one CPU computes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = {}
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(indexed_store, runtime, tmp_path_factory) -> dict[str, dict[bytes, bytes]]:
+    """Per variant, every entry of the kv database after the single-process precompute."""
+    out = {}
+    with one_thread():
         for name, keep in VARIANTS.items():
             store = tmp_path_factory.mktemp("reference") / "store"
             shutil.copytree(indexed_store, store)
             with StoreEnv.open(store) as env:
                 precompute(env, runtime, "fp16", keep=keep)
             out[name] = kv_entries(store)
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return out
 
 
 def kv_entries(store: Path) -> dict[bytes, bytes]:
@@ -116,6 +132,65 @@ def test_worker_killed_mid_batch_is_restarted_and_its_batch_retried(ray_cluster,
     assert not flag.exists()  # a worker did die holding a batch
     assert (summary.computed, summary.skipped_by_others) == (5, 0)
     assert kv_entries(store_copy) == reference["fp16"]
+
+
+def test_the_driver_encodes_nothing(ray_cluster, reference, store_copy, tiny_llama_dir, monkeypatch):
+    """Every encoder the driver could reach raises: the workers (other processes, not patched) encode it all."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver encoded a chunk")
+
+    for module in (kv_module, on_ray, remote_kv, cached_kv):
+        if hasattr(module, "encode_chunk"):
+            monkeypatch.setattr(module, "encode_chunk", refuse)
+    monkeypatch.setattr(kv_module, "encode", refuse)
+    summary = _run(store_copy, tiny_llama_dir)
+    assert (summary.computed, summary.skipped_by_others) == (5, 0)
+    assert kv_entries(store_copy) == reference["fp16"]
+    assert 0 < summary.writer_busy_s < summary.wall_s
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def _s3_store(s3, docs: Path, model: Path, prefix: str, tmp_path: Path) -> tuple[str, Path]:  # noqa: F811
+    """A store on the S3 server under `prefix`, made by `kvrag index`, and the mirror directory it made."""
+    url, mirror = s3.url(prefix), tmp_path / f"mirror-{prefix}"
+    run_kvrag("index", str(docs), "--store", url, "--model", str(model),
+              env={**s3.env, "KVRAG_MIRROR_DIR": str(mirror)})
+    return url, mirror
+
+
+def _kv_objects(s3, url: str) -> dict[str, bytes]:  # noqa: F811
+    """Every KV object of the store (key under its prefix -> bytes), as a listing finds them."""
+    objects = ObjectStore.from_url(url, s3.env)
+    try:
+        return {info.key: objects.get(info.key) for info in objects.list("kv")}
+    finally:
+        objects.close()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_workers_put_on_object_storage_what_one_process_puts_despite_a_kill(s3, ray_cluster, runtime, docs,  # noqa: F811
+                                                                            tiny_llama_dir, tmp_path, variant):
+    keep, options = VARIANTS[variant], RemoteOptions(aws=s3.env)
+    ref_url, ref_mirror = _s3_store(s3, docs, tiny_llama_dir, f"single-{variant}", tmp_path)
+    with one_thread(), StoreEnv.open(ref_mirror) as env:
+        precompute(env, runtime, "fp16", keep=keep, remote=options)
+    url, mirror = _s3_store(s3, docs, tiny_llama_dir, f"ray-{variant}", tmp_path)
+    flag = tmp_path / "die-once"
+    flag.touch()
+    summary = _run(mirror, tiny_llama_dir, keep=keep, remote=options, on_batch=functools.partial(_die_once, str(flag)))
+    assert not flag.exists()  # a worker did die holding a batch
+    assert (summary.computed, summary.skipped_by_others) == (5, 0)
+    want = _kv_objects(s3, ref_url)
+    assert len(want) == 6  # five chunks and the preamble
+    assert _kv_objects(s3, url) == want
+    assert kv_entries(mirror) == {}  # the driver kept no copy, and freed every claim
 
 
 def test_cli_ray_local_end_to_end(reference, store_copy, tiny_llama_dir, kvrag):

@@ -18,11 +18,13 @@ hot set does not fit one replica: that is what routing is for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -64,8 +66,9 @@ def serve_part(plan: ServePlan, log: Callable[[str], None]) -> dict:
         env = dict(os.environ)
         build = {"index": _cli(["index", str(write_docs(items, Path(tmp) / "docs")), "--store", str(store)], env, log),
                  "precompute": _cli(["precompute", "--store", str(store)], env, log)}
-        runs = {router: run_router(store, router, [items[i]["question"] for i in load], plan, log)
-                for router in ROUTERS}
+        with contextlib.redirect_stdout(sys.stderr):  # Ray's shutdown notices print to stdout: keep --json clean
+            runs = {router: run_router(store, router, [items[i]["question"] for i in load], plan, log)
+                    for router in ROUTERS}
     chunk, rr = runs["chunk"], runs["round-robin"]
     return {"plan": {**asdict(plan), "dataset": str(plan.dataset or "")}, "build_s": build, "runs": runs,
             "hit_rate_ratio": chunk["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf"),

@@ -7,6 +7,8 @@ import itertools
 import math
 import random
 
+import pytest
+
 from kvrag.server.routing import RoutingConfig, home, load_cap, rank, scores, weight
 
 REPLICAS = ["r0", "r1", "r2"]
@@ -61,17 +63,18 @@ def test_a_replica_at_the_cap_is_passed_over():
     chunk = "hot"
     owner = home(chunk, REPLICAS)
     load = dict.fromkeys(REPLICAS, 0)
-    load[owner] = 4  # cap = ceil(1.25 * 5 / 3) = 3
+    load[owner] = 4  # cap = ceil(1.0 * 5 / 3) = 2 (with 1.25: 3)
     order = rank([(chunk, 100)], REPLICAS, {owner: {chunk}}, load)
     assert order[-1] == owner and order[0] != owner
 
 
-def test_one_hot_chunk_set_spreads_within_the_bound():
+@pytest.mark.parametrize("balance", [1.0, 1.25, 2.0])
+def test_one_hot_chunk_set_spreads_within_the_bound(balance):
     """Every request the same chunk set, none finishing: the bounded cap keeps every replica within it."""
     load = dict.fromkeys(REPLICAS, 0)
     for n in range(1, 61):
-        load[rank([("hot", 100)], REPLICAS, {}, load)[0]] += 1
-        assert max(load.values()) <= math.ceil(1.25 * n / 3)
+        load[rank([("hot", 100)], REPLICAS, {}, load, RoutingConfig(balance=balance))[0]] += 1
+        assert max(load.values()) <= math.ceil(balance * n / 3)
 
 
 def test_the_same_chunk_set_always_goes_to_the_same_replica():

@@ -65,6 +65,9 @@ def serve_command(
                                  "or use --store s3://...)."),
     ray_router: str = typer.Option("chunk", "--ray-router", help="With --ray-serve: chunk (by the request's "
                                    "chunks, load bounded) or round-robin."),
+    ray_balance: float = typer.Option(1.25, "--ray-balance", min=1.0,
+                                      help="With --ray-serve: a replica takes at most this times an even share of "
+                                           "the requests in flight before the next by chunks is chosen."),
     ray_cpus: float = typer.Option(1.0, "--ray-cpus", min=0.0, help="With --ray-serve: CPUs per replica."),
     ray_gpus: float = typer.Option(0.0, "--ray-gpus", min=0.0,
                                    help="With --ray-serve: GPUs per replica (1: each on a device of its own)."),
@@ -101,7 +104,8 @@ def serve_command(
                                      host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy,
                                      max_running=max_running, max_waiting=max_waiting, keep=keep,
                                      keep_rule=keep_rule, retrieval=retrieval)
-        cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus)
+        cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus,
+                       balance=ray_balance)
         settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
         return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path), config, settings, cluster,
                             host, port)

@@ -38,6 +38,7 @@ from kvrag.server.errors import error_body
 from kvrag.server.federate import MetricsBoard, federated_page
 from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest
 from kvrag.server.ray_routers import ROUTE_KWARG, ROUTERS
+from kvrag.server.routing import BALANCE
 
 APP = "kvrag"
 BOARD = "kvrag-metrics-board"
@@ -52,6 +53,7 @@ class ClusterSettings:
     replicas: int = 2
     address: str | None = None  # None or "local": a local Ray cluster started here; "auto", "ray://host:10001": join
     router: str = "chunk"  # chunk | round-robin (server/ray_routers.py)
+    balance: float = BALANCE  # the chunk router's load cap: c x an even share (server/routing.py)
     cpus: float = 1.0  # per replica
     gpus: float = 0.0  # per replica: 1 puts each on a device of its own
     stats_period_s: float = 2.0  # how often each replica reports its held chunks (and its metrics)
@@ -61,6 +63,8 @@ class ClusterSettings:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.router not in ROUTERS:
             raise KvragError(f"--ray-serve takes at least 1 replica and a router in {', '.join(ROUTERS)}")
+        if self.balance < 1:
+            raise KvragError(f"--ray-balance must be at least 1 (an even share), got {self.balance}")
 
 
 class EngineReplica:
@@ -155,6 +159,7 @@ async def _rest(stream, first: bytes):
 def application(store: str, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings):
     """The Serve application: the front over `cluster.replicas` engine replicas, routed by `cluster.router`."""
     router = RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
+                                 request_router_kwargs={"balance": cluster.balance},
                                  request_routing_stats_period_s=cluster.stats_period_s)
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=cluster.replicas, max_ongoing_requests=cluster.max_ongoing, request_router_config=router,

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import xxhash
 
 HELD = 2.0  # a token a replica holds in memory outweighs a token whose home it is: warm beats assigned
-# c in the bounded-load cap: 1, an even share rounded up. In bench/cluster_sim.py (2 and 8 replicas, 100k chunks),
-# 1.25 bought 2-4 % more hits for a p90 TTFT 14-25 % worse than 1.0's, and worse than round robin's.
-BALANCE = 1.0
+# c in the bounded-load cap: 25 % over an even share, the paper's and HAProxy's (hash-balance-factor 125). On 2 real
+# replicas (docs/performance.md) 1.0 lost a fifth of the hits; in bench/cluster_sim.py's open-loop queue at 90 %
+# utilisation 1.0 had the better p90 (--ray-balance sets it).
+BALANCE = 1.25
 
 
 @dataclass(frozen=True)

@@ -61,12 +61,12 @@ def test_skewed_load_chunk_routing_beats_round_robin_within_the_load_bound():
     s = spec(replicas=4, n_chunks=2000, requests=2000, warmup=500, k=3, host_bytes=30 * 64, utilisation=1.2)
     load = workload(s)
     chunk = simulate_cluster(replace(s, policy="chunk"), load)
-    looser = simulate_cluster(replace(s, policy="chunk", balance=1.25), load)
+    even = simulate_cluster(replace(s, policy="chunk", balance=1.0), load)
     rr = simulate_cluster(replace(s, policy="round_robin"), load)
-    assert chunk["hit_rate"] > rr["hit_rate"]  # the default, an even share: 1.10x here
-    assert looser["hit_rate"] > 1.1 * rr["hit_rate"]  # 25 % over an even share: 1.20-1.24x over seeds 0-2
+    assert chunk["hit_rate"] > 1.1 * rr["hit_rate"]  # 1.20-1.24x over seeds 0-2
+    assert even["hit_rate"] > rr["hit_rate"]  # an even share spills more: 1.10x here
     assert 1.0 <= chunk["peak_load"] <= BALANCE + 1
-    assert 1.0 <= looser["peak_load"] <= 1.25 + 1
+    assert 1.0 <= even["peak_load"] <= 1.0 + 1
     unbounded = simulate_cluster(replace(s, policy="chunk", balance=1e9), load)
     assert unbounded["peak_load"] > BALANCE + 1  # without the cap the hot set's home takes the queue
 

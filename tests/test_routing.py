@@ -63,7 +63,7 @@ def test_a_replica_at_the_cap_is_passed_over():
     chunk = "hot"
     owner = home(chunk, REPLICAS)
     load = dict.fromkeys(REPLICAS, 0)
-    load[owner] = 4  # cap = ceil(1.0 * 5 / 3) = 2 (with 1.25: 3)
+    load[owner] = 4  # cap = ceil(1.25 * 5 / 3) = 3
     order = rank([(chunk, 100)], REPLICAS, {owner: {chunk}}, load)
     assert order[-1] == owner and order[0] != owner
 

@@ -4,6 +4,7 @@
     layout.py        one chunk = one object: header, KVRecord, every layer's value; its checks
     remote_kv.py     RemoteKVTable: KVTable's surface over those objects, plus get_layers / get_chunk
     cached_kv.py     CachedKVTable: the local LMDB KVTable as a size-bounded read-through tier in front of it
+    ranged.py        a cold chunk fetched in layer order, a few layers per ranged GET, while its first layers are read
 
 The local mirror of a remote store (its corpus, a published snapshot, and its kv cache) is corpus/mirror.py: it
 syncs the corpus, which the store knows nothing of. `store_table` is what the engine and precompute call: a local

@@ -1,8 +1,13 @@
 """A read-through cache tier: the local LMDB KVTable in front of a RemoteKVTable, bounded in bytes.
 
-Reads try the local table first and make no request when it has the chunk. A miss fetches the chunk whole from
-the remote (one GET, every value checked), keeps it locally as it came (the same record and value bytes, so
-nothing is encoded again) and serves from it. When the chunks kept locally pass `max_bytes`, the lowest-priority
+Reads try the local table first and make no request when it has the chunk. A miss fetches the chunk's layers in
+the order the loader reads them (ranged.py): ranged GETs of `layers_per_request` layers each, the first one holding
+the chunk's index too (no separate probe), the later ones queued at once on the store's pool; a read returns as
+soon as its own layer has arrived and passed its checks, and `missing` announces the chunks it found remote only,
+so the first read of one starts them all. With `layers_per_request=0` a miss fetches the chunk whole instead (one
+GET, every value checked) before serving any of it. Either way the chunk, once every layer has arrived, is kept
+locally as it came (the same record and value bytes, so nothing is encoded again, and the local tier holds the
+same bytes whichever way it was fetched). When the chunks kept locally pass `max_bytes`, the lowest-priority
 ones go, by the memory tiers' replacement policy (store/tiers/policies.py; PGDSF by default, a miss's fetch time
 per token standing for its cost, with the tiers' GreedyDual clock); the chunk just fetched is never its own
 victim, and one larger than the whole bound is served without being kept. Writes go to both tables.
@@ -21,14 +26,18 @@ from dataclasses import dataclass
 from kvrag.store.codec import DecodedKV
 from kvrag.store.kv import KVTable, Layers, MissingChunk, Positions, RawLayer, Shard, encode_chunk
 from kvrag.store.record import KVRecord, TokenIds
+from kvrag.store.remote.ranged import RangedReader
 from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable
 from kvrag.store.tiers.policies import AccessStats, Policy, make_policy
+
+LAYERS_PER_REQUEST = 4  # a cold chunk's layers per ranged GET (0: the chunk whole, in one GET)
+PARTIAL_BYTES = 512 << 20  # partly fetched chunks hold at most this much (beyond what reads wait on)
 
 
 @dataclass
 class CacheCounters:
     hits: int = 0  # layer reads served by the local table
-    fills: int = 0  # chunks fetched whole from the remote
+    fills: int = 0  # chunks fetched from the remote (every layer, whole or ranged)
     fetched_bytes: int = 0
     evictions: int = 0
     not_kept: int = 0  # fetched chunks larger than the whole bound
@@ -37,7 +46,8 @@ class CacheCounters:
 class CachedKVTable:
     put_preamble, has_preamble, get_preamble_layer = KVTable.put_preamble, KVTable.has_preamble, KVTable.get_preamble_layer
 
-    def __init__(self, remote: RemoteKVTable, local: KVTable, max_bytes: int, policy: str | Policy = "pgdsf"):
+    def __init__(self, remote: RemoteKVTable, local: KVTable, max_bytes: int, policy: str | Policy = "pgdsf",
+                 layers_per_request: int = LAYERS_PER_REQUEST, partial_bytes: int = PARTIAL_BYTES):
         if (remote.model_fp, remote.codec, remote.variant) != (local.model_fp, local.codec, local.variant):
             raise ValueError("the local and remote tables hold different models, codecs or variants")
         self.remote, self.local, self.max_bytes = remote, local, max_bytes
@@ -50,8 +60,11 @@ class CachedKVTable:
         self._clock = 0.0  # GreedyDual aging: rises to the priority of each chunk evicted
         self._tick = 0
         self._lock = threading.RLock()
+        self.layers_per_request = layers_per_request  # may change between reads (a bench compares the two)
+        self.ranged = RangedReader(remote, self._fetched, local.has, partial_bytes)
         for chunk_id, record in local.iter_chunks(include_preamble=True):
             self._track(chunk_id, record, cost_s=0.0)
+            self.ranged.hint.observe(record)
         with self._lock:
             self._evict(keep=None)
 
@@ -65,7 +78,13 @@ class CachedKVTable:
         return self.local.has(chunk_id) or self.remote.has(chunk_id)
 
     def missing(self, chunk_ids: Iterable[str], shard: Shard | None = None) -> list[str]:
-        return self.remote.missing(self.local.missing(chunk_ids, shard))
+        """Those in neither tier; those only remote are announced (module doc)."""
+        not_local = self.local.missing(chunk_ids, shard)
+        absent = self.remote.missing(not_local)
+        if self.layers_per_request:
+            gone = set(absent)
+            self.ranged.announce([c for c in not_local if c not in gone])
+        return absent
 
     def record(self, chunk_id: str) -> KVRecord | None:
         return self.local.record(chunk_id) or self.remote.record(chunk_id)
@@ -79,20 +98,33 @@ class CachedKVTable:
 
     def get_layers(self, chunk_ids: Sequence[str], layer: int,
                    expect_token_ids: Sequence[TokenIds | None] | None = None) -> list[RawLayer]:
-        """One layer of several chunks: local ones read here, the others fetched whole at once and kept."""
+        """One layer of several chunks: local ones read here, the others fetched (all at once) and kept."""
         expect = list(expect_token_ids) if expect_token_ids is not None else [None] * len(chunk_ids)
-        found: list[RawLayer | None] = []
-        for chunk_id, ids in zip(chunk_ids, expect, strict=True):
-            try:
-                found.append(self.local.get_layer_raw(chunk_id, layer, ids))
-                self._access(chunk_id, hit=True)
-            except MissingChunk:  # not here (or evicted meanwhile)
-                found.append(None)
+        found = [self._local_layer(chunk_id, layer, ids) for chunk_id, ids in zip(chunk_ids, expect, strict=True)]
         misses = [i for i, raw in enumerate(found) if raw is None]
-        fetched = self.remote.objects.map(lambda i: self._fill(chunk_ids[i], expect[i]), misses)
-        for i, chunk in zip(misses, fetched, strict=True):
-            found[i] = chunk.raw_layer(layer, self.codec)
+        if not self.layers_per_request:
+            fetched = self.remote.objects.map(lambda i: self._fill(chunk_ids[i], expect[i]), misses)
+            for i, chunk in zip(misses, fetched, strict=True):
+                found[i] = chunk.raw_layer(layer, self.codec)
+            return found
+        for i in misses:  # every fetch started before any is waited on
+            self.ranged.open(chunk_ids[i], expect[i], self.layers_per_request)
+        for i in misses:
+            found[i] = self.ranged.read(chunk_ids[i], layer, expect[i], self.layers_per_request, self.codec)
+            if found[i] is None:  # kept locally meanwhile
+                found[i] = self.local.get_layer_raw(chunk_ids[i], layer, expect[i])
         return found
+
+    def _local_layer(self, chunk_id: str, layer: int, ids: TokenIds | None) -> RawLayer | None:
+        """The layer from the local tier; None when it is not there, or being fetched."""
+        if self.ranged.busy(chunk_id):
+            return None
+        try:
+            raw = self.local.get_layer_raw(chunk_id, layer, ids)
+        except MissingChunk:  # not here (or evicted meanwhile)
+            return None
+        self._access(chunk_id, hit=True)
+        return raw
 
     def iter_chunks(self, *, include_preamble: bool = False) -> Iterator[tuple[str, KVRecord]]:
         return self.remote.iter_chunks(include_preamble=include_preamble)
@@ -109,10 +141,21 @@ class CachedKVTable:
         return stored
 
     def delete_chunk(self, chunk_id: str) -> int:
+        self.ranged.drop(chunk_id)  # a fetch in progress must not keep it after
         with self._lock:
             self._untrack(chunk_id)
         self.local.delete_chunk(chunk_id)
         return self.remote.delete_chunk(chunk_id)
+
+    def clear_local(self) -> None:
+        """Delete every chunk kept locally (not the preamble) and forget what is known of the remote's objects:
+        the next reads are cold, as in a fresh process on an empty mirror (a bench's cold start)."""
+        self.ranged.clear()
+        with self._lock:
+            for chunk_id, _ in list(self.local.iter_chunks()):
+                self.local.delete_chunk(chunk_id)
+                self._untrack(chunk_id)
+        self.remote.forget_all()
 
     def claim(self, chunk_ids: Iterable[str], **kwargs) -> list[str]:
         """Those missing remotely, claimed in the local store (processes on one host split them; see KVTable)."""
@@ -124,14 +167,21 @@ class CachedKVTable:
     # --- the tier --------------------------------------------------------------------------------
 
     def _fill(self, chunk_id: str, expect_token_ids: TokenIds | None) -> RemoteChunk:
+        """The chunk whole (one GET), kept."""
         start = time.perf_counter()
         chunk = self.remote.get_chunk(chunk_id, expect_token_ids)
-        self._admit(chunk_id, chunk, cost_s=time.perf_counter() - start)
+        self._fetched(chunk_id, chunk, time.perf_counter() - start)
+        return chunk
+
+    def _fetched(self, chunk_id: str, chunk: RemoteChunk, seconds: float) -> bool:
+        """A chunk every layer of which has arrived and passed: kept (True when it was, not outgrowing the bound)."""
+        self._admit(chunk_id, chunk, cost_s=seconds)
         self._access(chunk_id, hit=False)
+        self.ranged.hint.observe(chunk.record)
         with self._lock:
             self.counters.fills += 1
             self.counters.fetched_bytes += stored_bytes(chunk.record)
-        return chunk
+            return chunk_id in self._sizes
 
     def _admit(self, chunk_id: str, chunk: RemoteChunk, cost_s: float) -> None:
         """Keep a chunk locally (unless it alone outgrows the bound), then evict others down to the bound."""

@@ -5,14 +5,20 @@ AWS_SESSION_TOKEN, AWS_REGION (or AWS_DEFAULT_REGION), AWS_ENDPOINT_URL (or AWS_
 than AWS. Plain http is allowed to a loopback endpoint (a test or a local gateway) and elsewhere only with
 AWS_ALLOW_HTTP=true. Keys are relative to the prefix. Every failure but "no such object" becomes a KvragError
 of one line naming the store, the request and the key.
+
+Requests run in the caller's thread, or on the store's thread pool: `map` (several at once) and `submit` (one,
+for the ranged reads of store/remote/ranged.py). `latency_s` (0 unless a bench sets it) is slept before each
+request: a network's round trip, simulated on a loopback server (requests run on threads, so the sleeps overlap as
+round trips do).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
@@ -86,10 +92,11 @@ class ObjectStore:
     """get, ranged get, put, head, list and delete on one bucket and prefix; `map` runs requests at once.
     `counts` tallies the requests made (`kvrag bench remote` reports them per question)."""
 
-    def __init__(self, client: S3Store, location: S3Location, concurrency: int = CONCURRENCY):
+    def __init__(self, client: S3Store, location: S3Location, concurrency: int = CONCURRENCY, latency_s: float = 0.0):
         self.client = client
         self.location = location
         self.counts = RequestCounts()
+        self.latency_s = latency_s  # slept before each request (a bench's simulated round trip)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvrag-s3")
 
     @classmethod
@@ -128,6 +135,7 @@ class ObjectStore:
     def fetch(self, key: str, length: int | None = None) -> tuple[bytes, ObjectInfo] | None:
         """The object (its first `length` bytes, or all of it when shorter) and its size and ETag, in one request;
         None when there is no object."""
+        self._round_trip()
         try:
             result = obstore.get(self.client, key, options={"range": (0, length)} if length else None)
             data = bytes(result.bytes())
@@ -146,6 +154,7 @@ class ObjectStore:
         """Bytes [start, end) (fewer where the object ends sooner); None when there is no object. With
         `if_match` (an ETag), ObjectChanged when the object was replaced since."""
         options = {"range": (start, end)} | ({"if_match": if_match} if if_match else {})
+        self._round_trip()
         try:
             data = bytes(obstore.get(self.client, key, options=options).bytes())
         except NOT_FOUND:
@@ -160,6 +169,7 @@ class ObjectStore:
 
     def head(self, key: str) -> ObjectInfo | None:
         self.counts.add("HEAD")
+        self._round_trip()
         try:
             return _info(obstore.head(self.client, key))
         except NOT_FOUND:
@@ -171,6 +181,7 @@ class ObjectStore:
         """One PUT of the whole object (atomic: readers see the old object, none, or all of it). `create`: only
         where no object is (If-None-Match); False when one already was."""
         self.counts.add("PUT", bytes_out=len(data))
+        self._round_trip()
         try:
             obstore.put(self.client, key, data, mode="create" if create else "overwrite", use_multipart=False)
             return True
@@ -181,6 +192,7 @@ class ObjectStore:
 
     def delete(self, key: str) -> None:
         self.counts.add("DELETE")
+        self._round_trip()
         try:
             obstore.delete(self.client, key)
         except NOT_FOUND:
@@ -193,6 +205,7 @@ class ObjectStore:
         try:
             for page in obstore.list(self.client, prefix or None):
                 self.counts.add("LIST")
+                self._round_trip()  # after the page came: the same total
                 yield from (_info(meta) for meta in page)
         except (*NOT_FOUND, BaseError) as exc:  # not found here: the bucket
             raise self._error("LIST", prefix, exc) from None
@@ -200,6 +213,7 @@ class ObjectStore:
     def check(self) -> None:
         """One LIST request: KvragError now, in one line, when the bucket or the credentials are wrong."""
         self.counts.add("LIST")
+        self._round_trip()
         try:
             next(iter(obstore.list(self.client, chunk_size=1)), None)
         except (*NOT_FOUND, BaseError) as exc:
@@ -209,8 +223,16 @@ class ObjectStore:
         """fn(item) for every item, CONCURRENCY at a time (requests wait on the network, not the GIL)."""
         return list(self._pool.map(fn, items))
 
+    def submit(self, fn: Callable[..., R], *args) -> Future[R]:
+        """fn(*args) on the store's pool (a request that the caller does not wait for)."""
+        return self._pool.submit(fn, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def _round_trip(self) -> None:
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
 
     def _error(self, op: str, key: str, exc: BaseException) -> KvragError:
         return KvragError(f"{self.url}: {op} {key or '/'} failed: {_first_line(exc)}")

@@ -8,7 +8,9 @@ layer of several chunks as concurrent ranged GETs, and `get_chunk`, a chunk whol
 
 Reads: a chunk's index (header + record) comes from one ranged GET of its first INDEX_PROBE bytes and is kept
 (bounded); a layer is then one ranged GET, conditional on the index's ETag. Every value read is checked (length,
-checksum, codec, shape) before it is handed out. An object that fails a check is reported in `damaged` and
+checksum, codec, shape) before it is handed out. The cache tier's ranged reads (ranged.py) go through the same
+index and checks (`kept_index`, `index_from`, `check_layer`), with no probe of their own: their first GET holds the
+index and the first layers. An object that fails a check is reported in `damaged` and
 treated as missing: `has` says False, reads raise DamagedObject, and the next put replaces it.
 Writes: one PUT of the whole object, only where none is (If-None-Match): a PUT is atomic, so no reader ever
 sees part of an object, and two writers of one chunk leave one whole object (the same bytes, in practice).
@@ -121,18 +123,18 @@ class RemoteKVTable:
         for attempt in range(2):
             index = self._index(chunk_id)
             try:
-                _check_request(chunk_id, index.record, layer, expect_token_ids)
+                check_request(chunk_id, index.record, layer, expect_token_ids)
                 start, end = index.layer_range(layer)
                 value = self.objects.get_range(self.key(chunk_id), start, end, if_match=index.etag)
             except (ObjectChanged, CorruptValue):  # a kept index may be stale (the object replaced): read it anew
-                self._forget(chunk_id)
+                self.forget(chunk_id)
                 if attempt:
                     raise
                 continue
             if value is None:
-                self._forget(chunk_id)
-                raise self._missing(chunk_id)
-            self._check_value(chunk_id, layer, value, index.record)
+                self.forget(chunk_id)
+                raise self.missing_error(chunk_id)
+            self.check_layer(chunk_id, layer, value, index.record)
             return RawLayer(value, self.codec, index.record.layer_shape(layer))
         raise AssertionError("unreachable")
 
@@ -151,16 +153,16 @@ class RemoteKVTable:
         """The chunk whole, in one GET, every value checked."""
         got = self.objects.fetch(self.key(chunk_id))
         if got is None:
-            self._forget(chunk_id)
-            raise self._missing(chunk_id)
+            self.forget(chunk_id)
+            raise self.missing_error(chunk_id)
         data, info = got
-        index = self._parsed(chunk_id, data[:self._index_end(chunk_id, data)], info.size, info.etag)
-        _check_request(chunk_id, index.record, 0, expect_token_ids)
+        index = self.index_from(chunk_id, data[:self.index_end(chunk_id, data)], info.size, info.etag)
+        check_request(chunk_id, index.record, 0, expect_token_ids)
         values = []
         for layer in range(index.record.n_layers):
             start, end = index.layer_range(layer)
             values.append(data[start:end])
-            self._check_value(chunk_id, layer, values[-1], index.record)
+            self.check_layer(chunk_id, layer, values[-1], index.record)
         return RemoteChunk(index.record, index.record_bytes, values)
 
     def get_chunks(self, chunk_ids: Sequence[str]) -> list[RemoteChunk]:
@@ -194,7 +196,7 @@ class RemoteKVTable:
         it was found damaged; False when another writer's object was there first."""
         replace = chunk_id in self.damaged
         stored = self.objects.put(self.key(chunk_id), pack_chunk(record, values), create=not replace)
-        self._forget(chunk_id)
+        self.forget(chunk_id)
         if stored:
             self.damaged.pop(chunk_id, None)
         return stored
@@ -203,7 +205,7 @@ class RemoteKVTable:
         """Delete the chunk's object; 1 if there was one, else 0."""
         existed = self.objects.head(self.key(chunk_id)) is not None
         self.objects.delete(self.key(chunk_id))
-        self._forget(chunk_id)
+        self.forget(chunk_id)
         return int(existed)
 
     def claim(self, chunk_ids: Iterable[str], **_) -> list[str]:
@@ -219,63 +221,75 @@ class RemoteKVTable:
     def _index(self, chunk_id: str) -> ChunkIndex:
         """The chunk's index, kept or read (one ranged GET, two when the record outgrows the probe); a chunk
         found damaged stays so until it is put again."""
-        if chunk_id in self.damaged:
-            raise DamagedObject(chunk_id, f"{self.objects.url}/{self.key(chunk_id)}", self.damaged[chunk_id])
-        with self._lock:
-            if chunk_id in self._indexes:
-                self._indexes.move_to_end(chunk_id)
-                return self._indexes[chunk_id]
+        kept = self.kept_index(chunk_id)
+        if kept is not None:
+            return kept
         key = self.key(chunk_id)
         got = self.objects.fetch(key, INDEX_PROBE)
         if got is None:
-            raise self._missing(chunk_id)
+            raise self.missing_error(chunk_id)
         head, info = got
-        end = self._index_end(chunk_id, head)
+        end = self.index_end(chunk_id, head)
         if len(head) < end <= info.size:
             head += self.objects.get_range(key, len(head), end, if_match=info.etag) or b""
-        return self._parsed(chunk_id, head, info.size, info.etag)
+        return self.index_from(chunk_id, head, info.size, info.etag)
 
-    def _parsed(self, chunk_id: str, head: bytes, size: int, etag: str | None) -> ChunkIndex:
+    def kept_index(self, chunk_id: str) -> ChunkIndex | None:
+        """The chunk's index if kept (no request), else None; DamagedObject for a chunk found damaged."""
+        if chunk_id in self.damaged:
+            raise DamagedObject(chunk_id, f"{self.objects.url}/{self.key(chunk_id)}", self.damaged[chunk_id])
+        with self._lock:
+            index = self._indexes.get(chunk_id)
+            if index is not None:
+                self._indexes.move_to_end(chunk_id)
+            return index
+
+    def index_from(self, chunk_id: str, head: bytes, size: int, etag: str | None) -> ChunkIndex:
         try:
             index = parse_index(head, size, etag)
         except CorruptValue as exc:
-            raise self._damaged(chunk_id, str(exc)) from None
+            raise self.mark_damaged(chunk_id, str(exc)) from None
         with self._lock:
             self._indexes[chunk_id] = index
             while len(self._indexes) > INDEX_CACHE:
                 self._indexes.popitem(last=False)
         return index
 
-    def _index_end(self, chunk_id: str, head: bytes) -> int:
+    def index_end(self, chunk_id: str, head: bytes) -> int:
         try:
             return index_length(head)
         except CorruptValue as exc:
-            raise self._damaged(chunk_id, str(exc)) from None
+            raise self.mark_damaged(chunk_id, str(exc)) from None
 
-    def _forget(self, chunk_id: str) -> None:
+    def forget(self, chunk_id: str) -> None:
         with self._lock:
             self._indexes.pop(chunk_id, None)
 
-    def _check_value(self, chunk_id: str, layer: int, value: bytes, record: KVRecord) -> None:
+    def forget_all(self) -> None:
+        """Drop every kept index (a bench's cold start: the next read of each chunk reads its index anew)."""
+        with self._lock:
+            self._indexes.clear()
+
+    def check_layer(self, chunk_id: str, layer: int, value: bytes, record: KVRecord) -> None:
         if len(value) != record.value_sizes[layer]:
-            raise self._damaged(chunk_id, f"layer {layer}: {len(value)} bytes, record says {record.value_sizes[layer]}")
+            raise self.mark_damaged(chunk_id, f"layer {layer}: {len(value)} bytes, record says {record.value_sizes[layer]}")
         try:
             check_value(value, self.codec, record.layer_shape(layer))
         except CorruptValue as exc:
-            raise self._damaged(chunk_id, f"layer {layer}: {exc}") from None
+            raise self.mark_damaged(chunk_id, f"layer {layer}: {exc}") from None
 
-    def _damaged(self, chunk_id: str, reason: str) -> DamagedObject:
-        self._forget(chunk_id)
+    def mark_damaged(self, chunk_id: str, reason: str) -> DamagedObject:
+        self.forget(chunk_id)
         self.damaged[chunk_id] = reason
         return DamagedObject(chunk_id, f"{self.objects.url}/{self.key(chunk_id)}", reason)
 
-    def _missing(self, chunk_id: str) -> MissingChunk:
+    def missing_error(self, chunk_id: str) -> MissingChunk:
         variant = f", {self.variant}" if self.variant else ""
         return MissingChunk(f"no KV for chunk {chunk_id} in {self.objects.url} (model {self.model_fp}, "
                             f"codec {self.codec}{variant})")
 
 
-def _check_request(chunk_id: str, record: KVRecord, layer: int, expect_token_ids: TokenIds | None) -> None:
+def check_request(chunk_id: str, record: KVRecord, layer: int, expect_token_ids: TokenIds | None) -> None:
     """The stored chunk must be the one asked for (a chunk id is a hash) and have the layer."""
     if expect_token_ids is not None and not record.matches(expect_token_ids):
         raise CorruptValue(f"chunk {chunk_id}: stored token ids differ from the expected ones")

@@ -1,11 +1,10 @@
 """`kvrag serve --ray-serve`: two engine replicas on a local Ray cluster behind Ray Serve's proxy on 127.0.0.1, with
-the chunk-aware router. A real OpenAI client and httpx against it: answers as a single server gives them, one chunk
+the chunk-aware router, sharing a store on a SeaweedFS on 127.0.0.1. A real OpenAI client and httpx against it: answers as a single server gives them, one chunk
 set always to one replica, a hot chunk set spread within the load bound, a killed replica losing no request that had
 not started streaming, and /metrics with every replica's samples."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,8 @@ pytest.importorskip("ray.serve")
 from kvrag.api import MIN_SCORE, KVRag, KVRagConfig  # noqa: E402
 from kvrag.server.app import ServerSettings  # noqa: E402
 from kvrag.server.ray_serve import REPLICA_HEADER, ClusterServer, ClusterSettings  # noqa: E402
+from kvrag.tests.conftest import run_kvrag  # noqa: E402
+from kvrag.tests.test_remote_store import s3  # noqa: E402, F401  (the SeaweedFS fixture, one per module)
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -32,19 +33,20 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def config(tiny_llama_dir) -> KVRagConfig:
-    return KVRagConfig.resolve(model=str(tiny_llama_dir), host_cache="64MiB", threads=1)
+def store(s3, indexed_store, tiny_llama_dir, tmp_path_factory) -> str:  # noqa: F811
+    """The test corpus on the SeaweedFS, every chunk's KV precomputed there: the store the replicas share."""
+    url = s3.url("ray-serve")
+    env = {**s3.env, "KVRAG_MIRROR_DIR": str(tmp_path_factory.mktemp("writer-mirror"))}
+    run_kvrag("index", str(indexed_store.parent / "docs"), "--store", url, env=env)
+    run_kvrag("precompute", "--store", url, "--model", str(tiny_llama_dir), env=env)
+    return url
 
 
 @pytest.fixture(scope="module")
-def store(indexed_store, tmp_path_factory, config):
-    """The indexed store with every chunk's KV stored (a single process's full pass writes it back)."""
-    store = tmp_path_factory.mktemp("ray-serve") / "store"
-    shutil.copytree(indexed_store, store)
-    with KVRag(store, config) as rag:
-        every = [s["chunk_id"] for s in rag.retrieve(QUESTIONS[0], k=100, relative_cutoff=0)]
-        rag.ask(QUESTIONS[0], chunk_ids=every, max_tokens=1)
-    return store
+def config(s3, tiny_llama_dir, tmp_path_factory) -> KVRagConfig:  # noqa: F811
+    """The replicas' settings: one mirror directory on this machine, which they share as processes of one host do."""
+    return KVRagConfig.resolve(model=str(tiny_llama_dir), host_cache="64MiB", threads=1, aws=dict(s3.env),
+                               mirror_dir=str(tmp_path_factory.mktemp("replica-mirror")))
 
 
 @pytest.fixture(scope="module")

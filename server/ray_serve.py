@@ -20,7 +20,7 @@ import json
 import logging
 import math
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -171,8 +171,7 @@ def application(store: str, config: KVRagConfig, settings: ServerSettings, clust
 
 
 def _replica_config(config: KVRagConfig, cluster: ClusterSettings) -> KVRagConfig:
-    from dataclasses import replace
-
+    """Each replica's torch threads: the CPUs Ray gives it, unless the config names them."""
     return replace(config, threads=config.threads or max(1, int(cluster.cpus)))
 
 
@@ -211,5 +210,7 @@ class ClusterServer:
     def stop(self) -> None:
         with suppress(Exception):
             serve.shutdown()
+        with suppress(Exception):  # on a cluster that outlives us, the board would outlive the app
+            ray.kill(ray.get_actor(BOARD, namespace="serve"))
         if self._started_ray:
             ray.shutdown()

@@ -7,13 +7,15 @@ each itself (encode_chunk: the codec and zstd, the work that made a lone writer 
     a store on object storage (a mirror)  the actor PUTs each chunk with a client of its own, create-only
                                           (RemoteKVTable.put_encoded), and reports what it stored; the driver
                                           frees the batch's claims and keeps nothing in the mirror's cache tier
-    a local LMDB store                    the actor returns the record and value bytes (its node may not see the
-                                          driver's disk) and the driver commits them (KVTable.put_encoded)
+    a local LMDB store                    an actor on the driver's node commits each chunk itself (LMDB takes
+                                          writers from several processes in turn); one on another node, which
+                                          cannot see the driver's disk, returns the record and value bytes and the
+                                          driver commits them (KVTable.put_encoded)
 
 Either way a chunk is stored whole (one transaction, or one PUT) and only where it is not yet (a stored chunk is
 skipped, never stored twice), so a driver killed midway and run again loses nothing but the batches in flight. A
 worker that dies is restarted (its model loaded again) and its batch run again (Ray's max_restarts /
-max_task_retries); on object storage the rerun skips what the dead worker had already PUT. The preamble is stored
+max_task_retries); the rerun skips what the dead worker had already stored. The preamble is stored
 the same way, by the first actor. The driver's busy time (all it does but wait on Ray) is writer_busy_s.
 
 The values are those precompute() stores: the same forward pass, one process per worker (needs `kvrag[ray]`).
@@ -25,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -74,8 +76,10 @@ class Destination:
     codec: str
     compress: bool
     model_fp: str
-    url: str | None = None  # None: a local store, the driver commits
+    url: str | None = None  # None: a local store
     aws: Mapping[str, str] = field(default_factory=dict)
+    store_path: str | None = None  # a local store: workers on the driver's node commit to it themselves,
+    node_id: str | None = None  # the driver's node; a worker elsewhere hands its bytes back for the driver to commit
 
 
 @dataclass
@@ -107,7 +111,10 @@ class PrefillWorker:
         keep_freed_memory()
         self.runtime = Runtime.load(model_path, dtype, "cpu")
         self.keep, self.dest, self.on_batch = keep, dest, on_batch
-        self._tables: dict = {}  # variant -> RemoteKVTable, opened at first use
+        self._tables: dict = {}  # variant -> RemoteKVTable or KVTable, opened at first use
+        self._env: StoreEnv | None = None
+        on_driver_node = dest.store_path is not None and ray.get_runtime_context().get_node_id() == dest.node_id
+        self.writes = dest.url is not None or on_driver_node  # else the driver commits what this returns
         with torch.inference_mode():
             self.preamble = chunk_kv(self.runtime, None, self.runtime.prompts.preamble_ids)
 
@@ -135,25 +142,30 @@ class PrefillWorker:
         return out
 
     def _store(self, chunk_id: str, token_ids, layers, positions, variant: str, compute_s: float) -> Prefilled:
-        """Encode the chunk; PUT it on object storage, or hand the bytes back for the driver to commit."""
+        """Encode the chunk; store it (a PUT, or a commit on the driver's node), or hand the bytes back."""
         t0 = time.perf_counter()
         encoded = encode_chunk(token_ids, layers, positions, self.dest.codec, self.dest.compress)
-        stored = self.dest.url is not None and self._table(variant).put_encoded(chunk_id, *encoded)
+        stored = self.writes and self._table(variant).put_encoded(chunk_id, *encoded)
         kept = round(np.mean([len(k) for k, _ in layers]))
         return Prefilled(chunk_id, len(token_ids), kept, compute_s, time.perf_counter() - t0,
-                         None if self.dest.url else encoded, stored)
+                         None if self.writes else encoded, stored)
 
     def _present(self, chunk_id: str, variant: str) -> bool:
-        """On object storage, whether a healthy object is there (reading its index also marks a damaged one, which
-        the PUT then replaces); a local store's driver checks when it commits."""
-        return self.dest.url is not None and self._table(variant).has(chunk_id)
+        """Where this worker stores, whether the chunk is there (on object storage, reading its index also marks a
+        damaged one, which the PUT then replaces); where the driver commits, it checks then."""
+        return self.writes and self._table(variant).has(chunk_id)
 
     def _table(self, variant: str):
         if variant not in self._tables:
             from kvrag.store.remote import open_table
 
-            self._tables[variant] = open_table(self.dest.url, self.dest.model_fp, self.dest.codec,
-                                               self.dest.compress, variant, aws=self.dest.aws)
+            if self.dest.url is not None:
+                self._tables[variant] = open_table(self.dest.url, self.dest.model_fp, self.dest.codec,
+                                                   self.dest.compress, variant, aws=self.dest.aws)
+            else:  # LMDB takes writers from several processes in turn: one transaction a chunk, as the driver's
+                self._env = self._env or StoreEnv.open(self.dest.store_path)
+                self._tables[variant] = KVTable(self._env, self.dest.model_fp, self.dest.codec,
+                                                self.dest.compress, variant)
         return self._tables[variant]
 
 
@@ -185,6 +197,8 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     need_preamble = not run.full.has(preamble_id)
     if run.todo or need_preamble:
         with _connected(ray, address, workers):
+            if url is None:  # workers on this node commit to the store themselves
+                dest = replace(dest, store_path=str(store.path), node_id=ray.get_runtime_context().get_node_id())
             actors = _start_workers(ray, local, dtype, keep, dest, workers, on_batch)
             try:
                 busy_from = time.perf_counter()

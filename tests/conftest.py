@@ -65,10 +65,12 @@ def _isolated_home(session_home, monkeypatch, request):
 
 @pytest.fixture(scope="session")
 def smol(session_home):
-    """The real default model (SmolLM2-135M-Instruct), converted from its GGUF once per session."""
+    """The real default model (SmolLM2-135M-Instruct), converted from its GGUF once per session; or the model
+    folder KVRAG_TEST_MODEL names, where the GPU check runs the cuda tests without SmolLM2's weights (random ones
+    on its tokenizer: bench/gpu_check_tests.py)."""
     from kvrag.model.files import resolve_model
 
-    return resolve_model(None)
+    return resolve_model(os.environ.get("KVRAG_TEST_MODEL") or None)
 
 
 @pytest.fixture(scope="session")
@@ -244,7 +246,8 @@ def indexed_store(tmp_path_factory, smol) -> Path:
     for name, text in DOCS.items():
         (docs / name).write_text(text)
     store = root / "store"
-    run_kvrag("index", str(docs), "--store", str(store))
+    model = ("--model", str(smol.path)) if os.environ.get("KVRAG_TEST_MODEL") else ()
+    run_kvrag("index", str(docs), "--store", str(store), *model)
     return store
 
 

@@ -5,6 +5,9 @@ Two paths with one contract (row b's logits and K/V depend on sequence b alone, 
   each weight once for the whole batch and each sequence's K/V in place in the pool;
 - torch: the spec, and the path everywhere else. The projections and the MLP run batched; attention runs per
   sequence over its own slots (a gather of its K/V rows: what the native step avoids).
+With `cuda_graphs` (off by default until measured on a GPU), a batch on the Triton path replays a step captured
+for its batch bucket over static inputs (engine/decode_graphs.py); taps and batches past the largest bucket stay
+eager.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvrag.engine.decode_graphs import Capture, DecodeGraphs
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode_step as native_decode
 from kvrag.model.step import Rows, run_layers
@@ -22,12 +26,22 @@ from kvrag.store.tiers.allocator import BlockTable
 
 
 class BatchDecoder:
-    def __init__(self, model: Transformer, kv: SequenceKV, max_positions: int, native: bool = True):
+    def __init__(self, model: Transformer, kv: SequenceKV, max_positions: int, native: bool = True,
+                 cuda_graphs: bool = False, max_batch: int = 32, capture: Capture | None = None):
+        """cuda_graphs: replay captured steps for batches of up to max_batch (the scheduler's max_running) where
+        they serve; capture: how (default: a CUDA graph on CUDA, the same static-buffer step eagerly elsewhere)."""
         self.model, self.kv = model, kv
         self.cos, self.sin = model.positions_cos_sin(torch.arange(max_positions))  # [P, 1, hd] each
         self.native = None
         if native and model.native and native_decode.step_serves(model.step_weights()) and kv.pool.kv.dtype == torch.bfloat16:
             self.native = native_decode.BatchStep(model.step_weights(), kv.pool.kv, self.cos, self.sin)
+        self.graphs = DecodeGraphs(model, kv, self.cos, self.sin, max_batch, max_positions, capture) \
+            if cuda_graphs else None
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Pool blocks the decoder holds for itself (the graphs' scratch block), which no sequence can have."""
+        return 0 if self.graphs is None else 1
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tables: Sequence[BlockTable], offsets: Sequence[int] | None = None,
@@ -36,9 +50,14 @@ class BatchDecoder:
         + offsets[b] (dropped tokens' places before it; None: 0); returns the next-token logits [B, V] float32.
         taps[b], where set, sees sequence b's queries and keys at every layer (a decode-time budget's scores): the
         native step does not expose them, so such a batch runs the torch step."""
+        tapped = any(t is not None for t in taps or ())
+        if self.graphs is not None and self.native is None:
+            if self.graphs.serves(tables, taps):
+                return self.graphs.step(tokens, tables, offsets)
+            self.graphs.stats["eager"] += 1
         slots = torch.tensor([t.n_tokens - 1 for t in tables], dtype=torch.long)  # [B]
         positions = slots if offsets is None else slots + torch.tensor(list(offsets), dtype=torch.long)  # [B]
-        if self.native is not None and not any(t is not None for t in taps or ()):
+        if self.native is not None and not tapped:
             return self._native(tokens, slots, positions, tables)
         return self._torch(torch.tensor(list(tokens), dtype=torch.long), positions, tables, taps)
 

@@ -48,6 +48,9 @@ class EngineConfig:
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
     kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/admission.py); 0: none
+    # the decode step captured per batch bucket and replayed (engine/decode_graphs.py): CUDA graphs on a GPU's
+    # Triton path; off until measured there
+    cuda_graphs: bool = False
 
 
 class LLMEngine:
@@ -57,7 +60,8 @@ class LLMEngine:
         self.max_positions = self.model.cfg.max_positions
         self.kv = SequenceKV(self.model, config.kv_budget_bytes, config.block_size)
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
-        self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native)
+        self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native, config.cuda_graphs,
+                                    config.scheduler.max_running)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
         source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
         spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
@@ -104,7 +108,8 @@ class LLMEngine:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
         rows = prompt - self._dropped_rows(request, plan)
-        if self.kv.blocks_needed(rows + request.sampling.max_tokens) + len(self.kv.shared) > self.kv.pool.num_blocks:
+        held = len(self.kv.shared) + self.decoder.reserved_blocks  # blocks no sequence of its own can have
+        if self.kv.blocks_needed(rows + request.sampling.max_tokens) + held > self.kv.pool.num_blocks:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
                              f"than the pool's {self.kv.pool.capacity_bytes} bytes hold")
         seq = Sequence(next(self._ids), request, prompt, rows)

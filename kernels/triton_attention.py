@@ -277,11 +277,17 @@ def _keys_per_split(capacity: int, programs: int, device: torch.device, splits: 
     """Keys per decode split (a multiple of KEYS_PER_TILE): enough splits that (sequences x KV heads x splits)
     reaches SPLIT_PROGRAMS per multiprocessor, since one program per sequence and head leaves most of a GPU idle
     at small batches (flash-decoding)."""
-    if splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        splits = triton.cdiv(SPLIT_PROGRAMS * sms, programs)
-    splits = max(1, min(splits, triton.cdiv(capacity, KEYS_PER_TILE)))
+    splits = max(1, min(decode_splits(capacity, programs, device) if splits is None else splits,
+                        triton.cdiv(capacity, KEYS_PER_TILE)))
     return triton.cdiv(triton.cdiv(capacity, splits), KEYS_PER_TILE) * KEYS_PER_TILE
+
+
+def decode_splits(capacity: int, programs: int, device: torch.device) -> int:
+    """`decode_attention`'s default split count: a function of the tables' capacity (width x block_size), the
+    programs (B x Hkv) and the device alone, never of the lengths, so a CUDA graph captured at one table width
+    keeps one plan (engine/decode_graphs.py)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(triton.cdiv(SPLIT_PROGRAMS * sms, programs), triton.cdiv(capacity, KEYS_PER_TILE)))
 
 
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int]:

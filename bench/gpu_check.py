@@ -5,6 +5,8 @@ tools/gpu_check.sh runs each part in a process of its own, under its own time ca
     peaks     bf16 matmul TFLOP/s, device copy and pinned host-to-device GB/s (bench/gpu_kernels.py)
     kernels   decode_attention against SDPA at batch 1/16/64 x context 1k/8k, rows_attention, load_layers;
               FlashInfer's paged decode where it is installed
+    graphs    a SmolLM2-shaped decode step eager against replayed from a CUDA graph: time, launches
+              (bench/gpu_graphs.py)
     e2e-8b    a Llama-3.1-8B-shaped model of random bf16 weights over the folder's MuSiQue items: full prefill
               against blend@0.15 from the store (page cache) and from the pinned host tier, the floor, launches
     e2e-smol  the same for a SmolLM2-shaped model of random weights on SmolLM2's real tokenizer
@@ -31,7 +33,9 @@ import torch
 
 from kvrag.bench import gpu_e2e, gpu_kernels
 
-PARTS = ("peaks", "kernels", "e2e-8b", "e2e-smol", "tests")
+PARTS = ("peaks", "kernels", "graphs", "e2e-8b", "e2e-smol", "tests")
+GRAPH_CASES = ((1, 1024), (16, 1024), (64, 1024), (16, 4096))  # (batch, context) of a SmolLM2-shaped decode step
+SMOKE_GRAPH_CASES = ((1, 40), (2, 40))
 SMOKE_WORDS = 24  # words kept of each passage in the CPU rehearsal
 SMOKE_ITEMS = 2
 
@@ -117,6 +121,17 @@ def flashinfer_decode(check: Check, sizes: gpu_kernels.KernelSizes, peaks: dict)
         return f"failed: {type(exc).__name__}: {exc}"
 
 
+def run_graphs(check: Check) -> None:
+    from kvrag.bench.gpu_graphs import decode_graph_case
+
+    cases = []
+    for batch, ctx in SMOKE_GRAPH_CASES if check.smoke else GRAPH_CASES:
+        cases.append(decode_graph_case(check.device, batch, ctx, smoke=check.smoke))
+        log(f"graphs: B={batch} ctx={ctx}: eager {cases[-1]['eager_ms']:.3g} ms, graph {cases[-1]['graph_ms']:.3g} ms")
+        check.write("graphs", {"cases": cases}, done=False)
+    check.write("graphs", {"cases": cases}, done=True)
+
+
 def check_items(check: Check) -> list[dict]:
     items = json.loads((check.folder / "musique.json").read_text())[:check.items]
     if not check.smoke:
@@ -180,6 +195,9 @@ def _figures(part: str, r: dict) -> str:
     if part == "kernels":
         return "; ".join(f"{k['kernel']} {k['shape']} {k['ms']:.3g} ms" + (f" ({k['speedup']:.2f}x)" if k["speedup"]
                                                                           else "") for k in r["kernels"])
+    if part == "graphs":
+        return "; ".join(f"B={c['bucket']} ctx={c['ctx']}: eager {c['eager_ms']:.3g} ms, graph {c['graph_ms']:.3g} ms, "
+                         f"launches {c['eager']['launch_calls']} -> {c['graph']['launch_calls']}" for c in r["cases"])
     if part == "tests":
         return ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
     m = r["model"]
@@ -190,7 +208,7 @@ def _figures(part: str, r: dict) -> str:
                if "launches" in m else ""))
 
 
-RUNS = {"peaks": run_peaks, "kernels": run_kernels, "e2e-8b": lambda c: run_e2e(c, "e2e-8b"),
+RUNS = {"peaks": run_peaks, "kernels": run_kernels, "graphs": run_graphs, "e2e-8b": lambda c: run_e2e(c, "e2e-8b"),
         "e2e-smol": lambda c: run_e2e(c, "e2e-smol"), "tests": run_tests}
 
 

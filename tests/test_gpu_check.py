@@ -58,6 +58,9 @@ def test_the_rehearsal_runs_every_part_and_writes_what_a_device_call_returns(fol
     sizes = gpu_kernels.SMOKE_KERNELS
     assert kernels.count("decode_attention") == len(sizes.batches) * len(sizes.contexts)
     assert kernels.count("load_layers") == 2 and parts["kernels"]["flashinfer"] == "not installed"
+    graphs = parts["graphs"]["cases"]
+    assert len(graphs) == len(gpu_check.SMOKE_GRAPH_CASES)
+    assert all(c["max_abs_diff"] < 1e-4 and c["graph_stats"] for c in graphs), graphs
     for part, role_targets in (("e2e-8b", 3), ("e2e-smol", 1)):
         model = parts[part]["model"]
         assert model["items"] == gpu_check.SMOKE_ITEMS and len(parts[part]["targets"]) == role_targets

@@ -53,10 +53,11 @@ part() {  # part NAME CAP: one part, killed at CAP seconds (its JSON so far stay
   if [[ $rc != 0 ]]; then sed -n "/^=== $1 /,\$p" "$LOG" | tail -15; fi
 }
 
-# Caps: 45 + 30 + 75 + 180 + 75 + 120 = 525 s with the setup, inside the call's 540.
+# Caps: 45 + 30 + 60 + 45 + 170 + 60 + 100 = 510 s with the setup, inside the call's 540.
 part peaks 30
-part kernels 75
-part e2e-8b 180
-part e2e-smol 75
-part tests 120
+part kernels 60
+part graphs 45
+part e2e-8b 170
+part e2e-smol 60
+part tests 100
 $PY -m kvrag.bench.gpu_check summary --out "$OUT" --folder $FOLDER $SMOKE

@@ -26,9 +26,8 @@ import numpy as np
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
-from kvrag.config import KV_RULE, KVRagConfig
+from kvrag.config import KV_RULE, MIN_SCORE, KVRagConfig  # (corpus.retrieve would import faiss here)
 from kvrag.corpus.mirror import local_store
-from kvrag.corpus.retrieve import MIN_SCORE
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
@@ -111,7 +110,7 @@ class KVRag:
         return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
                                                  codec=config.codec, native=config.native,
                                                  chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache"),
-                                                 force_full=force_full))
+                                                 force_full=force_full, cuda_graphs=config.cuda_graphs))
 
     # ---- asking ---------------------------------------------------------------------------------
 

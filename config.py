@@ -22,6 +22,8 @@ else from its default; nothing below this module reads the environment (home.py 
     reorder_window   KVRAG_REORDER_WINDOW   8: a waiting question is passed over at most this often (0: FIFO)
     model_check      KVRAG_MODEL_CHECK      True: blend only a model that passed its blending check (docs/model-check.md;
                                             0: skip the check, for tests and benchmarks that blend on purpose)
+    cuda_graphs      KVRAG_CUDA_GRAPHS      False: on a GPU, replay the decode step from CUDA graphs (engine/decode_graphs.py;
+                                            off until the GPU check has measured it: docs/gpu.md)
 
 The AWS_* variables (credentials, endpoint, region) are kept as they are for a store on object storage. The rest
 (kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
@@ -67,6 +69,7 @@ class KVRagConfig:
     # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
     retrieval: str = "auto"
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
+    cuda_graphs: bool = False  # the decode step replayed from CUDA graphs (Triton path on a GPU only)
     # options alone
     codec: str = "fp16"
     kv_budget: str = "1GiB"
@@ -110,7 +113,7 @@ ENVIRONMENT = {
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
     "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
-    "model_check": "KVRAG_MODEL_CHECK", "retrieval": "KVRAG_RETRIEVAL",
+    "model_check": "KVRAG_MODEL_CHECK", "retrieval": "KVRAG_RETRIEVAL", "cuda_graphs": "KVRAG_CUDA_GRAPHS",
 }
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages

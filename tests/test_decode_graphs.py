@@ -277,3 +277,17 @@ def test_real_cuda_graphs_give_the_eager_step_s_logits(runtime, monkeypatch):
     _compare(model, got, want, atol=1e-4)
 
 
+
+
+def test_the_setting_reaches_the_engine_from_the_environment(store_copy, tiny_llama_dir, monkeypatch):
+    """KVRAG_CUDA_GRAPHS (config.py, read once at the edge) turns the graphs on for KVRag's engine; off by default."""
+    from kvrag import KVRag
+
+    for value, on in (("1", True), (None, False)):
+        if value is None:
+            monkeypatch.delenv("KVRAG_CUDA_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("KVRAG_CUDA_GRAPHS", value)
+        with KVRag(store_copy, model=str(tiny_llama_dir), host_cache="0") as rag:
+            assert (rag.engine.decoder.graphs is not None) is on
+            assert rag.engine.decoder.reserved_blocks == int(on)

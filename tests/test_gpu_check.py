@@ -135,3 +135,14 @@ def test_the_summary_says_which_part_was_cut_and_which_never_ran(tmp_path):
     assert "| peaks | done | H100: 700 TFLOP/s, copy 3000 GB/s, H2D 50.0 GB/s |" in table
     assert "| tests | cut short | 2 passed, 0 failed, 0 errors, 0 skipped |" in table
     assert "| kernels | no result | |" in table and "| e2e-8b | no result | |" in table
+
+
+def test_flashinfer_page_tables_on_a_hand_computed_case():
+    """kvrag's padded block tables as FlashInfer's CSR ones (bench/gpu_flashinfer.py; FlashInfer itself runs only
+    where its wheel is installed): two sequences of 20 tokens in blocks of 16, 4 rows in each last block."""
+    import torch
+
+    from kvrag.bench.gpu_flashinfer import csr_tables
+
+    indptr, indices, last = csr_tables(torch.tensor([[3, 5], [7, 1]], dtype=torch.int32), 20, 16)
+    assert indptr.tolist() == [0, 2, 4] and indices.tolist() == [3, 5, 7, 1] and last.tolist() == [4, 4]

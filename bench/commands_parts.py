@@ -87,9 +87,10 @@ def bench_cold(
                                  "(its parent directory); runs of the two alternate."),
     ask_args: list[str] = typer.Argument(None, metavar="[-- ASK_ARGS...]", help="More `kvrag ask` arguments, after `--` "
                                          "(default: -k 1 --max-tokens 64)."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
-    """A cold `kvrag ask` per process, as a user at a shell meets it: wall time, peak memory and the answer's
-    own timings, median over runs (a markdown table on stdout).
+    """A cold `kvrag ask` per process, as a user at a shell meets it: wall and CPU time, peak memory and the answer's
+    own timings, median over runs (a markdown table on stdout; --json: every run and the medians).
 
     Example: kvrag bench cold --store .kvrag/demo-store --runs 5 -- -k 1 --max-tokens 64
     """
@@ -98,7 +99,7 @@ def bench_cold(
     if not store.is_dir():
         raise KvragError(f"{store} is not a store directory (--store)")
     rows = cold.run(str(store), runs, baseline, ask_args or ["-k", "1", "--max-tokens", "64"])
-    typer.echo(cold.report(rows))
+    emit(stamped({"runs": rows, "median": cold.medians(rows)}), lambda report: cold.report(report["runs"]), as_json)
 
 
 @bench_app.command("load")

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from kvrag.corpus.vector_index import VectorIndex, live_generation
 from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
 from kvrag.store.chunks import INDEX_CONFIG_KEY
@@ -67,6 +66,8 @@ class Snapshot:
 
     @classmethod
     def read(cls, env: StoreEnv, store_dir: Path) -> Snapshot:
+        from kvrag.corpus.vector_index import live_generation  # faiss: imported by the remote path alone
+
         with env.reader() as txn:
             dbs = {name: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=env.db(name))] for name in CORPUS_DBS}
             dbs["meta"] = [(k, v) for k in CORPUS_META_KEYS if (v := txn.get(k, db=env.db("meta"))) is not None]
@@ -174,6 +175,8 @@ class Mirror:
         """Download a snapshot, then swap it in: the index (a new local generation, made live by one rename),
         then the databases and the generation in one transaction. A crash between leaves the old generation
         recorded, so the next open pulls again."""
+        from kvrag.corpus.vector_index import VectorIndex  # faiss: imported by the remote path alone
+
         key = f"corpus/{generation}.tar"
         data = self.objects.get(key)
         if data is None:

@@ -13,16 +13,19 @@ eager.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvrag.engine.decode_graphs import Capture, DecodeGraphs
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode_step as native_decode
 from kvrag.model.step import Rows, run_layers
 from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockTable
+
+if TYPE_CHECKING:  # the graphs are a GPU's: a plain ask does not import them
+    from kvrag.engine.decode_graphs import Capture
 
 
 class BatchDecoder:
@@ -35,8 +38,11 @@ class BatchDecoder:
         self.native = None
         if native and model.native and native_decode.step_serves(model.step_weights()) and kv.pool.kv.dtype == torch.bfloat16:
             self.native = native_decode.BatchStep(model.step_weights(), kv.pool.kv, self.cos, self.sin)
-        self.graphs = DecodeGraphs(model, kv, self.cos, self.sin, max_batch, max_positions, capture) \
-            if cuda_graphs else None
+        self.graphs = None
+        if cuda_graphs:
+            from kvrag.engine.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, kv, self.cos, self.sin, max_batch, max_positions, capture)
 
     @property
     def reserved_blocks(self) -> int:

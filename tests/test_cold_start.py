@@ -19,7 +19,7 @@ RETRIEVAL = ("faiss", "kvrag.corpus.vector_index", "kvrag.corpus.retrieve", "kvr
 # Never needed by a plain `kvrag ask` over a local store on the CPU.
 UNUSED = ("ray", "obstore", "fastapi", "uvicorn", "starlette", "llguidance", "transformers", "sentence_transformers",
           "triton", "sklearn", "scipy", "matplotlib", "openai", "kvrag.server", "kvrag.store.remote.object_store",
-          "kvrag.precompute.ray")
+          "kvrag.precompute.ray", "kvrag.engine.decode_graphs")
 
 # The CLI in this process, with each module's first import and the thread that did it written to stderr at the end.
 LAUNCH = """

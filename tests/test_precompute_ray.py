@@ -109,9 +109,12 @@ def test_interrupted_driver_resumes_with_every_chunk_once(ray_cluster, reference
     assert interrupted.value.stored == 2
     with StoreEnv.open(store_copy) as env:
         assert verify(env).ok
-    # the claims of the batches in flight were freed: the rerun (same process) takes every chunk left
+    # the claims of the batches in flight were freed: the rerun (same process) takes every chunk left. Workers
+    # commit a local store themselves, so a batch in flight at the interrupt may still land after the driver's
+    # count: each chunk is then found stored or computed, exactly once, and never lost
     rest = _run(store_copy, tiny_llama_dir)
-    assert (rest.already_stored, rest.computed, rest.skipped_by_others) == (2, 3, 0)
+    assert rest.already_stored >= interrupted.value.stored and rest.skipped_by_others == 0
+    assert rest.already_stored + rest.computed == 5
     assert kv_entries(store_copy) == reference["fp16"]
 
 

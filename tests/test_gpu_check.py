@@ -84,6 +84,10 @@ def test_the_folder_fits_its_bound_and_matches_its_manifest(folder):
     assert {"smollm2/tokenizer.json", "smollm2/config.json", "minilm/vocab.txt", "musique.json"} <= set(manifest["files"])
     assert not any(name.endswith(("model.safetensors", ".gguf")) for name in manifest["files"])  # no weights travel
     assert len(json.loads((folder / "musique.json").read_text())) == len(tool.REPORT_ITEMS)
+    # a call carries the tree's tracked files and the folder: 64 MiB at most
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0") if (ROOT / name).is_file())
+    assert tree + manifest["total_bytes"] <= 64 << 20, (tree, manifest["total_bytes"])
 
 
 def test_verify_names_a_damaged_file_an_extra_one_and_an_oversized_folder(folder, tmp_path):

@@ -5,6 +5,7 @@ items (tests/invented.py). Only tests marked `benchmark_data` read the real MuSi
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -43,6 +44,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "benchmark_data: reads the real MuSiQue file (KVRAG_TEST_DATA); skips without it")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skips without one")
     config.addinivalue_line("markers", "model_check: runs with KVRag's first-use blending check on")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_between_modules():
+    """What a module's engines and stores leave in reference cycles is freed before the next module runs. Tests
+    that fork the whole pytest process (Ray starting its node, multiprocessing's "fork") need its committed memory
+    small: the kernel's overcommit heuristic refuses a fork whose private memory exceeds what is free (seen in a CI
+    run as "Cannot allocate memory")."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -249,7 +249,8 @@ def time_tier(runtime: Runtime, tiered: Prefiller, item: dict) -> dict:
 
 def count_launches(run: Callable[[], object]) -> dict:
     """What one call ran, by torch's profiler: `ops` the aten operators dispatched (on any device), and on a GPU
-    `kernels` and `copies` (memcpy and memset) the device executed; None where no GPU ran them."""
+    `kernels` and `copies` (memcpy and memset) the device executed, `launch_calls` the host's kernel launches and
+    `graph_launches` its CUDA graph launches; None where no GPU ran them."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -259,9 +260,12 @@ def count_launches(run: Callable[[], object]) -> dict:
         _now()
     events = prof.events()
     device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e.name for e in events if e.device_type != torch.autograd.DeviceType.CUDA]
     copies = sum(e.name.startswith(("Memcpy", "Memset")) for e in device)
-    return {"ops": sum(e.name.startswith("aten::") for e in events),
-            "kernels": len(device) - copies if cuda else None, "copies": copies if cuda else None}
+    return {"ops": sum(name.startswith("aten::") for name in host),
+            "kernels": len(device) - copies if cuda else None, "copies": copies if cuda else None,
+            "launch_calls": sum("LaunchKernel" in name for name in host) if cuda else None,
+            "graph_launches": sum("GraphLaunch" in name for name in host) if cuda else None}
 
 
 def item_launches(runtime: Runtime, reference: Prefiller, engine: Prefiller, item: dict) -> dict:

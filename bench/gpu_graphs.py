@@ -19,13 +19,11 @@ it tests the code, it measures nothing.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from kvrag.bench.gpu_e2e import RandomWeights, llama8b_config, smoke_config
+from kvrag.bench.gpu_e2e import RandomWeights, count_launches, llama8b_config, smoke_config
 from kvrag.bench.gpu_kernels import median_seconds
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import SequenceKV
@@ -62,7 +60,7 @@ def decode_graph_case(device: str | torch.device, batch: int, ctx: int, smoke: b
     if smoke:
         warmup, reps = 0, 1
     seconds = {name: median_seconds(step, device, warmup, reps) for name, step in steps.items()}
-    counts = {name: count_step(step) for name, step in steps.items()}
+    counts = {name: count_launches(step) for name, step in steps.items()}
     g = graphed.graphs
     return {"case": "decode_graph", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "model": f"random {cfg.n_layers}x{cfg.hidden_size} ({dtype})".replace("torch.", ""), "batch": batch,
@@ -84,30 +82,3 @@ def _pool(model: Transformer, batch: int, ctx: int) -> tuple[SequenceKV, list]:
         tables.append(kv.pool.allocate(ctx))
         kv.grow(tables[-1])
     return kv, tables
-
-
-def count_step(step: Callable[[], object]) -> dict:
-    """What one call ran, by torch's profiler: `ops` aten operators dispatched; on a GPU `kernels` and `copies`
-    (memcpy, memset) the device executed, `launch_calls` the host's kernel launches and `graph_launches` its graph
-    launches (None without a GPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        step()
-        _sync()
-    events = prof.events()
-    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    on_host = [e.name for e in events if e.device_type != torch.autograd.DeviceType.CUDA]
-    copies = sum(e.name.startswith(("Memcpy", "Memset")) for e in on_device)
-    return {"ops": sum(name.startswith("aten::") for name in on_host),
-            "kernels": len(on_device) - copies if cuda else None, "copies": copies if cuda else None,
-            "launch_calls": sum("LaunchKernel" in name for name in on_host) if cuda else None,
-            "graph_launches": sum("GraphLaunch" in name for name in on_host) if cuda else None}
-
-
-def _sync() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()

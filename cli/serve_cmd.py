@@ -78,6 +78,25 @@ def serve_command(
     Example: kvrag serve --store ./my-store --port 8000
              kvrag serve --store ./my-store --ray-serve 2     (two replicas behind Ray Serve, routed by chunk)
     """
+    path = _checked_store(store, codec, retrieval, kv_budget, host_cache, gpu_cache, cache_policy)
+    options = dict(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
+                   gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
+                   keep=keep, keep_rule=keep_rule, retrieval=retrieval)
+    settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
+    if ray_serve:
+        from kvrag.cli.serve_ray import serve_on_ray
+        from kvrag.config import KVRagConfig
+
+        cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus,
+                       balance=ray_balance)
+        return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path),
+                            KVRagConfig.resolve(**options), settings, cluster, host, port)
+    _serve_one(path, {**options, "tune_process": True, "speculate": speculate}, settings, host, port, grace)
+
+
+def _checked_store(store: Path, codec: str, retrieval: str, kv_budget: str, host_cache: str, gpu_cache: str,
+                   cache_policy: str) -> Path:
+    """The store's local path, once every option is known good: a bad one is one line before anything loads."""
     import torch
 
     from kvrag.config import RETRIEVAL
@@ -93,19 +112,7 @@ def serve_command(
     CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
     path = resolve_store(store)
     StoreEnv.open(path).close()  # not a store: said before anything loads
-    options = dict(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
-                   gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
-                   keep=keep, keep_rule=keep_rule, retrieval=retrieval)
-    settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
-    if ray_serve:
-        from kvrag.cli.serve_ray import serve_on_ray
-        from kvrag.config import KVRagConfig
-
-        cluster = dict(replicas=ray_serve, address=ray, router=ray_router, cpus=ray_cpus, gpus=ray_gpus,
-                       balance=ray_balance)
-        return serve_on_ray(str(store) if str(store).startswith("s3://") else str(path),
-                            KVRagConfig.resolve(**options), settings, cluster, host, port)
-    _serve_one(path, {**options, "tune_process": True, "speculate": speculate}, settings, host, port, grace)
+    return path
 
 
 def _serve_one(path: Path, options: dict, settings: dict, host: str, port: int, grace: float) -> None:

@@ -10,12 +10,11 @@ named; outputs are compared (largest absolute difference) so that a wrong layout
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
 
-from kvrag.bench.gpu_kernels import DTYPE, KernelSizes, decode_work, median_seconds, record
+from kvrag.bench.gpu_kernels import DTYPE, KernelSizes, decode_cases, decode_work, median_seconds, record
 from kvrag.kernels import triton_attention
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (its documented default)
@@ -34,27 +33,20 @@ def bench_flashinfer(device: torch.device, sizes: KernelSizes, peaks: dict) -> l
     import flashinfer
 
     hq, hkv, hd = sizes.heads
-    bs = sizes.block_size
-    gen = torch.Generator().manual_seed(0)
-    n_blocks = max(sizes.batches) * math.ceil(max(sizes.contexts) / bs)
-    k_pool, v_pool = (torch.randn(n_blocks, bs, hkv, hd, dtype=DTYPE, device=device) for _ in range(2))
+    k_pool, v_pool, cases = decode_cases(device, sizes)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     out = []
-    for ctx in sizes.contexts:
-        for batch in sizes.batches:
-            width = math.ceil(ctx / bs)
-            tables = torch.randperm(n_blocks, generator=gen)[:batch * width].view(batch, width).to(device, torch.int32)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)  # [B]
-            q = torch.randn(batch, hq, hd, dtype=DTYPE, device=device)  # [B, Hq, hd]
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            wrapper.plan(*csr_tables(tables, ctx, bs), hq, hkv, hd, bs, data_type=DTYPE, q_data_type=DTYPE)
-            ours_call = partial(triton_attention.decode_attention, q, k_pool, v_pool, tables, lens)
-            theirs_call = partial(wrapper.run, q, (k_pool, v_pool))
-            diff = float((ours_call().float() - theirs_call().float()).abs().max())
-            ours = median_seconds(ours_call, device, sizes.warmup, sizes.reps)
-            theirs = median_seconds(theirs_call, device, sizes.warmup, sizes.reps)
-            nbytes, flops = decode_work(batch, ctx, hq, hkv, hd)
-            row = record("flashinfer decode", f"B={batch} ctx={ctx}", theirs, nbytes, flops, peaks,
-                         ("triton decode_attention", ours))
-            out.append({**row, "max_abs_diff": diff, "faster": "flashinfer" if theirs < ours else "triton"})
+    for c in cases:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(*csr_tables(c.tables, c.ctx, sizes.block_size), hq, hkv, hd, sizes.block_size, data_type=DTYPE,
+                     q_data_type=DTYPE)
+        ours_call = partial(triton_attention.decode_attention, c.q, k_pool, v_pool, c.tables, c.lens)
+        theirs_call = partial(wrapper.run, c.q, (k_pool, v_pool))
+        diff = float((ours_call().float() - theirs_call().float()).abs().max())
+        ours = median_seconds(ours_call, device, sizes.warmup, sizes.reps)
+        theirs = median_seconds(theirs_call, device, sizes.warmup, sizes.reps)
+        nbytes, flops = decode_work(c.batch, c.ctx, hq, hkv, hd)
+        row = record("flashinfer decode", f"B={c.batch} ctx={c.ctx}", theirs, nbytes, flops, peaks,
+                     ("triton decode_attention", ours))
+        out.append({**row, "max_abs_diff": diff, "faster": "flashinfer" if theirs < ours else "triton"})
     return out

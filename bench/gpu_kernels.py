@@ -164,29 +164,48 @@ def gathered(pool: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor
 # ---- the kernels -----------------------------------------------------------------------------------------------
 
 
-def bench_decode(device: torch.device, sizes: KernelSizes, peaks: dict) -> list[dict]:
-    """decode_attention over scattered blocks of one pool, each batch x context; SDPA on the gathered K/V."""
+@dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    ctx: int
+    tables: torch.Tensor  # [B, M] int32, scattered blocks
+    lens: torch.Tensor  # [B] int32
+    q: torch.Tensor  # [B, Hq, hd]
+
+
+def decode_cases(device: torch.device, sizes: KernelSizes) -> tuple[torch.Tensor, torch.Tensor, list[DecodeCase]]:
+    """One K and one V pool [N, bs, Hkv, hd] of random bf16, and each batch x context case over scattered blocks of
+    them (as a busy pool's are), the same on every call: what every decode kernel here is timed on."""
     hq, hkv, hd = sizes.heads
     bs = sizes.block_size
     gen = torch.Generator().manual_seed(0)
     n_blocks = max(sizes.batches) * math.ceil(max(sizes.contexts) / bs)
     k_pool, v_pool = (torch.randn(n_blocks, bs, hkv, hd, dtype=DTYPE, device=device) for _ in range(2))
-    out = []
+    cases = []
     for ctx in sizes.contexts:
         for batch in sizes.batches:
             width = math.ceil(ctx / bs)
-            perm = torch.randperm(n_blocks, generator=gen)[:batch * width]  # scattered, as a busy pool's are
-            tables = perm.view(batch, width).to(device, torch.int32)  # [B, M]
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)  # [B]
-            q = torch.randn(batch, hq, hd, dtype=DTYPE, device=device)  # [B, Hq, hd]
-            ours = median_seconds(partial(triton_attention.decode_attention, q, k_pool, v_pool, tables, lens),
-                                  device, sizes.warmup, sizes.reps)
-            name, call = sdpa_call(q[:, :, None], gathered(k_pool, tables, ctx), gathered(v_pool, tables, ctx))
-            base = median_seconds(call, device, sizes.warmup, sizes.reps)
-            nbytes, flops = decode_work(batch, ctx, hq, hkv, hd)
-            out.append(record("decode_attention", f"B={batch} ctx={ctx}", ours, nbytes, flops, peaks,
-                              (f"sdpa {name}", base)))
-            del call
+            perm = torch.randperm(n_blocks, generator=gen)[:batch * width]
+            cases.append(DecodeCase(batch, ctx, perm.view(batch, width).to(device, torch.int32),
+                                    torch.full((batch,), ctx, dtype=torch.int32, device=device),
+                                    torch.randn(batch, hq, hd, dtype=DTYPE, device=device)))
+    return k_pool, v_pool, cases
+
+
+def bench_decode(device: torch.device, sizes: KernelSizes, peaks: dict) -> list[dict]:
+    """decode_attention over scattered blocks of one pool, each batch x context; SDPA on the gathered K/V."""
+    hq, hkv, hd = sizes.heads
+    k_pool, v_pool, cases = decode_cases(device, sizes)
+    out = []
+    for c in cases:
+        ours = median_seconds(partial(triton_attention.decode_attention, c.q, k_pool, v_pool, c.tables, c.lens),
+                              device, sizes.warmup, sizes.reps)
+        name, call = sdpa_call(c.q[:, :, None], gathered(k_pool, c.tables, c.ctx), gathered(v_pool, c.tables, c.ctx))
+        base = median_seconds(call, device, sizes.warmup, sizes.reps)
+        nbytes, flops = decode_work(c.batch, c.ctx, hq, hkv, hd)
+        out.append(record("decode_attention", f"B={c.batch} ctx={c.ctx}", ours, nbytes, flops, peaks,
+                          (f"sdpa {name}", base)))
+        del call
     return out
 
 

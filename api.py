@@ -231,6 +231,8 @@ class KVRag:
     def close(self) -> None:
         """Cancel what is still running, stop the engine and close the store."""
         self.loop.close()
+        if self.engine.conversations.spans is not None:
+            self.engine.conversations.spans.close()  # the passage index's fill reads the store
         self.env.close()
 
     def __enter__(self) -> KVRag:

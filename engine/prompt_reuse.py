@@ -59,6 +59,7 @@ class PromptSpans:
         self.client_tokens = 0  # tokens of the clients' kept passages in the store (admission's bound counts them)
         self._indexed = -1  # the chunk table's count when it was last indexed
         self._lock = threading.Lock()
+        self._closed = False
 
     def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
         """The stored spans of a prompt's ids that a request of this salt may reuse."""
@@ -81,16 +82,26 @@ class PromptSpans:
         if self.env is None:
             return
         with self._lock:
+            if self._closed:
+                return
             count = ChunkTable(self.env).count()
             if count == self._indexed:
                 return
             self.index.add_many(self._records())
             self._indexed = count
 
+    def close(self) -> None:
+        """Stop indexing before the store closes: a fill under way stops at its next record, and none starts."""
+        self._closed = True
+        with self._lock:  # waits out the fill under way, so that nothing reads the store once this returns
+            pass
+
     def _records(self):
         """(chunk id, ids, salt) of the store's chunks not indexed yet: a passage kept from a client's prompts carries
         its salt."""
         for r in list(ChunkTable(self.env).iter()):  # read first: a long read transaction would hold up a map resize
+            if self._closed:
+                return
             client = r.doc_id.startswith(CLIENT_DOC)
             salt = r.doc_id[len(CLIENT_DOC):] if client else ""
             if not self.index.knows(r.chunk_id, salt):

@@ -216,6 +216,21 @@ def test_chunks_indexed_after_the_first_prompt_are_found(tmp_path):
     env.close()
 
 
+def test_a_closed_index_reads_the_store_no_more(tmp_path):
+    """KVRag.close closes the passage index before the store: a fill still to come (its thread started beside the
+    model's load) returns without touching the closed store, where it used to raise in that thread."""
+    from kvrag.engine.prompt_reuse import PromptSpans
+
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    a = tuple(_ids(7, 80))
+    ChunkTable(env).put_records([ChunkRecord("ab" * 16, "d", "", "text", 0, 4, a)])
+    spans = PromptSpans(env)
+    spans.close()
+    env.close()
+    spans.fill()  # the store is closed: this would raise had the index not been closed first
+    assert spans.find([1, 2, *a, 3]) == []
+
+
 def test_an_exact_repeat_queued_behind_its_original_is_a_prefix_hit(corpus):
     """Both planned before either is prefilled: the repeat is cut again at its prefill, when the original's blocks
     are in the prefix cache, and computes its last block's rows alone."""

@@ -249,8 +249,9 @@ def run_kvrag(*args: str, env: dict | None = None, check: bool = True) -> subpro
 
 
 @pytest.fixture(scope="session")
-def indexed_store(tmp_path_factory, smol) -> Path:
-    """A store with the five small documents indexed (SmolLM2's tokenizer), made once per module."""
+def indexed_store(tmp_path_factory, smol):
+    """A store with the five small documents indexed (SmolLM2's tokenizer), made once per session and read by every
+    module (a module that writes to it takes copied_store)."""
     root = tmp_path_factory.mktemp("precompute")
     docs = root / "docs"
     docs.mkdir()
@@ -259,7 +260,24 @@ def indexed_store(tmp_path_factory, smol) -> Path:
     store = root / "store"
     model = ("--model", str(smol.path)) if os.environ.get("KVRAG_TEST_MODEL") else ()
     run_kvrag("index", str(docs), "--store", str(store), *model)
-    return store
+    before = _file_bytes(store)
+    yield store
+    # every module starts from this store: one that wrote to it (a server keeping what it computes) would change
+    # what later modules see, and only in some orders (seen with pytest-xdist)
+    assert _file_bytes(store) == before, "a test wrote to the session's indexed_store: give it copied_store()"
+
+
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    """A store's files (LMDB's lock file aside: readers register in it)."""
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "lock.mdb"}
+
+
+def copied_store(store: Path, tmp_path_factory) -> Path:
+    """A copy of a session-wide store for a module to write to: the server and the engine store the chunks they
+    compute and the passages they keep, and the session's store is every module's starting point."""
+    copy = tmp_path_factory.mktemp("store") / "store"
+    shutil.copytree(store, copy)
+    return copy
 
 
 @pytest.fixture
@@ -267,7 +285,6 @@ def store_copy(indexed_store, tmp_path) -> Path:
     copy = tmp_path / "store"
     shutil.copytree(indexed_store, copy)
     return copy
-
 
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
+from kvrag.tests.conftest import copied_store
 
 MODEL = "tiny-llama"
 PASSAGES = [("Quarn loom", "The Quarn loom was invented in 1791 by Beatrix Olufsen, a weaver from Trondheim."),
@@ -25,10 +26,11 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def served(indexed_store, tiny_llama_dir):
+def served(indexed_store, tiny_llama_dir, tmp_path_factory):
     from kvrag import KVRag
 
-    with KVRag(indexed_store, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as rag, \
+    store = copied_store(indexed_store, tmp_path_factory)  # the server writes what it computes
+    with KVRag(store, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as rag, \
             BackgroundServer(rag, ServerSettings(MODEL)) as running:
         rag.ask(QUESTION, passages=PASSAGES, max_tokens=1)  # the passages' KV stored: every request reads it
         yield rag, running

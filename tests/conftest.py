@@ -66,8 +66,14 @@ def _collect_between_modules():
 
 @pytest.fixture(scope="session")
 def session_home(tmp_path_factory) -> Path:
-    """One KVRAG_HOME for the whole session, so the default model is converted once."""
+    """One KVRAG_HOME for the whole session, so the default model is converted once. pytest-xdist's workers share
+    its models/ folder, made for several processes at once (a conversion lock, atomic writes): the first converts,
+    the other waits for it and reads its conversion."""
     home = tmp_path_factory.mktemp("kvrag-home")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "kvrag-models"  # the run's folder, above each worker's
+        shared.mkdir(exist_ok=True)
+        (home / "models").symlink_to(shared, target_is_directory=True)
     os.environ["KVRAG_HOME"] = str(home)
     return home
 

@@ -67,13 +67,14 @@ def _collect_between_modules():
 @pytest.fixture(scope="session")
 def session_home(tmp_path_factory) -> Path:
     """One KVRAG_HOME for the whole session, so the default model is converted once. pytest-xdist's workers share
-    its models/ folder, made for several processes at once (a conversion lock, atomic writes): the first converts,
-    the other waits for it and reads its conversion."""
+    its models/ and kernels/ folders, made for several processes at once (a conversion lock, atomic writes, builds
+    renamed into place): the first converts SmolLM2, the other waits for it and reads its conversion."""
     home = tmp_path_factory.mktemp("kvrag-home")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "kvrag-models"  # the run's folder, above each worker's
-        shared.mkdir(exist_ok=True)
-        (home / "models").symlink_to(shared, target_is_directory=True)
+        for name in ("models", "kernels"):
+            shared = tmp_path_factory.getbasetemp().parent / f"kvrag-{name}"  # the run's folder, above each worker's
+            shared.mkdir(exist_ok=True)
+            (home / name).symlink_to(shared, target_is_directory=True)
     os.environ["KVRAG_HOME"] = str(home)
     return home
 
@@ -215,6 +216,25 @@ def musique_path() -> Path:
     if not path.exists():
         pytest.skip(f"benchmark data set: {path} is not there (KVRAG_TEST_DATA names another copy)")
     return path
+
+
+@pytest.fixture(scope="session")
+def musique_store(musique_path, smol, tmp_path_factory) -> Path:
+    """`kvrag index MUSIQUE --chunk-tokens 1024` (a passage a chunk, as `kvrag bench cutoff` builds it), made once a
+    run: pytest-xdist's workers share it, the first builds it under a lock. Read-only for every test."""
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's
+    store = shared / "musique-store"
+    with open(shared / "musique-store.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "musique-store.done").exists():
+            shutil.rmtree(store, ignore_errors=True)  # a worker stopped mid-build
+            run_kvrag("index", str(musique_path), "--store", str(store), "--chunk-tokens", "1024")
+            (shared / "musique-store.done").touch()
+    return store
 
 
 @pytest.fixture(scope="session")

@@ -132,9 +132,11 @@ def test_the_chat_prompts_are_two_distinct_halves():
 
 @pytest.mark.slow
 @pytest.mark.benchmark_data
-def test_bench_cutoff_reproduces_min_score(tmp_path, kvrag, musique_path, smol):
-    """`kvrag bench cutoff` on the real data chooses the MIN_SCORE the code carries."""
-    proc = kvrag("bench", "cutoff", "--dataset", str(musique_path), "--work", str(tmp_path), "--json")
+def test_bench_cutoff_reproduces_min_score(tmp_path, kvrag, musique_path, musique_store, smol):
+    """`kvrag bench cutoff` on the real data chooses the MIN_SCORE the code carries (over the suite's MuSiQue store,
+    the one it would build in --work)."""
+    proc = kvrag("bench", "cutoff", "--dataset", str(musique_path), "--store", str(musique_store), "--work",
+                 str(tmp_path), "--json")
     report = json.loads(proc.stdout)
     assert report["chosen"] == report["min_score_default"] == MIN_SCORE
     shares = {row["min_score"]: row for row in report["sweep"]}[MIN_SCORE]

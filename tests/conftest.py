@@ -21,17 +21,17 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # KVRag's first-use blending check (engine/model_check.py) off for the session, so no test pays for it or has its
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
-if os.environ.get("PYTEST_XDIST_WORKER"):
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:
     # `make test` runs the suite in one worker a core (pytest-xdist): each computes on one thread, and so does every
-    # CLI it starts, or two workers' thread pools would fight over the cores (measured: 12.4 min with one thread a
-    # worker, 16.4 min with two, 18.5 min in one process; docs/testing.md)
+    # CLI it starts, or two workers' thread pools would fight over the cores (docs/testing.md)
     os.environ["OMP_NUM_THREADS"] = os.environ["KVRAG_THREADS"] = "1"
 
 import signal  # noqa: E402
 
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if XDIST_WORKER:
     torch.set_num_threads(1)  # (in case a plugin imported torch before the variable above was set)
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -70,13 +70,19 @@ def session_home(tmp_path_factory) -> Path:
     its models/ and kernels/ folders, made for several processes at once (a conversion lock, atomic writes, builds
     renamed into place): the first converts SmolLM2, the other waits for it and reads its conversion."""
     home = tmp_path_factory.mktemp("kvrag-home")
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if XDIST_WORKER:
         for name in ("models", "kernels"):
-            shared = tmp_path_factory.getbasetemp().parent / f"kvrag-{name}"  # the run's folder, above each worker's
+            shared = _run_folder(tmp_path_factory) / f"kvrag-{name}"
             shared.mkdir(exist_ok=True)
             (home / name).symlink_to(shared, target_is_directory=True)
     os.environ["KVRAG_HOME"] = str(home)
     return home
+
+
+def _run_folder(tmp_path_factory) -> Path:
+    """The temporary folder of the whole run: above each pytest-xdist worker's own, else the session's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if XDIST_WORKER else base
 
 
 @pytest.fixture(autouse=True)
@@ -224,9 +230,7 @@ def musique_store(musique_path, smol, tmp_path_factory) -> Path:
     run: pytest-xdist's workers share it, the first builds it under a lock. Read-only for every test."""
     import fcntl
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the run's folder, above each worker's
+    shared = _run_folder(tmp_path_factory)
     store = shared / "musique-store"
     with open(shared / "musique-store.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

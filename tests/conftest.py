@@ -22,6 +22,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
 XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+# the user's KVRAG_HOME, before the session's own replaces it: models pulled for the tests (`make test` pulls
+# Qwen2.5-Coder-0.5B there) are read from it, never pulled or converted by a test
+USER_KVRAG_HOME = os.environ.get("KVRAG_HOME") or ""
 if XDIST_WORKER:
     # `make test` runs the suite in one worker a core (pytest-xdist): each computes on one thread, and so does every
     # CLI it starts, or two workers' thread pools would fight over the cores (docs/testing.md)
@@ -103,6 +106,25 @@ def smol(session_home):
     from kvrag.model.files import resolve_model
 
     return resolve_model(os.environ.get("KVRAG_TEST_MODEL") or None)
+
+
+@pytest.fixture(scope="session")
+def qwen05(session_home):
+    """Qwen2.5-Coder-0.5B-Instruct's real weights and tokenizer, as `kvrag model pull qwen2.5-coder-0.5b` left them
+    in the user's KVRAG_HOME (`make test` pulls it first); skips where it was not pulled."""
+    from kvrag.model.files import resolve_model
+    from kvrag.model.names import KNOWN_MODELS, installed
+
+    session = os.environ["KVRAG_HOME"]
+    os.environ["KVRAG_HOME"] = USER_KVRAG_HOME
+    if not USER_KVRAG_HOME:
+        del os.environ["KVRAG_HOME"]  # the platform's default
+    try:
+        if not installed(KNOWN_MODELS["qwen2.5-coder-0.5b"]):
+            pytest.skip("qwen2.5-coder-0.5b is not pulled: kvrag model pull qwen2.5-coder-0.5b (make test does)")
+        return resolve_model("qwen2.5-coder-0.5b")
+    finally:
+        os.environ["KVRAG_HOME"] = session
 
 
 @pytest.fixture(scope="session")

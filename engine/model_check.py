@@ -33,7 +33,7 @@ from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 4  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 5  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds (docs/model-check.md has the measured figures). Ratio 1 and reuse at the chunk's own position differ from
 # a full prefill by rounding alone: in float32 not at all on the CPU (0.0 on every model measured), in bf16 by up to

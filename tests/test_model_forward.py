@@ -156,3 +156,23 @@ def test_bf16_top_logits_are_rescored_in_float32(tiny_llama_dir):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     tail = ref.topk(ref.shape[-1] // 2, dim=-1, largest=False).indices
     assert not torch.equal(got.gather(-1, tail), ref.gather(-1, tail))  # only the head is rescored
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_qwen25_real_weights_match_transformers_over_2000_tokens(qwen05, invented_items):
+    """Qwen2.5-Coder-0.5B's real weights (q/k/v biases, 14 query heads on 2 KV heads, rope θ 1e6, tied embeddings)
+    over a 2,000-token RAG prompt of its own tokenizer: the last logits as transformers computes them."""
+    from kvrag.model.prompt import PromptBuilder
+
+    builder = PromptBuilder(qwen05.load_tokenizer())
+    item = invented_items[0]
+    passages = [builder.passage_ids(c["title"], c["text"]) for c in item["ctxs"]]
+    ids = torch.tensor(builder.build(passages, item["question"]).flat())
+    ids = torch.cat([ids[:1000], ids[-1000:]]) if ids.shape[0] > 2000 else ids  # template head and question end
+    assert ids.shape[0] >= 2000, ids.shape
+    with torch.no_grad():
+        ref = _hf(qwen05.path)(ids[None], logits_to_keep=1).logits[0, -1]
+        ours, _ = full_forward(Transformer.from_safetensors(qwen05.config, qwen05.weight_files(), torch.float32), ids)
+    assert _rel_err(ours[0], ref) < 1e-4
+    assert int(ours[0].argmax()) == int(ref.argmax())

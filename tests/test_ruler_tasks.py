@@ -190,3 +190,17 @@ def test_musique_haystack(prompts, smol, musique_path, smol_tokenizer):
         assert len({cid for cid, _ in t.item.chunks}) == len(t.item.chunks)
         chunk_texts = texts(t, smol_tokenizer)
         assert all([i for i, x in enumerate(chunk_texts) if nd.text in x] == [nd.chunk] for nd in t.needles)
+
+
+def test_the_haystack_keeps_to_the_benchmark_items(tmp_path):
+    """A MuSiQue-shaped file of 150 items: the haystack reads items 0-99 (tune and report), never the held-out 100-149."""
+    import json
+
+    def item(i: int) -> dict:
+        mark = "held out" if i >= 100 else "usable"
+        return {"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": f"Passage {i} is {mark} prose."}]}
+
+    path = tmp_path / "musique_like.json"
+    path.write_text(json.dumps([item(i) for i in range(150)]))
+    sentences = [s for doc in ruler.load_haystack(path).docs for s in doc]
+    assert len(sentences) == 100 and all("usable" in s for s in sentences)

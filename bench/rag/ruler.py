@@ -7,7 +7,7 @@
                 chain beside it); asks for every name that holds the value
 
 The haystack is real prose: the passages of the MuSiQue set (../shared/data/musique_s.json) in file order from a
-seeded start, else the bundled corpus (corpus/sample), its sentences reshuffled on every pass since it is short.
+seeded start (its tune and report items only: items 100 on are held out), else the bundled corpus (corpus/sample), its sentences reshuffled on every pass since it is short.
 It is cut at sentence boundaries into passage-sized chunks, so that each chunk's KV is stored on its own; the
 needles go into *distinct* chunks, one per equal stretch of the context (first, middle, last), because what is
 measured is whether blended KV still joins facts across chunk boundaries. The whole prompt (preamble, chunks,
@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrag.bench.rag.datasets import MUSIQUE_REPORT
 from kvrag.bench.rag.items import BenchItem, default_dataset, read_dataset
 from kvrag.errors import KvragError
 from kvrag.model.prompt import encode
@@ -119,7 +120,8 @@ def load_haystack(source: str | Path | None = None) -> Haystack:
     if str(source) == "sample":
         return Haystack("sample", _distinct_sentences(_bundled_docs()))
     path = default_dataset() if str(source) == "musique" else Path(source)
-    texts = [ctx.get("text") or "" for item in read_dataset(path) for ctx in item["ctxs"]]
+    usable = read_dataset(path)[:MUSIQUE_REPORT.stop]  # items past the report split are held out from every bench
+    texts = [ctx.get("text") or "" for item in usable for ctx in item["ctxs"]]
     name = "musique" if str(source) == "musique" else path.name  # another file by its own name in reports
     return Haystack(name, _distinct_sentences([_sentences(t) for t in texts]))
 

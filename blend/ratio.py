@@ -29,6 +29,13 @@ AUTO_MASS = 0.75  # cross-passage tuning split, first 60 items: top-1 0.983, KL 
 # a first token no dearer than a full prefill of this many tokens is not worth trading answers for: the former 0.5 s
 # budget over the machine it was tuned on, 0.5 s / (30 layers x 0.039 ms a row; SmolLM2 float32, idle) = 427 tokens
 TTFT_BUDGET_TOKENS = 430
+# a chunk row a blend loads (copied from the tier, its key rotated) against one it computes through a layer: SmolLM2
+# float32 on 370-token prompts here, full reuse took 0.21-0.32x full prefill's time for 0.14x its computed rows
+LOADED_ROW_COST = 0.15
+# a chunk row a blend recomputes against a row of a full prefill: scattered rows gathered and put back, the check
+# layers' selection. From issue 56's short sets (AMX, bf16): auto at 37-40 % recomputed took 1.10-1.18x full
+# prefill's time, 2.8 rows' worth each; here (AVX-512, float32, 370-token prompts) blend@0.4 took 0.46-0.57x, 0.9
+BLEND_ROW_COST = 2.5
 
 
 @dataclass(frozen=True)
@@ -61,12 +68,17 @@ class RatioPolicy:
         """The blend's settings before a prompt is seen: `base` (or the defaults) at this ratio (auto: r*)."""
         return replace(base or BlendConfig(), ratio=QUALITY_FLOOR if self.auto else self.fixed)
 
-    def resolve(self, config: BlendConfig, n_layers: int, chunk_tokens: int, suffix_tokens: int) -> BlendConfig:
+    def resolve(self, config: BlendConfig, n_layers: int, chunk_tokens: int, suffix_tokens: int) -> BlendConfig | None:
         """The settings one prompt runs: as they are for a fixed ratio; for auto, from r* up until the kept rows
-        hold AUTO_MASS of the deviation score, capped where the first token would cost more (budget_ratio)."""
+        hold AUTO_MASS of the deviation score, capped where the first token would cost more (budget_ratio) or where
+        the blend would cost what a full prefill of the prompt costs (full_ratio). None: auto takes a full prefill,
+        which costs less than a blend at r* would."""
         if not self.auto:
             return config
-        cap = budget_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens)
+        even = full_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens)
+        if even < QUALITY_FLOOR:
+            return None
+        cap = min(even, budget_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens))
         return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
 
     def report(self, ratio: float | None, chunk_tokens: int, recomputed: int) -> float | None:
@@ -74,6 +86,25 @@ class RatioPolicy:
         if ratio is None or not self.auto or not chunk_tokens:
             return ratio
         return round(recomputed / chunk_tokens, 4)
+
+
+def blend_cost(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tokens: int, ratio: float) -> float:
+    """What a blend at `ratio` costs, in rows computed: every row through the layers to the check, then `ratio` of the
+    chunk's (BLEND_ROW_COST each) and the suffix's; each chunk row it loads instead counts LOADED_ROW_COST of a row."""
+    blended = n_layers - min(checked_layers, n_layers)
+    recomputed = BLEND_ROW_COST * ratio * chunk_tokens
+    computed = (n_layers - blended) * (chunk_tokens + suffix_tokens) + blended * (recomputed + suffix_tokens)
+    return computed + LOADED_ROW_COST * blended * (1.0 - ratio) * chunk_tokens
+
+
+def full_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tokens: int) -> float:
+    """The share at which a blend costs what a full prefill of the same tokens does (n_layers x its rows; the
+    preamble's KV is kept for both); past 1 a blend of any share costs less."""
+    zero = blend_cost(n_layers, checked_layers, chunk_tokens, suffix_tokens, 0.0)
+    per_share = blend_cost(n_layers, checked_layers, chunk_tokens, suffix_tokens, 1.0) - zero
+    if per_share <= 0:  # no layer blends: every share costs the same
+        return 1.0 if zero <= n_layers * (chunk_tokens + suffix_tokens) else 0.0
+    return (n_layers * (chunk_tokens + suffix_tokens) - zero) / per_share
 
 
 def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tokens: int) -> float:

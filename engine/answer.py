@@ -65,7 +65,8 @@ def answer_question(engine: Prefiller, chunks: Sequence[tuple[str, Sequence[int]
     start = time.perf_counter()
     if mode == "blend" and ratio is not None:  # None: the config's ratio as it is
         n_chunk = sum(len(ids) for _, ids in chunks)
-        config = ratio.resolve(config, engine.runtime.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
+        chosen = ratio.resolve(config, engine.runtime.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
+        mode, config = ("full", config) if chosen is None else (mode, chosen)  # None: a full prefill costs less
     pre = engine.prefill(chunks, question, mode, config, extra=sampling.max_tokens)
     tokens: list[int] = []
     first_token_at = None

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 import pytest
 
 from kvrag.blend.config import BlendConfig
-from kvrag.blend.ratio import AUTO_MASS, QUALITY_FLOOR, TTFT_BUDGET_TOKENS, RatioPolicy, budget_ratio
+from kvrag.blend import ratio as ratio_module
+from kvrag.blend.ratio import (
+    AUTO_MASS,
+    QUALITY_FLOOR,
+    TTFT_BUDGET_TOKENS,
+    RatioPolicy,
+    blend_cost,
+    budget_ratio,
+    full_ratio,
+)
 
 LAYERS, CHECKED, SUFFIX = 30, 1, 40  # SmolLM2: 30 layers, the check at layer 1; the question suffix guessed
 
@@ -59,7 +68,32 @@ def test_resolve_caps_auto_and_leaves_a_fixed_ratio_alone():
     assert RatioPolicy(0.3).resolve(config, LAYERS, 1000, SUFFIX) is config
     auto = RatioPolicy.parse("auto").resolve(config, LAYERS, 1000, SUFFIX)
     assert auto.ratio == QUALITY_FLOOR and auto.deviation_mass == AUTO_MASS
-    assert auto.max_ratio == budget_ratio(LAYERS, config.check_layer, 1000, SUFFIX)
+    assert auto.max_ratio == min(budget_ratio(LAYERS, config.check_layer, 1000, SUFFIX),
+                                 full_ratio(LAYERS, config.check_layer, 1000, SUFFIX))
+    long = RatioPolicy.parse("auto").resolve(config, LAYERS, 6000, SUFFIX)  # the budget holds it at r*
+    assert long.max_ratio == QUALITY_FLOOR
+    short = RatioPolicy.parse("auto").resolve(config, LAYERS, 300, SUFFIX)  # the budget allows 1.0; a full prefill less
+    assert short.max_ratio == full_ratio(LAYERS, config.check_layer, 300, SUFFIX) < 1.0
+
+
+def test_a_blend_costs_what_its_rows_cost_by_hand(monkeypatch):
+    """300 chunk tokens, 40 of suffix, 30 layers, the check at 1; a recomputed chunk row 2.5 rows, a loaded one 0.15.
+    Share 0: 340 + 29 x 40 computed, 29 x 300 loaded = 1,500 + 1,305; share 1: 340 + 29 x (750 + 40) = 23,250.
+    A full prefill: 30 x 340 = 10,200 rows, reached at (10,200 - 2,805) / (23,250 - 2,805) = 0.3617."""
+    monkeypatch.setattr(ratio_module, "BLEND_ROW_COST", 2.5)
+    monkeypatch.setattr(ratio_module, "LOADED_ROW_COST", 0.15)
+    assert blend_cost(LAYERS, CHECKED, 300, SUFFIX, 0.0) == pytest.approx(2805)
+    assert blend_cost(LAYERS, CHECKED, 300, SUFFIX, 1.0) == pytest.approx(23_250)
+    assert full_ratio(LAYERS, CHECKED, 300, SUFFIX) == pytest.approx(7395 / 20_445)
+    assert full_ratio(LAYERS, CHECKED, 0, SUFFIX) == 1.0  # no chunk: nothing to weigh
+
+
+def test_auto_takes_a_full_prefill_where_it_costs_less(monkeypatch):
+    """Recomputed rows dear enough (7 rows each) that even r* costs more than a full prefill: auto says so (None)."""
+    monkeypatch.setattr(ratio_module, "BLEND_ROW_COST", 7.0)
+    assert full_ratio(LAYERS, CHECKED, 300, SUFFIX) < QUALITY_FLOOR
+    assert RatioPolicy.parse("auto").resolve(BlendConfig(), LAYERS, 300, SUFFIX) is None
+    assert RatioPolicy(0.15).resolve(BlendConfig(), LAYERS, 300, SUFFIX) is not None  # a fixed ratio is the user's
 
 
 def predicted_cap(profile: LoadComputeProfile, chunk: int) -> float:
@@ -120,3 +154,20 @@ def test_a_busy_machine_gives_the_same_answers(indexed_store, tmp_path):
     # past r* on a short prompt: a cap that followed a slow machine's seconds would have held it there (the former
     # rule did)
     assert max(shares[False]) > QUALITY_FLOOR, shares
+
+
+@pytest.mark.real_model
+def test_the_answer_says_auto_took_a_full_prefill(indexed_store, tmp_path, monkeypatch):
+    """Where a blend would cost more rows than a full prefill, `ratio auto` runs the full prefill, and the answer says
+    so (mode full, no ratio) with a full prefill's first token; a fixed ratio still blends."""
+    from kvrag import KVRag
+
+    store = tmp_path / "store"
+    shutil.copytree(indexed_store, store)
+    with KVRag(store, dtype="float32", host_cache="0", preload_retriever=False) as rag:
+        full = rag.ask(QUESTIONS[0], passages=PASSAGES, mode="full", max_tokens=4)
+        monkeypatch.setattr(ratio_module, "BLEND_ROW_COST", 7.0)
+        auto = rag.ask(QUESTIONS[0], passages=PASSAGES, ratio="auto", max_tokens=4)
+        fixed = rag.ask(QUESTIONS[0], passages=PASSAGES, ratio=0.15, max_tokens=4)
+    assert auto.mode == "full" and auto.ratio is None and auto.token_ids == full.token_ids
+    assert fixed.mode == "blend" and fixed.ratio == 0.15

@@ -47,16 +47,19 @@ test: $(STAMP) $(TEST_MODELS)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(TEST_ARGS) -m "not real_model and not slow"
 
-DEMO_STORE ?= .kvrag/demo-store
+DEMO_STORE ?= .kvrag/demo-store$(if $(MODEL),-$(MODEL))
 DEMO_QUESTION ?= Who was the last keeper of the Skerry Point lighthouse?
 
 # The main job on the bundled corpus: index, precompute every chunk's KV, ask with blending; then one question
 # per bundled document (corpus/demo-questions.jsonl, with their expected answers; tests/test_demo.py checks them).
+# MODEL=qwen2.5-coder-1.5b (after `kvrag model pull` of it) runs it on another model, in a store of its own.
+MODEL ?=
+DEMO_MODEL := $(if $(MODEL),--model $(MODEL))
 demo: $(STAMP)
-	$(BIN)/kvrag index corpus/sample --store $(DEMO_STORE)
-	$(BIN)/kvrag precompute --store $(DEMO_STORE)
-	$(BIN)/kvrag ask "$(DEMO_QUESTION)" --store $(DEMO_STORE) --show-sources
-	$(BIN)/kvrag ask --questions corpus/demo-questions.jsonl --store $(DEMO_STORE)
+	$(BIN)/kvrag index corpus/sample --store $(DEMO_STORE) $(DEMO_MODEL)
+	$(BIN)/kvrag precompute --store $(DEMO_STORE) $(DEMO_MODEL)
+	$(BIN)/kvrag ask "$(DEMO_QUESTION)" --store $(DEMO_STORE) --show-sources $(DEMO_MODEL)
+	$(BIN)/kvrag ask --questions corpus/demo-questions.jsonl --store $(DEMO_STORE) $(DEMO_MODEL)
 
 # Single-stream decode against this machine's memory floor (bytes read per token / read bandwidth), at 300- and
 # 2,000-token prompts: reference, exact torch and native steps interleaved; greedy agreement on invented items.

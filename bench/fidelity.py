@@ -6,7 +6,8 @@ ratios, measured the way the field measures it (ProphetKV, QCFuse, A3, EPIC): pe
     identical      the whole greedy answer (max_tokens, 32 by default) equal to full prefill's
     agreed         the share of full prefill's answer tokens matched before the first difference
     ttft           median TTFT / full prefill's, on the same item in the same run
-    f1             F1 against the gold answers, on the items full prefill answers right (F1 >= 0.5)
+    f1, em         F1 and exact match against the gold answers, and F1 on the items full prefill answers right
+    kept right     of the items full prefill answers right (F1 >= 0.5), the share this method answers right too
 
 then the Pareto curve of KL against TTFT, the speed-up at which each rule keeps KL within a tolerance of full
 reuse's gap, and the RULER-style tasks (bench/rag/ruler.py): of those full prefill answers right, how many each
@@ -76,8 +77,11 @@ def summarize(bench: BenchRun) -> dict[str, dict]:
             "median_ttft_ratio_to_full": median_or_none(r.ttft_ratio_to_full for r in runs),
             "median_ttft_ms": statistics.median(r.ttft_s for r in runs) * 1000 if runs else None,
             "f1": mean_or_none(r.f1 for r in runs),
+            "em": mean_or_none(r.em for r in runs),
             "f1_where_full_right": mean_or_none(r.f1 for r in runs if r.item in right),
             "items_full_right": len(right),
+            # of the items full prefill answers right, the share this method answers right too (issue 56's figure)
+            "kept_right": mean_or_none(float(r.f1 is not None and r.f1 >= RIGHT_F1) for r in runs if r.item in right),
         }
     return out
 
@@ -171,12 +175,13 @@ def markdown(report: dict) -> str:
     def f(x, fmt=".3f"):
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 | F1 (full right) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 | EM | F1 (full right) "
+             "| kept right |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in report["methods"].items():
         lines.append(f"| {name} | {f(m['top1_agreement'], '.2f')} | {f(m['mean_kl'], '.4f')} | {f(m['kl_vs_reuse'])} "
                      f"| {f(m['identical_answer_share'], '.2f')} | {f(m['agreed_prefix'], '.2f')} "
-                     f"| {f(m['median_ttft_ratio_to_full'])} | {f(m.get('f1'))} | {f(m['f1_where_full_right'])} |")
+                     f"| {f(m['median_ttft_ratio_to_full'])} | {f(m.get('f1'))} | {f(m.get('em'))} "
+                     f"| {f(m['f1_where_full_right'])} | {f(m.get('kept_right'), '.2f')} |")
     lines += ["", "| rule | tolerance (KL / reuse) | cheapest ratio | TTFT / full | speed-up |", "|---|---|---|---|---|"]
     for rule, per_t in report["tolerances"].items():
         for t, hit in per_t.items():

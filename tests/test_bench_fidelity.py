@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from kvrag.bench.fidelity import agreed_prefix, tolerance_speedups
+from kvrag.bench.fidelity import agreed_prefix, summarize, tolerance_speedups
+from kvrag.bench.rag.methods import Method
+from kvrag.bench.rag.runner import BenchRun, MethodRun
 from kvrag.tests.conftest import run_cli_in_process
 
 
@@ -24,6 +26,21 @@ def test_agreed_prefix_and_tolerance_by_hand():
     hits = tolerance_speedups(summary, (0.2, 0.4))
     assert hits["query"]["0.2"]["ratio"] == 0.2 and hits["query"]["0.2"]["speedup"] == pytest.approx(4.0)
     assert hits["query"]["0.4"]["ratio"] == 0.1 and hits["epic"]["0.2"] is None
+
+
+def test_kept_right_answers_by_hand():
+    """Full prefill right (F1 >= 0.5) on items 0, 1 and 3; the blend right on 0 and 2 and half right on 3: it keeps
+    1 of full prefill's 3 right answers, whatever it gets right where full prefill did not (item 2)."""
+    def run(item: int, method: str, f1: float) -> MethodRun:
+        return MethodRun(item, method, 0, None, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 10, 5, 0, 0, "", [],
+                         f1=f1, em=float(f1 == 1.0))
+    bench = BenchRun([Method("full", "full"), Method("blend", "blend", 0.15)], [])
+    bench.runs = [run(0, "full", 1.0), run(1, "full", 0.5), run(2, "full", 0.0), run(3, "full", 0.8),
+                  run(0, "blend", 1.0), run(1, "blend", 0.4), run(2, "blend", 1.0), run(3, "blend", 0.3)]
+    summary = summarize(bench)
+    assert summary["full"]["kept_right"] == 1.0 and summary["full"]["items_full_right"] == 3
+    assert summary["blend"]["kept_right"] == pytest.approx(1 / 3)
+    assert summary["blend"]["em"] == 0.5 and summary["full"]["em"] == 0.25
 
 
 def test_bench_fidelity_sweeps_rules_and_resumes(monkeypatch, capsys, tmp_path, tiny_llama_dir, short_items):

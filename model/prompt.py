@@ -162,7 +162,8 @@ def check_segmentation(builder: PromptBuilder, name: str = "this model's") -> No
     whole = encode(builder.tokenizer, builder.template.full_text(texts, question))
     if segmented == whole:
         return
-    at = next((i for i, (a, b) in enumerate(zip(segmented, whole)) if a != b), min(len(segmented), len(whole)))
+    pairs = enumerate(zip(segmented, whole, strict=False))  # the shorter list may be all the other's head
+    at = next((i for i, (a, b) in pairs if a != b), min(len(segmented), len(whole)))
     starts = [s for s, _ in prompt.passage_spans()] + [len(segmented) - len(prompt.suffix)]
     boundary = min(starts, key=lambda s: abs(s - at))  # the segment boundary nearest where the ids part
     shown = slice(max(0, at - 3), at + 4)

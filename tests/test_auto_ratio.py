@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvrag.blend.config import BlendConfig
 from kvrag.blend import ratio as ratio_module
+from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import (
     AUTO_MASS,
     QUALITY_FLOOR,

@@ -32,10 +32,11 @@ def load_passage_tokenizer(model: str | None) -> PassageTokenizer:
     """The LLM's tokenizer and the prompt's passage format (chunk token ids are spliced as is)."""
     from kvrag.corpus.chunking import PassageTokenizer
     from kvrag.model.files import resolve_model
-    from kvrag.model.prompt import render_passage
+    from kvrag.model.prompt import PromptBuilder
 
     local = resolve_model(model)
-    return PassageTokenizer(local.load_tokenizer(), render_passage, local.tokenizer_fingerprint)
+    builder = PromptBuilder(local.load_tokenizer())  # the passage break is the tokenizer's (model/prompt.py)
+    return PassageTokenizer(builder.tokenizer, builder.render_passage, local.tokenizer_fingerprint)
 
 
 def load_embedder():

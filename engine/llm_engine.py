@@ -170,9 +170,8 @@ class LLMEngine:
             if req.mode == "blend":
                 n_chunk = sum(len(ids) for _, ids in chunks)
                 config = req.ratio.resolve(config, self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
-                if config is None:  # auto: a full prefill costs fewer rows here, and the answer says it took one
+                if config is None:  # auto: a full prefill costs fewer rows here; the answer's mode says it took one
                     seq.request = req = replace(req, mode="full")
-                    config = req.blend
             framing = None
             if seq.plan is not None:
                 framing, seq.head_reused = self.conversations.framing(seq.plan)

@@ -1,6 +1,6 @@
 """Conversations as token ids: a system message and earlier turns before the RAG prompt, or plain chat.
 
-A RAG turn is the chat template over [*history, user(INSTRUCTION + passages + question)]. Its head is every token
+A RAG turn is the chat template over [*history, user(instruction + passages + question)] (prompt.rag_content). Its head is every token
 before the passages (the history, then the last turn's opening and the instruction); its tail is the suffix the
 single-turn prompt has. A plain turn, with no passages and no RAG instruction, is the template over
 [*history, user(question)].
@@ -18,13 +18,11 @@ from collections.abc import Sequence
 
 from kvrag.errors import KvragError
 from kvrag.model.prompt import (
-    _QSLOT,
     _SLOT,
-    INSTRUCTION,
-    QUESTION_TEMPLATE,
     PromptBuilder,
     encode,
     leading_specials,
+    rag_content,
 )
 
 Turn = tuple[str, str]  # (role, text): system, user, assistant, or what the model's template knows
@@ -42,7 +40,7 @@ class ChatPrompts:
         """The ids before a RAG turn's passages, after `history` (none: the single-turn preamble)."""
         if not history:
             return list(self.prompts.preamble_ids)
-        head, tail = self._render([*history, ("user", _rag_content())], True).split(_SLOT)
+        head, tail = self._render([*history, ("user", rag_content(self.prompts.brk))], True).split(_SLOT)
         if tail != self.prompts.template.suffix_template:  # the suffix must be the one every turn shares
             raise KvragError("this model's chat template renders the last turn differently after a history; "
                              "send one user message")
@@ -60,7 +58,7 @@ class ChatPrompts:
         """The ids after an answer's last token, as (head, tail): with new `passages`, the head runs to where they go
         and the tail is the usual suffix; else the head is empty and the tail is the question as the user wrote it,
         up to the next answer (the passages and the instruction stand in the earlier turns, as a chat has them)."""
-        content = _rag_content() if passages else _question(question)
+        content = rag_content(self.prompts.brk) if passages else _question(question)
         text = self._render([("user", "?"), ("assistant", _ANSWER), (role, content)], True).split(_ANSWER, 1)[1]
         if passages:
             head, _ = text.split(_SLOT)
@@ -72,10 +70,6 @@ class ChatPrompts:
             raise KvragError("this model has no chat template: send one user message")
         messages = [{"role": role, "content": text} for role, text in turns]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-
-
-def _rag_content() -> str:
-    return INSTRUCTION + _SLOT + QUESTION_TEMPLATE.format(question=_QSLOT)
 
 
 def _question(question: str) -> str:

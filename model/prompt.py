@@ -5,15 +5,20 @@ segments whose token ids concatenate to exactly the ids of the whole prompt, so 
 ids (and so its precomputed KV) are the same wherever it stands:
 
     preamble = template opening + instruction, ending in "Passages:"   (no trailing white space)
-    passage  = " \\n\\n" + [title + "\\n"] + text                       (BREAK first, text stripped)
-    suffix   = " \\n\\n" + closing instruction + question + template end
+    passage  = break + [title + "\\n"] + text                          (text stripped)
+    suffix   = break + closing instruction + question + template end
 
-Every segment but the preamble starts with BREAK, a space then two line breaks, and every segment ends in a
-character that is not white space. Each pre-tokenizer in use splits there: GPT-2's (SmolLM2) never joins a
-non-space with the space after it; Llama 3's and Qwen2's regex join punctuation with the *line breaks* after it
-(`?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`, so "Passages:" + "\\n\\n" is one token) but never with a space; and
-Gemma's SentencePiece-style BPE has no piece that ends in its space mark unless it is all spaces.
-`check_segmentation` holds a tokenizer to it over passages that end and start in every kind of character.
+Every segment ends in a character that is not white space, and every segment after the preamble starts with the
+tokenizer's break, the first of BREAKS its pre-tokenizer splits before whatever a passage ends in:
+
+- "\\n\\n", the paper's own, for GPT-2's pre-tokenizer (SmolLM2), which never joins a non-space with the white space
+  after it, and for Gemma's SentencePiece-style BPE, which has no such merges;
+- " \\n\\n" for Llama 3's and Qwen2's regex, which join punctuation with the line breaks after it
+  (`?[^\\s\\p{L}\\p{N}]+[\\r\\n]*`: "Passages:" + "\\n\\n" is one token there) but never with a space.
+
+The space is not everyone's because it moves a small model's answers (SmolLM2 missed a demo question with it);
+`choose_break` tries the candidates on probe passages that end and start in every kind of character, and
+`check_segmentation` refuses a tokenizer that none of them holds for.
 
 This module imports no torch, so corpus/ can use `render_passage` too.
 """
@@ -25,24 +30,27 @@ from dataclasses import dataclass
 
 from kvrag.errors import KvragError
 
-BREAK = " \n\n"  # what every segment after the preamble starts with: where all the pre-tokenizers split
+BREAKS = ("\n\n", " \n\n")  # what segments after the preamble start with, the first a tokenizer splits before
 INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
     "based on the given passages. Do NOT repeat the question. The answer should be within 5 words.\n"
     "Passages:"
 )
-QUESTION_TEMPLATE = BREAK + (
-    "Answer the question directly based on the given passages. Do NOT repeat the question. "
-    "The answer should be within 5 words. \nQuestion: {question}\nAnswer:"
-)
+CLOSING = ("Answer the question directly based on the given passages. Do NOT repeat the question. "
+           "The answer should be within 5 words. \nQuestion: {question}\nAnswer:")
 _SLOT = "\x00KVRAG_PASSAGES\x00"  # stands where the passages go while the template is rendered
 _QSLOT = "\x00KVRAG_QUESTION\x00"
 
 
-def render_passage(title: str, text: str) -> str:
-    """The exact text of one passage as it stands in a prompt."""
+def render_passage(title: str, text: str, brk: str = BREAKS[0]) -> str:
+    """The exact text of one passage as it stands in a prompt whose break is `brk`."""
     title, text = title.strip(), text.strip()
-    return BREAK + (f"{title}\n" if title else "") + text
+    return brk + (f"{title}\n" if title else "") + text
+
+
+def rag_content(brk: str) -> str:
+    """The user message of a RAG turn, its passages and question as slots."""
+    return INSTRUCTION + _SLOT + brk + CLOSING.format(question=_QSLOT)
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,8 @@ class PromptTemplate:
     suffix_template: str  # contains _QSLOT
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> PromptTemplate:
-        content = INSTRUCTION + _SLOT + QUESTION_TEMPLATE.format(question=_QSLOT)
+    def from_tokenizer(cls, tokenizer, brk: str = BREAKS[0]) -> PromptTemplate:
+        content = rag_content(brk)
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
@@ -119,15 +127,19 @@ class PromptIds:
 
 
 class PromptBuilder:
-    """Builds `PromptIds` for a tokenizer; the preamble ids are computed once."""
+    """Builds `PromptIds` for a tokenizer; its break (None: `choose_break`'s) and preamble ids are found once."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, brk: str | None = None):
         self.tokenizer = tokenizer
-        self.template = PromptTemplate.from_tokenizer(tokenizer)
+        self.brk = choose_break(tokenizer) if brk is None else brk
+        self.template = PromptTemplate.from_tokenizer(tokenizer, self.brk)
         self.preamble_ids = encode(tokenizer, self.template.preamble)
 
+    def render_passage(self, title: str, text: str) -> str:
+        return render_passage(title, text, self.brk)
+
     def passage_ids(self, title: str, text: str) -> list[int]:
-        return encode(self.tokenizer, render_passage(title, text))
+        return encode(self.tokenizer, self.render_passage(title, text))
 
     def build(self, passages: Sequence[Sequence[int]], question: str) -> PromptIds:
         return PromptIds(
@@ -152,24 +164,41 @@ _PROBES = (
 )
 
 
-def check_segmentation(builder: PromptBuilder, name: str = "this model's") -> None:
-    """Refuse a tokenizer whose segments would not concatenate to the whole prompt's ids, naming the tokenizer,
-    the boundary and the two id lists where they part."""
-    texts = [render_passage(t, x) for t, x in _PROBES]
+def choose_break(tokenizer) -> str:
+    """The first of BREAKS whose probe prompt this tokenizer encodes from segments as it does whole; the last one when
+    none is (check_segmentation then refuses the tokenizer, naming it)."""
+    for brk in BREAKS[:-1]:
+        if _segments_and_whole(PromptBuilder(tokenizer, brk))[0] is None:
+            return brk
+    return BREAKS[-1]
+
+
+def _segments_and_whole(builder: PromptBuilder) -> tuple[int | None, PromptIds, list[int]]:
+    """Where the probe prompt's ids from segments first differ from the whole text's (None: nowhere), with both."""
+    texts = [builder.render_passage(t, x) for t, x in _PROBES]
     question = "Which river is longest?"
     prompt = builder.build([encode(builder.tokenizer, t) for t in texts], question)
     segmented = prompt.flat()
     whole = encode(builder.tokenizer, builder.template.full_text(texts, question))
     if segmented == whole:
-        return
+        return None, prompt, whole
     pairs = enumerate(zip(segmented, whole, strict=False))  # the shorter list may be all the other's head
-    at = next((i for i, (a, b) in pairs if a != b), min(len(segmented), len(whole)))
+    return next((i for i, (a, b) in pairs if a != b), min(len(segmented), len(whole))), prompt, whole
+
+
+def check_segmentation(builder: PromptBuilder, name: str = "this model's") -> None:
+    """Refuse a tokenizer whose segments would not concatenate to the whole prompt's ids, naming the tokenizer,
+    the boundary and the two id lists where they part."""
+    at, prompt, whole = _segments_and_whole(builder)
+    if at is None:
+        return
+    segmented = prompt.flat()
     starts = [s for s, _ in prompt.passage_spans()] + [len(segmented) - len(prompt.suffix)]
     boundary = min(starts, key=lambda s: abs(s - at))  # the segment boundary nearest where the ids part
     shown = slice(max(0, at - 3), at + 4)
     raise KvragError(
         f"{name} tokenizer ({_tokenizer_name(builder.tokenizer)}) merges tokens across the passage boundary "
-        f"{BREAK!r} at token {boundary}: segments give {segmented[shown]}, the whole prompt {whole[shown]} "
+        f"{builder.brk!r} at token {boundary}: segments give {segmented[shown]}, the whole prompt {whole[shown]} "
         f"(from token {shown.start}); passages cannot be cached apart with it"
     )
 

@@ -40,6 +40,12 @@ def test_preamble_and_suffix_come_from_the_chat_template(smol_tokenizer):
     assert suffix.endswith("<|im_start|>assistant\n")
 
 
+def test_titles_and_whitespace(smol_tokenizer):
+    assert render_passage("", "  text \n") == "\n\ntext"
+    assert render_passage("T", "x") == "\n\nT\nx"
+    assert render_passage("T", "x", " \n\n") == " \n\nT\nx"
+
+
 def test_empty_question_is_refused(smol_tokenizer):
     with pytest.raises(KvragError, match="empty"):
         PromptBuilder(smol_tokenizer).build([], "   ")

@@ -1,4 +1,4 @@
-"""Passage boundaries hold for every pre-tokenizer kvrag accepts: a prompt built from its segments is token for token
+"""Passage boundaries hold for every pre-tokenizer kvrag accepts, each with the break `choose_break` gives it: a prompt built from its segments is token for token
 the whole prompt's, on the real tokenizers (SmolLM2's GPT-2-style BPE, Qwen2.5's from its GGUF, Gemma 3's
 SentencePiece-style BPE) and on Llama 3's pre-tokenizer regex put over Qwen2.5's vocabulary (which has the merges,
 such as ":ĊĊ", that make a boundary matter), for passages that end and start in punctuation, digits, spaces, CJK, code
@@ -12,8 +12,7 @@ import shutil
 import pytest
 
 from kvrag.errors import KvragError
-from kvrag.model import prompt as prompt_module
-from kvrag.model.prompt import BREAK, PromptBuilder, check_segmentation, encode, render_passage
+from kvrag.model.prompt import BREAKS, PromptBuilder, check_segmentation, choose_break, encode
 from kvrag.model.tokenizer import Tokenizer
 
 # the pre-tokenizers' own patterns (their tokenizer.json files): Qwen2 splits digits one by one, Llama 3 by three
@@ -57,25 +56,32 @@ def gemma_tokenizer(tmp_path_factory):
     return Tokenizer(folder)
 
 
-@pytest.fixture(params=["smollm2", "qwen2.5", "llama3-regex", "gemma3"])
+# the break each tokenizer gets: the paper's own where the pre-tokenizer splits before line breaks, else a space first
+EXPECTED_BREAK = {"smollm2": "\n\n", "gemma3": "\n\n", "qwen2.5": " \n\n", "llama3-regex": " \n\n"}
+
+
+@pytest.fixture(params=list(EXPECTED_BREAK))
 def tokenizer(request, smol_tokenizer, tmp_path):
     name = request.param
     if name == "smollm2":
-        return smol_tokenizer
-    if name == "qwen2.5":
-        return request.getfixturevalue("qwen05").load_tokenizer()
-    if name == "llama3-regex":
-        return _regex_tokenizer(request.getfixturevalue("qwen05"), tmp_path, LLAMA3_REGEX)
-    return request.getfixturevalue("gemma_tokenizer")
+        tok = smol_tokenizer
+    elif name == "qwen2.5":
+        tok = request.getfixturevalue("qwen05").load_tokenizer()
+    elif name == "llama3-regex":
+        tok = _regex_tokenizer(request.getfixturevalue("qwen05"), tmp_path, LLAMA3_REGEX)
+    else:
+        tok = request.getfixturevalue("gemma_tokenizer")
+    assert choose_break(tok) == EXPECTED_BREAK[name]
+    return tok
 
 
 def test_every_kind_of_passage_end_splits_at_the_break(tokenizer):
     """Any passage end before any passage start: the two segments' ids are the joined text's ids."""
-    parted = []
+    builder, parted = PromptBuilder(tokenizer), []
     for end in ENDS:
-        before = render_passage("", end)
+        before = builder.render_passage("", end)
         for start in STARTS:
-            after = render_passage("", start)
+            after = builder.render_passage("", start)
             if encode(tokenizer, before) + encode(tokenizer, after) != encode(tokenizer, before + after):
                 parted.append((end, start))
     assert parted == []
@@ -86,22 +92,21 @@ def test_whole_prompts_from_segments(tokenizer, invented_items):
     builder = PromptBuilder(tokenizer)
     check_segmentation(builder)
     for item in invented_items[:3]:
-        texts = [render_passage(c["title"], c["text"]) for c in item["ctxs"]] + [render_passage("", e) for e in ENDS]
+        texts = [builder.render_passage(c["title"], c["text"]) for c in item["ctxs"]]
+        texts += [builder.render_passage("", e) for e in ENDS]
         segmented = builder.build([encode(tokenizer, t) for t in texts], item["question"]).flat()
         assert segmented == encode(tokenizer, builder.template.full_text(texts, item["question"]))
 
 
 @pytest.mark.parametrize("regex", [None, LLAMA3_REGEX], ids=["qwen2.5", "llama3-regex"])
-def test_the_old_break_is_refused_in_one_line(qwen05, tmp_path, monkeypatch, regex):
-    """Before the space, passages started with a bare "\\n\\n": Qwen2's and Llama 3's regex join "Passages:" and a
-    passage's end with those line breaks. The refusal names the tokenizer, the boundary and the two id lists where
-    they part."""
+def test_the_papers_break_is_refused_in_one_line(qwen05, tmp_path, regex):
+    """With the paper's bare "\\n\\n" (what kvrag used for every tokenizer before), Qwen2's and Llama 3's regex join
+    "Passages:" and a passage's end with those line breaks. The refusal names the tokenizer, the boundary and the two
+    id lists where they part."""
     tokenizer = qwen05.load_tokenizer() if regex is None else _regex_tokenizer(qwen05, tmp_path, regex)
-    check_segmentation(PromptBuilder(tokenizer))  # the break as it is holds
-    monkeypatch.setattr(prompt_module, "BREAK", "\n\n")
-    monkeypatch.setattr(prompt_module, "QUESTION_TEMPLATE", "\n\n" + prompt_module.QUESTION_TEMPLATE.removeprefix(BREAK))
+    check_segmentation(PromptBuilder(tokenizer))  # its own break holds
     with pytest.raises(KvragError) as refused:
-        check_segmentation(PromptBuilder(tokenizer), "Qwen2.5's")
+        check_segmentation(PromptBuilder(tokenizer, BREAKS[0]), "Qwen2.5's")
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("Qwen2.5's tokenizer (Qwen2Tokenizer) merges tokens across the passage boundary '\\n\\n'")
@@ -115,7 +120,13 @@ def test_the_regexes_are_qwens_and_llama_3s(qwen05):
     assert LLAMA3_REGEX != QWEN2_REGEX  # Llama 3's differs in its digits only
 
 
-def test_the_break_itself():
-    assert BREAK == " \n\n"
-    assert render_passage("", "  text \r\n") == " \n\ntext"
-    assert render_passage(" T ", "x") == " \n\nT\nx"
+def test_a_tokenizer_no_break_holds_for_is_refused_with_the_last():
+    class Merging:  # ids depend on the whole text: every boundary merges
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [len(text)]}
+
+    assert choose_break(Merging()) == BREAKS[-1]
+    with pytest.raises(KvragError, match=r"\(Merging\) merges tokens across the passage boundary ' \\n\\n'"):
+        check_segmentation(PromptBuilder(Merging()))

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from kvrag.model.prompt import INSTRUCTION, QUESTION_TEMPLATE, render_passage
+from kvrag.model.prompt import BREAKS, CLOSING, INSTRUCTION, render_passage
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
 from kvrag.tests.conftest import copied_store
@@ -41,7 +41,7 @@ def hf(tiny_llama_dir):
 
 def rag_content(question: str) -> str:
     """The last user turn of a RAG prompt, written out from the prompt's parts."""
-    return INSTRUCTION + "".join(render_passage(t, x) for t, x in PASSAGES) + QUESTION_TEMPLATE.format(question=question)
+    return INSTRUCTION + "".join(render_passage(t, x) for t, x in PASSAGES) + BREAKS[0] + CLOSING.format(question=question)
 
 
 def template(tokenizer, messages: list[dict]) -> list[int]:

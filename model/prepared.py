@@ -10,6 +10,7 @@ digest of its bytes, checked at every load: a damaged or partial file is rebuilt
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -45,38 +46,55 @@ def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device) ->
 
 
 def _read(path: Path) -> dict[str, torch.Tensor] | None:
-    """The tensors of a prepared file whose bytes match its digest; None if it is missing or damaged."""
-    from safetensors.torch import load
+    """The tensors of a prepared file whose bytes match its digest; None if it is missing or damaged. The digest is
+    taken over the mapped file and the tensors read one at a time, so a load holds the weights once (a 1.5B model's
+    6 GB of float32 held three times did not fit 24 GB)."""
+    from safetensors.torch import load_file
 
     try:
-        data = path.read_bytes()
-    except OSError:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header_end = 8 + int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+            meta = json.loads(data[8:header_end]).get("__metadata__", {})
+            body = memoryview(data)[header_end:]
+            try:
+                sound = meta.get(_DIGEST_KEY) == xxhash.xxh3_128(body).hexdigest()
+            finally:
+                body.release()  # the map closes only once no view of it is left
+    except FileNotFoundError:
         return None
-    header_end = 8 + int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-    try:
-        meta = json.loads(data[8:header_end]).get("__metadata__", {})
-        if meta.get(_DIGEST_KEY) != xxhash.xxh3_128(memoryview(data)[header_end:]).hexdigest():
-            raise ValueError("digest mismatch")
-        return load(data)
-    except Exception:  # noqa: BLE001 - any damage at all means: rebuild
-        print(f"kvrag: prepared weights {path.name} are damaged; rebuilding", file=sys.stderr)
-        path.unlink(missing_ok=True)
-        return None
+    except (OSError, ValueError):  # unreadable, shorter than its header says, or no JSON there
+        sound = False
+    if sound:
+        try:
+            return load_file(path)
+        except Exception:  # noqa: BLE001 - any damage at all means: rebuild
+            pass
+    print(f"kvrag: prepared weights {path.name} are damaged; rebuilding", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return None
 
 
 def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Write atomically (temp file, then rename); a full disk or a read-only home only costs the next load."""
-    from safetensors.torch import save
+    """Write atomically (temp file, then rename), the digest put into its slot in the header once the tensors are
+    written and hashed from the file; a full disk or a read-only home only costs the next load."""
+    from safetensors.torch import save_file
 
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        data = bytearray(save(cpu, metadata={_DIGEST_KEY: _BLANK}))  # the digest goes into this slot below
-        header_end = 8 + int.from_bytes(data[:8], "little")
-        slot = data.index(_BLANK.encode(), 8, header_end)
-        data[slot:slot + len(_BLANK)] = xxhash.xxh3_128(memoryview(data)[header_end:]).hexdigest().encode()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
+        save_file(cpu, str(tmp), metadata={_DIGEST_KEY: _BLANK})
+        with open(tmp, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+            header_end = 8 + int.from_bytes(data[:8], "little")
+            slot = data.find(_BLANK.encode(), 8, header_end)
+            body = memoryview(data)[header_end:]
+            try:
+                digest = xxhash.xxh3_128(body).hexdigest().encode()
+            finally:
+                body.release()
+            data[slot:slot + len(_BLANK)] = digest
+            data.flush()
         tmp.replace(path)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         print(f"kvrag: could not keep prepared weights at {path} ({exc.strerror or exc})", file=sys.stderr)

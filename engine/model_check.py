@@ -52,7 +52,10 @@ KL_BOUND = 0.15  # nats, mean over prompts (at most), whatever the dtype: bf16 m
 # ... and a blend must recover most of what full KV reuse loses on the same prompts: its KL as a share of reuse's was
 # 0.45 (SmolLM2) and 0.31 (Gemma 3 270M) in float32 here, 0.1-0.25 on the long MuSiQue prompts (docs/model-check.md);
 # a blend no better than reuse is 1 or more. Below KL_FLOOR nothing a reader sees moves (tiny random models: < 0.005).
-KL_VS_REUSE_BOUND = 0.75
+# Version 5 (issue 56) tightened it from 0.75 to 0.6: Qwen2.5-Coder-1.5B measured 0.67 here and passed, yet on
+# MuSiQue's long prompts its default blend (0.51x reuse's KL there) kept no more of full prefill's answers (F1) than
+# reuse did; 0.5B measured 0.79. SmolLM2 0.25 and Gemma 3 270M 0.47 pass (docs/model-check.md).
+KL_VS_REUSE_BOUND = 0.6
 KL_FLOOR = 0.005
 
 # (title, text) x 3 and a question: invented people, places and numbers

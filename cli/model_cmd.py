@@ -1,5 +1,5 @@
-"""`kvrag model info`, `kvrag model list`, `kvrag model pull`, `kvrag model check`, and `kvrag model bench` as a hidden alias of
-`kvrag bench model`."""
+"""`kvrag model info`, `kvrag model list`, `kvrag model pull`, `kvrag model check`, and `kvrag model bench` as a
+hidden alias of `kvrag bench model`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Conversations as token ids: a system message and earlier turns before the RAG prompt, or plain chat.
 
-A RAG turn is the chat template over [*history, user(instruction + passages + question)] (prompt.rag_content). Its head is every token
-before the passages (the history, then the last turn's opening and the instruction); its tail is the suffix the
-single-turn prompt has. A plain turn, with no passages and no RAG instruction, is the template over
-[*history, user(question)].
+A RAG turn is the chat template over [*history, user(instruction + passages + question)] (prompt.rag_content).
+Its head is every token before the passages (the history, then the last turn's opening and the instruction); its
+tail is the suffix the single-turn prompt has. A plain turn, with no passages and no RAG instruction, is the
+template over [*history, user(question)].
 
 A follow-up whose history ends with an answer this engine gave continues from that turn's exact ids (its prompt,
 passages included, and its answer), as prefix caching over a conversation does: `after_answer` gives the ids that

@@ -179,7 +179,7 @@ def gguf_model(gguf: Path, name: str | None = None) -> LocalModel:
     models = kvrag_home() / "models"
     models.mkdir(parents=True, exist_ok=True)
     pointer = models / f"gguf-{_source_id(gguf)}.json"
-    with _lock(models / ".convert.lock"):
+    with file_lock(models / ".convert.lock"):
         model = _cached_conversion(models, pointer)
         if model is None and not pointer.exists():  # a path seen for the first time: its bytes may be converted
             model = _converted_from(models, pointer, file_digest(gguf))
@@ -352,8 +352,8 @@ def gguf_metadata(gguf: Path) -> dict[str, str]:
 
 
 @contextmanager
-def _lock(path: Path):
-    """An exclusive file lock, so two processes never convert into the same directory."""
+def file_lock(path: Path):
+    """An exclusive file lock: two processes never convert into the same directory, nor pull the same model."""
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

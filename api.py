@@ -26,12 +26,12 @@ import numpy as np
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
-from kvrag.config import KV_RULE, MIN_SCORE, KVRagConfig  # (corpus.retrieve would import faiss here)
+from kvrag.config import DEFAULT_SELECTION, KV_RULE, MIN_SCORE, KVRagConfig  # (corpus.retrieve: faiss here)
 from kvrag.corpus.mirror import local_store
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
-from kvrag.engine.model_check import blending_allowed
+from kvrag.engine.model_check import blend_rule
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.prompt_reuse import carries_passages
 from kvrag.engine.scheduler import QueueFull, SchedulerConfig
@@ -105,12 +105,14 @@ class KVRag:
         self.runtime = Runtime.from_config(config)
         cache = build_cache(self.runtime, config.codec, config.host_cache, config.gpu_cache, config.cache_policy)
         prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
-        force_full = config.model_check and not blending_allowed(self.runtime)  # a model blending gets wrong
+        # the rule its blending check passed with; None: a model blending gets wrong, answered in full
+        rule = blend_rule(self.runtime) if config.model_check else DEFAULT_SELECTION
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
         return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
                                                  codec=config.codec, native=config.native,
                                                  chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache"),
-                                                 force_full=force_full, cuda_graphs=config.cuda_graphs))
+                                                 force_full=rule is None, selection=rule or DEFAULT_SELECTION,
+                                                 cuda_graphs=config.cuda_graphs))
 
     # ---- asking ---------------------------------------------------------------------------------
 

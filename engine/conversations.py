@@ -9,6 +9,9 @@ only the new turn is computed. Every prefilled prompt's whole blocks are kept to
 system prompt every request repeats, a few-shot head, an exact repeat): a later prompt reuses its longest cached run
 of leading blocks, as vLLM's automatic prefix caching does, each tenant's (salt's) apart. Both are bounded in bytes,
 least recently used first out.
+
+Each block and turn says how many of its rows are exact (computed as a full prefill would: no blended row among or
+before them). A request that asks for exact KV (`mode: full`, ratio 1) takes only exact ones; a blend takes either.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class KeptTurn:
     ids: tuple[int, ...]
     kv: LayerKV  # rotated keys, rows 0 .. rows-1
     chunk_ids: frozenset[str]
+    exact_rows: int = 0  # the leading rows computed as a full prefill would
 
     @property
     def rows(self) -> int:
@@ -69,6 +73,7 @@ class Block:
 
     k: torch.Tensor
     v: torch.Tensor
+    exact: bool  # every row up to its end computed as a full prefill would
 
 
 def turn_key(turns: Sequence[Turn], salt: str = "") -> str:
@@ -102,14 +107,17 @@ class Conversations:
         self._lock = threading.Lock()
 
     def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user",
-             room: int | None = None, salt: str = "", find_spans: bool = True) -> Plan | None:
+             room: int | None = None, salt: str = "", find_spans: bool = True, exact: bool = False) -> Plan | None:
         """The request's prompt (`role`: the question's, user or tool); None for the single-turn RAG prompt
-        (preamble, chunks, suffix). A kept turn is continued only if the prompt then fits in `room` tokens: else the
-        history is rendered from its text, without the earlier turns' passages. A plain prompt's stored passages are
-        blended where `find_spans` (prompt_reuse.py); `salt` keys what a client's prompts leave cached."""
+        (preamble, chunks, suffix). A kept turn is continued only if the prompt then fits in `room` tokens (and,
+        where `exact` KV is asked for, only if its rows are all exact): else the history is rendered from its text,
+        without the earlier turns' passages. A plain prompt's stored passages are blended where `find_spans`
+        (prompt_reuse.py); `salt` keys what a client's prompts leave cached."""
         if rag and not history:
             return None
         turn = self._get(turn_key(history, salt)) if history and history[-1][0] == "assistant" else None
+        if exact and isinstance(turn, KeptTurn) and turn.exact_rows < turn.rows:
+            turn = None
         chunks = tuple(chunks) if rag else ()
         if isinstance(turn, KeptTurn):
             new = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
@@ -139,38 +147,44 @@ class Conversations:
         head = (len(ids) - 1) // BLOCK * BLOCK
         return Plan(tuple(ids[:head]), (), tuple(ids[head:]), None, salt=salt)
 
-    def framing(self, plan: Plan) -> tuple[Framing, int]:
-        """The plan's head KV and tail, and how many head rows were reused rather than computed."""
+    def framing(self, plan: Plan, exact: bool = False, extend_head: bool = True) -> tuple[Framing, int]:
+        """The plan's head KV and tail, and how many head rows were reused rather than computed. `exact`: only
+        exact cached blocks (a kept turn is exact: plan checked it). Without `extend_head` the head KV is only what
+        was reused, for a full prefill to compute the rest of the prompt in one pass."""
         m, head = self.model, list(plan.head)
         if plan.turn is not None:
-            reused, kv = plan.turn.rows, plan.turn.kv
+            reused, kv, exact_rows = plan.turn.rows, plan.turn.kv, plan.turn.exact_rows
         else:
-            reused, kv = self._cached_head(head, plan.salt)
-        if reused < len(head):
+            reused, kv, exact_rows = self._cached_head(head, plan.salt, exact)
+        if reused < len(head) and extend_head:
             with torch.inference_mode():
                 _, new = extend(m, kv, self.runtime.ids_tensor(head[reused:]))
             kv = new if kv is None else _joined(m, kv, new)
-        if kv is None:  # plain chat with nothing before its tail
+            exact_rows = len(head) if exact_rows == reused else exact_rows  # computed over exact rows: exact
+        if kv is None:  # nothing reused, and nothing computed before the tail
             empty = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
             kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
-        return Framing(head, kv, list(plan.tail), plan.pieces), reused
+        return Framing(head, kv, list(plan.tail), plan.pieces, min(exact_rows, len(kv))), reused
 
-    def _cached_head(self, head: list[int], salt: str) -> tuple[int, LayerKV | None]:
-        """The longest run of the head's leading blocks the prefix cache holds, and their KV (keys rotated: a prefix
-        block always stands at the same positions)."""
+    def _cached_head(self, head: list[int], salt: str, exact: bool) -> tuple[int, LayerKV | None, int]:
+        """The longest run of the head's leading blocks the prefix cache holds (exact ones alone, where `exact`),
+        their KV (keys rotated: a prefix block always stands at the same positions) and how many of their rows are
+        exact."""
         blocks, keys = [], []
         for key in block_keys(head, salt):
             block = self._get(key)
-            if not isinstance(block, Block):
+            if not isinstance(block, Block) or (exact and not block.exact):
                 break
             blocks.append(block)
             keys.append(key)
         if not blocks:
-            return 0, None
+            return 0, None, 0
         self._touch(reversed(keys))  # the first block last: the LRU drops a prefix's tail before its head
         k = torch.cat([b.k for b in blocks], dim=1)  # [L, n, Hkv, hd]
         v = torch.cat([b.v for b in blocks], dim=1)
-        return k.shape[1], LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
+        exact_rows = next((i for i, b in enumerate(blocks) if not b.exact), len(blocks)) * BLOCK
+        kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
+        return k.shape[1], kv, exact_rows
 
     def _cached_rows(self, ids: Sequence[int], salt: str) -> int:
         """How many leading rows of `ids` the prefix cache holds now (whole blocks)."""
@@ -179,16 +193,20 @@ class Conversations:
             held = next((i for i, key in enumerate(keys) if key not in self._kept), len(keys))
         return held * BLOCK
 
-    def keep_prefix(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, salt: str = "") -> None:
+    def keep_prefix(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, salt: str = "",
+                    exact_rows: int | None = None) -> None:
         """Cache a prefilled prompt's whole blocks (vLLM's automatic prefix caching): `ids` its ids, k and v its rows
-        [L, >= len(ids), Hkv, hd], keys rotated. Blocks held already are only touched, not copied again."""
+        [L, >= len(ids), Hkv, hd], keys rotated, the first `exact_rows` (None: all) computed as a full prefill would.
+        Blocks held already are only touched, not copied again, unless an exact block now replaces a blended one."""
         keys = block_keys(ids, salt)
+        exact_rows = len(ids) if exact_rows is None else exact_rows
         block_bytes = 2 * k[:, :BLOCK].numel() * k.element_size()
         keys = keys[:max(0, self.budget // 2 // block_bytes)]  # a prompt over half the cache keeps its head alone
         for i in reversed(range(len(keys))):  # the tail first: the head ends the most recent, the last to go
-            if self._get(keys[i]) is None:
+            held, exact = self._get(keys[i]), (i + 1) * BLOCK <= exact_rows
+            if held is None or (exact and not held.exact):
                 rows = slice(i * BLOCK, (i + 1) * BLOCK)
-                self._put(keys[i], Block(k[:, rows].clone(), v[:, rows].clone()))
+                self._put(keys[i], Block(k[:, rows].clone(), v[:, rows].clone(), exact), replace=held is not None)
 
     def _touch(self, keys) -> None:
         with self._lock:
@@ -197,12 +215,15 @@ class Conversations:
                     self._kept.move_to_end(key)
 
     def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
-             pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str], salt: str = "") -> None:
+             pool_rows: tuple[torch.Tensor, torch.Tensor], chunk_ids: frozenset[str], salt: str = "",
+             exact_rows: int = 0) -> None:
         """Keep a finished turn: `ids` every id of its prompt and answer, `pool_rows` the K and V [L, n, Hkv, hd]
-        of the first n, copied out of the pool (keys rotated); `question` the last message, (role, text)."""
+        of the first n, copied out of the pool (keys rotated), the first `exact_rows` of them exact; `question` the
+        last message, (role, text)."""
         k, v = pool_rows
         kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(k.shape[1]), rotated=True)
-        self._put(turn_key([*history, question, ("assistant", answer)], salt), KeptTurn(tuple(ids), kv, chunk_ids))
+        turn = KeptTurn(tuple(ids), kv, chunk_ids, min(exact_rows, k.shape[1]))
+        self._put(turn_key([*history, question, ("assistant", answer)], salt), turn)
 
     def _get(self, key: str):
         with self._lock:
@@ -211,11 +232,13 @@ class Conversations:
                 self._kept.move_to_end(key)
             return value
 
-    def _put(self, key: str, value: KeptTurn | Block) -> None:
+    def _put(self, key: str, value: KeptTurn | Block, replace: bool = False) -> None:
         size = _nbytes(value)
         with self._lock:
-            if size > self.budget or key in self._kept:
+            if size > self.budget or (key in self._kept and not replace):
                 return
+            if key in self._kept:
+                self._bytes -= _nbytes(self._kept.pop(key))
             self._kept[key] = value
             self._bytes += size
             while self._bytes > self.budget:

@@ -16,12 +16,14 @@ import torch
 
 from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import SUFFIX_GUESS
+from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine.admission import PassageKeeper
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
-from kvrag.engine.prompt_reuse import PROMPT_TIER, PromptSpans
+from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.errors import KvragError
@@ -46,6 +48,8 @@ class EngineConfig:
     prefill_chunk: int = 512
     chat_cache_bytes: int = 1 << 30  # kept conversation turns and prompt blocks (engine/conversations.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
+    # the selection rule a blend asking for the default one runs: the one the model's check passed with
+    selection: str = DEFAULT_SELECTION
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
     kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/admission.py); 0: none
     # the decode step captured per batch bucket and replayed (engine/decode_graphs.py): CUDA graphs on a GPU's
@@ -90,11 +94,14 @@ class LLMEngine:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         if self.config.force_full and request.mode != "full":
             request = replace(request, mode="full")
+        if request.blend.selection == DEFAULT_SELECTION != self.config.selection:
+            request = replace(request, blend=replace(request.blend, selection=self.config.selection))
         prompts = self.prefiller.runtime.prompts
         parse_rule(request.kv_rule)  # said at submission, not at its prefill
         plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
                                        request.last_role, room=self.max_positions - request.sampling.max_tokens,
-                                       salt=request.salt, find_spans=request.mode in ("blend", "reuse"))
+                                       salt=request.salt, find_spans=request.mode in ("blend", "reuse"),
+                                       exact=wants_exact(request))
         head = len(prompts.preamble_ids) if plan is None else len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
@@ -173,8 +180,10 @@ class LLMEngine:
                 if config is None:  # auto: a full prefill costs fewer rows here; the answer's mode says it took one
                     seq.request = req = replace(req, mode="full")
             framing = None
-            if seq.plan is not None:
-                framing, seq.head_reused = self.conversations.framing(seq.plan)
+            if seq.plan is not None:  # a full prefill computes what is not cached in its one pass
+                framing, seq.head_reused = self.conversations.framing(seq.plan, wants_exact(req),
+                                                                      extend_head=req.mode != "full")
+            seq.exact_rows = exact_rows(seq, chunks, config, framing, len(self.prefiller.preamble))
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
                 self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0,
@@ -203,14 +212,14 @@ class LLMEngine:
         if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
             seq.prefill_info = {"timings": pre.timings, "chunk_tokens": pre.chunk_tokens,
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
-                                "bytes_loaded": pre.bytes_loaded, "chunk_tiers": self._tiers(seq, pre),
+                                "bytes_loaded": pre.bytes_loaded, "chunk_tiers": chunk_tiers(seq, pre),
                                 "ratio": config.ratio if req.mode == "blend" else None,
-                                "reused_tokens": self._reused_tokens(seq, pre)}
+                                "reused_tokens": reused_tokens(seq, pre, len(self.prefiller.preamble))}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, self._choose(seq, pre.logits))
             if seq.plan is not None and not pre.offset and pre.cache.length == seq.prompt_tokens:
-                self.conversations.keep_prefix(seq.plan.ids(), pre.cache.k, pre.cache.v, req.salt)
+                self.conversations.keep_prefix(seq.plan.ids(), pre.cache.k, pre.cache.v, req.salt, seq.exact_rows)
         admitted = self._admit(seq)
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         for chunk_id, passage in admitted:  # its record once its KV is in: a record never names missing KV
@@ -324,34 +333,6 @@ class LLMEngine:
                 admitted.append((chunk_id, passage))
         return admitted
 
-    def _reused_tokens(self, seq: Sequence, pre) -> int:
-        """Prompt tokens whose KV came from the store, a memory tier or a kept conversation turn and was not
-        recomputed: the preamble (or a conversation head's reused rows) and the chunk tokens the blend kept (a chunk
-        computed now, missing or damaged in the store, counts as computed). A lower bound: a computed chunk's rows
-        the blend also selected are counted once."""
-        if seq.request.mode == "full":
-            return 0
-        if seq.plan is not None and seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
-            tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=True)  # a span whose chunk had no KV: computed now
-            computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
-            return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-        chunks = seq.request.chunks if seq.plan is None else seq.plan.chunks
-        tiers = zip(chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
-        computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
-        kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-        return (len(self.prefiller.preamble) if seq.plan is None else seq.head_reused) + kept
-
-    @staticmethod
-    def _tiers(seq: Sequence, pre: Prefilled) -> list[str]:
-        """Per chunk of the request, where its KV came from; "context" for a chunk a conversation's kept turn already
-        holds (not sent again)."""
-        if seq.plan is None:
-            return pre.chunk_tiers
-        if seq.plan.pieces is not None:  # a plain prompt's stored spans, where each one's KV came from
-            return [tier for tier in pre.chunk_tiers if tier != PROMPT_TIER]
-        tiers = dict(zip((c for c, _ in seq.plan.chunks), pre.chunk_tiers, strict=False))
-        return [tiers.get(c, "context") for c, _ in seq.request.chunks]
-
     def _keep_turn(self, seq: Sequence) -> None:
         """Keep a finished chat turn's ids and pool rows for a follow-up (engine/conversations.py): only where its
         rows are its tokens one to one (no dropped ones)."""
@@ -369,8 +350,9 @@ class LLMEngine:
         rows = self.kv.rows(seq.table)[:n]  # [n]
         chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
         answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
-        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids, (k[:, rows].clone(), v[:, rows].clone()),
-                                chunk_ids, req.salt)
+        exact = n if seq.exact_rows >= seq.prompt_tokens else seq.exact_rows  # an exact prompt's answer rows are exact
+        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids,
+                                (k[:, rows].clone(), v[:, rows].clone()), chunk_ids, req.salt, exact)
 
     def _order_priority(self, seq: Sequence) -> float:
         """RAGCache's order (ChunkSource.order_priority) for prompts that read the tiers; 0 for the others."""

@@ -10,7 +10,10 @@ chunk's KV computed here, kept in memory and reused through the layer loader as 
 - `reuse_at_own_position`: prefix caching (the first chunk's KV reused exactly where it was computed, through the
   loader and its rotation) must be a full prefill too, up to rounding;
 - `blend_default`: a blend at the default ratio must mostly keep full prefill's first token, and stay close to its
-  next-token distribution.
+  next-token distribution;
+- `blend_query`, only where `blend_default` fails: the same bounds for the `query` selection rule (ProphetKV: the rows
+  the question reads over a full-reuse preview), which the model then blends with. On Qwen2.5 the default rule keeps
+  barely a fifth of what reuse loses and `query` three quarters (docs/model-check.md).
 
 Bounds, and the figures they were chosen from: docs/model-check.md.
 """
@@ -27,13 +30,14 @@ from pathlib import Path
 import torch
 
 from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
+from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 5  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 6  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds (docs/model-check.md has the measured figures). Ratio 1 and reuse at the chunk's own position differ from
 # a full prefill by rounding alone: in float32 not at all on the CPU (0.0 on every model measured), in bf16 by up to
@@ -57,6 +61,8 @@ KL_BOUND = 0.15  # nats, mean over prompts (at most), whatever the dtype: bf16 m
 # reuse did; 0.5B measured 0.79. SmolLM2 0.25 and Gemma 3 270M 0.47 pass (docs/model-check.md).
 KL_VS_REUSE_BOUND = 0.6
 KL_FLOOR = 0.005
+# the rules a blend may run, the cheapest first: the first whose check passes is the one the model blends with
+BLEND_RULES = {"blend_default": DEFAULT_SELECTION, "blend_query": "query"}
 
 # (title, text) x 3 and a question: invented people, places and numbers
 PROMPTS: tuple[tuple[tuple[tuple[str, str], ...], str], ...] = (
@@ -126,13 +132,26 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return self.failed() is None
+
+    @property
+    def rule(self) -> str | None:
+        """The selection rule the model blends with: the first of BLEND_RULES whose check passed (None: none did,
+        or an exactness check failed, and the model is answered with full prefill)."""
+        if any(not c.passed for c in self.checks if c.name not in BLEND_RULES):
+            return None
+        return next((BLEND_RULES[c.name] for c in self.checks if c.name in BLEND_RULES and c.passed), None)
 
     def failed(self) -> Check | None:
-        return next((c for c in self.checks if not c.passed), None)
+        """The check that keeps the model from blending: an exactness check, else the default blend's (when no
+        rule passed)."""
+        exact = next((c for c in self.checks if c.name not in BLEND_RULES and not c.passed), None)
+        if exact is not None or self.rule is not None:
+            return exact
+        return next(c for c in self.checks if c.name in BLEND_RULES)
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, "model": self.model, "dtype": self.dtype, "passed": self.passed,
+        return {"schema": SCHEMA, "model": self.model, "dtype": self.dtype, "passed": self.passed, "rule": self.rule,
                 "seconds": round(self.seconds, 3), "key": self.key,
                 "checks": [{"name": c.name, "passed": c.passed, **c.figures, "bound": c.bound} for c in self.checks]}
 
@@ -157,24 +176,35 @@ def check_key(runtime: Runtime) -> dict[str, object]:
 def check_model(runtime: Runtime) -> CheckReport:
     """Run the checks on PROMPTS, and the prompt's start (a few seconds on SmolLM2: docs/model-check.md)."""
     start = time.perf_counter()
-    runs = last_logits(runtime)
-    full, blended = runs["full"], runs["blend_default"]
+    prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
+    runs = last_logits(runtime, prefiller)
+    full = runs["full"]
     dtype = dtype_name(runtime)
     exact = EXACT_BOUND["float32" if dtype == "float32" else "other"]
     checks = [_exact_check("blend_ratio_1", full, runs["blend_ratio_1"], exact),
-              _exact_check("reuse_at_own_position", full, runs["prefix"], exact)]
+              _exact_check("reuse_at_own_position", full, runs["prefix"], exact), _prompt_start(runtime)]
+    reuse_kl = sum(kl_divergence(f, r) for f, r in zip(full, runs["reuse"], strict=True)) / len(full)
+    for name, rule in BLEND_RULES.items():  # the next rule only where the one before it failed
+        blended = runs["blend_default"] if rule == DEFAULT_SELECTION else \
+            last_logits(runtime, prefiller, {name: ("blend", DEFAULT_RATIO, rule)})[name]
+        checks.append(_blend_check(name, full, blended, reuse_kl))
+        if checks[-1].passed:
+            break
+    return CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks, time.perf_counter() - start)
+
+
+def _blend_check(name: str, full: list[torch.Tensor], blended: list[torch.Tensor], reuse_kl: float) -> Check:
+    """A blend's first tokens against full prefill's: agreement where full prefill was confident, the KL, and the KL
+    as a share of full reuse's."""
     clear = [(f, b) for f, b in zip(full, blended, strict=True) if _margin(f) >= CONFIDENT_MARGIN]
     agree = sum(int(f.argmax() == b.argmax()) for f, b in clear) / len(clear) if clear else 1.0
     kl = sum(kl_divergence(f, b) for f, b in zip(full, blended, strict=True)) / len(full)
-    reuse_kl = sum(kl_divergence(f, r) for f, r in zip(full, runs["reuse"], strict=True)) / len(full)
-    checks.append(_prompt_start(runtime))
     vs_reuse = kl / reuse_kl if reuse_kl > 0 else 0.0
     recovers = kl <= KL_FLOOR or vs_reuse <= KL_VS_REUSE_BOUND
-    checks.append(Check("blend_default", {"top1_agreement": agree, "confident_prompts": len(clear), "mean_kl": kl,
-                                          "reuse_kl": reuse_kl, "kl_vs_reuse": vs_reuse},
-                        {"top1_agreement": AGREEMENT_BOUND, "mean_kl": KL_BOUND, "kl_vs_reuse": KL_VS_REUSE_BOUND},
-                        agree >= AGREEMENT_BOUND and kl <= KL_BOUND and recovers))
-    return CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks, time.perf_counter() - start)
+    return Check(name, {"top1_agreement": agree, "confident_prompts": len(clear), "mean_kl": kl,
+                        "reuse_kl": reuse_kl, "kl_vs_reuse": vs_reuse},
+                 {"top1_agreement": AGREEMENT_BOUND, "mean_kl": KL_BOUND, "kl_vs_reuse": KL_VS_REUSE_BOUND},
+                 agree >= AGREEMENT_BOUND and kl <= KL_BOUND and recovers)
 
 
 def _prompt_start(runtime: Runtime) -> Check:
@@ -192,20 +222,21 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-# what each check compares with a full prefill: (mode, ratio)
-RUNS = {"full": ("full", DEFAULT_RATIO), "blend_ratio_1": ("blend", 1.0), "prefix": ("prefix", DEFAULT_RATIO),
-        "blend_default": ("blend", DEFAULT_RATIO), "reuse": ("reuse", DEFAULT_RATIO)}
+# what each check compares with a full prefill: (mode, ratio, selection rule)
+RUNS = {"full": ("full", DEFAULT_RATIO, DEFAULT_SELECTION), "blend_ratio_1": ("blend", 1.0, DEFAULT_SELECTION),
+        "prefix": ("prefix", DEFAULT_RATIO, DEFAULT_SELECTION), "blend_default": ("blend", DEFAULT_RATIO, DEFAULT_SELECTION),
+        "reuse": ("reuse", DEFAULT_RATIO, DEFAULT_SELECTION)}
 
 
-def last_logits(runtime: Runtime) -> dict[str, list[torch.Tensor]]:
-    """Per run of RUNS, each prompt's last-position logits [V] (float32, on the CPU)."""
-    prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
-    out: dict[str, list[torch.Tensor]] = {name: [] for name in RUNS}
+def last_logits(runtime: Runtime, prefiller: Prefiller, runs: dict | None = None) -> dict[str, list[torch.Tensor]]:
+    """Per run of `runs` (RUNS), each prompt's last-position logits [V] (float32, on the CPU)."""
+    runs = RUNS if runs is None else runs
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
     for p, (passages, question) in enumerate(PROMPTS):
         chunks = [(f"model-check-{p}-{i}", runtime.prompts.passage_ids(title, text))
                   for i, (title, text) in enumerate(passages)]
-        for name, (mode, ratio) in RUNS.items():
-            pre = prefiller.prefill(chunks, question, mode, BlendConfig(ratio=ratio), extra=1)
+        for name, (mode, ratio, rule) in runs.items():
+            pre = prefiller.prefill(chunks, question, mode, BlendConfig(ratio=ratio, selection=rule), extra=1)
             out[name].append(pre.logits.float().cpu())
     return out
 
@@ -265,12 +296,15 @@ def cached_check(runtime: Runtime, run: bool = True) -> CheckReport | None:
     return report
 
 
-def blending_allowed(runtime: Runtime) -> bool:
-    """The first-use gate (api.KVRag): whether the model passed its check (run and stored now if it never ran
-    for this key). If not, one line on stderr says which check failed; the caller then answers in full."""
+def blend_rule(runtime: Runtime) -> str | None:
+    """The first-use gate (api.KVRag): the selection rule the model blends with (its check run and stored now if it
+    never ran for this key), or None: one line on stderr says which check failed, and the caller answers in full."""
     report = cached_check(runtime)
     failed = report.failed()
     if failed is not None:
         print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}): answering with full "
               "prefill; `kvrag model check` for details", file=sys.stderr, flush=True)
-    return failed is None
+    elif report.rule != DEFAULT_SELECTION:
+        print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule, the first its blending "
+              "check passed (`kvrag model check`)", file=sys.stderr, flush=True)
+    return report.rule

@@ -80,7 +80,8 @@ class Prefilled:
 @dataclass(frozen=True)
 class Framing:
     """A prompt's tokens around its chunks where they are not the single-turn preamble and suffix (a conversation,
-    engine/conversations.py): the head's ids and exact KV, and the tail's ids."""
+    engine/conversations.py): the head's ids and KV, and the tail's ids. A blend's head KV covers every head id; a
+    full prefill's may hold only the leading rows it found cached, and computes the rest in its one pass."""
 
     head_ids: list[int]
     head: LayerKV
@@ -88,17 +89,21 @@ class Framing:
     # a plain prompt's pieces (engine/prompt_reuse.py), one per chunk: stored rows, or prompt text computed at
     # every layer; None: every chunk is a whole stored chunk
     pieces: tuple[Piece, ...] | None = None
+    # the head's leading rows computed as a full prefill would (no blended row among or before them)
+    exact_rows: int = 0
 
 
 class FullPrefill:
     """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
 
     def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
-                 start: float, tap: AttentionScore | None = None, head_ids: list[int] | None = None):
+                 start: float, tap: AttentionScore | None = None, framing: Framing | None = None):
         chunk_ids = [i for _, ids in chunks for i in ids]
         self.chunk_tokens = len(chunk_ids)
-        head_ids = runtime.prompts.preamble_ids if head_ids is None else head_ids
-        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(head_ids + chunk_ids + suffix), extra, tap)
+        head_ids = runtime.prompts.preamble_ids if framing is None else framing.head_ids
+        # a framing's head KV (exact rows, a prefix of its ids) is where the one pass starts
+        self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(head_ids + chunk_ids + suffix), extra, tap,
+                                  None if framing is None else framing.head)
         self.start, self.compute_s = start, 0.0
 
     @property
@@ -192,8 +197,7 @@ class Prefiller:
         a piece at a time (`FullPrefill.advance`)."""
         suffix = self.runtime.prompts.build([], question).suffix if framing is None else framing.tail
         tap = self._observer(chunks, observe, framing) if observe else None
-        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap,
-                           framing.head_ids if framing is not None else None)
+        return FullPrefill(self.runtime, chunks, suffix, extra, time.perf_counter(), tap, framing)
 
     def _observer(self, chunks, spec: str, framing: Framing | None) -> AttentionScore:
         """Scores of a prompt's rows by the attention of its question (the suffix), or of every query the prefill
@@ -208,8 +212,7 @@ class Prefiller:
                       tap: AttentionScore | None = None, framing: Framing | None = None) -> Prefilled:
         start = time.perf_counter()
         if mode == "full":
-            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap,
-                              framing.head_ids if framing is not None else None)
+            job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap, framing)
             return job.advance(job.remaining)
         if not chunks:  # nothing to load or blend (plain chat, or a follow-up over passages already in its context)
             mode = "reuse"

@@ -97,6 +97,7 @@ class Sequence:
         self.plan = None  # a conversation's prompt (engine/conversations.Plan), None for the single-turn one
         self.head_rows = 0  # rows before the chunks that a KV budget never drops (the preamble, or the plan's head)
         self.head_reused = 0  # of a plan's head, the rows reused from a kept turn or head (not computed)
+        self.exact_rows = 0  # the prompt's leading rows computed as a full prefill would (engine/prefill_info.py)
         self.first_logits: torch.Tensor | None = None  # [V], with request.keep_first_logits
         self.arrival = time.perf_counter()
         self.prefill_started: float | None = None

@@ -53,10 +53,25 @@ class ChunkedPrefill:
     attending to every token before them in the cache. An engine decodes its running sequences between the pieces
     of a long prompt instead of stalling them all for its whole prefill."""
 
-    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None):
+    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None, head=None):
         self.model, self.ids, self.tap = model, ids, tap  # tap: sees every layer's queries and keys, where set
         self.cache = DecodeCache(model, ids.shape[0] + extra)
         self.logits: torch.Tensor | None = None  # [V] at the last position, once every piece has run
+        if head is not None and len(head):  # a LayerKV of the first ids' exact KV (a prefix cache hit): not computed
+            self._seed(head)
+
+    @torch.inference_mode()
+    def _seed(self, head) -> None:
+        n = len(head)
+        if n >= self.ids.shape[0]:
+            raise ValueError(f"a seeded head of {n} rows leaves nothing of a {self.ids.shape[0]}-token prompt to run")
+        for layer, (k, v) in enumerate(zip(head.k, head.v, strict=True)):  # each [n, Hkv, hd]
+            if head.rotated:
+                self.cache.k[layer, :n] = k
+            else:
+                self.model.rotate_keys(k, head.positions, out=self.cache.k[layer, :n], layer=layer)
+            self.cache.v[layer, :n] = v
+        self.cache.length = n
 
     @property
     def done(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -227,3 +228,26 @@ def test_a_long_full_prefill_runs_in_pieces_while_others_decode(runtime, request
         decoded_between_pieces += engine.prefilling is not None and len(a.output) > before
     assert decoded_between_pieces >= 2 and b.first_token_at > a.first_token_at
     assert a.output == alone[longest] and b.output == alone[full]
+
+
+def test_the_engine_blends_with_the_rule_the_model_check_chose(runtime, requests):
+    """EngineConfig.selection (the rule the model's check passed with, api.KVRag sets it): a blend asking for the
+    default rule runs that one, and gives the first token's logits the prefiller gives for it; one that names
+    another rule keeps it."""
+    from dataclasses import replace
+
+    blend = next(r for r in requests if r.mode == "blend" and len(r.chunks) == 3)
+    blend = replace(blend, keep_first_logits=True, sampling=SamplingConfig(max_tokens=1))
+    c = runtime.model.cfg
+    block = 16 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * runtime.model.dtype.itemsize
+    prefiller = Prefiller.open(runtime, None)
+    engine = LLMEngine(prefiller, EngineConfig(4096 * block, 16, selection="query"))
+    chunks = [(cid, list(ids)) for cid, ids in blend.chunks]
+    expected = {rule: prefiller.prefill(chunks, blend.question, "blend", replace(blend.blend, selection=rule)).logits
+                for rule in ("query", "cacheblend")}
+    assert not torch.equal(expected["query"], expected["cacheblend"])  # the two rules pick other rows here
+    for rule, request in (("query", blend), ("cacheblend", replace(blend, blend=replace(blend.blend, selection="cacheblend")))):
+        seq = engine.add(request)
+        while engine.has_work():
+            engine.step()
+        torch.testing.assert_close(seq.first_logits, expected[rule], rtol=1e-4, atol=2e-4)

@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
+from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine import model_check
-from kvrag.engine.model_check import cached_check, check_model, report_path
+from kvrag.engine.model_check import Check, CheckReport, cached_check, check_model, report_path
 from kvrag.model import rotary
 from kvrag.model.runtime import Runtime
 from kvrag.tests.conftest import FAMILIES, run_cli_in_process
@@ -99,8 +100,9 @@ def test_a_wrong_rotary_of_loaded_keys_fails_it(tiny_llama_dir, broken_rotary):
 def test_a_wrong_rotary_fails_smollm2_on_reuse_and_on_the_default_blend(smol, broken_rotary):
     report = check_model(Runtime.load(None))
     status = {c.name: c.passed for c in report.checks}
-    assert status == {"blend_ratio_1": True, "reuse_at_own_position": False, "prompt_start": True, "blend_default": False}, \
-        _figures(report)
+    assert status == {"blend_ratio_1": True, "reuse_at_own_position": False, "prompt_start": True, "blend_default": False,
+                      "blend_query": False}, _figures(report)
+    assert report.rule is None and report.failed().name == "reuse_at_own_position"
 
 
 def test_the_report_is_stored_by_model_and_dtype(tiny_llama_dir, tmp_path, monkeypatch):
@@ -169,3 +171,32 @@ def test_model_check_cli_fails_with_one_line(tiny_llama_dir, tmp_path, monkeypat
     assert json.loads(out)["passed"] is False
     assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "reuse_at_own_position" in line]
     assert len(err.strip().splitlines()) == 1
+
+
+def _report(**passed) -> CheckReport:
+    return CheckReport("m", "float32", {}, [Check(name, {}, {}, ok) for name, ok in passed.items()])
+
+
+def test_the_rule_is_the_first_blend_check_that_passed_and_none_where_exactness_fails():
+    """Hand-made reports: the default rule where its check passes, `query` where only its check does, none (full
+    prefill) where no blend check or any exactness check fails, and the failure named is the one that decided it."""
+    exact = {"blend_ratio_1": True, "reuse_at_own_position": True, "prompt_start": True}
+    assert _report(**exact, blend_default=True).rule == DEFAULT_SELECTION
+    fallback = _report(**exact, blend_default=False, blend_query=True)
+    assert fallback.rule == "query" and fallback.passed and fallback.failed() is None
+    neither = _report(**exact, blend_default=False, blend_query=False)
+    assert neither.rule is None and not neither.passed and neither.failed().name == "blend_default"
+    broken = _report(**{**exact, "reuse_at_own_position": False}, blend_default=True)
+    assert broken.rule is None and broken.failed().name == "reuse_at_own_position"
+    assert CheckReport.from_json(fallback.to_json()).rule == "query"
+
+
+@pytest.mark.real_model
+def test_qwen25_fails_the_default_rule_and_blends_with_query(qwen05):
+    """Qwen2.5's default blend keeps too little of what reuse loses (issue 56); the check falls back to `query`, whose
+    KL it holds to the same bounds."""
+    report = check_model(Runtime.load(str(qwen05.path), dtype="float32"))
+    figures = _figures(report)
+    assert report.passed and report.rule == "query", figures
+    assert not {c.name: c.passed for c in report.checks}["blend_default"], figures
+    assert figures["blend_query"]["kl_vs_reuse"] < figures["blend_default"]["kl_vs_reuse"]

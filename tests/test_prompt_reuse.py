@@ -243,3 +243,50 @@ def test_an_exact_repeat_queued_behind_its_original_is_a_prefix_hit(corpus):
     assert first.head_reused == 0 and repeat.plan.pieces is None
     assert repeat.head_reused >= repeat.prompt_tokens - 16
     assert repeat.output == first.output
+
+
+def test_full_and_ratio_one_after_a_blend_take_no_blended_rows(corpus):
+    """A blend leaves its prompt's blocks in the prefix cache marked blended: a blend of the same prompt takes them,
+    while `mode: full` and ratio 1 take only the exact head before the first stored passage, and match a full
+    prefill on an engine of their own."""
+    env, prefiller, texts = corpus
+    question = _client_prompt(texts[:3])
+    fresh = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20)), _request(question, mode="full"))
+    for request in (_request(question, mode="full"), _request(question, ratio=1.0)):
+        engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+        blend = _run(engine, _request(question))
+        first_span = len(blend.plan.head)  # the rows before the first stored passage: computed exactly
+        repeat = _run(engine, _request(question))
+        assert repeat.head_reused >= repeat.prompt_tokens - 16  # a blend takes the blended blocks
+        torch.testing.assert_close(repeat.first_logits, blend.first_logits, rtol=1e-4, atol=2e-4)
+        exact = _run(engine, request)
+        assert 0 < exact.head_reused <= first_span
+        torch.testing.assert_close(exact.first_logits, fresh.first_logits, rtol=1e-4, atol=2e-4)
+        assert exact.output == fresh.output
+        # its exact blocks replace the blended ones: the next full prefill is a prefix hit
+        again = _run(engine, _request(question, mode="full"))
+        assert again.head_reused >= again.prompt_tokens - 16
+        torch.testing.assert_close(again.first_logits, fresh.first_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_mode_full_computes_each_row_once(corpus, monkeypatch):
+    """A plain prompt whose head the prefix cache holds in part: `mode: full` computes every other row in one pass,
+    none twice (it extended the head and then prefilled the whole prompt again)."""
+    env, prefiller, _ = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    system = ("You are a careful assistant for the harbour archive. Answer in one sentence, cite nothing, and say "
+              "so when you do not know. ") * 3
+    _run(engine, _request("Who kept the light?", mode="full", history=(("system", system),)))
+    model, embedded = prefiller.runtime.model, []
+    embed = model.embed
+    monkeypatch.setattr(model, "embed", lambda ids: embedded.append(int(ids.shape[0])) or embed(ids))
+    second = _run(engine, _request("And when was the lighthouse built, and by whom?", mode="full",
+                                   history=(("system", system),)))
+    prompt_rows = sum(embedded[:-3])  # the last three: one row each, the decode steps after the first token
+    assert embedded[-3:] == [1, 1, 1]
+    assert second.head_reused > 0 and prompt_rows == second.prompt_tokens - second.head_reused
+    assert second.prefill_info["reused_tokens"] == second.head_reused
+    alone = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0, prompt_spans=False)),
+                 _request("And when was the lighthouse built, and by whom?", mode="full",
+                          history=(("system", system),)))
+    torch.testing.assert_close(second.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)

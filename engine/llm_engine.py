@@ -184,6 +184,7 @@ class LLMEngine:
                 framing, seq.head_reused = self.conversations.framing(seq.plan, wants_exact(req),
                                                                       extend_head=req.mode != "full")
             seq.exact_rows = exact_rows(seq, chunks, config, framing, len(self.prefiller.preamble))
+            seq.head_exact = framing.exact_rows if framing is not None else 0
             piece = self.config.prefill_chunk
             if req.mode == "full" and 0 < piece < seq.prompt_tokens:
                 self.prefilling = (seq, self.prefiller.full_prefill(chunks, req.question, extra=0,
@@ -214,7 +215,9 @@ class LLMEngine:
                                 "recomputed_chunk_tokens": pre.recomputed_chunk_tokens,
                                 "bytes_loaded": pre.bytes_loaded, "chunk_tiers": chunk_tiers(seq, pre),
                                 "ratio": config.ratio if req.mode == "blend" else None,
-                                "reused_tokens": reused_tokens(seq, pre, len(self.prefiller.preamble))}
+                                "reused_tokens": reused_tokens(seq, pre, len(self.prefiller.preamble)),
+                                # of them, rows an earlier blend made (a kept turn's or cached blocks): not exact
+                                "blended_cached_tokens": max(0, seq.head_reused - seq.head_exact)}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, self._choose(seq, pre.logits))

@@ -98,6 +98,7 @@ class Sequence:
         self.head_rows = 0  # rows before the chunks that a KV budget never drops (the preamble, or the plan's head)
         self.head_reused = 0  # of a plan's head, the rows reused from a kept turn or head (not computed)
         self.exact_rows = 0  # the prompt's leading rows computed as a full prefill would (engine/prefill_info.py)
+        self.head_exact = 0  # of a plan's head KV, the leading rows that are exact
         self.first_logits: torch.Tensor | None = None  # [V], with request.keep_first_logits
         self.arrival = time.perf_counter()
         self.prefill_started: float | None = None
@@ -129,6 +130,12 @@ class Sequence:
     def reused_tokens(self) -> int:
         """Prompt tokens whose KV was reused (stored, or in a memory tier) rather than computed: 0 until prefilled."""
         return self.prefill_info.get("reused_tokens", 0)
+
+    @property
+    def blended_cached_tokens(self) -> int:
+        """Of the reused tokens, those whose KV an earlier blend made (a kept turn, a blended prompt's cached blocks):
+        reused as they stood, not as a full prefill would have computed them."""
+        return self.prefill_info.get("blended_cached_tokens", 0)
 
     @property
     def computed_tokens(self) -> int:

@@ -133,7 +133,8 @@ class Run:
         seq = self.seq
         return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.output),
                 "total_tokens": seq.prompt_tokens + len(seq.output),
-                "prompt_tokens_details": {"cached_tokens": seq.reused_tokens}}
+                "prompt_tokens_details": {"cached_tokens": seq.reused_tokens,
+                                          "blended_cached_tokens": seq.blended_cached_tokens}}
 
 
 class Detokenizer:

@@ -257,10 +257,11 @@ def test_full_and_ratio_one_after_a_blend_take_no_blended_rows(corpus):
         blend = _run(engine, _request(question))
         first_span = len(blend.plan.head)  # the rows before the first stored passage: computed exactly
         repeat = _run(engine, _request(question))
-        assert repeat.head_reused >= repeat.prompt_tokens - 16  # a blend takes the blended blocks
+        assert repeat.head_reused >= repeat.prompt_tokens - 16  # a blend takes the blended blocks, and says so
+        assert repeat.blended_cached_tokens == repeat.head_reused - first_span // 16 * 16
         torch.testing.assert_close(repeat.first_logits, blend.first_logits, rtol=1e-4, atol=2e-4)
         exact = _run(engine, request)
-        assert 0 < exact.head_reused <= first_span
+        assert 0 < exact.head_reused <= first_span and exact.blended_cached_tokens == 0
         torch.testing.assert_close(exact.first_logits, fresh.first_logits, rtol=1e-4, atol=2e-4)
         assert exact.output == fresh.output
         # its exact blocks replace the blended ones: the next full prefill is a prefix hit

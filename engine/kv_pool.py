@@ -6,6 +6,8 @@ Keys are stored rotated to their positions (decode reads them as they are), unli
 which keep keys before rotary. The preamble's full blocks are computed once and shared by reference by every
 sequence; the block holding the preamble's tail and the first prompt tokens is each sequence's own. A shared
 block is copied before it is written (BlockPool.make_private), so a sequence never writes into another's KV.
+The pool is also the prefix cache (engine/prefix_cache.py): whole blocks of earlier prompts stay in it under their
+chained hash, evictable once no sequence holds them, and a later prompt's table starts with the ones it matches.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrag.engine.prefix_cache import PrefixCache
 from kvrag.model.cache import DecodeCache
 from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockLayout, BlockTable, OutOfBlocks
@@ -23,7 +26,7 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 
 class SequenceKV:
-    def __init__(self, model: Transformer, budget_bytes: int, block_size: int = 16):
+    def __init__(self, model: Transformer, budget_bytes: int, block_size: int = 16, cache_bytes: int = 0):
         c = model.cfg
         layout = BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, DTYPE_NAMES[model.dtype], block_size)
         self.pool = BlockPool.for_budget(layout, budget_bytes, model.device)
@@ -32,10 +35,25 @@ class SequenceKV:
         self.block_size = block_size
         self.shared: list[int] = []  # the preamble's full blocks, held once here and referenced by every table
         self.shared_tokens = 0
+        # cached blocks, at most cache_bytes' worth (0: no prefix caching), within the same budget as running ones
+        self.prefix = PrefixCache(self.pool.allocator, block_size, cache_bytes // layout.bytes_per_block)
+        self.copied_rows = 0  # prompt rows copied into the pool so far (a prefix hit's matched rows are not)
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        """Blocks a sequence may take: free ones, and cached ones no sequence holds (evicted as they are taken)."""
+        return self.pool.num_free + self.prefix.evictable()
+
+    def _room(self, n: int) -> None:
+        """At least n free blocks, evicting cached ones no sequence holds where the free list is short (OutOfBlocks
+        from the allocation that follows, when even that is not enough)."""
+        short = n - self.pool.num_free
+        if short > 0:
+            self.prefix.evict(short)
+
+    def _allocate(self, n: int) -> list[int]:
+        self._room(n)
+        return self.pool.allocator.allocate(n)
 
     def blocks_needed(self, n_tokens: int) -> int:
         """Fresh blocks a sequence of n_tokens takes at most (fewer when it shares the preamble's)."""
@@ -50,16 +68,32 @@ class SequenceKV:
         self._copy_rows(table, cache, 0, table.n_tokens)
         self.shared, self.shared_tokens = list(table.blocks), table.n_tokens
 
-    def admit(self, cache: DecodeCache, n_tokens: int) -> BlockTable:
-        """A table holding the first n_tokens of a prefilled cache: the shared blocks by reference where the cache
-        starts with exactly their KV (a full prefill computes the preamble in its own pass, to other bits), the
-        rest copied. OutOfBlocks (nothing taken) when the pool lacks room."""
-        shared = self.shared if n_tokens > self.shared_tokens and self._starts_shared(cache) else []
-        fresh = self.pool.allocator.allocate(self.pool.layout.blocks_for(n_tokens) - len(shared))
-        self.pool.share(shared)
-        table = BlockTable(shared + fresh, n_tokens, self.block_size)
+    def admit(self, cache: DecodeCache, n_tokens: int, hit: list[int] | None = None) -> BlockTable:
+        """A table holding the first n_tokens of a prefilled cache: `hit`, the prefix cache's blocks its rows start
+        with (their references handed over), else the shared blocks by reference where the cache starts with exactly
+        their KV (a full prefill computes the preamble in its own pass, to other bits); the rest copied. OutOfBlocks
+        (nothing taken, the hit's references still the caller's) when the pool lacks room."""
+        if hit:
+            shared, new_refs = hit, []
+        else:
+            shared = self.shared if n_tokens > self.shared_tokens and self._starts_shared(cache) else []
+            new_refs = shared
+        fresh = self._allocate(self.pool.layout.blocks_for(n_tokens) - len(shared))
+        self.pool.share(new_refs)
+        table = BlockTable(list(shared) + fresh, n_tokens, self.block_size)
         self._copy_rows(table, cache, len(shared) * self.block_size, n_tokens)
+        self.copied_rows += max(0, n_tokens - len(shared) * self.block_size)
         return table
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop references taken on blocks (a prefix hit no table took)."""
+        self.pool.allocator.decref(blocks)
+
+    def head_kv(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of whole blocks, in order: K (rotated) and V [L, n * block_size, Hkv, hd] each, a fresh copy."""
+        table = BlockTable(list(blocks), len(blocks) * self.block_size, self.block_size)
+        kv = self.pool.gather([table])  # [L, 2, n, Hkv, hd]
+        return kv[:, 0], kv[:, 1]
 
     def _starts_shared(self, cache: DecodeCache) -> bool:
         if not self.shared:
@@ -74,8 +108,10 @@ class SequenceKV:
         """Room for one more token at position table.n_tokens: a new block when the last one is full, a private
         copy of the last block when it is shared. OutOfBlocks when the pool has no block left."""
         if table.n_tokens % self.block_size == 0:
-            table.blocks.extend(self.pool.allocator.allocate(1))
+            table.blocks.extend(self._allocate(1))
         else:
+            if self.pool.allocator.refcount(table.blocks[-1]) > 1:
+                self._room(1)
             self.pool.make_private(table, [len(table.blocks) - 1])
         table.n_tokens += 1
 
@@ -88,7 +124,9 @@ class SequenceKV:
         m = int(rows.shape[-1])
         rows = rows.expand(k.shape[0], k.shape[2], m)  # [L, Hkv, m]
         first_moved = _first_moved(rows)
-        self.pool.make_private(table, table.blocks_of(range(first_moved, m)))
+        private = table.blocks_of(range(first_moved, m))
+        self._room(sum(1 for j in private if self.pool.allocator.refcount(table.blocks[j]) > 1))
+        self.pool.make_private(table, private)
         slots = self.rows(table)  # [T], after any private copy
         src, dst = slots[rows[..., first_moved:]], slots[first_moved:m]  # [L, Hkv, m'], [m']
         heads = torch.arange(k.shape[2], device=slots.device)

@@ -62,14 +62,14 @@ class LLMEngine:
         self.prefiller, self.config = prefiller, config
         self.model = prefiller.runtime.model
         self.max_positions = self.model.cfg.max_positions
-        self.kv = SequenceKV(self.model, config.kv_budget_bytes, config.block_size)
+        self.kv = SequenceKV(self.model, config.kv_budget_bytes, config.block_size, config.chat_cache_bytes)
         self.kv.share_prefix(_rotated_prefix(prefiller), len(prefiller.preamble))
         self.decoder = BatchDecoder(self.model, self.kv, self.max_positions, config.native, config.cuda_graphs,
                                     config.scheduler.max_running)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
         source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
         spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
-        self.conversations = Conversations(prefiller.runtime, config.chat_cache_bytes, spans)
+        self.conversations = Conversations(prefiller.runtime, self.kv, spans)
         self.keeper = None  # clients' new passages, stored at their second sighting (engine/admission.py)
         if spans is not None and source.table is not None:
             cfg, local = self.model.cfg, prefiller.runtime.local
@@ -141,12 +141,14 @@ class LLMEngine:
 
     @property
     def free_blocks(self) -> int:
-        return self.kv.pool.num_free
+        """Free blocks, cached ones no sequence holds included (the pool takes those back as it needs them)."""
+        return self.kv.num_free
 
     @property
     def sequence_blocks(self) -> int:
-        """Pool blocks held by sequences (the preamble's shared blocks aside): 0 once every sequence is done."""
-        return self.kv.pool.num_blocks - self.kv.pool.num_free - len(self.kv.shared)
+        """Pool blocks held by sequences (the preamble's shared blocks and the prefix cache's aside): 0 once every
+        sequence is done."""
+        return self.kv.pool.num_blocks - self.kv.num_free - len(self.kv.shared)
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -181,8 +183,9 @@ class LLMEngine:
                     seq.request = req = replace(req, mode="full")
             framing = None
             if seq.plan is not None:  # a full prefill computes what is not cached in its one pass
-                framing, seq.head_reused = self.conversations.framing(seq.plan, wants_exact(req),
-                                                                      extend_head=req.mode != "full")
+                framing, seq.hit = self.conversations.framing(seq.plan, wants_exact(req),
+                                                              extend_head=req.mode != "full")
+                seq.head_reused = len(seq.hit) * self.kv.block_size
             seq.exact_rows = exact_rows(seq, chunks, config, framing, len(self.prefiller.preamble))
             seq.head_exact = framing.exact_rows if framing is not None else 0
             piece = self.config.prefill_chunk
@@ -221,8 +224,6 @@ class LLMEngine:
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             self._emit(seq, self._choose(seq, pre.logits))
-            if seq.plan is not None and not pre.offset and pre.cache.length == seq.prompt_tokens:
-                self.conversations.keep_prefix(seq.plan.ids(), pre.cache.k, pre.cache.v, req.salt, seq.exact_rows)
         admitted = self._admit(seq)
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         for chunk_id, passage in admitted:  # its record once its KV is in: a record never names missing KV
@@ -230,19 +231,23 @@ class LLMEngine:
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
             return
         if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
+            self._release_hit(seq)  # its rows may move: the cached blocks are copied like the rest
             rows = pre.attention.budget_rows(pre.cache.length, req.kv_tokens, seq.head_rows)
             pre.cache.keep_rows(rows)
             pre.attention.keep(rows)
             seq.attention = pre.attention
         while True:  # the pool had room when the prefill began; a chunked one's neighbours may have grown since
             try:
-                seq.table = self.kv.admit(pre.cache, pre.cache.length)
+                seq.table = self.kv.admit(pre.cache, pre.cache.length, seq.hit)
+                seq.hit = []  # the table holds those references now
                 break
             except OutOfBlocks:
                 if not self.scheduler.running:
                     raise
                 self.scheduler.preempt(self.scheduler.running[-1])
         seq.length, seq.offset = pre.cache.length, pre.offset
+        if seq.plan is not None and not pre.offset and pre.cache.length == seq.prompt_tokens:
+            self.kv.prefix.insert(seq.plan.ids(), seq.table.blocks, req.salt, seq.exact_rows)
         self.scheduler.start(seq)
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -313,6 +318,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if self.prefilling is not None and self.prefilling[0] is seq:
             self.prefilling = None  # its cache goes with the job
+        self._release_hit(seq)
         if seq.request.keep_turn and reason in ("stop", "length") and seq.table is not None:
             self._keep_turn(seq)
         self.scheduler.finish(seq)
@@ -348,14 +354,18 @@ class LLMEngine:
         else:
             prompt = plan.ids()
         ids = prompt + seq.output
-        n = min(seq.length, len(ids))
-        k, v = self.kv.layer_views()  # [L, slots, Hkv, hd] each
-        rows = self.kv.rows(seq.table)[:n]  # [n]
+        n = min(seq.length, len(ids))  # the last token said has no row yet
         chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
         answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
         exact = n if seq.exact_rows >= seq.prompt_tokens else seq.exact_rows  # an exact prompt's answer rows are exact
-        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids,
-                                (k[:, rows].clone(), v[:, rows].clone()), chunk_ids, req.salt, exact)
+        self.kv.prefix.insert(ids[:n], seq.table.blocks, req.salt, exact)  # its blocks stay, found by their ids
+        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids, chunk_ids, req.salt, exact)
+
+    def _release_hit(self, seq: Sequence) -> None:
+        """Give back the prefix cache's blocks a sequence matched but no table of its took."""
+        if seq.hit:
+            self.kv.release(seq.hit)
+            seq.hit = []
 
     def _order_priority(self, seq: Sequence) -> float:
         """RAGCache's order (ChunkSource.order_priority) for prompts that read the tiers; 0 for the others."""

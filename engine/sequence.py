@@ -99,6 +99,7 @@ class Sequence:
         self.head_reused = 0  # of a plan's head, the rows reused from a kept turn or head (not computed)
         self.exact_rows = 0  # the prompt's leading rows computed as a full prefill would (engine/prefill_info.py)
         self.head_exact = 0  # of a plan's head KV, the leading rows that are exact
+        self.hit: list[int] = []  # prefix-cache blocks its head matched, referenced until its table takes them
         self.first_logits: torch.Tensor | None = None  # [V], with request.keep_first_logits
         self.arrival = time.perf_counter()
         self.prefill_started: float | None = None

@@ -291,3 +291,43 @@ def test_mode_full_computes_each_row_once(corpus, monkeypatch):
                  _request("And when was the lighthouse built, and by whom?", mode="full",
                           history=(("system", system),)))
     torch.testing.assert_close(second.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_an_exact_repeat_takes_its_blocks_from_the_pool_and_copies_only_its_last_rows(corpus):
+    """The prefix cache is the pool: a repeat's table starts with the blocks the first prompt left, and only the rows
+    after them are copied in; its first token is the first prompt's."""
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    question = _client_prompt(texts[:3])
+    first = _run(engine, _request(question, mode="full"))
+    cached_blocks = engine.kv.prefix.match(first.plan.ids(), "", exact=True)[0]
+    engine.kv.release(cached_blocks)
+    assert len(cached_blocks) == first.prompt_tokens // 16
+    before = engine.kv.copied_rows
+    repeat = _run(engine, _request(question, mode="full"))
+    assert repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16  # the head: every whole block before the tail
+    assert engine.kv.copied_rows - before == repeat.prompt_tokens - repeat.head_reused < 16
+    torch.testing.assert_close(repeat.first_logits, first.first_logits, rtol=1e-4, atol=2e-4)
+    assert repeat.output == first.output
+
+
+def test_cached_blocks_live_in_the_kv_budget_and_give_way_to_new_prompts(corpus):
+    """One budget: a finished prompt's cached blocks count as free, and a prompt that needs the room evicts them
+    (nothing preempted, no error); once all is done no block is held by a sequence."""
+    env, prefiller, texts = corpus
+    c = prefiller.runtime.model.cfg
+    per_block = 16 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    a, b = _client_prompt(texts[:3]), _client_prompt(texts[1:4])
+    probe = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20)), _request(a, mode="full"))
+    blocks = -(-probe.prompt_tokens // 16) + 2  # one prompt and its answer, and a little
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=(blocks * 3 // 2 + 4) * per_block,
+                                               prompt_spans=False))
+    total = engine.kv.pool.num_blocks - len(engine.kv.shared)
+    _run(engine, _request(a, mode="full"))
+    cached = len(engine.kv.prefix)
+    assert cached >= probe.prompt_tokens // 16 - 1 and engine.free_blocks == total and engine.sequence_blocks == 0
+    other = _run(engine, _request(b, mode="full"))
+    assert other.finish_reason in ("stop", "length") and other.preemptions == 0
+    assert engine.kv.prefix.cached_rows(list(probe.plan.ids()), "") < cached * 16  # a's blocks made room
+    assert engine.sequence_blocks == 0 and engine.free_blocks == total
+    engine.kv.pool.allocator.check()

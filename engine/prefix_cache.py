@@ -1,0 +1,125 @@
+"""Automatic prefix caching inside the paged pool (vLLM's): a prompt's whole blocks, found again by chained hash.
+
+A block is cached under the hash of every id up to its end (and the tenant's salt), so equal hashes mean equal
+prefixes. The cache holds one reference on each block it lists: while a sequence also holds it, the block is in use;
+once only the cache does, it is evictable, and the pool's allocator takes the least recently used such blocks when
+its free list runs out. A hit is a reference taken and a block id put in the new sequence's table: no row is copied
+into a second store. Each entry says whether its rows are exact (computed as a full prefill would, no blended row
+among or before them); a request that asks for exact KV stops at the first that is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrag.store.tiers.allocator import BlockAllocator
+
+
+def block_keys(ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:
+    """One key per whole block of ids, each hashing the salt and every id up to its block's end (vLLM's chained
+    block hashes): equal keys mean equal prefixes."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=16, person=b"kvrag-prefix")
+    keys = []
+    for end in range(block_size, len(ids) + 1, block_size):
+        digest.update(b"".join(i.to_bytes(4, "little") for i in ids[end - block_size:end]))
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
+@dataclass(frozen=True)
+class Entry:
+    block: int  # the pool block holding the rows
+    exact: bool  # every row up to the block's end computed as a full prefill would
+
+
+class PrefixCache:
+    """The cached blocks of one pool (`allocator`'s), at most `max_blocks` of them (0: caching off). `match` and
+    `cached_rows` may run on any thread; the rest on the engine's, which alone changes reference counts."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_blocks: int):
+        self.allocator, self.block_size, self.max_blocks = allocator, block_size, max_blocks
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self, ids: Sequence[int], salt: str) -> list[str]:
+        return block_keys(ids, self.block_size, salt)
+
+    def cached_rows(self, ids: Sequence[int], salt: str) -> int:
+        """How many leading rows of `ids` the cache holds now (whole blocks), exact or not."""
+        with self._lock:
+            keys = self.keys(ids, salt)
+            return next((i for i, key in enumerate(keys) if key not in self._entries), len(keys)) * self.block_size
+
+    def match(self, ids: Sequence[int], salt: str, exact: bool) -> tuple[list[int], int]:
+        """The blocks of the longest cached run of `ids`' leading whole blocks (exact ones alone, where `exact`), each
+        with a reference taken for the caller (it frees them, or hands them to a block table), and how many of their
+        rows are exact."""
+        with self._lock:
+            found: list = []
+            for key in self.keys(ids, salt):
+                entry = self._entries.get(key)
+                if entry is None or (exact and not entry.exact):
+                    break
+                found.append((key, entry))
+            for key, _ in reversed(found):  # the first block last: a prefix's tail goes before its head
+                self._entries.move_to_end(key)
+            found = [entry for _, entry in found]
+            self.allocator.incref(e.block for e in found)
+        n_exact = next((i for i, e in enumerate(found) if not e.exact), len(found))
+        return [e.block for e in found], n_exact * self.block_size
+
+    def insert(self, ids: Sequence[int], blocks: Sequence[int], salt: str, exact_rows: int) -> None:
+        """Cache the whole blocks of a sequence whose rows 0.. are `ids`, held in `blocks` (its table's, in order), the
+        first `exact_rows` rows exact. A key cached already keeps its block, unless that one is blended and this one
+        exact."""
+        if not self.max_blocks:
+            return
+        keys = self.keys(ids, salt)[:len(blocks)]
+        with self._lock:
+            for i in reversed(range(len(keys))):  # the tail first: the head ends the most recent, the last to go
+                exact = (i + 1) * self.block_size <= exact_rows
+                held = self._entries.get(keys[i])
+                if held is not None and (held.exact or not exact):
+                    self._entries.move_to_end(keys[i])
+                    continue
+                if held is not None:
+                    self.allocator.decref([held.block])
+                self.allocator.incref([blocks[i]])
+                self._entries[keys[i]] = Entry(blocks[i], exact)
+                self._entries.move_to_end(keys[i])
+            self._trim()
+
+    def evictable(self) -> int:
+        """Cached blocks no sequence holds: what the allocator may take back."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if self.allocator.refcount(e.block) == 1)
+
+    def evict(self, n: int) -> int:
+        """Give back up to `n` evictable blocks to the free list, least recently used first; how many it freed."""
+        with self._lock:
+            return self._evict(n)
+
+    def _evict(self, n: int) -> int:
+        freed = 0
+        for key in list(self._entries):
+            if freed >= n:
+                break
+            entry = self._entries[key]
+            if self.allocator.refcount(entry.block) == 1:
+                del self._entries[key]
+                self.allocator.decref([entry.block])
+                freed += 1
+        return freed
+
+    def _trim(self) -> None:
+        """Past max_blocks, drop the least recently used entries (their blocks free once no sequence holds them)."""
+        while len(self._entries) > self.max_blocks:
+            _, entry = self._entries.popitem(last=False)
+            self.allocator.decref([entry.block])

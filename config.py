@@ -65,7 +65,7 @@ class KVRagConfig:
     gpu_cache: str | None = None
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
-    chat_cache: str = "1GiB"  # kept conversation turns and prompt blocks (engine/conversations.py); "0": none
+    chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (engine/prefix_cache.py); "0": none
     # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
     retrieval: str = "auto"
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full

@@ -105,11 +105,17 @@ class Conversations:
                     None, salt=salt)
 
     def replan(self, plan: Plan, find_spans: bool) -> Plan:
-        """A plain prompt cut again at its prefill, where the prefix cache now holds more of it than its head (an
-        exact repeat queued behind the prompt it repeats, whose blocks were cached after it was planned)."""
-        if plan.turn is not None or self.kv.prefix.cached_rows(plan.ids(), plan.salt) <= len(plan.head):
+        """A plain prompt cut again at its prefill, where the prefix cache now holds more of it than its head: an
+        exact repeat (of a follow-up too), or one queued behind the prompt it repeats, whose blocks were cached after
+        it was planned. A follow-up bringing passages keeps its cut (they are blended after its head)."""
+        ids = plan.ids()
+        cached = self.kv.prefix.cached_rows(ids, plan.salt)
+        if cached <= len(plan.head) or (plan.turn is not None and plan.chunks):
             return plan
-        return self._plain(plan.ids(), plan.salt, find_spans)
+        if plan.turn is None:
+            return self._plain(ids, plan.salt, find_spans)
+        head = min(cached, (len(ids) - 1) // self.block * self.block)
+        return Plan(tuple(ids[:head]), (), tuple(ids[head:]), plan.turn, salt=plan.salt)
 
     def _plain(self, ids: list[int], salt: str, find_spans: bool) -> Plan:
         """A plain prompt: cut around its stored passages, or a head up to its last block boundary and a tail."""

@@ -172,7 +172,7 @@ class LLMEngine:
         if seq.prefill_started is None:
             seq.prefill_started = time.perf_counter()
         try:
-            if seq.plan is not None and not req.rag:  # what the prefix cache has gained since it was planned
+            if seq.plan is not None and (not req.rag or not seq.plan.chunks):  # what the cache gained since its plan
                 seq.plan = self.conversations.replan(seq.plan, req.mode in ("blend", "reuse"))
             config = req.blend
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in (req.chunks if seq.plan is None else seq.plan.chunks)]

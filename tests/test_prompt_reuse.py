@@ -331,3 +331,18 @@ def test_cached_blocks_live_in_the_kv_budget_and_give_way_to_new_prompts(corpus)
     assert engine.kv.prefix.cached_rows(list(probe.plan.ids()), "") < cached * 16  # a's blocks made room
     assert engine.sequence_blocks == 0 and engine.free_blocks == total
     engine.kv.pool.allocator.check()
+
+
+def test_an_exact_repeat_of_a_follow_up_is_a_prefix_hit_past_the_turn_it_continues(corpus):
+    """A follow-up continues its kept turn; asked again word for word, its own new turn is in the cache too, and only
+    the rows after its last whole cached block are computed."""
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    first = _run(engine, _request("Who kept the light?", keep_turn=True))
+    answer = prefiller.runtime.tokenizer.decode(first.output, skip_special_tokens=True)
+    history = (("user", "Who kept the light?"), ("assistant", answer))
+    follow = _run(engine, _request(texts[0] + " So who was it?", history=history))
+    assert follow.plan.turn is not None and follow.head_reused >= len(follow.plan.turn.ids) - 16
+    repeat = _run(engine, _request(texts[0] + " So who was it?", history=history))
+    assert repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16 > follow.head_reused
+    torch.testing.assert_close(repeat.first_logits, follow.first_logits, rtol=1e-4, atol=2e-4)

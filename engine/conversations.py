@@ -27,6 +27,7 @@ import torch
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.prefiller import Framing
 from kvrag.engine.prompt_reuse import Piece, PromptSpans, split
+from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.model.chat import ChatPrompts, Turn
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
@@ -148,6 +149,26 @@ class Conversations:
             empty = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
             kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
         return Framing(head, kv, list(plan.tail), plan.pieces, min(exact_rows, len(kv))), hit
+
+    def keep_turn(self, seq: EngineSequence) -> None:
+        """Keep a finished chat turn for a follow-up: its blocks in the prefix cache, its ids here under the
+        conversation's text; only where its rows are its tokens one to one (no dropped ones)."""
+        req, plan = seq.request, seq.plan
+        if seq.offset or seq.attention is not None or seq.prompt_rows != seq.prompt_tokens:
+            return
+        if plan is None:
+            prompts = self.runtime.prompts
+            prompt = [*prompts.preamble_ids, *(i for _, ids in req.chunks for i in ids),
+                      *prompts.build([], req.question).suffix]
+        else:
+            prompt = plan.ids()
+        ids = prompt + seq.output
+        n = min(seq.length, len(ids))  # the last token said has no row yet
+        chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
+        answer = self.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
+        exact = n if seq.exact_rows >= seq.prompt_tokens else seq.exact_rows  # an exact prompt's answer rows are exact
+        self.kv.prefix.insert(ids[:n], seq.table.blocks, req.salt, exact)  # its blocks stay, found by their ids
+        self.keep(req.history, (req.last_role, req.question), answer, ids, chunk_ids, req.salt, exact)
 
     def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
              chunk_ids: frozenset[str], salt: str = "", exact_rows: int = 0) -> None:

@@ -223,12 +223,15 @@ class LLMEngine:
                                 "blended_cached_tokens": max(0, seq.head_reused - seq.head_exact)}
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
+            hit, seq.hit = seq.hit, []  # kept past a finish at the first token, for the cache below
             self._emit(seq, self._choose(seq, pre.logits))
+            seq.hit = hit
         admitted = self._admit(seq)
         self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
         for chunk_id, passage in admitted:  # its record once its KV is in: a record never names missing KV
             self.keeper.recorded(ChunkTable(self.prefiller.source.env), chunk_id, passage, seq.request.salt)
-        if seq.is_finished:  # a stop token or a one-token answer: nothing to decode
+        if seq.is_finished:  # a stop token or a one-token answer: nothing to decode, its prompt cached all the same
+            self._cache_finished(seq, pre)
             return
         if req.kv_tokens and pre.attention is not None:  # a decode-time budget: the prompt is cut to it first
             self._release_hit(seq)  # its rows may move: the cached blocks are copied like the rest
@@ -320,7 +323,7 @@ class LLMEngine:
             self.prefilling = None  # its cache goes with the job
         self._release_hit(seq)
         if seq.request.keep_turn and reason in ("stop", "length") and seq.table is not None:
-            self._keep_turn(seq)
+            self.conversations.keep_turn(seq)
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
@@ -342,24 +345,18 @@ class LLMEngine:
                 admitted.append((chunk_id, passage))
         return admitted
 
-    def _keep_turn(self, seq: Sequence) -> None:
-        """Keep a finished chat turn's ids and pool rows for a follow-up (engine/conversations.py): only where its
-        rows are its tokens one to one (no dropped ones)."""
-        req, plan = seq.request, seq.plan
-        if seq.offset or seq.attention is not None or seq.prompt_rows != seq.prompt_tokens:
-            return
-        if plan is None:
-            suffix = self.prefiller.runtime.prompts.build([], req.question).suffix
-            prompt = [*self.prefiller.runtime.prompts.preamble_ids, *(i for _, ids in req.chunks for i in ids), *suffix]
-        else:
-            prompt = plan.ids()
-        ids = prompt + seq.output
-        n = min(seq.length, len(ids))  # the last token said has no row yet
-        chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan and plan.turn else frozenset())
-        answer = self.prefiller.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
-        exact = n if seq.exact_rows >= seq.prompt_tokens else seq.exact_rows  # an exact prompt's answer rows are exact
-        self.kv.prefix.insert(ids[:n], seq.table.blocks, req.salt, exact)  # its blocks stay, found by their ids
-        self.conversations.keep(req.history, (req.last_role, req.question), answer, ids, chunk_ids, req.salt, exact)
+    def _cache_finished(self, seq: Sequence, pre: Prefilled) -> None:
+        """A prompt answered at its first token: its blocks into the pool and the prefix cache where there is room
+        without preempting anyone, then its table freed (the cache keeps its own references)."""
+        if seq.plan is None or pre.offset or pre.cache.length != seq.prompt_tokens:
+            return self._release_hit(seq)
+        try:
+            table = self.kv.admit(pre.cache, pre.cache.length, seq.hit)
+        except OutOfBlocks:
+            return self._release_hit(seq)
+        seq.hit = []
+        self.kv.prefix.insert(seq.plan.ids(), table.blocks, seq.request.salt, seq.exact_rows)
+        self.kv.free(table)
 
     def _release_hit(self, seq: Sequence) -> None:
         """Give back the prefix cache's blocks a sequence matched but no table of its took."""

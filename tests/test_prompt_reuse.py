@@ -346,3 +346,17 @@ def test_an_exact_repeat_of_a_follow_up_is_a_prefix_hit_past_the_turn_it_continu
     repeat = _run(engine, _request(texts[0] + " So who was it?", history=history))
     assert repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16 > follow.head_reused
     torch.testing.assert_close(repeat.first_logits, follow.first_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_a_prompt_answered_at_its_first_token_is_cached_all_the_same(corpus):
+    """A one-token answer never decodes, yet its prompt's blocks go into the pool's cache: its repeat is a hit."""
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    one = _request(_client_prompt(texts[:2]), mode="full")
+    from dataclasses import replace
+    one = replace(one, sampling=SamplingConfig(max_tokens=1))
+    first = _run(engine, one)
+    repeat = _run(engine, one)
+    assert first.head_reused == 0 and repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16
+    assert engine.sequence_blocks == 0
+    torch.testing.assert_close(repeat.first_logits, first.first_logits, rtol=1e-4, atol=2e-4)

@@ -42,7 +42,7 @@ $(TEST_MODELS): $(STAMP)
 TEST_WORKERS ?= 2
 TEST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP) $(TEST_MODELS)
-	$(BIN)/python -m pytest -q $(TEST_ARGS)
+	$(BIN)/python -m pytest -q $(TEST_ARGS) --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(TEST_ARGS) -m "not real_model and not slow"

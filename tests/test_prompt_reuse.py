@@ -3,6 +3,8 @@ against a full prefill of the same prompt; the prefix cache over plain prompts' 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -352,9 +354,7 @@ def test_a_prompt_answered_at_its_first_token_is_cached_all_the_same(corpus):
     """A one-token answer never decodes, yet its prompt's blocks go into the pool's cache: its repeat is a hit."""
     env, prefiller, texts = corpus
     engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
-    one = _request(_client_prompt(texts[:2]), mode="full")
-    from dataclasses import replace
-    one = replace(one, sampling=SamplingConfig(max_tokens=1))
+    one = replace(_request(_client_prompt(texts[:2]), mode="full"), sampling=SamplingConfig(max_tokens=1))
     first = _run(engine, one)
     repeat = _run(engine, one)
     assert first.head_reused == 0 and repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16

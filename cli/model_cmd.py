@@ -205,3 +205,4 @@ def check(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DE
         print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}); questions are answered "
               "with full prefill", file=sys.stderr)
         raise typer.Exit(1)
+    print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule", file=sys.stderr)

@@ -161,6 +161,7 @@ def test_model_check_cli_table(tiny_llama_dir, tmp_path, monkeypatch, capsys):
                                       str(tiny_llama_dir), "--dtype", "float32")
     assert code == 0, err
     assert all(name in err for name in ("blend_ratio_1", "reuse_at_own_position", "confident_prompts", "mean_kl"))
+    assert f"blends with the '{DEFAULT_SELECTION}' selection rule" in err  # the rule it passed with
 
 
 def test_model_check_cli_fails_with_one_line(tiny_llama_dir, tmp_path, monkeypatch, capsys, broken_rotary):

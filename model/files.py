@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import os
 import shutil
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +163,8 @@ def _cached_digest(f: Path) -> str:
     if key not in memo:
         memo[key] = file_digest(f)
         memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_suffix(".tmp")
+        # a name of its own per writer: two processes or threads writing the memo at once must not rename each other's
+        tmp = memo_file.with_name(f".digests.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(memo))
         tmp.replace(memo_file)
     return memo[key]

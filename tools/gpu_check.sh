@@ -54,10 +54,9 @@ part() {  # part NAME CAP: one part, killed at CAP seconds (its JSON so far stay
 }
 
 # Caps: 45 + 30 + 60 + 45 + 170 + 60 + 100 = 510 s with the setup, inside the call's 540.
-part peaks 30
-part kernels 60
-part graphs 45
-part e2e-8b 170
-part e2e-smol 60
-part tests 100
+# GPU_CHECK_PARTS="tests" reruns some parts alone (a second call, after a fix, on what is left of the device time).
+PARTS=" ${GPU_CHECK_PARTS:-peaks kernels graphs e2e-8b e2e-smol tests} "
+for spec in peaks:30 kernels:60 graphs:45 e2e-8b:170 e2e-smol:60 tests:100; do
+  [[ $PARTS == *" ${spec%%:*} "* ]] && part "${spec%%:*}" "${spec##*:}"
+done
 $PY -m kvrag.bench.gpu_check summary --out "$OUT" --folder $FOLDER $SMOKE

@@ -56,7 +56,9 @@ class ChunkKVSource(Protocol):
 @dataclass
 class FusionResult:
     logits: torch.Tensor  # [V] at the last prompt position
-    cache: DecodeCache  # every layer's rotated K and V of the whole prompt, ready to decode
+    # every layer's rotated K and V of the whole prompt, ready to decode, but for a paged preamble's rows (left
+    # unwritten: the pool holds them, and the sequence's table takes those blocks as they are)
+    cache: DecodeCache
     selected: torch.Tensor  # chunk-row indices recomputed after the check (all chunk rows: full)
     compute_s: float = 0.0
     wait_s: float = 0.0  # time spent waiting for the loader
@@ -103,9 +105,9 @@ class BlendKV:
 
     def place(self, layer: int, rows: Rows, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         m, pre, loaded = self.model, self.preamble, self.loaded
-        n_pre, n_total = len(pre), self.positions.shape[0]
-        v_all = self.cache.v[layer, :n_total]
-        v_all[:n_pre] = pre.v[layer]
+        n_pre, n_total, n_paged = len(pre), self.positions.shape[0], pre.n_paged
+        v_all = self.cache.v[layer, :n_total]  # rows before n_paged stay unwritten: attend reads them from the pool
+        v_all[n_paged:n_pre] = pre.v[layer]
         if loaded is not None:
             v_all[n_pre:n_pre + loaded[1].shape[0]] = loaded[1]
         v_all[n_pre + rows.index] = new_v
@@ -113,7 +115,7 @@ class BlendKV:
         if self.rotated_source or pre.rotated:  # only the computed rows' keys (and the preamble's) are rotated here
             k_rot = self.cache.k[layer, :n_total]
             if pre.rotated:
-                k_rot[:n_pre] = pre.k[layer]
+                k_rot[n_paged:n_pre] = pre.k[layer]
             else:
                 m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
                               out=k_rot[:n_pre], layer=layer)
@@ -137,7 +139,11 @@ class BlendKV:
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         if self.tap is not None:
             self.tap(layer, q, rows.pos, self.k_rot, self.positions)
-        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions, layer)
+        paged = self.preamble.paged
+        if paged is None:
+            return self.model.attend(q, rows.pos, self.k_rot, self.v, self.positions, layer)
+        n = len(paged)
+        return self.model.attend(q, rows.pos, self.k_rot[n:], self.v[n:], self.positions, layer, paged.layer(layer))
 
 
 class Selector:
@@ -207,6 +213,8 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     `layers`: run the first this-many layers only (a preview's): no logits.
     """
     dev = model.device
+    if tap is not None or keep_rest:  # these read every key from one tensor: the pool's rows are gathered
+        preamble = preamble.dense()
     n_pre, n_rest = len(preamble), int(rest_ids.shape[0])
     n_total = n_pre + n_rest
     positions = torch.arange(n_total, device=dev)

@@ -137,9 +137,10 @@ class Conversations:
         hit, exact_rows = self.kv.prefix.match(head, plan.salt, exact)
         reused = len(hit) * self.block
         kv = None
-        if hit:
-            k, v = self.kv.head_kv(hit)  # [L, reused, Hkv, hd] each, keys rotated: a block stays at its positions
-            kv = LayerKV(list(k.unbind(0)), list(v.unbind(0)), torch.arange(reused), rotated=True)
+        if hit:  # read where the pool holds them (keys rotated: a block stays at its positions), never copied out
+            none = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
+            kv = LayerKV([none] * m.cfg.n_layers, [none] * m.cfg.n_layers, torch.arange(reused), rotated=True,
+                         paged=self.kv.paged_rows(hit))
         if reused < len(head) and extend_head:
             with torch.inference_mode():
                 _, new = extend(m, kv, self.runtime.ids_tensor(head[reused:]))
@@ -190,9 +191,11 @@ class Conversations:
 
 
 def _joined(model, prefix: LayerKV, new: LayerKV) -> LayerKV:
-    """A rotated prefix followed by new rows (keys before rotary): one rotated LayerKV."""
+    """A rotated prefix followed by new rows (keys before rotary): one rotated LayerKV (the prefix's paged rows
+    staying in the pool)."""
     rope = model.positions_cos_sin(new.positions)
     return LayerKV([torch.cat([a, model.rotate_keys(b, new.positions, rope, layer=i)])
                     for i, (a, b) in enumerate(zip(prefix.k, new.k, strict=True))],
                    [torch.cat([a, b]) for a, b in zip(prefix.v, new.v, strict=True)],
-                   torch.cat([prefix.positions.to(new.positions.device), new.positions]), rotated=True)
+                   torch.cat([prefix.positions.to(new.positions.device), new.positions]), rotated=True,
+                   paged=prefix.paged)

@@ -18,6 +18,7 @@ import torch
 
 from kvrag.engine.prefix_cache import PrefixCache
 from kvrag.model.cache import DecodeCache
+from kvrag.model.prefill import PagedRows
 from kvrag.model.transformer import Transformer
 from kvrag.store.tiers.allocator import BlockLayout, BlockTable, OutOfBlocks
 from kvrag.store.tiers.block_pool import BlockPool
@@ -89,11 +90,11 @@ class SequenceKV:
         """Drop references taken on blocks (a prefix hit no table took)."""
         self.pool.allocator.decref(blocks)
 
-    def head_kv(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of whole blocks, in order: K (rotated) and V [L, n * block_size, Hkv, hd] each, a fresh copy."""
-        table = BlockTable(list(blocks), len(blocks) * self.block_size, self.block_size)
-        kv = self.pool.gather([table])  # [L, 2, n, Hkv, hd]
-        return kv[:, 0], kv[:, 1]
+    def paged_rows(self, blocks: list[int]) -> PagedRows:
+        """The rows of whole blocks, in order, where the pool holds them (keys rotated): no copy. The caller holds
+        references on the blocks while it reads them."""
+        k, v = self.layer_views()  # [L, N * B, Hkv, hd] each
+        return PagedRows(k, v, self.rows(BlockTable(list(blocks), len(blocks) * self.block_size, self.block_size)))
 
     def _starts_shared(self, cache: DecodeCache) -> bool:
         if not self.shared:

@@ -16,14 +16,40 @@ import torch.nn.functional as F
 from kvrag.kernels import row_attention
 
 
+@dataclass(frozen=True)
+class PagedKeys:
+    """One layer's first keys where a paged pool holds them (a cached prefix, read in place): the pool's K (rotated)
+    and V rows k, v [N, Hkv, hd] and the rows of keys 0..n-1 in them, slots [n]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.slots.shape[0])
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """These keys gathered before k, v [S', Hkv, hd] -> [n + S', Hkv, hd] each: a copy, for the paths that read
+        keys from one tensor (the twin of the row kernel's paged read)."""
+        return (torch.cat([self.k.index_select(0, self.slots).to(k.dtype), k]),
+                torch.cat([self.v.index_select(0, self.slots).to(v.dtype), v]))
+
+
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
            group: int, attn_dtype: torch.dtype, row_kernel: bool, plans: AttendPlans,
-           triton: bool = False) -> torch.Tensor:
+           triton: bool = False, head: PagedKeys | None = None) -> torch.Tensor:
     """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd] at k_pos [S]
     (None: every key visible, as in decoding) -> [R, Hq * hd], in the inputs' or the attention dtype (the caller
     casts). Runs in `attn_dtype`; `row_kernel`: the native row kernel serves this model (row_kernel_serves);
     `plans`: the caller's memo of what the positions are (read once a prompt) and of key-segment plans; `triton`:
-    scattered rows go through the Triton rows kernel (on a GPU; on a CPU only under TRITON_INTERPRET, to test it)."""
+    scattered rows go through the Triton rows kernel (on a GPU; on a CPU only under TRITON_INTERPRET, to test it).
+    `head`: the first keys are in a paged pool (k, v hold those after them; k_pos counts them all): the row kernel
+    reads them there, every other path from a gathered copy."""
+    if head is not None:
+        out = _attend_paged(q, q_pos, k, v, k_pos, row_kernel, plans, head)
+        if out is not None:
+            return out
+        k, v = head.join(k, v)
     if k_pos is None and q.shape[0] <= FEW_ROWS:
         return attend_few_rows(q, k, v, group)  # a decode step
     shape = None if k_pos is None else plans.shape(q_pos, k_pos)
@@ -67,6 +93,18 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         mask = k_pos.to(q.device)[None, :] <= q_pos.to(q.device)[:, None]  # [R, S]
         out = sdpa(qh, kh, vh, attn_mask=mask)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
+
+
+def _attend_paged(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
+                  row_kernel: bool, plans: AttendPlans, head: PagedKeys) -> torch.Tensor | None:
+    """`attend` over a paged head through the row kernel, where it serves ([R, Hq * hd] float32), else None."""
+    if not row_kernel or k_pos is None or k.dtype not in (torch.float32, torch.bfloat16) or head.k.dtype != k.dtype:
+        return None
+    shape = plans.shape(q_pos, k_pos)
+    if not (shape.sorted_q and shape.arange_k and 0 <= shape.q_first and shape.q_last < k_pos.shape[0]):
+        return None
+    out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
+    return out.view(q.shape[0], -1)
 
 
 def attend_window(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,

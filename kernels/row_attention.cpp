@@ -11,7 +11,10 @@
 //   q    [R, Hq, D]        queries, rotated, float32 or (with bfloat16 keys) bfloat16; Hq = Hkv * group, query
 //                          head h reads KV head h / group
 //   pos  [R]               int64 absolute positions, non-decreasing, each < the number of keys
-//   k, v [S, Hkv, D]        rotated keys and values, float32 or bfloat16 (the decode cache's own tensors)
+//   k, v [S, Hkv, D]        rotated keys and values, float32 or bfloat16 (the decode cache's own tensors); or,
+//                          where a cached prefix stays in the paged pool, its n_head keys there (hk, hv [slots,
+//                          Hkv, D] through slots [n_head]) and the other S - n_head here: the first pass reads
+//                          each key where it lies, so a prefix hit is never copied out of the pool
 //   out  [R, Hq, D]        float32
 // and two workspaces the caller allocates, which a first pass fills (in parallel, by key block):
 //   kt   [Hkv, S_pad / 64, D, 64]  float32 keys transposed per block of 64, so 16 keys load as one vector; for
@@ -258,10 +261,25 @@ void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBl
   }
 }
 
-// Keys and values of key blocks b0 .. b1-1, every head, from [S, Hkv, D] (float32 or bf16) into kt and vt. With
+// Where the keys are: the first n_head in a paged pool (hk, hv [slots, Hkv, D], key i at row slots[i]: a cached
+// prefix read where it lies), the rest contiguous in k, v [S - n_head, Hkv, D].
+template <typename T>
+struct KeyRows {
+  const T* hk;
+  const T* hv;
+  const int64_t* slots;
+  int64_t n_head;
+  const T* k;
+  const T* v;
+  int64_t row(int64_t key) const { return key < n_head ? slots[key] : key - n_head; }
+  const T* k_at(int64_t key) const { return key < n_head ? hk : k; }
+  const T* v_at(int64_t key) const { return key < n_head ? hv : v; }
+};
+
+// Keys and values of key blocks b0 .. b1-1, every head, from `keys` (float32 or bf16) into kt and vt. With
 // key_pairs, the bf16 keys go into kt as they are, two dimensions to a 32-bit lane ([D / 2, 64] panels).
 template <typename T>
-void pack_blocks(const T* k, const T* v, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, void* kt,
+void pack_blocks(const KeyRows<T>& keys, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, void* kt,
                  float* vt, bool key_pairs, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t h = 0; h < n_kv_heads; ++h) {
@@ -278,8 +296,9 @@ void pack_blocks(const T* k, const T* v, int64_t n_keys, int64_t n_kv_heads, int
             for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = 0.0f;
           continue;
         }
-        const T* krow = k + (key * n_kv_heads + h) * d;
-        const T* vrow = v + (key * n_kv_heads + h) * d;
+        const int64_t at = (keys.row(key) * n_kv_heads + h) * d;
+        const T* krow = keys.k_at(key) + at;
+        const T* vrow = keys.v_at(key) + at;
         for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = to_float(vrow[e]);  // contiguous: vectorised
         if (key_pairs) {
           uint32_t pair;
@@ -312,23 +331,31 @@ void parallel_items(int64_t n, int n_threads, Fn fn) {
 }  // namespace
 
 // qk_bf16: q holds bfloat16 values (as k does) and the CPU has AVX512_BF16, so kt is the pair layout (see score_tile).
+// The first n_head keys (0: none) are read from a paged pool at hk, hv through slots (see KeyRows); n_keys counts them.
 extern "C" int kvrag_row_attention(const void* q, int qk_bf16, const int64_t* pos, const void* k, const void* v,
+                                   const void* hk, const void* hv, const int64_t* slots, int64_t n_head,
                                    int k_is_bf16, int64_t n_keys, void* kt, float* vt, float* out, int64_t n_rows,
                                    int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                    int n_threads) {
   if (head_dim % 64 || n_kv_heads <= 0 || n_q_heads % n_kv_heads) return 1;
+  if (n_head < 0 || n_head > n_keys || (n_head > 0 && !slots)) return 3;
   if (qk_bf16 && !k_is_bf16) return 2;
   if (n_rows == 0) return 0;
   const int64_t key_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock, s_pad = key_blocks * kKeyBlock;
   const int64_t per_item = 8;  // key blocks packed per work item
   parallel_items((key_blocks + per_item - 1) / per_item, n_threads, [&](int64_t i) {
     const int64_t b0 = i * per_item, b1 = std::min(b0 + per_item, key_blocks);
-    if (k_is_bf16)
-      pack_blocks(static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), n_keys, n_kv_heads, head_dim,
-                  s_pad, kt, vt, qk_bf16, b0, b1);
-    else
-      pack_blocks(static_cast<const float*>(k), static_cast<const float*>(v), n_keys, n_kv_heads, head_dim, s_pad,
-                  kt, vt, false, b0, b1);
+    if (k_is_bf16) {
+      using T = uint16_t;
+      const KeyRows<T> keys{static_cast<const T*>(hk), static_cast<const T*>(hv), slots, n_head,
+                            static_cast<const T*>(k), static_cast<const T*>(v)};
+      pack_blocks(keys, n_keys, n_kv_heads, head_dim, s_pad, kt, vt, qk_bf16, b0, b1);
+    } else {
+      using T = float;
+      const KeyRows<T> keys{static_cast<const T*>(hk), static_cast<const T*>(hv), slots, n_head,
+                            static_cast<const T*>(k), static_cast<const T*>(v)};
+      pack_blocks(keys, n_keys, n_kv_heads, head_dim, s_pad, kt, vt, false, b0, b1);
+    }
   });
   const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, scale, qk_bf16 != 0};
   const int64_t blocks = (pb.virtual_rows() + kBlockRows - 1) / kBlockRows;

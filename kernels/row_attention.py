@@ -26,16 +26,25 @@ def supports(head_dim: int) -> bool:
 
 
 def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bf16_dot: bool | None = None) -> torch.Tensor:
+                  bf16_dot: bool | None = None, head=None) -> torch.Tensor:
     """Attention of queries q [R, Hq, D] at sorted positions q_pos [R] over rotated keys k and values v
     [S, Hkv, D] at positions 0..S-1: a row at position p sees exactly keys 0..p. float32 out, [R, Hq, D].
 
     bf16_dot (default: where it can) takes Q K^T two dimensions per instruction with AVX512_BF16, for bfloat16
-    q and k: the products are exact, so it differs from float32 only in the order of the sums."""
+    q and k: the products are exact, so it differs from float32 only in the order of the sums.
+    `head` (kernels/attention.PagedKeys, k's dtype): the first len(head) keys, read in place from a paged pool; k
+    and v then hold the keys after them."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the row-attention kernel is not available here")
+    n_head = 0 if head is None else len(head)
+    if head is not None and (k.dtype not in (torch.float32, torch.bfloat16) or head.k.dtype != k.dtype
+                             or head.v.dtype != v.dtype or not head.k.is_contiguous()
+                             or not head.v.is_contiguous() or head.k.shape[1:] != k.shape[1:]):
+        raise ValueError("a paged head must be contiguous pool rows of the keys' dtype and heads")
+    slots = None if head is None else head.slots.to(torch.int64).contiguous()
     s, n_kv, d = k.shape
+    s += n_head
     n_rows, n_q = q.shape[:2]
     if n_rows and not 0 <= int(q_pos[0]) <= int(q_pos[-1]) < s:  # the kernel reads keys up to the last position
         raise ValueError(f"query positions {int(q_pos[0])}..{int(q_pos[-1])} lie outside keys 0..{s - 1}")
@@ -54,7 +63,9 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     q = q.to(torch.bfloat16 if pairs else torch.float32).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
-    rc = kernel(q.data_ptr(), int(pairs), pos.data_ptr(), k.data_ptr(), v.data_ptr(), int(dtype == torch.bfloat16),
+    hk, hv = (None, None) if head is None else (head.k.data_ptr(), head.v.data_ptr())
+    rc = kernel(q.data_ptr(), int(pairs), pos.data_ptr(), k.data_ptr(), v.data_ptr(), hk, hv,
+                None if slots is None else slots.data_ptr(), n_head, int(dtype == torch.bfloat16),
                 s, kt.data_ptr(), vt.data_ptr(), out.data_ptr(), n_rows, n_q, n_kv, d, d ** -0.5,
                 torch.get_num_threads())
     if rc:
@@ -76,6 +87,7 @@ def bf16_dot_serves(dtype: torch.dtype) -> bool:
 @lru_cache(maxsize=1)
 def _kernel():
     return native.function("kvrag_row_attention", ctypes.c_int,
-                           [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64]
+                           [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+                           + [ctypes.c_int, ctypes.c_int64]
                            + [ctypes.c_void_p] * 3
                            + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int])

@@ -131,8 +131,8 @@ class GrowingKV:
         self.new_k.append(k)
         self.new_v.append(v)
         k_rot = self.model.rotate_keys(k, rows.pos, rows.rope, layer=layer)
-        if self.prefix is not None:
-            p = self.prefix
+        p = self.prefix
+        if p is not None and p.k[layer].shape[0]:  # a paged prefix's own rows stay in the pool (attend reads them)
             prefix_k = p.k[layer].to(self.model.dtype) if p.rotated else \
                 self.model.rotate_keys(p.k[layer], self.prefix_pos, self.prefix_rope, layer=layer)
             k_rot = torch.cat([prefix_k, k_rot])
@@ -140,7 +140,8 @@ class GrowingKV:
         self.k_rot, self.v = k_rot, v
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
-        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos, layer)
+        head = None if self.prefix is None or self.prefix.paged is None else self.prefix.paged.layer(layer)
+        return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos, layer, head)
 
 
 def full_forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -266,22 +266,27 @@ class Transformer:
         return rotary.rotate(k.to(self.dtype), cos, sin, out)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               k_pos: torch.Tensor | None, layer: int | None = None) -> torch.Tensor:
+               k_pos: torch.Tensor | None, layer: int | None = None,
+               head: attention.PagedKeys | None = None) -> torch.Tensor:
         """Attention of queries q [R, Hq, hd] at q_pos [R] over rotated keys k and values v [S, Hkv, hd].
 
         A query at position p sees exactly the keys at positions <= p (absolute-position mask,
         never a bottom-right-aligned one). k_pos None means every key is visible (decoding).
         Runs in `attention_dtype` (float32 for bf16 on a CPU without AMX); returns [R, Hq * hd] in the model's dtype.
         `layer` picks the layer's sliding window, where the model has one (it may be None when all layers agree).
+        `head`: the first keys stay in a paged pool (a cached prefix), k and v holding the rest.
         """
         window = self.cfg.window(layer)
+        if head is not None and (self.is_gemma or window is not None):  # these paths read one tensor of keys
+            k, v = head.join(k, v)
+            head = None
         if self.is_gemma:
             return gemma.attend(self.cfg, q, q_pos, k, v, k_pos, window).to(self.dtype)
         if window is not None:
             return attention.attend_window(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
                                            window).to(self.dtype)
         return attention.attend(q, q_pos, k, v, k_pos, self.cfg.group_size, self.attention_dtype,
-                                self.uses_row_kernel(), self.attend_plans, self.triton).to(self.dtype)
+                                self.uses_row_kernel(), self.attend_plans, self.triton, head).to(self.dtype)
 
     def attend_latest(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """A decode step's attention: q [R, Hq, hd] after every key k, v [S, Hkv, hd], the last being its own row

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrag.kernels import attention, fp16_to_bf16, native, row_attention
 from kvrag.kernels import decode_step as native_decode
-from kvrag.kernels import fp16_to_bf16, native, row_attention
-from kvrag.kernels.attention import attend_few_rows
+from kvrag.kernels.attention import PagedKeys, attend_few_rows
 from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.model.files import resolve_model
 from kvrag.model.generate import prefill
@@ -62,6 +62,52 @@ def test_causal_rows_equal_sdpa_causal():
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+
+
+def _paged(k, v, n_head, seed):
+    """The first n_head keys of k, v scattered over a larger pool's rows in a random order: (PagedKeys, rest k, v)."""
+    g = torch.Generator().manual_seed(seed)
+    pool_k = torch.full((3 * n_head + 5, *k.shape[1:]), float("nan"), dtype=k.dtype)  # unread rows stay NaN
+    pool_v = pool_k.clone()
+    slots = torch.randperm(pool_k.shape[0], generator=g)[:n_head]
+    pool_k[slots], pool_v[slots] = k[:n_head], v[:n_head]
+    return PagedKeys(pool_k, pool_v, slots), k[n_head:], v[n_head:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,keys,n_head", [(1, 200, 199), (7, 100, 64), (40, 700, 333), (16, 48, 48), (5, 90, 1)])
+def test_a_paged_head_reads_as_the_same_keys_contiguous(dtype, rows, keys, n_head):
+    """The first keys read from pool rows through slots give what the same keys contiguous give, bit for bit (the
+    kernel's first pass copies each key into the same workspace place either way), and the joined copy (the torch
+    paths' twin) is those very keys."""
+    q, q_pos, k, v = _case(rows * keys, rows, keys, 9, 3, 64, dtype)
+    q = q.to(dtype)
+    head, k_rest, v_rest = _paged(k, v, n_head, rows)
+    got = row_attention.row_attention(q, q_pos, k_rest, v_rest, bf16_dot=False, head=head)
+    torch.testing.assert_close(got, row_attention.row_attention(q, q_pos, k, v, bf16_dot=False), rtol=0, atol=0)
+    joined = head.join(k_rest, v_rest)
+    assert torch.equal(joined[0], k) and torch.equal(joined[1], v)
+    torch.testing.assert_close(got.double(), _reference(q.float(), q_pos, k, v), rtol=1e-5, atol=2e-6)
+
+
+def test_attend_over_a_paged_head_matches_the_contiguous_keys_on_every_path():
+    """`attend` with a paged head: through the row kernel, and through SDPA's paths (which read the joined copy),
+    each against the same keys given contiguous."""
+    q, q_pos, k, v = _case(9, 60, 900, 9, 3, 64)
+    head, k_rest, v_rest = _paged(k, v, 512, 9)
+    k_pos = torch.arange(900)
+    for row_kernel in (True, False):
+        want = attention.attend(q, q_pos, k, v, k_pos, 3, torch.float32, row_kernel, attention.AttendPlans())
+        got = attention.attend(q, q_pos, k_rest, v_rest, k_pos, 3, torch.float32, row_kernel,
+                               attention.AttendPlans(), head=head)
+        torch.testing.assert_close(got, want, rtol=0 if row_kernel else 1e-6, atol=0 if row_kernel else 1e-6)
+
+
+def test_a_paged_head_of_another_dtype_is_refused():
+    q, q_pos, k, v = _case(3, 4, 100, 9, 3, 64)
+    head, k_rest, v_rest = _paged(k.bfloat16(), v.bfloat16(), 50, 3)
+    with pytest.raises(ValueError, match="paged head"):
+        row_attention.row_attention(q, q_pos, k_rest.float(), v_rest.float(), head=head)
 
 
 def test_bf16_keys_and_values_read_as_their_float32_values():

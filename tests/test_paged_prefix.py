@@ -1,0 +1,67 @@
+"""A prefix-cache hit read where the pool holds it (engine/kv_pool.paged_rows): a chat's follow-up and an exact repeat
+attend over the cached blocks in place, and give the first token a full prefill of the same prompt gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.blend.config import BlendConfig
+from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.sequence import Request
+from kvrag.kernels.attention import PagedKeys
+from kvrag.model.generate import SamplingConfig
+from kvrag.model.runtime import Runtime
+from kvrag.store.env import StoreEnv
+
+SYSTEM = "You are a careful assistant for the harbour archive. Answer in one sentence and say so when you do not know."
+TURNS = ["Who kept the light on the north pier in the winter of the great storm, and for how long did they stay?",
+         "And who came after them, and what did they change about the way the lamp was trimmed each evening?"]
+
+
+def _run(engine: LLMEngine, request: Request):
+    seq = engine.add(request)
+    while not seq.done.is_set():
+        engine.step()
+    return seq
+
+
+def _chat(question: str, history=(), mode: str = "blend") -> Request:
+    return Request(question, (), mode, BlendConfig(), RatioPolicy.parse("auto", "ratio"),
+                   sampling=SamplingConfig(max_tokens=6), rag=False, keep_first_logits=True, keep_turn=True,
+                   history=(("system", SYSTEM), *history))
+
+
+@pytest.fixture(params=["tiny_llama_hd64_dir", "tiny_llama_dir"])
+def prefiller(request, tmp_path):
+    """hd64: the row kernel reads the pool in place (where this CPU has it); the other: SDPA over the gathered copy."""
+    runtime = Runtime.load(str(request.getfixturevalue(request.param)), "float32")
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    yield Prefiller.open(runtime, env)
+    env.close()
+
+
+def test_a_follow_up_and_a_repeat_read_the_cached_turn_in_place(prefiller, monkeypatch):
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    first = _run(engine, _chat(TURNS[0]))
+    answer = prefiller.runtime.tokenizer.decode(first.output, skip_special_tokens=True)
+    history = (("user", TURNS[0]), ("assistant", answer))
+    joins = []
+    join = PagedKeys.join
+    monkeypatch.setattr(PagedKeys, "join", lambda self, k, v: joins.append(len(self)) or join(self, k, v))
+    follow = _run(engine, _chat(TURNS[1], history))
+    repeat = _run(engine, _chat(TURNS[1], history))
+    monkeypatch.undo()
+    assert follow.head_reused > 0 and repeat.head_reused >= repeat.prompt_tokens - 16
+    if prefiller.runtime.model.uses_row_kernel():
+        assert joins == []  # every paged read in the kernel: nothing gathered out of the pool
+    else:
+        assert joins  # the torch paths' twin: the gathered copy
+    alone = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0, prompt_spans=False))
+    reference = _run(alone, _chat(TURNS[1], history, mode="full"))
+    assert reference.head_reused == 0 and reference.prompt_tokens == follow.prompt_tokens
+    for seq in (follow, repeat):
+        torch.testing.assert_close(seq.first_logits, reference.first_logits, rtol=1e-4, atol=2e-4)
+        assert seq.output == reference.output

@@ -89,17 +89,19 @@ class PrefixCache:
                 if held is not None and (held.exact or not exact):
                     self._entries.move_to_end(keys[i])
                     continue
+                if self.allocator.is_cached(blocks[i]) and (held is None or held.block != blocks[i]):
+                    continue  # cached under another key already: one entry a block
                 if held is not None:
-                    self.allocator.decref([held.block])
+                    self._drop(held)
                 self.allocator.incref([blocks[i]])
+                self.allocator.mark_cached(blocks[i], True)
                 self._entries[keys[i]] = Entry(blocks[i], exact)
                 self._entries.move_to_end(keys[i])
             self._trim()
 
     def evictable(self) -> int:
-        """Cached blocks no sequence holds: what the allocator may take back."""
-        with self._lock:
-            return sum(1 for e in self._entries.values() if self.allocator.refcount(e.block) == 1)
+        """Cached blocks no sequence holds: what the allocator may take back (a count the allocator keeps)."""
+        return self.allocator.cached_alone
 
     def evict(self, n: int) -> int:
         """Give back up to `n` evictable blocks to the free list, least recently used first; how many it freed."""
@@ -114,7 +116,7 @@ class PrefixCache:
             entry = self._entries[key]
             if self.allocator.refcount(entry.block) == 1:
                 del self._entries[key]
-                self.allocator.decref([entry.block])
+                self._drop(entry)
                 freed += 1
         return freed
 
@@ -122,4 +124,9 @@ class PrefixCache:
         """Past max_blocks, drop the least recently used entries (their blocks free once no sequence holds them)."""
         while len(self._entries) > self.max_blocks:
             _, entry = self._entries.popitem(last=False)
-            self.allocator.decref([entry.block])
+            self._drop(entry)
+
+    def _drop(self, entry: Entry) -> None:
+        """Give back the cache's reference on an entry's block (taken out of the index by the caller)."""
+        self.allocator.mark_cached(entry.block, False)
+        self.allocator.decref([entry.block])

@@ -50,8 +50,11 @@ def test_blocks_are_evictable_once_no_sequence_holds_them_and_go_least_recently_
     allocator.decref(a + b)  # the sequences finish
     assert cache.evictable() == 4 and allocator.num_free == 4
     cache.match([1] * 8, "", exact=False)  # a is used again: b is now the least recent
+    assert cache.evictable() == 2  # a's blocks are held again
+    allocator.check()  # the count kept as references change agrees with a scan
     allocator.decref(a)
-    assert cache.evict(2) == 2 and allocator.num_free == 6
+    assert cache.evict(2) == 2 and allocator.num_free == 6 and cache.evictable() == 2
+    allocator.check()
     assert cache.cached_rows([2] * 8, "") == 0 and cache.cached_rows([1] * 8, "") == 8
     # within a prompt the tail goes before the head
     assert cache.evict(1) == 1 and cache.cached_rows([1] * 8, "") == 4
@@ -70,4 +73,18 @@ def test_an_exact_block_replaces_a_blended_one_and_the_bound_holds():
     more = allocator.allocate(3)
     cache.insert([6] * 12, more, "", 12)
     assert len(cache) == 2  # the bound: the least recent entries dropped
+    allocator.check()
     assert PrefixCache(allocator, B, 0).insert([7] * 4, allocator.allocate(1), "", 4) is None  # 0: caching off
+
+
+def test_a_block_is_cached_under_one_key():
+    """A table inserted again under other ids (a turn kept with its answer, say) leaves a block already cached where
+    it is: one entry, one reference of the cache's, so the count of evictable blocks stays right."""
+    allocator, cache = _cache()
+    table = allocator.allocate(2)
+    cache.insert([1] * 8, table, "", 8)
+    cache.insert([2] * 8, table, "", 8)
+    assert len(cache) == 2 and [allocator.refcount(b) for b in table] == [2, 2]
+    allocator.decref(table)
+    assert cache.evictable() == 2 and cache.cached_rows([2] * 8, "") == 0
+    allocator.check()

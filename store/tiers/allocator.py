@@ -96,6 +96,10 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are handed out first
         self._refs = [0] * num_blocks
+        # blocks a cache holds a reference on (engine/prefix_cache.py), and how many of them nothing else holds:
+        # what the cache could give back, counted as references change rather than by a scan
+        self._cached = [False] * num_blocks
+        self.cached_alone = 0
 
     @property
     def num_free(self) -> int:
@@ -121,7 +125,19 @@ class BlockAllocator:
         for b in blocks:
             if self._refs[b] < 1:
                 raise ValueError(f"block {b} is free; only a held block can be shared")
+            self.cached_alone -= self._cached[b] and self._refs[b] == 1
             self._refs[b] += 1
+
+    def mark_cached(self, block: int, cached: bool) -> None:
+        """Say that a cache holds (or no longer holds) one of the block's references: a held block's reference
+        taken by the cache just before, or given back just after."""
+        if self._refs[block] < 1 or self._cached[block] == cached:
+            raise ValueError(f"block {block}: cached is {self._cached[block]} with {self._refs[block]} references")
+        self._cached[block] = cached
+        self.cached_alone += (1 if cached else -1) * (self._refs[block] == 1)
+
+    def is_cached(self, block: int) -> bool:
+        return self._cached[block]
 
     def decref(self, blocks: Iterable[int]) -> list[int]:
         """Drop one reference from each block; returns the blocks that became free."""
@@ -130,6 +146,7 @@ class BlockAllocator:
             if self._refs[b] < 1:
                 raise ValueError(f"block {b} is already free (double free)")
             self._refs[b] -= 1
+            self.cached_alone += self._cached[b] and self._refs[b] == 1
             if self._refs[b] == 0:
                 self._free.append(b)
                 freed.append(b)
@@ -141,3 +158,6 @@ class BlockAllocator:
         assert len(free) == len(self._free), "a block is listed free twice"
         for b, refs in enumerate(self._refs):
             assert (refs == 0) == (b in free), f"block {b}: {refs} references, free={b in free}"
+            assert not (self._cached[b] and refs == 0), f"block {b} is free yet cached"
+        alone = sum(1 for b, refs in enumerate(self._refs) if self._cached[b] and refs == 1)
+        assert alone == self.cached_alone, f"{self.cached_alone} cached blocks counted alone, {alone} are"

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvrag.store.tiers.allocator import BlockAllocator
 
 
@@ -23,9 +25,11 @@ def block_keys(ids: Sequence[int], block_size: int, salt: str = "") -> list[str]
     """One key per whole block of ids, each hashing the salt and every id up to its block's end (vLLM's chained
     block hashes): equal keys mean equal prefixes."""
     digest = hashlib.blake2b(salt.encode(), digest_size=16, person=b"kvrag-prefix")
+    whole = len(ids) // block_size * block_size
+    data = np.asarray(ids[:whole], dtype="<u4").tobytes()  # each id as 4 little-endian bytes, in one pass
     keys = []
-    for end in range(block_size, len(ids) + 1, block_size):
-        digest.update(b"".join(i.to_bytes(4, "little") for i in ids[end - block_size:end]))
+    for end in range(block_size, whole + 1, block_size):
+        digest.update(data[4 * (end - block_size):4 * end])
         keys.append(digest.copy().hexdigest())
     return keys
 

@@ -3,6 +3,8 @@ blended entries, the cache's own reference, eviction least recently used first, 
 
 from __future__ import annotations
 
+import hashlib
+
 from kvrag.engine.prefix_cache import PrefixCache, block_keys
 from kvrag.store.tiers.allocator import BlockAllocator
 
@@ -21,6 +23,10 @@ def test_keys_chain_every_id_before_them_and_the_salt():
     assert block_keys(ids[:8], B) == keys  # a prefix's keys are the prompt's first ones
     assert block_keys([99, *ids[1:]], B)[1] != keys[1]  # a different first id changes every later key
     assert block_keys(ids, B, salt="alice") != keys
+    # by hand: the salt, then each block's ids as 4 little-endian bytes, chained
+    digest = hashlib.blake2b(b"", digest_size=16, person=b"kvrag-prefix")
+    digest.update(bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
+    assert keys[0] == digest.hexdigest()
 
 
 def test_a_match_takes_a_reference_and_stops_at_the_first_missing_or_blended_block():

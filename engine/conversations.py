@@ -137,18 +137,16 @@ class Conversations:
         hit, exact_rows = self.kv.prefix.match(head, plan.salt, exact)
         reused = len(hit) * self.block
         kv = None
+        empty = [torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)] * m.cfg.n_layers
         if hit:  # read where the pool holds them (keys rotated: a block stays at its positions), never copied out
-            none = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
-            kv = LayerKV([none] * m.cfg.n_layers, [none] * m.cfg.n_layers, torch.arange(reused), rotated=True,
-                         paged=self.kv.paged_rows(hit))
+            kv = LayerKV(empty, empty, torch.arange(reused), rotated=True, paged=self.kv.paged_rows(hit))
         if reused < len(head) and extend_head:
             with torch.inference_mode():
                 _, new = extend(m, kv, self.runtime.ids_tensor(head[reused:]))
             kv = new if kv is None else _joined(m, kv, new)
             exact_rows = len(head) if exact_rows == reused else exact_rows  # computed over exact rows: exact
         if kv is None:  # nothing reused, and nothing computed before the tail
-            empty = torch.empty(0, m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
-            kv = LayerKV([empty] * m.cfg.n_layers, [empty] * m.cfg.n_layers, torch.arange(0))
+            kv = LayerKV(empty, empty, torch.arange(0))
         return Framing(head, kv, list(plan.tail), plan.pieces, min(exact_rows, len(kv))), hit
 
     def keep_turn(self, seq: EngineSequence) -> None:

@@ -58,7 +58,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             return attend_few_rows(q, k, v, group)  # the last row of a prefill
         q_pos, k_pos = shape.q_pos, shape.k_pos  # over keys with gaps, as remapped (PositionShape)
         scattered = shape.sorted_q and shape.arange_k
-        if row_kernel and scattered and 0 <= shape.q_first and shape.q_last < k_pos.shape[0]:
+        if row_kernel and _row_kernel_takes(shape):
             # causal prefill, a prefill after a cached prefix, or a blend's scattered rows: one kernel for all
             # (it reads the bf16 cache as it is, and wastes no key past a 64-key block; see row_attention.cpp)
             out = row_attention.row_attention(q, q_pos.to(q.device), k, v)  # [R, Hq, hd] float32
@@ -101,10 +101,15 @@ def _attend_paged(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     if not row_kernel or k_pos is None or k.dtype not in (torch.float32, torch.bfloat16) or head.k.dtype != k.dtype:
         return None
     shape = plans.shape(q_pos, k_pos)
-    if not (shape.sorted_q and shape.arange_k and 0 <= shape.q_first and shape.q_last < k_pos.shape[0]):
+    if not _row_kernel_takes(shape):
         return None
     out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
     return out.view(q.shape[0], -1)
+
+
+def _row_kernel_takes(shape: PositionShape) -> bool:
+    """Whether the row kernel computes these positions: sorted rows over keys 0..S-1, each row inside them."""
+    return shape.sorted_q and shape.arange_k and 0 <= shape.q_first and shape.q_last < shape.k_pos.shape[0]
 
 
 def attend_window(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,

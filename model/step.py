@@ -123,7 +123,8 @@ class GrowingKV:
             self.key_pos = positions.to(model.device)
         else:
             self.prefix_pos = prefix.positions.to(model.device)
-            self.prefix_rope = model.positions_cos_sin(prefix.positions)
+            # keys before rotary are rotated at use; a rotated (or paged) prefix needs no rope
+            self.prefix_rope = None if prefix.rotated else model.positions_cos_sin(prefix.positions)
             self.key_pos = torch.cat([self.prefix_pos, positions.to(model.device)])  # [S]
         self.k_rot = self.v = None  # this layer's, between place and attend
 

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-fidelity bench-gpu bench-load gpu-bundle gpu-check test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
 install: $(STAMP)
 
@@ -161,6 +161,11 @@ bench-index: $(STAMP)
 # first-token agreement and KL against full prefill, an exact repeat, and the hit rate over 500 novel questions.
 bench-clients: bench-data $(STAMP)
 	$(BIN)/kvrag bench clients --dataset $(BENCH_DATA) --items 10 --stream 500
+
+# A 12-turn plain chat and 3 exact repeats over the real server: TTFT per turn, cached tokens, rows copied into the
+# KV pool per request, the server's peak memory. About 2 minutes.
+bench-chat: bench-data $(STAMP)
+	$(BIN)/kvrag bench chat --dataset $(BENCH_DATA) --turns 12 --repeats 3
 
 # Selection rules x recompute ratios on MuSiQue report items (about 6k tokens) and RULER-style tasks, against full
 # prefill: first-token agreement, KL, 32-token agreement, TTFT / full, F1; the Pareto plot. Hours on a laptop CPU:

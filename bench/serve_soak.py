@@ -89,12 +89,12 @@ async def _soak(cfg: SoakConfig, server: ServerProcess, windows: int, log: Calla
     return samples
 
 
-def rss_mb(pid: int) -> float:
-    """The process's resident set, from /proc (Linux)."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident set (VmHWM: its peak so far), from /proc (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise KvragError(f"no VmRSS for process {pid}")
+    raise KvragError(f"no {field} for process {pid}")
 
 
 def markdown(report: dict) -> str:

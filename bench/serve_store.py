@@ -9,6 +9,7 @@ their own split's passages and no other's; the release check's items are never r
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -48,6 +49,17 @@ def build_store(work: Path, name: str, items: Sequence[dict], log: Callable[[str
     log("precomputing every chunk's KV (resumes; nothing to do once built)")
     _kvrag(["precompute", "--store", str(store), "--compress" if compress else "--no-compress",
             *model_args(model, dtype)])
+    return store
+
+
+def sample_store(work: Path, model: str | None, dtype: str | None, log: Callable[[str], None]) -> Path:
+    """The repository's sample corpus indexed and precomputed into WORK/store, afresh: a store for a bench whose
+    prompts read none of it (a server keeps clients' passages in its store, which a rerun must not find)."""
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    log(f"store {store}: the sample corpus, indexed and precomputed")
+    _kvrag(["index", str(Path(__file__).parents[1] / "corpus" / "sample"), "--store", str(store), *model_args(model)])
+    _kvrag(["precompute", "--store", str(store), *model_args(model, dtype)])
     return store
 
 

@@ -66,6 +66,10 @@ class _EngineState:
                                 value=engine.free_blocks)
         yield GaugeMetricFamily("kvrag_kv_pool_blocks", "Blocks of the running sequences' KV pool",
                                 value=engine.kv.pool.num_blocks)
+        yield GaugeMetricFamily("kvrag_prefix_cache_blocks", "Pool blocks the prefix cache lists (held or evictable)",
+                                value=len(engine.kv.prefix))
+        yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
+                                  "rows are referenced, not copied)", value=engine.kv.copied_rows)
         hits = GaugeMetricFamily("kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: prefix "
                                  "(reused exactly on a seen chunk sequence), memory (read from a tier)",
                                  labels=["kind"])

@@ -1,0 +1,133 @@
+"""`kvrag bench chat`: a multi-turn plain chat and exact repeats against one `kvrag serve`, as a user's client sends
+them (streamed, the openai client, the whole history each turn, the server's defaults).
+
+Each user turn is `words` words of MuSiQue report passages (items 50-99) and a one-line instruction; the server keeps
+each turn (its prefix cache) and the next turn's history starts with it. Then the last turn is sent again, exactly,
+`repeats` times. Per request: the client's TTFT, prompt and cached tokens (usage), and the prompt rows the server
+copied into its KV pool (its `kvrag_kv_rows_copied` counter, read before and after: a prefix hit's rows are
+referenced, not copied). The report adds the last turn's TTFT over the first's, the repeats' median TTFT, the
+server's peak resident memory and the load average before and after (timings under load are rough).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvrag.bench.serve_load import ask, client
+from kvrag.bench.serve_server import ServerProcess
+from kvrag.bench.serve_soak import rss_mb
+from kvrag.bench.serve_store import model_args
+from kvrag.errors import KvragError
+
+INSTRUCTION = "\nSummarise the above in one line."
+
+
+@dataclass(frozen=True)
+class ChatBenchConfig:
+    store: Path
+    work: Path
+    turns: int = 12
+    words: int = 270
+    repeats: int = 3
+    max_tokens: int = 12
+    model: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.turns, self.words, self.max_tokens) < 1 or self.repeats < 0:
+            raise KvragError("turns, words and max tokens must be positive, repeats at least 0")
+
+
+def user_turns(items: Sequence[dict], turns: int, words: int) -> list[str]:
+    """`turns` user messages of `words` words each, cut in order from the items' passages."""
+    text = " ".join(ctx["text"] for item in items for ctx in item["ctxs"]).split()
+    if len(text) < turns * words:
+        raise KvragError(f"the items hold {len(text)} words, fewer than {turns} turns of {words}")
+    return [" ".join(text[i * words:(i + 1) * words]) + INSTRUCTION for i in range(turns)]
+
+
+def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None]) -> dict:
+    messages = user_turns(items, cfg.turns, cfg.words)
+    load_before = os.getloadavg()
+    with ServerProcess(cfg.store, model_args(cfg.model, cfg.dtype), cfg.work / "logs" / "serve-chat.log") as server:
+        turns, repeats = asyncio.run(_converse(server, messages, cfg, log))
+        peak = rss_mb(server.proc.pid, "VmHWM")
+    good = [t for t in turns + repeats if "error" not in t]
+    first, last = turns[0], turns[-1]
+    return {"schema": "kvrag.bench-chat/1",
+            "config": {**cfg.__dict__, "store": str(cfg.store), "work": str(cfg.work)},
+            "turns": turns, "repeats": repeats, "failed": len(turns) + len(repeats) - len(good),
+            "last_over_first_ttft": last["ttft_s"] / first["ttft_s"] if "error" not in first and "error" not in last else None,
+            "repeat_ttft_p50_s": statistics.median(r["ttft_s"] for r in repeats if "error" not in r)
+            if any("error" not in r for r in repeats) else None,
+            "server_peak_rss_mb": peak, "load_average": {"before": load_before, "after": os.getloadavg()}}
+
+
+async def _converse(server: ServerProcess, messages: list[str], cfg: ChatBenchConfig, log) -> tuple[list, list]:
+    extra = {"k": 0}  # plain chat: no retrieval, whatever the store holds
+    async with client(server.url) as api, httpx.AsyncClient() as http:
+        model = server.model_id()
+        # loads and warms up, as a server that has run a while; two tokens: a one-token answer's prompt is put in the
+        # pool after its stream ends, which the first turn's count would take for its own
+        await ask(api, model, "Hello.", 0, extra, 2)
+        history, turns, repeats = [], [], []
+        for i, message in enumerate(messages):
+            turns.append(await _timed(api, http, server, model, message, history, extra, cfg.max_tokens))
+            log(f"turn {i + 1}: " + _line(turns[-1]))
+            if "error" in turns[-1]:
+                break
+            history += [{"role": "user", "content": message}, {"role": "assistant", "content": turns[-1]["text"]}]
+        for i in range(cfg.repeats if "error" not in turns[-1] else 0):
+            repeats.append(await _timed(api, http, server, model, messages[len(turns) - 1], history[:-2], extra,
+                                        cfg.max_tokens))
+            log(f"repeat {i + 1}: " + _line(repeats[-1]))
+    return turns, repeats
+
+
+async def _timed(api, http, server, model, message, history, extra, max_tokens) -> dict:
+    """One streamed turn, with the rows the server copied into its pool for it."""
+    before = await _rows_copied(http, server.url)
+    result = await ask(api, model, message, 0, extra, max_tokens, list(history))
+    if not result.ok:
+        return {"error": result.error or "no answer"}
+    return {"ttft_s": result.ttft_s, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+            "rows_copied": await _rows_copied(http, server.url) - before, "text": result.text.strip()}
+
+
+async def _rows_copied(http: httpx.AsyncClient, url: str) -> int:
+    """The server's kvrag_kv_rows_copied counter (Prometheus text)."""
+    text = (await http.get(url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("kvrag_kv_rows_copied_total "):
+            return int(float(line.split()[1]))
+    raise KvragError("the server's /metrics has no kvrag_kv_rows_copied_total")
+
+
+def _line(t: dict) -> str:
+    if "error" in t:
+        return t["error"]
+    return (f"TTFT {t['ttft_s']:.3f} s, {t['cached_tokens']}/{t['prompt_tokens']} cached, "
+            f"{t['rows_copied']} rows copied")
+
+
+def markdown(report: dict) -> str:
+    rows = ["| request | prompt tokens | cached | rows copied | TTFT s |", "|---|---|---|---|---|"]
+    named = [(f"turn {i + 1}", t) for i, t in enumerate(report["turns"])]
+    named += [(f"repeat {i + 1}", t) for i, t in enumerate(report["repeats"])]
+    for name, t in named:
+        rows.append(f"| {name} | {t['error']} | | | |" if "error" in t else
+                    f"| {name} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['rows_copied']} | {t['ttft_s']:.3f} |")
+    ratio, repeat = report["last_over_first_ttft"], report["repeat_ttft_p50_s"]
+    load = report["load_average"]
+    rows += ["", f"last turn's TTFT over the first's: {ratio:.2f}" if ratio else "no ratio (a turn failed)",
+             f"exact repeat, median TTFT: {repeat:.3f} s" if repeat is not None else "no repeat served",
+             f"server peak RSS: {report['server_peak_rss_mb']:.0f} MB; load average before "
+             f"{load['before'][0]:.2f}, after {load['after'][0]:.2f}"]
+    return "\n".join(rows)

@@ -1,0 +1,39 @@
+"""`kvrag bench chat` end to end on the tiny random model: a real `kvrag serve`, the real openai client, a plain chat
+of three turns and an exact repeat. Checks what the server reused and copied, never the timings."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+from kvrag.bench.chat import markdown
+from kvrag.tests.conftest import run_cli_in_process
+
+
+def test_bench_chat_reuses_each_turn_and_copies_only_the_rows_after_the_hit(monkeypatch, capsys, tmp_path,
+                                                                             store_copy, tiny_llama_dir):
+    monkeypatch.setenv("KVRAG_THREADS", "1")
+    code, out, err = run_cli_in_process(
+        monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy), "--work", str(tmp_path / "work"),
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--turns", "3", "--words", "40", "--repeats", "2",
+        "--max-tokens", "4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "kvrag.bench-chat/1" and report["failed"] == 0
+    turns, repeats = report["turns"], report["repeats"]
+    assert len(turns) == 3 and len(repeats) == 2
+    for before, turn in pairwise(turns):  # the history so far comes from the prefix cache, whole blocks of it
+        assert turn["prompt_tokens"] > before["prompt_tokens"] and turn["cached_tokens"] >= before["prompt_tokens"] - 16
+    for repeat in repeats:
+        assert repeat["prompt_tokens"] == turns[-1]["prompt_tokens"]
+        assert repeat["cached_tokens"] > repeat["prompt_tokens"] - 16
+    for request in turns + repeats:  # a hit's rows are referenced: only the rows after it go into the pool
+        assert request["rows_copied"] == request["prompt_tokens"] - request["cached_tokens"]
+    assert report["server_peak_rss_mb"] > 0 and report["repeat_ttft_p50_s"] > 0
+    assert "| repeat 2 |" in markdown(report)
+
+
+def test_bench_chat_bad_options_are_one_line(monkeypatch, capsys, tmp_path, store_copy):
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy),
+                                      "--work", str(tmp_path), "--turns", "400", "--words", "5000")
+    assert code != 0 and "fewer than 400 turns" in err and "Traceback" not in err

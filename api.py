@@ -111,6 +111,8 @@ class KVRag:
         return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
                                                  codec=config.codec, native=config.native,
                                                  chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache"),
+                                                 kept_passages_bytes=parse_bytes(str(config.kept_passages),
+                                                                                 "kept_passages"),
                                                  force_full=rule is None, selection=rule or DEFAULT_SELECTION,
                                                  cuda_graphs=config.cuda_graphs))
 
@@ -233,6 +235,7 @@ class KVRag:
     def close(self) -> None:
         """Cancel what is still running, stop the engine and close the store."""
         self.loop.close()
+        self.engine.close()
         if self.engine.conversations.spans is not None:
             self.engine.conversations.spans.close()  # the passage index's fill reads the store
         self.env.close()

@@ -20,6 +20,9 @@ else from its default; nothing below this module reads the environment (home.py 
     gpu_cache        KVRAG_GPU_CACHE        None: 0, or on a GPU a share of its memory (store/tiers/config.py)
     cache_policy     KVRAG_CACHE_POLICY     pgdsf (or gdsf, lru)
     reorder_window   KVRAG_REORDER_WINDOW   8: a waiting question is passed over at most this often (0: FIFO)
+    chat_cache       KVRAG_CHAT_CACHE       1GiB: the most of the KV pool cached prompt blocks may hold (0: none)
+    kept_passages    KVRAG_KEPT_PASSAGES    1GiB: the store's room for passages kept from clients' prompts, the least
+                                            valuable (PGDSF) evicted to make room (0: none kept)
     model_check      KVRAG_MODEL_CHECK      True: blend only a model that passed its blending check (docs/model-check.md;
                                             0: skip the check, for tests and benchmarks that blend on purpose)
     cuda_graphs      KVRAG_CUDA_GRAPHS      False: on a GPU, replay the decode step from CUDA graphs (engine/decode_graphs.py;
@@ -66,6 +69,7 @@ class KVRagConfig:
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (engine/prefix_cache.py); "0": none
+    kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/admission.py)
     # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
     retrieval: str = "auto"
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
@@ -113,6 +117,7 @@ ENVIRONMENT = {
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
     "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
+    "kept_passages": "KVRAG_KEPT_PASSAGES",
     "model_check": "KVRAG_MODEL_CHECK", "retrieval": "KVRAG_RETRIEVAL", "cuda_graphs": "KVRAG_CUDA_GRAPHS",
 }
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);

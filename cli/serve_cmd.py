@@ -38,6 +38,9 @@ def serve_command(
     max_tokens: int = typer.Option(256, "--max-tokens", min=1,
                                    help="Longest answer, in tokens, for a request that names no max_tokens."),
     kv_budget: str = typer.Option("1GiB", "--kv-budget", help="Memory for the running sequences' KV."),
+    kept_passages: str = typer.Option(None, "--kept-passages", envvar="KVRAG_KEPT_PASSAGES",
+                                      help="Store room for passages kept from clients' prompts (stored at their "
+                                           "second sighting; the least valuable make room; 0: none) [default: 1GiB]"),
     grace: float = typer.Option(10.0, "--grace", min=0.0,
                                 help="Seconds running requests get to finish on SIGTERM or Ctrl-C."),
     codec: str = CODEC_OPTION,
@@ -79,7 +82,12 @@ def serve_command(
              kvrag serve --store ./my-store --ray-serve 2     (two replicas behind Ray Serve, routed by chunk)
     """
     path = _checked_store(store, codec, retrieval, kv_budget, host_cache, gpu_cache, cache_policy)
+    if kept_passages is not None:  # a bad size is one line before anything loads
+        from kvrag.store.tiers.config import parse_bytes
+
+        parse_bytes(kept_passages, "--kept-passages")
     options = dict(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
+                   kept_passages=kept_passages,
                    gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
                    keep=keep, keep_rule=keep_rule, retrieval=retrieval)
     settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)

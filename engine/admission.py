@@ -4,14 +4,16 @@ A plain prompt's text outside its stored spans is cut at line breaks; a segment 
 passage (a retrieved document an application pasted in), anything shorter a template's glue. Each passage is
 counted by its ids and its tenant's salt. A one-off passage is never stored (one-off prompts would flood the store
 and push nothing useful in: LMCache's non-prefix hit rate decays for that reason); the second sighting stores it,
-its KV computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The bytes kept this
-way are bounded, those of earlier runs included: past the bound nothing more is admitted, and what is stored already
-(the corpus above all) is never pushed out by it. `kvrag store stats` counts them, `kvrag store gc --client-passages`
-drops them.
+its KV computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The tokens kept this
+way are bounded (`kept_passages`), those of earlier runs included; when a new passage does not fit, the least
+valuable kept ones make room, by RAGCache's PGDSF as the memory tiers rank chunks: clock + uses x seconds a token to
+compute, the clock rising to each evicted passage's value. A passage of an earlier run that this one has not used
+is worth the clock alone. The corpus is never pushed out. `kvrag store stats` counts kept passages,
+`kvrag store gc --client-passages` drops them.
 
-The KV goes through the chunk source's write-back (after the answer's first token, one LMDB transaction per chunk:
-a kill loses nothing stored before and leaves no half-written value); its chunk record, marked as a client's
-(doc id "client:<salt>"), follows it, so a record never names KV that is not there.
+The write-back worker (engine/write_back.py) computes and stores a kept passage off the engine's thread, one LMDB
+transaction for its KV, then its chunk record, marked as a client's (doc id "client:<salt>"), so a record never names
+KV that is not there; an evicted passage loses its index entry and record before its KV.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from kvrag.engine.prompt_reuse import PASSAGE_TOKENS, Piece, PromptSpans
 from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable, chunk_id_for
+from kvrag.store.tiers.policies import PGDSF, AccessStats
 
 SIGHTINGS_KEPT = 65536  # passages counted at once (least recently seen forgotten first)
 
@@ -36,8 +39,9 @@ def client_chunk_id(ids: Sequence[int], tokenizer_fp: str, salt: str) -> str:
 @dataclass
 class KeeperStats:
     sighted: int = 0  # passage-like segments seen in plain prompts
-    admitted: int = 0  # stored at a second sighting
-    refused: int = 0  # seen again, but the bound was reached
+    admitted: int = 0  # to be stored, at a second sighting
+    refused: int = 0  # seen again, but longer than the whole bound or the write-back's queue full
+    evicted: int = 0  # kept passages dropped to make room
     kept_tokens: int = 0  # tokens stored this way by this process
 
 
@@ -50,6 +54,12 @@ class PassageKeeper:
         self.stats = KeeperStats()
         self._seen: OrderedDict[str, int] = OrderedDict()  # client chunk id: sightings
         self._breaks: frozenset[int] | None = None  # token ids whose text holds a line break
+        self._policy = PGDSF()
+        self._value: dict[str, tuple[AccessStats, float]] = {}  # kept passages' use and priority (this process's)
+        self._clock = 0.0  # PGDSF's: the priority of the last passage evicted
+        self._cost, self._costs = 0.0, 0  # seconds a token: the mean over the passages computed here (what an earlier
+        # run's kept passage is taken to be worth)
+        self._tick = 0
         self._lock = threading.Lock()
 
     def passages(self, plan_pieces: Sequence[Piece] | None, chunks, head: Sequence[int],
@@ -80,18 +90,70 @@ class PassageKeeper:
                 self._seen.popitem(last=False)
             if count != 2:
                 return None
-            if self.spans.client_tokens + len(passage) > self.bound_tokens:  # the store's, earlier runs' too
+            if len(passage) > self.bound_tokens:  # no room to make
                 self.stats.refused += 1
                 return None
             self.stats.admitted += 1
-            self.stats.kept_tokens += len(passage)
             return chunk_id
 
-    def recorded(self, table: ChunkTable, chunk_id: str, passage: tuple[int, ...], salt: str) -> None:
-        """After its KV is stored: the passage's record, and the index entry that makes its next sighting a hit."""
+    def not_queued(self, chunk_id: str) -> None:
+        """An admitted passage the write-back could not take: its next sighting offers it again."""
+        with self._lock:
+            self.stats.admitted -= 1
+            self.stats.refused += 1
+            self._seen[chunk_id] = 1
+
+    def used(self, chunk_ids: Sequence[str | None]) -> None:
+        """A prompt read these stored spans: the kept passages among them gain value."""
+        kept = self.spans.kept_passages()
+        with self._lock:
+            for chunk_id in chunk_ids:
+                if chunk_id in kept:
+                    self._access(chunk_id, kept[chunk_id][1])
+
+    def make_room(self, tokens: int) -> list[str]:
+        """Kept passages to evict, least valuable first, so that `tokens` more fit the bound (the store's, earlier
+        runs' included); the clock rises to the last one's priority."""
+        kept = self.spans.kept_passages()
+        held = sum(n for _, n in kept.values())
+        victims = []
+        with self._lock:
+            order = sorted(kept, key=lambda c: (self._value[c][1], self._value[c][0].last_access)
+                           if c in self._value else (0.0, -1))  # an earlier run's, unused since: the clock alone
+            for chunk_id in order:
+                if held + tokens <= self.bound_tokens:
+                    break
+                held -= kept[chunk_id][1]
+                self._clock = max(self._clock, self._value.pop(chunk_id, (None, 0.0))[1])
+                victims.append(chunk_id)
+            self.stats.evicted += len(victims)
+        return victims
+
+    def recorded(self, table: ChunkTable, chunk_id: str, passage: tuple[int, ...], salt: str,
+                 seconds_per_token: float) -> None:
+        """After its KV is stored: the passage's record, the index entry that makes its next sighting a hit, and its
+        value (its two sightings, the measured cost of computing it)."""
         text = self.tokenizer.decode(list(passage))
         table.put_records([ChunkRecord(chunk_id, CLIENT_DOC + salt, "", text, 0, len(text), passage)])
         self.spans.add(chunk_id, passage, salt)
+        with self._lock:
+            self.stats.kept_tokens += len(passage)
+            self._costs += 1
+            self._cost += (seconds_per_token - self._cost) / self._costs
+            stats = AccessStats(len(passage))
+            stats.record_compute(seconds_per_token)
+            self._value[chunk_id] = (stats, 0.0)
+            for _ in range(2):
+                self._access(chunk_id, len(passage))
+
+    def _access(self, chunk_id: str, tokens: int) -> None:
+        """One use of a kept passage, its priority set with the clock now (under the lock)."""
+        self._tick += 1
+        stats, _ = self._value.get(chunk_id, (AccessStats(tokens), 0.0))
+        if not stats.cost_count:  # kept by an earlier run: what computing a passage costs here
+            stats.solo_cost = self._cost
+        stats.record_access(self._tick)
+        self._value[chunk_id] = (stats, self._policy.priority(stats, self._clock))
 
     def _break_ids(self) -> frozenset[int]:
         with self._lock:

@@ -13,6 +13,7 @@ are cached as they stood in this prompt, and the chunks read from the store are 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -59,9 +60,12 @@ class ChunkSource:
                             tokenizer_fp=runtime.local.tokenizer_fingerprint)
             self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "",
                                      remote=remote)
-        # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None)
+        # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None); the
+        # engine's thread computes them, its write-back worker (engine/write_back.py) stores them
         self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
+        self._evicted: set[str] = set()  # kept passages evicted: a computed copy is not stored again
+        self._lock = threading.Lock()  # the three above
 
     def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
                    in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:
@@ -74,7 +78,7 @@ class ChunkSource:
         for i, (chunk_id, ids) in enumerate(chunks):
             if i < len(in_memory) and in_memory[i] is not None:
                 refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
-            elif chunk_id in missing or chunk_id in self._write_back:
+            elif chunk_id in missing or self.computed(chunk_id):
                 kv, kept = self.compute_chunk(chunk_id, ids)
                 refs.append(ChunkRef(chunk_id, ids, kv, kept))
             else:
@@ -113,9 +117,10 @@ class ChunkSource:
             layers = [self.table.get_layer(piece.chunk_id, layer, expect_token_ids=piece.stored)
                       for layer in range(m.cfg.n_layers)]
         except KvragError as exc:
-            if not isinstance(exc, MissingChunk):
-                self._repair.add(piece.chunk_id)
             kv, _ = self.compute_chunk(piece.chunk_id, piece.stored)
+            if not isinstance(exc, MissingChunk):
+                with self._lock:
+                    self._repair.add(piece.chunk_id)
             return LayerKV([k[rows] for k in kv.k], [v[rows] for v in kv.v], torch.arange(n)), "computed"
         k = [torch.from_numpy(d.k[rows]).to(m.device, m.dtype) for d in layers]  # [n, Hkv, hd] each
         v = [torch.from_numpy(d.v[rows]).to(m.device, m.dtype) for d in layers]
@@ -123,16 +128,24 @@ class ChunkSource:
 
     def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
         """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
-        if chunk_id in self._write_back:
-            return self._write_back[chunk_id][1:]
+        with self._lock:
+            done = self._write_back.get(chunk_id)
+        if done is not None:
+            return done[1:]
         if self.keep is None:
             kv, kept = chunk_kv(self.runtime, self.preamble, ids), None
         else:
             full, kept = keyformer.reduce_chunk(self.model, self.preamble, self.runtime.ids_tensor(list(ids)),
                                                 self.keep, chunk_id)
             kv = keyformer.narrow(full, kept)
-        self._write_back[chunk_id] = (ids, kv, kept)
+        with self._lock:
+            self._write_back[chunk_id] = (ids, kv, kept)
         return kv, kept
+
+    def computed(self, chunk_id: str | None = None) -> bool:
+        """Whether a chunk (None: any) was computed here and is not stored yet."""
+        with self._lock:
+            return bool(self._write_back) if chunk_id is None else chunk_id in self._write_back
 
     def _stored_kept(self, chunk_id: str, ids: Sequence[int]) -> np.ndarray | None:
         """The tokens a stored reduced chunk keeps (from its first layer, read without decoding K and V); None
@@ -149,18 +162,38 @@ class ChunkSource:
         return kept
 
     def flush_write_back(self) -> int:
-        """Store the chunks computed on the fly, replacing damaged ones (called between questions,
-        never while a loader reads: LMDB cannot grow its map under an open read transaction)."""
+        """After an answer: store the chunks computed on the fly, then fill the memory tiers."""
+        written = self.store_computed()
+        self.fill_cache()
+        return written
+
+    def store_computed(self, only: str | None = None) -> int:
+        """Store the chunks computed on the fly (or the one chunk `only`), replacing damaged ones, one LMDB
+        transaction each; what a kill interrupts is computed again when next asked for."""
+        with self._lock:
+            if only is not None:
+                self._evicted.discard(only)  # kept again
+            todo = [(c, *self._write_back[c], c in self._repair) for c in ([only] if only else list(self._write_back))
+                    if c in self._write_back]
         written = 0
-        if self.table is not None:
-            for chunk_id, (ids, kv, kept) in self._write_back.items():
-                if chunk_id in self._repair:
+        for chunk_id, ids, kv, kept, repair in todo:
+            with self._lock:
+                skip = chunk_id in self._evicted
+            if self.table is not None and not skip:
+                if repair:
                     self.table.delete_chunk(chunk_id)
                 written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec), kept))
-        self._write_back.clear()
-        self._repair.clear()
-        self._fill_cache()
+            with self._lock:
+                self._write_back.pop(chunk_id, None)
+                self._repair.discard(chunk_id)
         return written
+
+    def evict(self, chunk_id: str) -> None:
+        """Drop a kept passage's KV (its record gone first); a copy a prompt computes meanwhile is not stored."""
+        with self._lock:
+            self._evicted.add(chunk_id)
+        if self.table is not None:
+            self.table.delete_chunk(chunk_id)
 
     def exact_prefix(self, lease) -> LayerKV:
         """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
@@ -192,7 +225,7 @@ class ChunkSource:
                                torch.arange(layers[0][0].shape[0])))  # positions unused: rotated on use
         return out
 
-    def _fill_cache(self) -> None:
+    def fill_cache(self) -> None:
         """After an answer: cache the prompts' chunks as blended, keep the stored KV of the chunks that
         were not in memory (read from the store, or computed and now written back) for the next question,
         and unpin."""
@@ -230,7 +263,8 @@ class ChunkSource:
     def repair(self, chunk_id: str, ids: Sequence[int]) -> None:
         """A stored chunk failed a check: compute it now, and replace it in the store at the next write-back."""
         self.compute_chunk(chunk_id, ids)
-        self._repair.add(chunk_id)
+        with self._lock:
+            self._repair.add(chunk_id)
 
     # ---- memory tiers: leases ---------------------------------------------------------------
 

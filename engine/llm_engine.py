@@ -26,10 +26,10 @@ from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
 from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
+from kvrag.engine.write_back import WriteBack
 from kvrag.errors import KvragError
 from kvrag.model.cache import DecodeCache
 from kvrag.model.generate import choose
-from kvrag.store.chunks import ChunkTable
 
 
 class PromptTooLong(KvragError):
@@ -76,6 +76,7 @@ class LLMEngine:
             per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2  # fp16 K and V
             self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,
                                         config.kept_passages_bytes // per_token)
+        self.writes = WriteBack(prefiller.source, self.keeper)  # stores off this thread
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
@@ -226,10 +227,9 @@ class LLMEngine:
             hit, seq.hit = seq.hit, []  # kept past a finish at the first token, for the cache below
             self._emit(seq, self._choose(seq, pre.logits))
             seq.hit = hit
-        admitted = self._admit(seq)
-        self.prefiller.flush_write_back()  # memory tiers and repaired chunks, between prefills, after the token
-        for chunk_id, passage in admitted:  # its record once its KV is in: a record never names missing KV
-            self.keeper.recorded(ChunkTable(self.prefiller.source.env), chunk_id, passage, seq.request.salt)
+        self._admit(seq)
+        self.prefiller.source.fill_cache()  # the memory tiers, between prefills, after the token
+        self.writes.store_computed()  # chunks computed on the fly, repaired ones: on the write-back's thread
         if seq.is_finished:  # a stop token or a one-token answer: nothing to decode, its prompt cached all the same
             self._cache_finished(seq, pre)
             return
@@ -330,20 +330,22 @@ class LLMEngine:
         seq.push(DONE)
         seq.done.set()
 
-    def _admit(self, seq: Sequence) -> list[tuple[str, tuple[int, ...]]]:
-        """A plain prompt's passages that are to be stored now (their second sighting), their KV computed as
-        precompute would and queued for the write-back."""
-        plan = seq.plan
+    def _admit(self, seq: Sequence) -> None:
+        """A plain prompt's kept passages gain value for having been read; those seen for the second time go to the
+        write-back worker, which computes their KV as precompute would and stores them."""
+        plan, salt = seq.plan, seq.request.salt
         if self.keeper is None or plan is None or seq.request.rag or seq.request.mode not in ("blend", "reuse"):
-            return []
-        admitted = []
+            return
+        if plan.pieces:
+            self.keeper.used([p.chunk_id for p in plan.pieces])
         for passage in self.keeper.passages(plan.pieces, plan.chunks, plan.head, plan.tail):
-            chunk_id = self.keeper.sighted(passage, seq.request.salt)
-            if chunk_id is not None:
-                with torch.inference_mode():
-                    self.prefiller.source.compute_chunk(chunk_id, passage)
-                admitted.append((chunk_id, passage))
-        return admitted
+            chunk_id = self.keeper.sighted(passage, salt)
+            if chunk_id is not None and not self.writes.keep(chunk_id, passage, salt):
+                self.keeper.not_queued(chunk_id)
+
+    def close(self) -> None:
+        """Finish the queued writes (the engine's thread stopped first; the store still open)."""
+        self.writes.close()
 
     def _cache_finished(self, seq: Sequence, pre: Prefilled) -> None:
         """A prompt answered at its first token: its blocks into the pool and the prefix cache where there is room

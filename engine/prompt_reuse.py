@@ -56,7 +56,7 @@ class PromptSpans:
 
     def __init__(self, env: StoreEnv | None):
         self.env, self.index = env, PassageIndex()
-        self.client_tokens = 0  # tokens of the clients' kept passages in the store (admission's bound counts them)
+        self.kept: dict[str, tuple[str, int]] = {}  # the clients' kept passages in the store: chunk id: (salt, tokens)
         self._indexed = -1  # the chunk table's count when it was last indexed
         self._lock = threading.Lock()
         self._closed = False
@@ -72,9 +72,28 @@ class PromptSpans:
             if self._indexed < 0:  # the table not indexed yet: its first fill indexes the record with the rest
                 return
             if not self.index.knows(chunk_id, salt):
-                self.client_tokens += len(ids)
+                self.kept[chunk_id] = (salt, len(ids))
                 self.index.add(chunk_id, ids, salt)
                 self._indexed += 1  # the record this adds to the table: no need to read the table again for it
+
+    def remove(self, chunk_id: str) -> None:
+        """Forget a kept passage before its record goes (engine/admission.py evicts it): no plan finds it again."""
+        with self._lock:
+            if chunk_id in self.kept:
+                salt, _ = self.kept.pop(chunk_id)
+                self.index.remove(chunk_id, salt)
+                self._indexed -= 1  # the record that goes with it
+
+    def kept_passages(self) -> dict[str, tuple[str, int]]:
+        """A copy of `kept` (any thread)."""
+        with self._lock:
+            return dict(self.kept)
+
+    @property
+    def client_tokens(self) -> int:
+        """Tokens of the clients' kept passages in the store (admission's bound counts them)."""
+        with self._lock:
+            return sum(n for _, n in self.kept.values())
 
     def fill(self) -> None:
         """Index the store's chunks (KVRag starts it beside the model's load), and later the ones indexed since: a
@@ -105,7 +124,8 @@ class PromptSpans:
             client = r.doc_id.startswith(CLIENT_DOC)
             salt = r.doc_id[len(CLIENT_DOC):] if client else ""
             if not self.index.knows(r.chunk_id, salt):
-                self.client_tokens += len(r.token_ids) if client else 0
+                if client:
+                    self.kept[r.chunk_id] = (salt, len(r.token_ids))
                 yield r.chunk_id, r.token_ids, salt
 
 

@@ -40,9 +40,10 @@ class StoreEnv:
         self.readonly = readonly
         self.max_map_size = max_map_size  # the map never grows past this (bytes)
         self.dbs = {name: env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
-        # write() and read() from several threads (precompute's writer, ask's loader) take turns: LMDB
-        # may only grow the map while no transaction of this process is open.
-        self._lock = threading.RLock()
+        # transactions of several threads (the engine's write-back worker, a prefill's loaders) run side by side;
+        # growing the map waits for them all: LMDB may only resize while no transaction of this process is open
+        self._gate = TxnGate()
+        self._writer = threading.Lock()  # one write transaction of this process at a time
 
     @classmethod
     def open(cls, path: Path | str, *, create: bool = False, readonly: bool = False,
@@ -105,48 +106,54 @@ class StoreEnv:
 
         `fn` must be safe to re-run: a MapFullError aborts everything it wrote.
         """
-        with self._lock:
+        with self._writer:
             return self._write(fn)
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
-                with self.env.begin(write=True) as txn:
+                with self._gate.open(), self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                self._grow()
+                with self._gate.alone():
+                    self._grow()
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+                self._adopt_size()  # another process grew the map
             except lmdb.Error as exc:  # e.g. a full disk: LMDB fails the commit with an I/O error
                 raise KvragError(f"cannot write to the store at {self.path} ({exc}; is the disk full?); "
                                  "nothing stored was lost") from None
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run `fn(txn)` in a read transaction (readers never block another process's writer)."""
-        with self._lock:
-            return self._read(fn)
-
-    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
-                with self.env.begin(write=False) as txn:
+                with self._gate.open(), self.env.begin(write=False) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                self._adopt_size()
 
     @contextmanager
     def reader(self, buffers: bool = False) -> Iterator[lmdb.Transaction]:
         """A read transaction for code that iterates (cursors), or (`buffers`) reads values as views of the map,
         valid until the block ends; prefer `read` elsewhere."""
-        try:
-            txn = self.env.begin(write=False, buffers=buffers)
-        except lmdb.MapResizedError:
+        while True:
+            with self._gate.open():
+                try:
+                    txn = self.env.begin(write=False, buffers=buffers)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    try:
+                        yield txn
+                    finally:
+                        txn.abort()
+                    return
+            self._adopt_size()
+
+    def _adopt_size(self) -> None:
+        """Take the map size another process grew the file to (no transaction of this process open meanwhile)."""
+        with self._gate.alone():
             self.env.set_mapsize(0)
-            txn = self.env.begin(write=False, buffers=buffers)
-        try:
-            yield txn
-        finally:
-            txn.abort()
 
     def _grow(self) -> None:
         size = self.env.info()["map_size"]
@@ -166,6 +173,54 @@ class StoreEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TxnGate:
+    """Counts this process's open transactions; `alone` waits until none is open (and holds new ones back) for a
+    map resize. A thread that already holds a transaction may open another while a resize waits."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._open = 0
+        self._resizing = False
+        self._held = threading.local()  # .depth: transactions the calling thread holds
+
+    @contextmanager
+    def open(self) -> Iterator[None]:
+        depth = getattr(self._held, "depth", 0)
+        with self._cond:
+            while self._resizing and depth == 0:
+                self._cond.wait()
+            self._open += 1
+        self._held.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._held.depth = depth
+            with self._cond:
+                self._open -= 1
+                self._cond.notify_all()
+
+    @property
+    def resizing(self) -> bool:
+        """Whether a resize waits for the open transactions, or runs."""
+        return self._resizing
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        mine = getattr(self._held, "depth", 0)  # a resize under the caller's own transaction: LMDB's error, not a hang
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._open > mine:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
 
 
 def _current_file_size(path: Path) -> int:

@@ -57,8 +57,9 @@ class PassageIndex:
     def __init__(self):
         self._ids: list[np.ndarray] = []  # per entry: its token ids
         self._names: list[str] = []  # per entry: chunk id
-        self._salts: list[str] = []  # per entry: "" for the corpus, else the client salt it was kept for
-        self._known: set[tuple[str, str]] = set()
+        self._salts: list[str | None] = []  # per entry: "" for the corpus, else the client salt it was kept for (None:
+        # removed)
+        self._known: dict[tuple[str, str], int] = {}  # (chunk id, salt): its entry
         self._by_id: dict[str, np.ndarray] = {}  # chunk id: its token ids
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (hashes, entries, offsets) not sorted in
         self._hashes = np.zeros(0, dtype=np.uint64)  # sorted
@@ -76,6 +77,14 @@ class PassageIndex:
     def knows(self, chunk_id: str, salt: str = "") -> bool:
         with self._lock:
             return (chunk_id, salt) in self._known
+
+    def remove(self, chunk_id: str, salt: str = "") -> None:
+        """Stop finding a chunk (a kept passage evicted): its windows stay in the table, matching nothing. Its ids
+        stay readable, for a plan made just before."""
+        with self._lock:
+            entry = self._known.pop((chunk_id, salt), None)
+            if entry is not None:
+                self._salts[entry] = None  # no request's salt: find() passes the entry over
 
     def token_ids(self, chunk_id: str) -> tuple[int, ...]:
         """An indexed chunk's whole ids."""
@@ -111,7 +120,7 @@ class PassageIndex:
             for j in range(WINDOW):  # sum(id_j * M_j), as window_hashes computes it
                 hashes += flat[start + j] * _MULT[j]
             for chunk_id, ids, salt in records:
-                self._known.add((chunk_id, salt))
+                self._known[(chunk_id, salt)] = len(self._names)
                 self._by_id[chunk_id] = ids
                 self._ids.append(ids)
                 self._names.append(chunk_id)

@@ -37,6 +37,8 @@ import torch  # noqa: E402
 if XDIST_WORKER:
     torch.set_num_threads(1)  # (in case a plugin imported torch before the variable above was set)
 
+from kvrag.tests.passages import corpus, tiny_runtime  # noqa: E402,F401 - fixtures of the prompt-reuse tests
+
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     # A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would every CLI
     # it starts: the Ctrl-C tests could not interrupt them. A handler (unlike SIG_IGN) resets to the default in a child.

@@ -87,6 +87,9 @@ def test_bad_options_are_one_line(monkeypatch, capsys, store_copy, tmp_path):
     code, _, err = run_cli_in_process(monkeypatch, capsys, "serve_cmd", "serve", "--store", str(store_copy),
                                       "--kv-budget", "lots")
     assert code == 1 and err.count("\n") == 1 and "--kv-budget" in err
+    code, _, err = run_cli_in_process(monkeypatch, capsys, "serve_cmd", "serve", "--store", str(store_copy),
+                                      "--kept-passages", "a lot")
+    assert code == 1 and err.count("\n") == 1 and "--kept-passages" in err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

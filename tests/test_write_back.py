@@ -1,0 +1,69 @@
+"""Writes off the engine's thread (engine/write_back.py): while the store's writer is held up, the engine goes on
+answering; once it is free, the kept passage is stored whole. And the store's gate (store/env.py): the map grows only
+once no transaction of this process is open, a reader's views staying valid meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvrag.engine.llm_engine import EngineConfig, LLMEngine
+from kvrag.store.chunks import ChunkTable
+from kvrag.store.env import INITIAL_MAP_SIZE, StoreEnv
+from kvrag.store.kv import KVTable
+from kvrag.tests.passages import client_prompt as _client_prompt
+from kvrag.tests.passages import plain_request as _request
+
+
+def _answer(engine: LLMEngine, request):
+    seq = engine.add(request)
+    while not seq.done.is_set():
+        engine.step()
+    return seq
+
+
+def test_the_engine_answers_while_the_store_writer_is_held_up(corpus, invented_items):
+    env, prefiller, texts = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    passage = " ".join(invented_items[3]["ctxs"][0]["text"].split()[:60])
+    _answer(engine, _request(_client_prompt([passage]), salt="alice"))
+    held = env.env.begin(write=True)  # another writer of this store holds LMDB's write lock
+    try:
+        second = _answer(engine, _request(_client_prompt([passage]), salt="alice"))  # its second sighting
+        assert second.finish_reason in ("stop", "length") and engine.keeper.stats.admitted == 1
+        # a stored passage's question and a plain chat both answered with the write still waiting
+        for request in (_request(_client_prompt([texts[0]])), _request("Say hello.")):
+            assert _answer(engine, request).finish_reason in ("stop", "length")
+        assert engine.writes.pending() and ChunkTable(env).client_records() == []
+    finally:
+        held.abort()
+    engine.writes.drain()
+    (record,) = ChunkTable(env).client_records()
+    assert KVTable(env, prefiller.runtime.fingerprint, "fp16").missing([record.chunk_id]) == []
+    engine.close()
+
+
+def test_the_map_grows_only_after_an_open_reader_closes(tmp_path):
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    db = env.db("meta")
+    env.write(lambda txn: txn.put(b"first", b"x" * 4096, db=db))
+    big = b"y" * (1 << 20)
+
+    def fill(txn):  # past the initial map: LMDB says the map is full, the env grows it and runs this again
+        for i in range(INITIAL_MAP_SIZE // len(big) + 8):
+            txn.put(b"big%d" % i, big, db=db)
+
+    with env.reader(buffers=True) as txn:
+        view = txn.get(b"first", db=db)
+        writer = threading.Thread(target=env.write, args=(fill,))
+        writer.start()
+        deadline = time.monotonic() + 60
+        while not env._gate.resizing and writer.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert env._gate.resizing and writer.is_alive()  # the resize waits for this reader
+        assert env.env.info()["map_size"] == INITIAL_MAP_SIZE
+        assert bytes(view) == b"x" * 4096
+    writer.join(60)
+    assert not writer.is_alive() and env.env.info()["map_size"] > INITIAL_MAP_SIZE
+    assert env.read(lambda txn: txn.get(b"big3", db=db)) == big
+    env.close()

@@ -34,6 +34,7 @@ class WriteBack:
         self._computed_queued = threading.Event()  # a "store what was computed" job is waiting: one is enough
         self._lock = threading.Lock()
         self.failures = 0  # jobs that raised (logged; the engine goes on)
+        self.given = self.done = 0  # jobs queued, and finished (in that order: done >= n means the first n are)
 
     def store_computed(self) -> None:
         """Store the chunks the engine computed on the fly (and repaired), off its thread."""
@@ -73,9 +74,10 @@ class WriteBack:
                 self._thread.start()
             try:
                 self._jobs.put_nowait(job)
-                return True
             except queue.Full:
                 return False
+            self.given += 1
+            return True
 
     def _run(self) -> None:
         while True:
@@ -92,6 +94,7 @@ class WriteBack:
                 self.failures += 1
                 logging.getLogger("kvrag.engine").exception("a write-back job failed; the engine goes on")
             finally:
+                self.done += job is not None
                 self._jobs.task_done()
 
     def _keep(self, chunk_id: str, passage: tuple[int, ...], salt: str) -> None:

@@ -70,6 +70,17 @@ class _EngineState:
                                 value=len(engine.kv.prefix))
         yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
                                   "rows are referenced, not copied)", value=engine.kv.copied_rows)
+        writes = CounterMetricFamily("kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, chunks "
+                                     "computed on the fly): given, and done (in the order given)", labels=["state"])
+        writes.add_metric(["given"], engine.writes.given)
+        writes.add_metric(["done"], engine.writes.done)
+        yield writes
+        keeper = engine.keeper.stats if engine.keeper is not None else None
+        kept = CounterMetricFamily("kvrag_kept_passages", "Passages of clients' prompts kept in the store at their "
+                                   "second sighting, and kept ones evicted to make room", labels=["event"])
+        kept.add_metric(["admitted"], keeper.admitted if keeper else 0)
+        kept.add_metric(["evicted"], keeper.evicted if keeper else 0)
+        yield kept
         hits = GaugeMetricFamily("kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: prefix "
                                  "(reused exactly on a seen chunk sequence), memory (read from a tier)",
                                  labels=["kind"])

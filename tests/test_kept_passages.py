@@ -92,6 +92,13 @@ class Server:
         return code
 
 
+def write_back_jobs(url: str) -> dict[str, float]:
+    """The server's write-back jobs, given and done, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {state: float(value) for state, value in
+            re.findall(r'^kvrag_write_back_jobs_total\{state="(\w+)"\} (\S+)$', text, re.M)}
+
+
 # ---- the store after a kill -----------------------------------------------------------------------------------------
 
 
@@ -116,7 +123,8 @@ def check_store(path) -> dict[str, str]:
 
 class Driver:
     """Threads sending Open WebUI prompts (2 new passages each), each prompt twice in a row, until the server dies.
-    `acked`: prompts whose second sighting was answered in full (2 tokens), so its passages were recorded before."""
+    `acked`: prompts whose second sighting was answered in full (2 tokens): their passages were handed to the
+    write-back before."""
 
     def __init__(self, url: str, model: str, prompts: list[list[list[str]]]):
         self.url, self.model = url, model
@@ -143,7 +151,7 @@ class Driver:
                     body = reply.json()
                     with self.lock:
                         self.sent += 1
-                        # the record is written right after the first token, before the second is computed
+                        # the passages go to the write-back right after the first token, before the second
                         if sighting == 2 and body["choices"][0]["finish_reason"] == "length":
                             self.acked.append(texts)
 
@@ -170,10 +178,18 @@ def test_sigkill_while_passages_are_kept_leaves_whole_kv_and_keeps_them(store_co
                     assert len(smol_tokenizer(text, add_special_tokens=False)["input_ids"]) >= MIN_PASSAGE_TOKENS
             driver = Driver(server.url, server.model, prompts)
             deadline = time.monotonic() + 90
-            while len(driver.acked) < 2:  # some passages stored this round, then a kill at a random moment
+            while len(driver.acked) < 2:  # some passages handed to the write-back this round
                 assert time.monotonic() < deadline and server.proc.poll() is None, "".join(server.err)
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0, 1.5))
+            # the worker stores off the engine's thread, in the order given: once it has done every job given by
+            # now, these answered second sightings are stored, and no kill may lose them
+            with driver.lock:
+                answered = list(driver.acked)
+            given = write_back_jobs(server.url)["given"]
+            while write_back_jobs(server.url)["done"] < given:
+                assert time.monotonic() < deadline, "the write-back fell behind"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 1.5))  # then a kill at a random moment, other passages being stored
             assert server.proc.poll() is None
             assert any(t.is_alive() for t in driver.threads)  # requests in flight
         finally:
@@ -181,10 +197,10 @@ def test_sigkill_while_passages_are_kept_leaves_whole_kv_and_keeps_them(store_co
         driver.join()
         assert "Traceback" not in "".join(server.err), "".join(server.err)
         counts.append((driver.sent, len(driver.acked)))
-        acked += driver.acked
+        acked += answered
         now = check_store(store_copy)
         assert set(kept) <= set(now), "client passages stored before a kill are gone after it"
-        for texts in driver.acked:  # each passage of an answered second sighting is stored (in its line's record)
+        for texts in answered:  # each passage of an answered second sighting is stored (in its line's record)
             for text in texts:
                 assert any(text in record for record in now.values()), text[:60]
         kept = now

@@ -68,7 +68,7 @@ class KVRagConfig:
     gpu_cache: str | None = None
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
-    chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (engine/prefix_cache.py); "0": none
+    chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (kvcache/prefix_cache.py); "0": none
     kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/admission.py)
     # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
     retrieval: str = "auto"

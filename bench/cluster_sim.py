@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import xxhash
 
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.server.routing import BALANCE, RoutingConfig, rank
-from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node
 

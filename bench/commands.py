@@ -337,7 +337,7 @@ def _poisson(bench, spec) -> dict:
 
 def _cache(bench, runtime, config, spec, pool) -> dict:
     from kvrag.bench.rag.cache_sim import cache_section, fit_profile
-    from kvrag.store.tiers.allocator import BlockLayout
+    from kvrag.kvcache.allocator import BlockLayout
 
     preamble = len(runtime.prompts.preamble_ids)
     points = []  # (cached, new, seconds) of the prefills whose cached/new split is exact

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS

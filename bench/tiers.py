@@ -34,7 +34,7 @@ from kvrag.bench.replay import (
     zipf_requests,
 )
 from kvrag.errors import KvragError
-from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
 from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
 from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS

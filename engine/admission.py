@@ -1,8 +1,9 @@
 """New passages kept: the passage-like text of clients' prompts that the store lacks, stored at its second sighting.
 
 A plain prompt's text outside its stored spans is cut at line breaks; a segment of PASSAGE_TOKENS or more is a
-passage (a retrieved document an application pasted in), anything shorter a template's glue. Each passage is
-counted by its ids and its tenant's salt. A one-off passage is never stored (one-off prompts would flood the store
+passage (a retrieved document an application pasted in), anything shorter a template's glue. Each passage the prompt
+had to compute is counted by its ids and its tenant's salt; one the prefix cache served (a conversation's history,
+a prompt sent again) is not: its KV is in the pool already, and counting it would store every chat turn. A one-off passage is never stored (one-off prompts would flood the store
 and push nothing useful in: LMCache's non-prefix hit rate decays for that reason); the second sighting stores it,
 its KV computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The tokens kept this
 way are bounded (`kept_passages`), those of earlier runs included; when a new passage does not fit, the least
@@ -62,19 +63,21 @@ class PassageKeeper:
         self._tick = 0
         self._lock = threading.Lock()
 
-    def passages(self, plan_pieces: Sequence[Piece] | None, chunks, head: Sequence[int],
-                 tail: Sequence[int]) -> list[tuple[int, ...]]:
-        """The passage-like segments of a plan's own text: its head, the text between its stored spans, its tail."""
-        regions = [tuple(head), tuple(tail)]
+    def passages(self, plan_pieces: Sequence[Piece] | None, chunks, head: Sequence[int], tail: Sequence[int],
+                 cached: int = 0) -> list[tuple[int, ...]]:
+        """The passage-like segments a prompt computed (PASSAGE_TOKENS of them at least): in its head past the `cached`
+        tokens the prefix cache served (a conversation's history, a prompt seen before: the pool has their KV),
+        between its stored spans, in its tail."""
+        regions = [(tuple(head), cached), (tuple(tail), 0)]
         if plan_pieces is not None:
-            regions += [tuple(c) for (_, c), p in zip(chunks, plan_pieces, strict=True) if p.chunk_id is None]
+            regions += [(tuple(c), 0) for (_, c), p in zip(chunks, plan_pieces, strict=True) if p.chunk_id is None]
         breaks = self._break_ids()
         out = []
-        for region in regions:
+        for region, skip in regions:
             start = 0
             for i, token in enumerate([*region, -1]):
                 if token == -1 or token in breaks:
-                    if i - start >= PASSAGE_TOKENS:
+                    if i - max(start, skip) >= PASSAGE_TOKENS:  # passage-long, and that much computed
                         out.append(region[start:i])
                     start = i + 1
         return out

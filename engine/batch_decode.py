@@ -20,9 +20,9 @@ import torch
 
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import decode_step as native_decode
+from kvrag.kvcache.allocator import BlockTable
 from kvrag.model.step import Rows, run_layers
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers.allocator import BlockTable
 
 if TYPE_CHECKING:  # the graphs are a GPU's: a plain ask does not import them
     from kvrag.engine.decode_graphs import Capture

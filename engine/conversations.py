@@ -3,7 +3,7 @@
 A chat turn's prompt is a head (an exact prefix: the history, then the last turn's opening and instruction), the
 chunks, and a tail (the question's suffix). When a finished turn asked to be kept (`Request.keep_turn`), its ids
 (prompt, passages included, and answer) are kept here under the text of the conversation so far, and its blocks stay
-in the pool's prefix cache (engine/prefix_cache.py). A follow-up whose history is that text continues from those
+in the pool's prefix cache (kvcache/prefix_cache.py). A follow-up whose history is that text continues from those
 exact ids: the pool blocks they fill are its table's first (vLLM's prefix caching over a chat), the chunks already
 in that context are not repeated, and only the new turn is computed. Every prefilled prompt's whole blocks stay in
 the cache too (a system prompt every request repeats, a few-shot head, an exact repeat): a later prompt starts from

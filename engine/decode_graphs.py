@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from kvrag.engine.kv_pool import SequenceKV
+from kvrag.kvcache.allocator import BlockTable
 from kvrag.model.step import Rows, run_layers
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers.allocator import BlockTable
 
 Step = Callable[[], torch.Tensor]  # the captured step: reads the static inputs, returns logits [bucket, V]
 

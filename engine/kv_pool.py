@@ -6,7 +6,7 @@ Keys are stored rotated to their positions (decode reads them as they are), unli
 which keep keys before rotary. The preamble's full blocks are computed once and shared by reference by every
 sequence; the block holding the preamble's tail and the first prompt tokens is each sequence's own. A shared
 block is copied before it is written (BlockPool.make_private), so a sequence never writes into another's KV.
-The pool is also the prefix cache (engine/prefix_cache.py): whole blocks of earlier prompts stay in it under their
+The pool is also the prefix cache (kvcache/prefix_cache.py): whole blocks of earlier prompts stay in it under their
 chained hash, evictable once no sequence holds them, and a later prompt's table starts with the ones it matches.
 """
 
@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.engine.prefix_cache import PrefixCache
+from kvrag.kvcache.allocator import BlockLayout, BlockTable, OutOfBlocks
+from kvrag.kvcache.block_pool import BlockPool
+from kvrag.kvcache.prefix_cache import PrefixCache
 from kvrag.model.cache import DecodeCache
 from kvrag.model.prefill import PagedRows
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers.allocator import BlockLayout, BlockTable, OutOfBlocks
-from kvrag.store.tiers.block_pool import BlockPool
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -46,7 +46,7 @@ class EngineConfig:
     # a full prefill longer than this runs this many tokens a step, the running sequences decoding between the
     # pieces (0: the whole prompt in one step)
     prefill_chunk: int = 512
-    chat_cache_bytes: int = 1 << 30  # the most of the pool cached prompt blocks may hold (engine/prefix_cache.py); 0: none
+    chat_cache_bytes: int = 1 << 30  # the most of the pool cached prompt blocks may hold (kvcache/prefix_cache.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
     # the selection rule a blend asking for the default one runs: the one the model's check passed with
     selection: str = DEFAULT_SELECTION
@@ -338,7 +338,7 @@ class LLMEngine:
             return
         if plan.pieces:
             self.keeper.used([p.chunk_id for p in plan.pieces])
-        for passage in self.keeper.passages(plan.pieces, plan.chunks, plan.head, plan.tail):
+        for passage in self.keeper.passages(plan.pieces, plan.chunks, plan.head, plan.tail, seq.head_reused):
             chunk_id = self.keeper.sighted(passage, salt)
             if chunk_id is not None and not self.writes.keep(chunk_id, passage, salt):
                 self.keeper.not_queued(chunk_id)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.model.runtime import Runtime
-from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.config import CacheConfig
 from kvrag.store.tiers.cost_profile import CostProfile

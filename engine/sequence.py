@@ -19,8 +19,8 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.config import KV_RULE
 from kvrag.engine.answer import Answer
+from kvrag.kvcache.allocator import BlockTable
 from kvrag.model.generate import SamplingConfig
-from kvrag.store.tiers.allocator import BlockTable
 
 
 @dataclass(frozen=True)

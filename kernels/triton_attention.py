@@ -1,7 +1,7 @@
 """Triton attention over the paged KV pool (issue 28, kernels 2 and 3), each with its torch twin: the spec, and the
 path where no GPU runs Triton.
 
-Layouts (engine/kv_pool.py, store/tiers/allocator.py):
+Layouts (engine/kv_pool.py, kvcache/allocator.py):
     k_pool, v_pool  [num_blocks, block_size, Hkv, hd]  keys already rotated; float16, bfloat16 or float32;
                     any outer strides (a layer's view of the engine's pool), the last dimension contiguous
     block_table     [M] int32: a sequence's key row r lives in block block_table[r // block_size], slot r % block_size

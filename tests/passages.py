@@ -47,10 +47,14 @@ def corpus(tmp_path, tiny_runtime, invented_items):
     env.close()
 
 
-def client_prompt(texts: list[str]) -> str:
+TASK = "Respond to the user query using the provided context."
+OTHER_TASK = "Answer from the sources below."  # another application's template: the passages' KV is computed again
+
+
+def client_prompt(texts: list[str], task: str = TASK) -> str:
     """An Open WebUI-style RAG template: the passages inside <source> tags, the question after."""
     sources = "\n".join(f'<source id="{i + 1}">{t}</source>' for i, t in enumerate(texts))
-    return ("### Task:\nRespond to the user query using the provided context.\n\n<context>\n" + sources +
+    return (f"### Task:\n{task}\n\n<context>\n" + sources +
             "\n</context>\n\n<user_query>\nWho was the spouse of the performer?\n</user_query>")
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvrag.kernels import decode_step as native_decode
+from kvrag.kvcache.allocator import BlockLayout
+from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import TOKENIZER_FILES, resolve_model
 from kvrag.model.generate import prefill
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers.allocator import BlockLayout
-from kvrag.store.tiers.block_pool import BlockPool
 
 pytestmark = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
 

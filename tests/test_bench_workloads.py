@@ -8,7 +8,7 @@ from kvrag.bench.rag.cache_sim import CacheSpec, cache_section, fit_profile
 from kvrag.bench.rag.items import read_items, select
 from kvrag.bench.rag.workloads import PoissonSpec, Service, max_rate, poisson_workload, simulate_queue
 from kvrag.errors import KvragError
-from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.kvcache.allocator import BlockLayout
 
 
 def test_md1_queue_matches_pollaczek_khinchine():

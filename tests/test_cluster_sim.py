@@ -20,8 +20,8 @@ from kvrag.bench.cluster_sim import (
     workload,
     zipf_ranks,
 )
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.server.routing import BALANCE
-from kvrag.store.tiers.allocator import BlockLayout
 from kvrag.store.tiers.cache import TieredKVCache
 
 TINY = BlockLayout(1, 1, 1)  # 4 B a token: a 16-token chunk is one 64-B block

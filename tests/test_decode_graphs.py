@@ -18,9 +18,9 @@ from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.decode_graphs import CudaGraphCapture, StaticInputs, batch_buckets
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import triton_attention
+from kvrag.kvcache.allocator import BlockTable
 from kvrag.model.generate import prefill
 from kvrag.model.runtime import Runtime
-from kvrag.store.tiers.allocator import BlockTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,6 +12,7 @@ from kvrag.model.prompt import encode
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
+from kvrag.tests.passages import OTHER_TASK, TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
 from kvrag.tests.passages import run_to_end as _run
@@ -77,11 +78,11 @@ def test_a_full_bound_evicts_the_least_valuable_passage_and_keeps_the_new_one(co
     def kept() -> dict[str, tuple[int, ...]]:
         return {r.chunk_id: r.token_ids for r in ChunkTable(env).client_records()}
 
-    for _ in range(2):
-        _run(engine, _request(_client_prompt([first]), salt="alice"))
+    for task in (TASK, OTHER_TASK):  # seen, then computed again in another template: kept
+        _run(engine, _request(_client_prompt([first], task), salt="alice"))
     (old_id, old_ids), = kept().items()
-    for _ in range(2):
-        _run(engine, _request(_client_prompt([second]), salt="alice"))
+    for task in (TASK, OTHER_TASK):
+        _run(engine, _request(_client_prompt([second], task), salt="alice"))
     (new_id, new_ids), = kept().items()
     assert new_id != old_id and engine.keeper.stats.evicted == 1
     assert table.missing([old_id, new_id]) == [old_id]  # the evicted passage's KV went with its record

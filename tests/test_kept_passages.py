@@ -44,9 +44,16 @@ def invented_passage(rng: random.Random, tag: str) -> str:
     return f"Ledger {tag} records that " + " ".join(sentences)
 
 
-def chat_body(model: str, content: str, salt: str, **fields) -> dict:
-    return {"model": model, "max_tokens": 2, "temperature": 0, "cache_salt": salt,
-            "messages": [{"role": "user", "content": content}], **fields}
+def chat_body(model: str, content: str, salt: str, system: str | None = None, **fields) -> dict:
+    """A chat request; with a system message, the prompt's head differs from one without (the prefix cache serves
+    none of it, so its passages are computed, and counted, again)."""
+    messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return {"model": model, "max_tokens": 2, "temperature": 0, "cache_salt": salt, "messages": messages, **fields}
+
+
+SECOND_SYSTEM = "You answer from the sources the user gives."  # a second sighting in another application's prompt
 
 
 def cached(body: dict) -> int:
@@ -122,7 +129,8 @@ def check_store(path) -> dict[str, str]:
 
 
 class Driver:
-    """Threads sending Open WebUI prompts (2 new passages each), each prompt twice in a row, until the server dies.
+    """Threads sending Open WebUI prompts (2 new passages each), each prompt twice in a row (the second time behind a
+    system message), until the server dies.
     `acked`: prompts whose second sighting was answered in full (2 tokens): their passages were handed to the
     write-back before."""
 
@@ -141,8 +149,9 @@ class Driver:
             for texts in prompts:
                 for sighting in (1, 2):
                     try:
+                        system = SECOND_SYSTEM if sighting == 2 else None
                         reply = http.post("/v1/chat/completions",
-                                          json=chat_body(self.model, open_webui_prompt(texts, QUERY), SALT))
+                                          json=chat_body(self.model, open_webui_prompt(texts, QUERY), SALT, system))
                     except httpx.TransportError:
                         return  # killed
                     if reply.status_code != 200:
@@ -257,9 +266,9 @@ def test_store_stats_counts_kept_passages_and_gc_drops_them(store_copy, tiny_lla
             httpx.Client(base_url=server.url, timeout=120) as http:
         for salt, salted in prompts.items():
             for texts in salted:
-                for _ in range(2):  # kept at the second sighting
+                for system in (None, SECOND_SYSTEM):  # kept at the second sighting
                     reply = http.post("/v1/chat/completions", json=chat_body("tiny", open_webui_prompt(texts, QUERY),
-                                                                              salt))
+                                                                              salt, system))
                     assert reply.status_code == 200, reply.text
         # one more, sent once: never kept
         once = open_webui_prompt([invented_passage(rng, "once.0"), invented_passage(rng, "once.1")], QUERY)

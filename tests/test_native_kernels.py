@@ -13,12 +13,12 @@ from kvrag.kernels import attention, fp16_to_bf16, native, row_attention
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import PagedKeys, attend_few_rows
 from kvrag.kernels.cpu import cpu_has_amx
+from kvrag.kvcache.allocator import BlockLayout
+from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import resolve_model
 from kvrag.model.generate import prefill
 from kvrag.model.step import CacheKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers.allocator import BlockLayout
-from kvrag.store.tiers.block_pool import BlockPool
 
 pytestmark = pytest.mark.skipif(not row_attention.available(),
                                 reason="needs an x86-64 CPU with AVX-512 and a C++ compiler")

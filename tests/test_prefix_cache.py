@@ -1,12 +1,12 @@
-"""The prefix cache inside the paged pool (engine/prefix_cache.py), on hand-made block tables: chained keys, exact and
+"""The prefix cache inside the paged pool (kvcache/prefix_cache.py), on hand-made block tables: chained keys, exact and
 blended entries, the cache's own reference, eviction least recently used first, and the bound."""
 
 from __future__ import annotations
 
 import hashlib
 
-from kvrag.engine.prefix_cache import PrefixCache, block_keys
-from kvrag.store.tiers.allocator import BlockAllocator
+from kvrag.kvcache.allocator import BlockAllocator
+from kvrag.kvcache.prefix_cache import PrefixCache, block_keys
 
 B = 4  # rows a block
 

@@ -15,6 +15,7 @@ from kvrag.store.chunks import ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.kv import KVTable
 from kvrag.store.passage_index import MIN_SPAN, PassageIndex
+from kvrag.tests.passages import OTHER_TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
 from kvrag.tests.passages import run_to_end as _run
@@ -127,8 +128,9 @@ def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(corpus):
 
 
 def test_a_new_passage_is_kept_at_its_second_sighting_for_its_own_tenant(corpus, invented_items):
-    """Passages the store lacks: stored at the second sighting (not the first: one-off prompts never flood the
-    store), a hit at the third, for the same salt alone; the kept passage's KV is what precompute computes."""
+    """Passages the store lacks: stored at the second sighting that computes them (not the first: one-off prompts
+    never flood the store; nor a repeat the prefix cache serves), a hit at the third, for the same salt alone; the
+    kept passage's KV is what precompute computes."""
     env, prefiller, _ = corpus
     engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
     new = [" ".join(ctx["text"].split()[:60]) for ctx in invented_items[1]["ctxs"][:2]]
@@ -139,7 +141,9 @@ def test_a_new_passage_is_kept_at_its_second_sighting_for_its_own_tenant(corpus,
 
     first = _run(engine, _request(prompt, salt="alice"))
     assert stored_spans(first) == 0 and engine.keeper.stats.admitted == 0
-    second = _run(engine, _request(prompt, salt="alice"))
+    repeat = _run(engine, _request(prompt, salt="alice"))  # the prefix cache serves it: no passage computed again
+    assert repeat.head_reused > 0 and engine.keeper.stats.sighted == 2 and engine.keeper.stats.admitted == 0
+    second = _run(engine, _request(_client_prompt(new, task=OTHER_TASK), salt="alice"))  # another app's template
     assert stored_spans(second) == 0 and engine.keeper.stats.admitted == 2
     # in a new order (the same order again is an exact prefix hit: the prefix cache serves it before any span)
     third = _run(engine, _request(_client_prompt(new[::-1]), salt="alice"))

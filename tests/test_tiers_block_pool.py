@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvrag.errors import KvragError
-from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
-from kvrag.store.tiers.block_pool import BlockPool
+from kvrag.kvcache.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
+from kvrag.kvcache.block_pool import BlockPool
 
 L, H, D, B = 3, 2, 4, 4
 LAYOUT = BlockLayout(L, H, D, "float32", B)
@@ -173,7 +173,8 @@ def test_bookkeeping_imports_without_torch():
 
     code = ("import sys; sys.modules['torch'] = None\n"
             "import kvrag.store.tiers as t\n"
-            "from kvrag.store.tiers import allocator, knowledge_tree, policies, cost_profile, reorder, config\n"
+            "from kvrag.store.tiers import knowledge_tree, policies, cost_profile, reorder, config\n"
+            "from kvrag.kvcache import allocator, prefix_cache\n"
             "a = t.BlockAllocator(3); a.allocate(2); a.check()\n"
             "tree = t.KnowledgeTree(); tree.add(tree.root, 'c', 5)\n"
             "print(len(tree), t.order_priority(1, 2))")

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from kvrag.kernels import triton_attention as ta  # noqa: E402
 from kvrag.kernels.attention import AttendPlans, attend  # noqa: E402
-from kvrag.store.tiers.allocator import BlockTable  # noqa: E402
+from kvrag.kvcache.allocator import BlockTable  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # kernel vs twin: the online softmax sums in another order; a 16-bit pool's p.v takes p in two 16-bit parts, p to

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates, so before the import
 
 from kvrag.kernels.triton_load import FP_FUSION, load_chunk, load_chunk_twin, load_layers  # noqa: E402
+from kvrag.kvcache.allocator import BlockTable  # noqa: E402
 from kvrag.model import rotary  # noqa: E402
 from kvrag.store import codec  # noqa: E402
-from kvrag.store.tiers.allocator import BlockTable  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STORED = ("fp16", "bf16", "bf16-as-fp32", "fp32", "int8-channel", "int8-token")

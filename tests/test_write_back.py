@@ -11,6 +11,7 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import INITIAL_MAP_SIZE, StoreEnv
 from kvrag.store.kv import KVTable
+from kvrag.tests.passages import OTHER_TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
 
@@ -29,7 +30,7 @@ def test_the_engine_answers_while_the_store_writer_is_held_up(corpus, invented_i
     _answer(engine, _request(_client_prompt([passage]), salt="alice"))
     held = env.env.begin(write=True)  # another writer of this store holds LMDB's write lock
     try:
-        second = _answer(engine, _request(_client_prompt([passage]), salt="alice"))  # its second sighting
+        second = _answer(engine, _request(_client_prompt([passage], OTHER_TASK), salt="alice"))  # its second sighting
         assert second.finish_reason in ("stop", "length") and engine.keeper.stats.admitted == 1
         # a stored passage's question and a plain chat both answered with the write still waiting
         for request in (_request(_client_prompt([texts[0]])), _request("Say hello.")):

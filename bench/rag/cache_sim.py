@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrag.errors import KvragError
-from kvrag.store.tiers.allocator import BlockLayout
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes
 from kvrag.store.tiers.cost_profile import CostProfile
 

@@ -1,7 +1,6 @@
 """Memory tiers (RAGCache on a PagedAttention block pool): GPU over host memory over the store.
 
-    allocator.py       block layout, block tables, free list and reference counts (plain Python)
-    block_pool.py      one tier's preallocated KV tensor; gather/write through block tables, copy-on-write
+    (each tier is a paged block pool of kvcache/: block_pool.py over allocator.py, as the engine's KV pool is)
     knowledge_tree.py  prefix tree over chunk-id sequences, rooted at the preamble (plain Python)
     policies.py        PGDSF, GDSF, LRU, LFU priorities (plain Python)
     cost_profile.py    T(cached, new) grid, bilinear interpolation, JSON cache (plain Python)
@@ -32,7 +31,7 @@ One question's flow (`ask --questions`, `bench`):
 Keys are pre-rotary in the pool as in the store; rotate copies at use time (gather returns fresh tensors).
 """
 
-from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable
+from kvrag.kvcache.allocator import BlockAllocator, BlockLayout, BlockTable
 from kvrag.store.tiers.config import CacheConfig, format_bytes, parse_bytes
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node

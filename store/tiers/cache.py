@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from kvrag.errors import KvragError
-from kvrag.store.tiers.allocator import BlockLayout, BlockTable
-from kvrag.store.tiers.block_pool import BlockPool, Layers
+from kvrag.kvcache.allocator import BlockLayout, BlockTable
+from kvrag.kvcache.block_pool import BlockPool, Layers
 from kvrag.store.tiers.config import CacheConfig
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import GPU, HOST, MAX_PATH_STATS, STORE, KnowledgeTree, Node

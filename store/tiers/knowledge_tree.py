@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvrag.store.tiers.allocator import BlockTable
+from kvrag.kvcache.allocator import BlockTable
 from kvrag.store.tiers.policies import AccessStats
 
 GPU, HOST, STORE = "gpu", "host", "store"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.store.tiers.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
+from kvrag.kvcache.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [T, kv_heads, head_dim]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrag.store.tiers.allocator import BlockAllocator
+from kvrag.kvcache.allocator import BlockAllocator
 
 
 def block_keys(ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:

@@ -96,7 +96,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are handed out first
         self._refs = [0] * num_blocks
-        # blocks a cache holds a reference on (engine/prefix_cache.py), and how many of them nothing else holds:
+        # blocks a cache holds a reference on (kvcache/prefix_cache.py), and how many of them nothing else holds:
         # what the cache could give back, counted as references change rather than by a scan
         self._cached = [False] * num_blocks
         self.cached_alone = 0

@@ -93,7 +93,7 @@ class KVRag:
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
-        spans = self.engine.conversations.spans  # the store's passage index, built beside the first questions
+        spans = self.engine.planner.spans  # the store's passage index, built beside the first questions
         if spans is not None:
             threading.Thread(target=spans.fill, name="kvrag-passage-index", daemon=True).start()
         self.speculator = Speculator(self.loop) if config.speculate else None
@@ -180,7 +180,7 @@ class KVRag:
         """Whether a question that may be retrieved for is (the config's `retrieval`)."""
         if self.config.retrieval != "auto":
             return self.config.retrieval == "server"
-        return not carries_passages(self.engine.conversations, question, history, salt)
+        return not carries_passages(self.engine.planner, question, history, salt)
 
     def ask(self, question: str, **options) -> Answer:
         """Answer one question (the options of `submit`) and return when it is done."""
@@ -236,8 +236,8 @@ class KVRag:
         """Cancel what is still running, stop the engine and close the store."""
         self.loop.close()
         self.engine.close()
-        if self.engine.conversations.spans is not None:
-            self.engine.conversations.spans.close()  # the passage index's fill reads the store
+        if self.engine.planner.spans is not None:
+            self.engine.planner.spans.close()  # the passage index's fill reads the store
         self.env.close()
 
     def __enter__(self) -> KVRag:

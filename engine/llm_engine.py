@@ -21,6 +21,7 @@ from kvrag.engine.admission import PassageKeeper
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.plans import Planner
 from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
 from kvrag.engine.prompt_reuse import PromptSpans
@@ -69,7 +70,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
         source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
         spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
-        self.conversations = Conversations(prefiller.runtime, self.kv, spans)
+        self.planner = Planner(prefiller.runtime, self.kv.prefix, self.kv.block_size, spans)
+        self.conversations = Conversations(prefiller.runtime, self.kv, self.planner)
         self.keeper = None  # clients' new passages, stored at their second sighting (engine/admission.py)
         if spans is not None and source.table is not None:
             cfg, local = self.model.cfg, prefiller.runtime.local
@@ -97,21 +99,16 @@ class LLMEngine:
             request = replace(request, mode="full")
         if request.blend.selection == DEFAULT_SELECTION != self.config.selection:
             request = replace(request, blend=replace(request.blend, selection=self.config.selection))
-        prompts = self.prefiller.runtime.prompts
         parse_rule(request.kv_rule)  # said at submission, not at its prefill
-        plan = self.conversations.plan(request.question, request.history, request.chunks, request.rag,
+        plan = self.planner.plan(request.question, request.history, request.chunks, request.rag,
                                        request.last_role, room=self.max_positions - request.sampling.max_tokens,
                                        salt=request.salt, find_spans=request.mode in ("blend", "reuse"),
                                        exact=wants_exact(request))
-        head = len(prompts.preamble_ids) if plan is None else len(plan.head)
+        head = len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
                              f"{head}-token preamble; give more than {head + self.kv.block_size}")
-        if plan is None:
-            suffix = prompts.build([], request.question).suffix
-            prompt = head + sum(len(ids) for _, ids in request.chunks) + len(suffix)
-        else:
-            prompt = plan.tokens
+        prompt = plan.tokens
         if prompt + request.sampling.max_tokens > self.max_positions:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
@@ -129,7 +126,7 @@ class LLMEngine:
         keeps every row, nor for prefix caching, which computes all but its first chunk whole."""
         if request.mode not in ("blend", "reuse"):
             return 0
-        return self.prefiller.source.dropped_rows(request.chunks if plan is None else plan.chunks)
+        return self.prefiller.source.dropped_rows(plan.chunks)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
@@ -173,17 +170,17 @@ class LLMEngine:
         if seq.prefill_started is None:
             seq.prefill_started = time.perf_counter()
         try:
-            if seq.plan is not None and (not req.rag or not seq.plan.chunks):  # what the cache gained since its plan
-                seq.plan = self.conversations.replan(seq.plan, req.mode in ("blend", "reuse"))
+            if seq.plan.framed and (not req.rag or not seq.plan.chunks):  # what the cache gained since its plan
+                seq.plan = self.planner.replan(seq.plan, req.mode in ("blend", "reuse"))
             config = req.blend
-            chunks = [(chunk_id, list(ids)) for chunk_id, ids in (req.chunks if seq.plan is None else seq.plan.chunks)]
+            chunks = [(chunk_id, list(ids)) for chunk_id, ids in seq.plan.chunks]
             if req.mode == "blend":
                 n_chunk = sum(len(ids) for _, ids in chunks)
                 config = req.ratio.resolve(config, self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
                 if config is None:  # auto: a full prefill costs fewer rows here; the answer's mode says it took one
                     seq.request = req = replace(req, mode="full")
             framing = None
-            if seq.plan is not None:  # a full prefill computes what is not cached in its one pass
+            if seq.plan.framed:  # a full prefill computes what is not cached in its one pass
                 framing, seq.hit = self.conversations.framing(seq.plan, wants_exact(req),
                                                               extend_head=req.mode != "full")
                 seq.head_reused = len(seq.hit) * self.kv.block_size
@@ -249,7 +246,7 @@ class LLMEngine:
                     raise
                 self.scheduler.preempt(self.scheduler.running[-1])
         seq.length, seq.offset = pre.cache.length, pre.offset
-        if seq.plan is not None and not pre.offset and pre.cache.length == seq.prompt_tokens:
+        if seq.plan.framed and not pre.offset and pre.cache.length == seq.prompt_tokens:
             self.kv.prefix.insert(seq.plan.ids(), seq.table.blocks, req.salt, seq.exact_rows)
         self.scheduler.start(seq)
 
@@ -334,7 +331,7 @@ class LLMEngine:
         """A plain prompt's kept passages gain value for having been read; those seen for the second time go to the
         write-back worker, which computes their KV as precompute would and stores them."""
         plan, salt = seq.plan, seq.request.salt
-        if self.keeper is None or plan is None or seq.request.rag or seq.request.mode not in ("blend", "reuse"):
+        if self.keeper is None or seq.request.rag or seq.request.mode not in ("blend", "reuse"):
             return
         if plan.pieces:
             self.keeper.used([p.chunk_id for p in plan.pieces])
@@ -350,7 +347,7 @@ class LLMEngine:
     def _cache_finished(self, seq: Sequence, pre: Prefilled) -> None:
         """A prompt answered at its first token: its blocks into the pool and the prefix cache where there is room
         without preempting anyone, then its table freed (the cache keeps its own references)."""
-        if seq.plan is None or pre.offset or pre.cache.length != seq.prompt_tokens:
+        if not seq.plan.framed or pre.offset or pre.cache.length != seq.prompt_tokens:
             return self._release_hit(seq)
         try:
             table = self.kv.admit(pre.cache, pre.cache.length, seq.hit)

@@ -34,22 +34,21 @@ def reused_tokens(seq: Sequence, pre: Prefilled, preamble_rows: int) -> int:
     computed now, missing or damaged in the store, counts as computed). A lower bound: a computed chunk's rows the
     blend also selected are counted once. A full prefill reuses its head's cached rows alone."""
     if seq.request.mode == "full":
-        return seq.head_reused if seq.plan is not None else 0
-    if seq.plan is not None and seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
+        return seq.head_reused
+    if seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
         tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=True)  # a span whose chunk had no KV: computed now
         computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
         return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-    chunks = seq.request.chunks if seq.plan is None else seq.plan.chunks
-    tiers = zip(chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
+    tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
     computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
     kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-    return (preamble_rows if seq.plan is None else seq.head_reused) + kept
+    return (seq.head_reused if seq.plan.framed else preamble_rows) + kept
 
 
 def chunk_tiers(seq: Sequence, pre: Prefilled) -> list[str]:
     """Per chunk of the request, where its KV came from; "context" for a chunk a conversation's kept turn already
     holds (not sent again)."""
-    if seq.plan is None:
+    if not seq.plan.framed:
         return pre.chunk_tiers
     if seq.plan.pieces is not None:  # a plain prompt's stored spans, where each one's KV came from
         return [tier for tier in pre.chunk_tiers if tier != PROMPT_TIER]

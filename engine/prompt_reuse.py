@@ -154,10 +154,11 @@ def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Spl
     return Split(ids[:spans[0].start], tuple(chunks), tuple(pieces), ids[at:])
 
 
-def carries_passages(conversations, question: str, history: Sequence[tuple[str, str]], salt: str = "") -> bool:
+def carries_passages(planner, question: str, history: Sequence[tuple[str, str]], salt: str = "") -> bool:
     """Whether a request's messages (not the model's earlier answers) hold passages of their own: a paragraph of
-    PASSAGE_TOKENS or more, or a stored chunk's text. `conversations`: the engine's (its tokenizer and spans)."""
-    tokenizer, spans = conversations.runtime.tokenizer, conversations.spans
+    PASSAGE_TOKENS or more, or a stored chunk's text. `planner`: the engine's (engine/plans.py: its runtime's
+    tokenizer, its spans)."""
+    tokenizer, spans = planner.runtime.tokenizer, planner.spans
     texts = client_texts(question, history)
     return passage_like(tokenizer, texts) or bool(stored_spans(tokenizer, spans, texts, salt))
 

@@ -94,7 +94,7 @@ class Sequence:
         self.passed_over = 0  # admissions that went to a later request while this one waited
         self.preemptions = 0
         self.prefill_info: dict = {}  # the first prefill's costs: Prefilled's timings, tokens, tiers
-        self.plan = None  # a conversation's prompt (engine/conversations.Plan), None for the single-turn one
+        self.plan = None  # its prompt (engine/plans.Plan), set when it is made
         self.head_rows = 0  # rows before the chunks that a KV budget never drops (the preamble, or the plan's head)
         self.head_reused = 0  # of a plan's head, the rows reused from a kept turn or head (not computed)
         self.exact_rows = 0  # the prompt's leading rows computed as a full prefill would (engine/prefill_info.py)

@@ -46,7 +46,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     `head`: the first keys are in a paged pool (k, v hold those after them; k_pos counts them all): the row kernel
     reads them there, every other path from a gathered copy."""
     if head is not None:
-        out = _attend_paged(q, q_pos, k, v, k_pos, row_kernel, plans, head)
+        out = _attend_paged(q, q_pos, k, v, k_pos, row_kernel, plans, head, triton)
         if out is not None:
             return out
         k, v = head.join(k, v)
@@ -96,15 +96,20 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _attend_paged(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor | None,
-                  row_kernel: bool, plans: AttendPlans, head: PagedKeys) -> torch.Tensor | None:
-    """`attend` over a paged head through the row kernel, where it serves ([R, Hq * hd] float32), else None."""
-    if not row_kernel or k_pos is None or k.dtype not in (torch.float32, torch.bfloat16) or head.k.dtype != k.dtype:
+                  row_kernel: bool, plans: AttendPlans, head: PagedKeys, triton: bool) -> torch.Tensor | None:
+    """`attend` over a paged head through the row kernel or the Triton rows kernel, where one serves ([R, Hq * hd]
+    float32), else None."""
+    if k_pos is None or head.k.dtype != k.dtype:
         return None
     shape = plans.shape(q_pos, k_pos)
     if not _row_kernel_takes(shape):
         return None
-    out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
-    return out.view(q.shape[0], -1)
+    if row_kernel and k.dtype in (torch.float32, torch.bfloat16):
+        out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
+        return out.view(q.shape[0], -1)
+    if triton and not shape.plain_causal:
+        return _attend_triton(q, shape.q_pos, k, v, head)
+    return None
 
 
 def _row_kernel_takes(shape: PositionShape) -> bool:
@@ -131,15 +136,22 @@ def attend_window(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, Hq * hd]
 
 
-def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   head: PagedKeys | None = None) -> torch.Tensor:
     """Scattered rows (sorted q_pos over keys at 0..S-1) through the Triton rows kernel: the contiguous cache is a
-    pool of one block of S rows -> [R, Hq * hd] float32."""
+    pool of one block of its rows, after the paged `head`'s keys read where its pool holds them -> [R, Hq * hd]
+    float32."""
     from kvrag.kernels import triton_attention  # imports Triton: only where it runs
 
-    visible = (q_pos.to(q.device) + 1).clamp(max=k.shape[0]).to(torch.int32)  # [R] keys each row sees
-    table = torch.zeros(1, dtype=torch.int32, device=q.device)  # [1]: block 0 holds every row
+    n_head = 0 if head is None else len(head)
+    visible = (q_pos.to(q.device) + 1).clamp(max=n_head + k.shape[0]).to(torch.int32)  # [R] keys each row sees
+    table = torch.zeros(1, dtype=torch.int32, device=q.device)  # [1]: block 0 holds every row after the head
+    paged = None if head is None else triton_attention.PagedHead(head.k, head.v, head.slots.to(torch.int32))
+    if k.stride() != v.stride():  # the kernel reads K and V with one set of strides (the new rows alone: small)
+        k, v = k.contiguous(), v.contiguous()
     # every row sees 1..S keys (positions >= 0, sorted; checked by `attend`): no host read of `visible`
-    out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible, check=False)  # [R, Hq, hd]
+    out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible, check=False,
+                                          head=paged)  # [R, Hq, hd]
     return out.view(q.shape[0], -1)
 
 

@@ -31,6 +31,8 @@ whose bound times max|v| is 1.7e-5 on their unit-scale random data).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -97,11 +99,14 @@ def _normalised(acc, l_i):
 
 
 @triton.jit
-def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group, head_dim, block_size, scale,
-                 stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_or, stride_oh,
+def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, hk_ptr, hv_ptr, slots_ptr, n_head,
+                 n_rows, group, head_dim, block_size, scale,
+                 stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_or, stride_oh, stride_hs, stride_hh,
                  BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  HALF: tl.constexpr, WIDEN: tl.constexpr):
-    """Grid (cdiv(R, BLOCK_M), Hkv): query rows BLOCK_M * pid0.. x the group's heads of KV head pid1."""
+    """Grid (cdiv(R, BLOCK_M), Hkv): query rows BLOCK_M * pid0.. x the group's heads of KV head pid1. The first
+    n_head keys are rows slots[0..n_head-1] of a flat pool hk/hv [N, Hkv, hd] (a cached prefix read in place: a pool
+    of one-row blocks whose table is the slots); the keys after them come through the block table."""
     kvh = tl.program_id(1)
     i = tl.arange(0, BLOCK_M * GROUP_P)  # tile row i: query row r, head kvh * group + j
     r = tl.program_id(0) * BLOCK_M + i // GROUP_P
@@ -112,8 +117,16 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, table_ptr, vis_ptr, out_ptr, n_rows, group
     qo_ok = q_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + r[:, None] * stride_qr + h[:, None] * stride_qh + offs_d[None, :], mask=qo_ok, other=0.0)
     vis = tl.load(vis_ptr + r, mask=q_ok, other=0)
-    acc, m_i, l_i = _attend_keys(q, vis, 0, tl.max(vis), table_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
+    seen = tl.minimum(vis, n_head)  # head keys each row sees (a tile's keys past them are masked by it)
+    acc_h, m_h, l_h = _attend_keys(q, seen, 0, tl.max(seen), slots_ptr, hk_ptr + kvh * stride_hh,
+                                   hv_ptr + kvh * stride_hh, stride_hs, 0, 1, scale, offs_d, d_ok, BLOCK_N, HALF, WIDEN)
+    rest = vis - n_head  # [BLOCK_M * GROUP_P] keys each row sees past the head
+    acc, m_i, l_i = _attend_keys(q, rest, 0, tl.max(rest), table_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
                                  stride_kb, stride_ks, block_size, scale, offs_d, d_ok, BLOCK_N, HALF, WIDEN)
+    m = tl.maximum(m_h, m_i)  # the two online softmaxes merged by their maxima
+    a_h, a_i = tl.exp(m_h - m), tl.exp(m_i - m)
+    acc = acc_h * a_h[:, None] + acc * a_i[:, None]
+    l_i = l_h * a_h + l_i * a_i
     tl.store(out_ptr + r[:, None] * stride_or + h[:, None] * stride_oh + offs_d[None, :], _normalised(acc, l_i),
              mask=qo_ok)
 
@@ -177,16 +190,22 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
 
 
 def rows_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                        visible: torch.Tensor) -> torch.Tensor:
-    """The spec of `rows_attention`: q [R, Hq, hd], pools [N, bs, Hkv, hd], block_table [M], visible [R]
-    -> [R, Hq, hd] float32, gathering the sequence's key rows and taking one float32 softmax."""
+                        visible: torch.Tensor, head: PagedHead | None = None) -> torch.Tensor:
+    """The spec of `rows_attention`: q [R, Hq, hd], pools [N, bs, Hkv, hd], block_table [M], visible [R] (with
+    `head`, its keys first) -> [R, Hq, hd] float32, gathering the sequence's key rows and taking one float32
+    softmax."""
     n_rows, n_q, hd = q.shape
     bs, n_kv = k_pool.shape[1], k_pool.shape[2]
     group = n_q // n_kv
     n = int(visible.max()) if n_rows else 0
-    idx = torch.arange(n, device=q.device)
+    first = 0 if head is None else head.slots.shape[0]
+    idx = torch.arange(max(n - first, 0), device=q.device)
     blocks, offsets = block_table.to(q.device).long()[idx // bs], idx % bs
-    k, v = k_pool[blocks, offsets].float(), v_pool[blocks, offsets].float()  # [n, Hkv, hd]
+    k, v = k_pool[blocks, offsets].float(), v_pool[blocks, offsets].float()  # [n - first, Hkv, hd]
+    if head is not None:
+        slots = head.slots.long()[:n]
+        k, v = torch.cat([head.k[slots].float(), k]), torch.cat([head.v[slots].float(), v])  # [n, Hkv, hd]
+    idx = torch.arange(k.shape[0], device=q.device)
     qg = q.float().view(n_rows, n_kv, group, hd).permute(1, 0, 2, 3).reshape(n_kv, n_rows * group, hd)
     scores = torch.matmul(qg, k.permute(1, 2, 0)) * hd ** -0.5  # [Hkv, R * group, n]
     seen = idx[None, :] < visible.to(q.device).repeat_interleave(group)[:, None]  # [R * group, n]
@@ -205,27 +224,29 @@ def decode_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 
 def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                   visible: torch.Tensor, check: bool = True) -> torch.Tensor:
+                   visible: torch.Tensor, check: bool = True, head: PagedHead | None = None) -> torch.Tensor:
     """The Triton kernel for `rows_attention_twin` (same arguments, same result within the module's tolerance).
     check=False skips reading `visible` back to the host (a sync a call, a layer a prompt): for callers that
-    built it within the table's reach."""
+    built it within the table's reach. `head`: the first keys, read where a flat pool holds them."""
     n_kv, hd = _check_pools(q, k_pool, v_pool)
     _check_index("block_table", block_table, 1, q.device)
     _check_index("visible", visible, 1, q.device)
     if visible.shape[0] != q.shape[0]:
         raise ValueError(f"visible has {visible.shape[0]} entries for {q.shape[0]} query rows")
+    n_head = 0 if head is None else head.check(k_pool)
     if check:
-        _check_reach(visible, block_table.shape[0] * k_pool.shape[1], "visible")
+        _check_reach(visible, n_head + block_table.shape[0] * k_pool.shape[1], "visible")
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [R, Hq, hd]
     if q.shape[0] == 0:
         return out
+    hk, hv, slots = (k_pool, v_pool, block_table) if head is None else (head.k, head.v, head.slots)
     group = q.shape[1] // n_kv
     grid = (triton.cdiv(q.shape[0], ROWS_PER_TILE), n_kv)
-    _rows_kernel[grid](q, k_pool, v_pool, block_table, visible, out, q.shape[0], group, hd, k_pool.shape[1],
-                       hd ** -0.5, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-                       out.stride(0), out.stride(1), BLOCK_M=ROWS_PER_TILE, GROUP_P=triton.next_power_of_2(group),
-                       BLOCK_N=KEYS_PER_TILE, BLOCK_D=triton.next_power_of_2(hd), HALF=_half(q, k_pool),
-                       WIDEN=_interpreted())
+    _rows_kernel[grid](q, k_pool, v_pool, block_table, visible, out, hk, hv, slots, n_head, q.shape[0], group, hd,
+                       k_pool.shape[1], hd ** -0.5, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+                       k_pool.stride(2), out.stride(0), out.stride(1), hk.stride(0), hk.stride(-2),
+                       BLOCK_M=ROWS_PER_TILE, GROUP_P=triton.next_power_of_2(group), BLOCK_N=KEYS_PER_TILE,
+                       BLOCK_D=triton.next_power_of_2(hd), HALF=_half(q, k_pool), WIDEN=_interpreted())
     return out
 
 
@@ -262,6 +283,26 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         _combine_kernel[(batch * n_q,)](parts, ml, out, hd, n_splits, BLOCK_S=triton.next_power_of_2(n_splits),
                                         BLOCK_D=block_d)
     return out
+
+
+@dataclass(frozen=True)
+class PagedHead:
+    """A sequence's first keys where a flat pool holds them: k, v [N, Hkv, hd] (rotated), their rows slots [n] int32
+    (kernels/attention.PagedKeys, for this module)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+
+    def check(self, k_pool: torch.Tensor) -> int:
+        """ValueError unless these fit the sequence's pool (its heads, dim, dtype, device); returns n."""
+        if (self.k.dim() != 3 or self.k.shape != self.v.shape or self.k.stride() != self.v.stride()
+                or self.k.shape[1:] != k_pool.shape[2:] or self.k.dtype != k_pool.dtype
+                or self.k.device != k_pool.device or self.k.stride(-1) != 1):
+            raise ValueError(f"the head's pools {tuple(self.k.shape)} {self.k.dtype} do not fit the sequence's "
+                             f"{tuple(k_pool.shape)} {k_pool.dtype}")
+        _check_index("slots", self.slots, 1, k_pool.device)
+        return int(self.slots.shape[0])
 
 
 def _half(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -322,7 +363,8 @@ def _check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) ->
 
 
 def _check_reach(counts: torch.Tensor, capacity: int, name: str) -> None:
-    """ValueError when some count of key rows is negative or past what the table's width holds (one host sync)."""
+    """ValueError when some count of key rows is negative or past what the table's width (and a head) holds (one host
+    sync)."""
     if counts.numel() and not bool(((counts >= 0) & (counts <= capacity)).all()):
         raise ValueError(f"{name} must lie in 0..{capacity} (table width x block_size), got "
                          f"{int(counts.min())}..{int(counts.max())}")

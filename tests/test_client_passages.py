@@ -204,13 +204,17 @@ def test_a_new_passage_is_kept_for_the_key_that_sent_it_twice_alone(rag, keyed, 
     assert NEW_PASSAGE not in {text for text, _ in passages}
     stored = passages[0][0]
 
-    def ask(key: str, texts: list[str]) -> dict:
-        return post_chat(keyed, [{"role": "user", "content": open_webui_prompt(texts, "Who lit the lighthouse?")}],
-                         key=key)
+    def ask(key: str, texts: list[str], system: str | None = None) -> dict:
+        messages = [{"role": "user", "content": open_webui_prompt(texts, "Who lit the lighthouse?")}]
+        return post_chat(keyed, [{"role": "system", "content": system}, *messages] if system else messages, key=key)
 
     first = ask("key-a", [NEW_PASSAGE, stored])  # its first sighting: computed, counted
-    again = ask("key-a", [NEW_PASSAGE, stored])  # its second: an exact prefix hit, and the passage kept
+    again = ask("key-a", [NEW_PASSAGE, stored])  # an exact prefix hit: the cache serves it, not counted again
     assert cached(again) >= again["usage"]["prompt_tokens"] - 16
+    admitted = rag.engine.keeper.stats.admitted
+    ask("key-a", [NEW_PASSAGE, stored], system="Answer briefly.")  # another app's prompt computes it again: kept
+    rag.engine.writes.drain()  # stored beside the engine, off its thread
+    assert rag.engine.keeper.stats.admitted == admitted + 1
     kept = ask("key-a", [stored, NEW_PASSAGE])  # a new order: the kept passage's rows reused
     # key-b sends the same: its first sighting (key-a's prefix blocks not shared), then the new order, which reads its
     # own cached template head as key-a's does, and the stored chunk, but not the passage key-a had kept

@@ -65,3 +65,33 @@ def test_a_follow_up_and_a_repeat_read_the_cached_turn_in_place(prefiller, monke
     for seq in (follow, repeat):
         torch.testing.assert_close(seq.first_logits, reference.first_logits, rtol=1e-4, atol=2e-4)
         assert seq.output == reference.output
+
+
+def test_on_the_triton_path_the_cached_turn_is_read_in_place(tiny_llama_dir, tmp_path, monkeypatch):
+    """The Triton rows kernel (interpreted here, compiled on a GPU) reads the hit through its slots: no join, and the
+    follow-up's first token is a full prefill's."""
+    from kvrag.kernels import triton_attention
+
+    runtime = Runtime.load(str(tiny_llama_dir), "float32", kernels="torch")
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    prefiller = Prefiller.open(runtime, env)
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    first = _run(engine, _chat(TURNS[0]))
+    history = (("user", TURNS[0]), ("assistant", runtime.tokenizer.decode(first.output, skip_special_tokens=True)))
+    heads, joins = [], []
+    rows, join = triton_attention.rows_attention, PagedKeys.join
+    monkeypatch.setattr(triton_attention, "rows_attention",
+                        lambda *a, **k: heads.append(k.get("head") is not None) or rows(*a, **k))
+    monkeypatch.setattr(PagedKeys, "join", lambda self, k, v: joins.append(len(self)) or join(self, k, v))
+    runtime.model.triton = True
+    try:
+        follow = _run(engine, _chat(TURNS[1], history))
+    finally:
+        runtime.model.triton = False
+        monkeypatch.undo()
+    assert follow.head_reused > 0 and any(heads) and joins == []
+    alone = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0, prompt_spans=False))
+    reference = _run(alone, _chat(TURNS[1], history, mode="full"))
+    torch.testing.assert_close(follow.first_logits, reference.first_logits, rtol=1e-4, atol=2e-4)
+    assert follow.output == reference.output
+    env.close()

@@ -116,7 +116,7 @@ def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(corpus):
               "so when you do not know. ") * 3
     first = _run(engine, _request("Who kept the light?", history=(("system", system),)))
     second = _run(engine, _request("When was it built?", history=(("system", system),)))
-    system_ids = len(engine.conversations.chat.plain_ids((("system", system),), "x"))
+    system_ids = len(engine.planner.chat.plain_ids((("system", system),), "x"))
     assert first.head_reused == 0
     assert second.head_reused >= system_ids - 32  # every whole block the two prompts share
     # the reference computes every row (the system prompt, seen twice, is now also a kept passage: not reused here)

@@ -157,6 +157,56 @@ def test_rows_twin_keeps_attend_position_semantics(gaps):
     torch.testing.assert_close(out.reshape(13, -1), expected, rtol=0, atol=1e-5)
 
 
+def paged_head(n_pool: int, n_head: int, n_kv: int, hd: int, dtype: torch.dtype, seed: int) -> ta.PagedHead:
+    """A cached prefix of n_head keys scattered over a flat pool [n_pool, Hkv, hd] (an engine pool's rows)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(n_pool, n_kv, hd, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    slots = torch.randperm(n_pool, generator=g)[:n_head].to(torch.int32).to(DEVICE)
+    return ta.PagedHead(k, v, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("n_head", [1, 70, 130])
+def test_rows_kernel_reads_a_paged_head(n_head, heads, dtype):
+    """The head's keys read through its slots, then the rest through the block table: the kernel against its twin,
+    and the twin against SDPA over the keys joined in one tensor. Rows see part of the head, all of it, or more."""
+    (n_q, n_kv), hd, n_rest = heads, 64, 45
+    head = paged_head(200, n_head, n_kv, hd, dtype, seed=n_head)
+    k, v = make_pool(20, 5, n_kv, hd, dtype, seed=51)
+    table = shuffled_table(n_rest, 5, 20, seed=52)
+    q = torch.randn(21, n_q, hd, generator=torch.Generator().manual_seed(53)).to(dtype).to(DEVICE)
+    visible = ta.visible_keys(scattered_positions(21, n_head + n_rest, seed=54), torch.arange(n_head + n_rest))
+    visible = visible.to(DEVICE)
+    out = ta.rows_attention(q, k, v, table, visible, head=head)
+    twin = ta.rows_attention_twin(q, k, v, table, visible, head=head)
+    torch.testing.assert_close(out, twin, rtol=0, atol=TOL[dtype])
+    slots = head.slots.long()
+    keys = torch.cat([head.k[slots], gathered(k, table, n_rest)])  # [n_head + n_rest, Hkv, hd]
+    values = torch.cat([head.v[slots], gathered(v, table, n_rest)])
+    torch.testing.assert_close(twin, sdpa_reference(q, keys, values, visible), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_new", [3, 40])
+def test_attend_on_triton_reads_a_paged_head_as_the_joined_keys(n_new):
+    """`attend` with a paged head on the Triton path (a prefill after a prefix hit: the new rows over the cached keys
+    and their own) against SDPA over the keys joined first: the same attention."""
+    from kvrag.kernels.attention import PagedKeys
+
+    n_head, hd, group = 96, 64, 3
+    head = paged_head(300, n_head, 3, hd, torch.float32, seed=61)
+    g = torch.Generator().manual_seed(62)
+    k, v = (torch.randn(n_new, 3, hd, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(n_new, 9, hd, generator=g).to(DEVICE)
+    q_pos = torch.arange(n_head, n_head + n_new)
+    k_pos = torch.arange(n_head + n_new)
+    paged = PagedKeys(head.k, head.v, head.slots.long())
+    out = attend(q, q_pos, k, v, k_pos, group, torch.float32, False, AttendPlans(), triton=True, head=paged)
+    keys, values = paged.join(k, v)
+    expected = attend(q, q_pos, keys, values, k_pos, group, torch.float32, False, AttendPlans())
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
+
+
 def _rows_args():
     k, v = make_pool(8, 5, 3, 64, torch.bfloat16, seed=41)
     q = torch.randn(4, 9, 64).to(DEVICE)

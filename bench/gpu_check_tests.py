@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # On a GPU: every cuda-marked test of these files. In the CPU rehearsal (where they skip): the same, and one test
 # that indexes and asks through the same fixtures, so the random model and embedder are exercised here too.
-GPU_TESTS = ("tests/test_triton_engine.py", "tests/test_decode_graphs.py")
+GPU_TESTS = ("tests/test_triton_engine.py", "tests/test_decode_graphs.py", "tests/test_triton_attention.py")
 SMOKE_SELECT = "gpu or local_store_answers_without"
 SMOKE_TESTS = ("tests/test_triton_engine.py", "tests/test_optional_extras.py")
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

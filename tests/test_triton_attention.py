@@ -207,6 +207,18 @@ def test_attend_on_triton_reads_a_paged_head_as_the_joined_keys(n_new):
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.cuda
+def test_the_compiled_rows_kernel_reads_a_paged_head_on_the_gpu():
+    """The GPU check's run of the cases above through the compiled kernel (tools/gpu_check.sh's `tests` part selects
+    the cuda-marked tests; elsewhere the interpreter runs them)."""
+    for dtype in DTYPES:
+        for heads in HEADS:
+            test_rows_kernel_reads_a_paged_head(130, heads, dtype)
+            test_rows_kernel_matches_twin(13, 77, 16, heads, dtype)
+    for n_new in (3, 40):
+        test_attend_on_triton_reads_a_paged_head_as_the_joined_keys(n_new)
+
+
 def _rows_args():
     k, v = make_pool(8, 5, 3, 64, torch.bfloat16, seed=41)
     q = torch.randn(4, 9, 64).to(DEVICE)

@@ -208,6 +208,7 @@ def test_attend_on_triton_reads_a_paged_head_as_the_joined_keys(n_new):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter ran the cases above)")
 def test_the_compiled_rows_kernel_reads_a_paged_head_on_the_gpu():
     """The GPU check's run of the cases above through the compiled kernel (tools/gpu_check.sh's `tests` part selects
     the cuda-marked tests; elsewhere the interpreter runs them)."""

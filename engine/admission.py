@@ -3,9 +3,10 @@
 A plain prompt's text outside its stored spans is cut at line breaks; a segment of PASSAGE_TOKENS or more is a
 passage (a retrieved document an application pasted in), anything shorter a template's glue. Each passage the prompt
 had to compute is counted by its ids and its tenant's salt; one the prefix cache served (a conversation's history,
-a prompt sent again) is not: its KV is in the pool already, and counting it would store every chat turn. A one-off passage is never stored (one-off prompts would flood the store
-and push nothing useful in: LMCache's non-prefix hit rate decays for that reason); the second sighting stores it,
-its KV computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The tokens kept this
+a prompt sent again) is not: its KV is in the pool already, and counting it would store every chat turn. A one-off
+passage is never stored (one-off prompts would flood the store and push nothing useful in: LMCache's non-prefix hit
+rate decays for that reason); the second sighting stores it, its KV computed as precompute computes a chunk's, keyed
+by the salt, so the third is a hit. The tokens kept this
 way are bounded (`kept_passages`), those of earlier runs included; when a new passage does not fit, the least
 valuable kept ones make room, by RAGCache's PGDSF as the memory tiers rank chunks: clock + uses x seconds a token to
 compute, the clock rising to each evicted passage's value. A passage of an earlier run that this one has not used

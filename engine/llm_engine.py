@@ -101,9 +101,9 @@ class LLMEngine:
             request = replace(request, blend=replace(request.blend, selection=self.config.selection))
         parse_rule(request.kv_rule)  # said at submission, not at its prefill
         plan = self.planner.plan(request.question, request.history, request.chunks, request.rag,
-                                       request.last_role, room=self.max_positions - request.sampling.max_tokens,
-                                       salt=request.salt, find_spans=request.mode in ("blend", "reuse"),
-                                       exact=wants_exact(request))
+                                 request.last_role, room=self.max_positions - request.sampling.max_tokens,
+                                 salt=request.salt, find_spans=request.mode in ("blend", "reuse"),
+                                 exact=wants_exact(request))
         head = len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "

@@ -89,12 +89,6 @@ class PromptSpans:
         with self._lock:
             return dict(self.kept)
 
-    @property
-    def client_tokens(self) -> int:
-        """Tokens of the clients' kept passages in the store (admission's bound counts them)."""
-        with self._lock:
-            return sum(n for _, n in self.kept.values())
-
     def fill(self) -> None:
         """Index the store's chunks (KVRag starts it beside the model's load), and later the ones indexed since: a
         prompt looks at the chunk table's count (an LMDB stat) and indexes again only when it has grown."""

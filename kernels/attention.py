@@ -146,12 +146,11 @@ def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: tor
     n_head = 0 if head is None else len(head)
     visible = (q_pos.to(q.device) + 1).clamp(max=n_head + k.shape[0]).to(torch.int32)  # [R] keys each row sees
     table = torch.zeros(1, dtype=torch.int32, device=q.device)  # [1]: block 0 holds every row after the head
-    paged = None if head is None else triton_attention.PagedHead(head.k, head.v, head.slots.to(torch.int32))
     if k.stride() != v.stride():  # the kernel reads K and V with one set of strides (the new rows alone: small)
         k, v = k.contiguous(), v.contiguous()
     # every row sees 1..S keys (positions >= 0, sorted; checked by `attend`): no host read of `visible`
     out = triton_attention.rows_attention(q.to(k.dtype), k[None], v[None], table, visible, check=False,
-                                          head=paged)  # [R, Hq, hd]
+                                          head=head)  # [R, Hq, hd]
     return out.view(q.shape[0], -1)
 
 

@@ -31,8 +31,6 @@ whose bound times max|v| is 1.7e-5 on their unit-scale random data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -190,7 +188,7 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
 
 
 def rows_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                        visible: torch.Tensor, head: PagedHead | None = None) -> torch.Tensor:
+                        visible: torch.Tensor, head=None) -> torch.Tensor:
     """The spec of `rows_attention`: q [R, Hq, hd], pools [N, bs, Hkv, hd], block_table [M], visible [R] (with
     `head`, its keys first) -> [R, Hq, hd] float32, gathering the sequence's key rows and taking one float32
     softmax."""
@@ -224,16 +222,17 @@ def decode_attention_twin(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 
 def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                   visible: torch.Tensor, check: bool = True, head: PagedHead | None = None) -> torch.Tensor:
+                   visible: torch.Tensor, check: bool = True, head=None) -> torch.Tensor:
     """The Triton kernel for `rows_attention_twin` (same arguments, same result within the module's tolerance).
     check=False skips reading `visible` back to the host (a sync a call, a layer a prompt): for callers that
-    built it within the table's reach. `head`: the first keys, read where a flat pool holds them."""
+    built it within the table's reach. `head` (kernels/attention.PagedKeys): the first keys, read where a flat pool
+    [N, Hkv, hd] holds them, at rows head.slots (int32 or int64)."""
     n_kv, hd = _check_pools(q, k_pool, v_pool)
     _check_index("block_table", block_table, 1, q.device)
     _check_index("visible", visible, 1, q.device)
     if visible.shape[0] != q.shape[0]:
         raise ValueError(f"visible has {visible.shape[0]} entries for {q.shape[0]} query rows")
-    n_head = 0 if head is None else head.check(k_pool)
+    n_head = 0 if head is None else _check_head(head, k_pool)
     if check:
         _check_reach(visible, n_head + block_table.shape[0] * k_pool.shape[1], "visible")
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # [R, Hq, hd]
@@ -285,26 +284,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-@dataclass(frozen=True)
-class PagedHead:
-    """A sequence's first keys where a flat pool holds them: k, v [N, Hkv, hd] (rotated), their rows slots [n] int32
-    (kernels/attention.PagedKeys, for this module)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    slots: torch.Tensor
-
-    def check(self, k_pool: torch.Tensor) -> int:
-        """ValueError unless these fit the sequence's pool (its heads, dim, dtype, device); returns n."""
-        if (self.k.dim() != 3 or self.k.shape != self.v.shape or self.k.stride() != self.v.stride()
-                or self.k.shape[1:] != k_pool.shape[2:] or self.k.dtype != k_pool.dtype
-                or self.k.device != k_pool.device or self.k.stride(-1) != 1):
-            raise ValueError(f"the head's pools {tuple(self.k.shape)} {self.k.dtype} do not fit the sequence's "
-                             f"{tuple(k_pool.shape)} {k_pool.dtype}")
-        _check_index("slots", self.slots, 1, k_pool.device)
-        return int(self.slots.shape[0])
-
-
 def _half(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the kernels take their tensor-core path: q and the pool one 16-bit dtype."""
     return q.dtype == k_pool.dtype and k_pool.dtype != torch.float32
@@ -354,6 +333,18 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
         raise ValueError(f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {q.device}: "
                          f"use the twin")
     return n_kv, hd
+
+
+def _check_head(head, k_pool: torch.Tensor) -> int:
+    """ValueError unless a paged head's pools fit the sequence's (heads, dim, dtype, device, strides); its length."""
+    k, v, slots = head.k, head.v, head.slots
+    if (k.dim() != 3 or k.shape != v.shape or k.stride() != v.stride() or k.shape[1:] != k_pool.shape[2:]
+            or k.dtype != k_pool.dtype or k.device != k_pool.device or k.stride(-1) != 1):
+        raise ValueError(f"the head's pools {tuple(k.shape)} {k.dtype} do not fit the sequence's "
+                         f"{tuple(k_pool.shape)} {k_pool.dtype}")
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64) or slots.device != k_pool.device:
+        raise ValueError(f"the head's slots must be 1-d int32 or int64 on {k_pool.device}, got {slots.dtype}")
+    return int(slots.shape[0])
 
 
 def _check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates: before the import below
 
 from kvrag.kernels import triton_attention as ta  # noqa: E402
-from kvrag.kernels.attention import AttendPlans, attend  # noqa: E402
+from kvrag.kernels.attention import AttendPlans, PagedKeys, attend  # noqa: E402
 from kvrag.kvcache.allocator import BlockTable  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,12 +157,12 @@ def test_rows_twin_keeps_attend_position_semantics(gaps):
     torch.testing.assert_close(out.reshape(13, -1), expected, rtol=0, atol=1e-5)
 
 
-def paged_head(n_pool: int, n_head: int, n_kv: int, hd: int, dtype: torch.dtype, seed: int) -> ta.PagedHead:
+def paged_head(n_pool: int, n_head: int, n_kv: int, hd: int, dtype: torch.dtype, seed: int) -> PagedKeys:
     """A cached prefix of n_head keys scattered over a flat pool [n_pool, Hkv, hd] (an engine pool's rows)."""
     g = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(n_pool, n_kv, hd, generator=g).to(dtype).to(DEVICE) for _ in range(2))
     slots = torch.randperm(n_pool, generator=g)[:n_head].to(torch.int32).to(DEVICE)
-    return ta.PagedHead(k, v, slots)
+    return PagedKeys(k, v, slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,8 +191,6 @@ def test_rows_kernel_reads_a_paged_head(n_head, heads, dtype):
 def test_attend_on_triton_reads_a_paged_head_as_the_joined_keys(n_new):
     """`attend` with a paged head on the Triton path (a prefill after a prefix hit: the new rows over the cached keys
     and their own) against SDPA over the keys joined first: the same attention."""
-    from kvrag.kernels.attention import PagedKeys
-
     n_head, hd, group = 96, 64, 3
     head = paged_head(300, n_head, 3, hd, torch.float32, seed=61)
     g = torch.Generator().manual_seed(62)

@@ -59,6 +59,7 @@ class KVRagConfig:
     kernels: str = "auto"
     threads: int | None = None
     native: bool = True
+    weights: str = "auto"  # the layers' matrices: dense, int8, int4 or auto (model/quant.py)
     compiler: str | None = None
     malloc_defaults: bool = False
     max_map_size: int | None = None
@@ -113,7 +114,7 @@ class KVRagConfig:
 
 ENVIRONMENT = {
     "model": "KVRAG_MODEL", "dtype": "KVRAG_DTYPE", "device": "KVRAG_DEVICE", "kernels": "KVRAG_KERNELS",
-    "threads": "KVRAG_THREADS", "native": "KVRAG_NATIVE", "compiler": "CXX", "malloc_defaults": "KVRAG_MALLOC_DEFAULTS",
+    "threads": "KVRAG_THREADS", "native": "KVRAG_NATIVE", "weights": "KVRAG_WEIGHTS", "compiler": "CXX", "malloc_defaults": "KVRAG_MALLOC_DEFAULTS",
     "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
     "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
     "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",

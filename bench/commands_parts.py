@@ -7,6 +7,7 @@ stdout (or stderr with the progress, where the module says so), --json where the
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -52,31 +53,39 @@ def bench_decode(
     batches: str = typer.Option(None, "--batches", help="Batch sizes, comma-separated (1 first: the base): time "
                                 "the native batched step alone over scattered blocks instead of one stream."),
     threads: int = typer.Option(None, "--threads", min=1, help="Threads a batched step (default: torch's count)."),
+    weights: str = typer.Option("dense", "--weights", help="The matrices' forms, comma-separated (dense, int8, "
+                                "int4): a table each, over the same bf16 model."),
     model: str = MODEL_OPTION,
 ) -> None:
     """Decode tokens/s against this machine's memory floor: one stream (reference, exact and native steps),
     or with --batches the native batched kernel by batch size and context.
 
     Example: kvrag bench decode --prompts 300,2000 --steps 32 --rounds 5
+             kvrag bench decode --batches 1,4,16 --prompts 1024 --weights dense,int8,int4
     """
     import torch
 
     from kvrag.bench import decode
     from kvrag.kernels.decode_step import step_serves
     from kvrag.model.files import resolve_model
-    from kvrag.model.transformer import Transformer
+    from kvrag.model.prepared import load_weights
+    from kvrag.model.quant import resolve_weights
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
+    forms = [resolve_weights(w.strip(), torch.device("cpu")) for w in weights.split(",") if w.strip()]
     local = resolve_model(model)
-    net = Transformer.from_safetensors(local.config, local.weight_files(), torch.bfloat16)
-    if sizes is None:
-        decode.single_stream(net, local.load_tokenizer(), contexts, steps or 32, rounds, items, answer_tokens,
-                             typer.echo)
-        return
-    if not step_serves(net.step_weights()):
-        raise KvragError("the native batched step does not serve this model or CPU (needs AVX-512 and a bf16 model)")
-    decode.batched(net, contexts, sizes, steps or 4, threads or torch.get_num_threads(), typer.echo)
+    for form in forms:
+        net = load_weights(local, torch.bfloat16, torch.device("cpu"), form)
+        typer.echo(f"-- {local.name}, weights {form}: {decode.bytes_per_token(net, 0) / 1e6:.0f} MB a step, "
+                   f"load {os.getloadavg()[0]:.2f}")
+        if sizes is None:
+            decode.single_stream(net, local.load_tokenizer(), contexts, steps or 32, rounds, items, answer_tokens,
+                                 typer.echo)
+            continue
+        if not step_serves(net.step_weights()):
+            raise KvragError("the native batched step does not serve this model or CPU (needs AVX-512 and a bf16 model)")
+        decode.batched(net, contexts, sizes, steps or 4, threads or torch.get_num_threads(), typer.echo)
 
 
 @bench_app.command("cold")

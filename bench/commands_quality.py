@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import typer
@@ -11,6 +13,11 @@ from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, stamped
 from kvrag.bench.typer_app import bench_app
 from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, stderr_console
 from kvrag.errors import KvragError
+
+
+def load_average() -> str:
+    """The 1-minute load average as /proc/loadavg gives it (a figure's company in every report)."""
+    return f"{os.getloadavg()[0]:.2f}"
 
 
 def _floats(text: str, option: str) -> tuple[float, ...]:
@@ -99,3 +106,55 @@ def bench_fidelity(
         (out / "report.md").write_text(markdown(report))
         pareto_plot(report, out)
     emit(report, markdown, as_json)
+
+
+@bench_app.command("weights")
+def bench_weights(
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    split: str = typer.Option("report", "--split", help="tune (items 0-49) or report (50-99)."),
+    items: int = typer.Option(10, "--items", min=0, help="MuSiQue items of the split."),
+    invented: int = typer.Option(10, "--invented", min=0, help="Invented items (bench/invented.py, seed 2)."),
+    passages: int = typer.Option(None, "--passages", min=1, help="The first N passages of each item (default all)."),
+    answer_tokens: int = typer.Option(64, "--answer-tokens", min=1, help="Greedy answer length."),
+    forms: str = typer.Option("int8,int4", "--weights", help="Quantized forms to score against dense."),
+    out: Path = typer.Option(None, "--out", help="Append the markdown table to this file."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+) -> None:
+    """What int8 and int4 weights keep of the dense model: first-token KL, greedy token and answer agreement on
+    RAG prompts (docs/quantized.md).
+
+    Example: kvrag bench weights --model qwen2.5-coder-0.5b --items 10 --invented 10
+    """
+    from kvrag.bench import weights as bench
+    from kvrag.bench.invented import invented_items
+    from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
+    from kvrag.bench.rag.items import read_dataset
+    from kvrag.model.device import resolve_device, resolve_dtype
+    from kvrag.model.prepared import load_weights
+    from kvrag.model.quant import BITS
+    from kvrag.model.runtime import Runtime
+
+    names = [f.strip() for f in forms.split(",") if f.strip()]
+    if split not in ("tune", "report") or not names or any(n not in BITS for n in names):
+        raise KvragError(f"--split takes tune or report and --weights int8 and/or int4, got {split!r}, {forms!r}")
+    raw = read_dataset(dataset) if items else []
+    indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
+    runtime = Runtime.load(model, dtype, tune_process=True, weights="dense")
+    device = resolve_device(None)
+    quantized = {n: load_weights(runtime.local, resolve_dtype(dtype, device), device, n) for n in names}
+    sets = {f"MuSiQue {split}": bench.rag_prompts(runtime, [raw[i] for i in indices], passages),
+            "invented": bench.rag_prompts(runtime, invented_items(invented, seed=2), passages)}
+    console = stderr_console()
+    results = {}
+    for where, prompts in sets.items():
+        if prompts:
+            results[where] = bench.compare(runtime.model, quantized, prompts, answer_tokens,
+                                           lambda j, w=where, n=len(prompts): console.print(f"{w}: {j + 1}/{n}"))
+    sizes = {"dense": bench.matrix_bytes(runtime.model), **{n: bench.matrix_bytes(m) for n, m in quantized.items()}}
+    head = f"`kvrag {' '.join(sys.argv[1:])}` (dense matrices {sizes['dense'] / 1e6:.0f} MB, load {load_average()})"
+    text = head + "\n\n" + bench.table(runtime.local.name, sizes, results)
+    typer.echo(text)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(text + "\n\n")

@@ -51,9 +51,8 @@ def read_bandwidth(mib: int = 512, repeats: int = 9) -> float:
 def bytes_per_token(model: Transformer, context: int) -> int:
     """Weights read by one step (every layer's matrices and norms, the LM head, one embedding row) plus the KV
     cache's keys and values over `context` positions."""
-    weights = sum(t.numel() * t.element_size() for layer in model.layers for t in vars(layer).values()
-                  if t is not None)
-    head = model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * 2
+    weights = sum(t.nbytes for layer in model.layers for t in vars(layer).values() if t is not None)
+    head = model.lm_head.nbytes + model.final_norm.nbytes  # (a quantized head's packed bytes)
     c = model.cfg
     kv = 2 * c.n_layers * context * c.n_kv_heads * c.head_dim * model.embed_tokens.element_size()
     return weights + head + model.embed_tokens[0].numel() * model.embed_tokens.element_size() + kv

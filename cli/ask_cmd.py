@@ -29,6 +29,7 @@ from kvrag.cli.common import (
     MODEL_OPTION,
     SELECTION_OPTION,
     STORE_OPTION,
+    WEIGHTS_OPTION,
     Interrupted,
     attention_weight_override,
     print_json,
@@ -132,6 +133,7 @@ def ask_command(
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
+    weights: str = WEIGHTS_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Answer a question from your indexed documents, reusing their precomputed KV caches.
@@ -154,7 +156,7 @@ def ask_command(
     _check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, policy, codec, (host_cache, gpu_cache, cache_policy),
-                         (model, dtype, device), (keep, keep_rule), (kv_tokens, kv_rule))
+                         (model, dtype, device, weights), (keep, keep_rule), (kv_tokens, kv_rule))
     answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff, min_score), settings,
                           as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
@@ -172,7 +174,7 @@ class _Settings:
     ratio: RatioPolicy
     codec: str
     cache_options: tuple  # --host-cache, --gpu-cache, --cache-policy
-    model_options: tuple  # --model, --dtype, --device
+    model_options: tuple  # --model, --dtype, --device, --weights
     keep_options: tuple  # --keep, --keep-rule
     kv_budget: tuple  # --kv-tokens, --kv-rule
 
@@ -192,7 +194,8 @@ def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings
     startup_s = process_age()
     console = stderr_console()
     host_cache, gpu_cache, policy = s.cache_options
-    rag = KVRag(store, model=s.model_options[0], dtype=s.model_options[1], device=s.model_options[2], codec=s.codec,
+    rag = KVRag(store, model=s.model_options[0], dtype=s.model_options[1], device=s.model_options[2],
+                weights=s.model_options[3], codec=s.codec,
                 host_cache=host_cache if len(todo) > 1 else "0",  # the tiers pay off from the second question on
                 gpu_cache=gpu_cache, cache_policy=policy, preload_retriever=any(map(finder.retrieves, todo)),
                 tune_process=True, keep=s.keep_options[0], keep_rule=s.keep_options[1])

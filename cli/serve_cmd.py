@@ -17,6 +17,7 @@ from kvrag.cli.common import (
     KEEP_RULE_OPTION,
     MODEL_OPTION,
     STORE_OPTION,
+    WEIGHTS_OPTION,
     resolve_store,
     stderr_console,
 )
@@ -59,6 +60,7 @@ def serve_command(
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
+    weights: str = WEIGHTS_OPTION,
     ray_serve: int = typer.Option(0, "--ray-serve", min=0, metavar="N",
                                   help="Serve with N engine replicas on Ray Serve (pip install 'kvrag[serve]'), each "
                                        "request routed to the replica whose memory holds its chunks (0: one process)."),
@@ -86,7 +88,7 @@ def serve_command(
         from kvrag.store.tiers.config import parse_bytes
 
         parse_bytes(kept_passages, "--kept-passages")
-    options = dict(model=model, dtype=dtype, device=device, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
+    options = dict(model=model, dtype=dtype, device=device, weights=weights, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
                    kept_passages=kept_passages,
                    gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
                    keep=keep, keep_rule=keep_rule, retrieval=retrieval)

@@ -8,6 +8,7 @@ every running sequence. Single-threaded: callers on other threads go through eng
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -196,6 +197,11 @@ class LLMEngine:
                                          framing=framing)
         except KvragError as exc:
             seq.error = str(exc)
+            self._finish(seq, "error")
+            return
+        except Exception as exc:  # noqa: BLE001 - off the queue and not yet running: the loop's _fail_all misses it
+            logging.getLogger("kvrag.engine").exception("a prefill failed; its request ends with the error")
+            seq.error = f"{type(exc).__name__}: {exc}"
             self._finish(seq, "error")
             return
         self._prefilled(seq, pre, config)

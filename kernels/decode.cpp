@@ -12,6 +12,7 @@
 
 #include <immintrin.h>
 
+#include "quant.h"
 #include "simd.h"
 
 #include <linux/futex.h>
@@ -347,7 +348,9 @@ struct StepModel {
   const uint16_t* cos;  // [max_pos, hd] (the halves repeat)
   const uint16_t* sin;
   const uint16_t* final_norm;  // [D]
-  const uint16_t* lm_head;     // [V, D]
+  const uint16_t* lm_head;     // [V, D] bf16, or packed as quant.cpp's matrices (bits < 16)
+  int64_t bits;                // 16: bf16 matrices; 8 or 4: every layer's matrices and the head packed by quant.py
+  const uint64_t* quant;       // bits < 16: [L + 1, 4, 2] the scales' and minimums' addresses (the head: row L)
 };
 
 // The threads of a step meet here after each product whose whole output the next stage reads. A waiter spins
@@ -433,7 +436,53 @@ struct Shared {
 struct Own {
   std::vector<float> x, head, rotated, attn, gate, up, scores;  // x [B, D], head [B, hd], attn [B, Hq hd]
   std::vector<uint16_t> x_bf16;  // the current product's inputs as bf16 (the VDPBF16PS path)
+  kvrag_quant::Quantized quantized;  // the current product's inputs quantized (packed matrices)
+  std::vector<float> sums;           // a packed product's outputs, before they are stored
 };
+
+// A product's inputs [B, K]: as the bf16 path reads them, and quantized where the matrices are packed.
+struct Act {
+  Inputs x;
+  kvrag_quant::Rows q;
+};
+
+Act act(const StepModel& m, const float* x, int64_t n, int64_t k, Own& o) {
+  if (m.bits < 16) return {{x, nullptr}, o.quantized.of(x, n, k)};
+  return {inputs(x, n * k, m.dot_bf16 != 0, o.x_bf16), {}};
+}
+
+// Matrix `which` of a layer (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down), or the LM head (layer n_layers).
+struct Weights {
+  const void* w;
+  const uint16_t* scales;
+  const uint16_t* mins;
+};
+
+Weights matrix(const StepModel& m, int64_t layer, int which) {
+  static constexpr int COLUMN[4] = {1, 3, 5, 6};  // in a layer's 7 addresses
+  const void* w = layer == m.n_layers ? static_cast<const void*>(m.lm_head)
+                                      : reinterpret_cast<const void*>(m.layers[7 * layer + COLUMN[which]]);
+  if (m.bits == 16) return {w, nullptr, nullptr};
+  const uint64_t* q = m.quant + 2 * (4 * layer + which);
+  return {w, reinterpret_cast<const uint16_t*>(q[0]), reinterpret_cast<const uint16_t*>(q[1])};
+}
+
+// store(b, r, sum) for the outputs r0..r1 of W [N, K] and every input row b: gemv_rows for bf16 matrices, quant.cpp's
+// tiles for packed ones (r0 and r1 then multiples of 16).
+template <class Store>
+void product(const StepModel& m, const Weights& w, const Act& a, int64_t n, int64_t k, int64_t r0, int64_t r1, Own& o,
+             Store store) {
+  if (m.bits == 16) {
+    gemv_rows(static_cast<const uint16_t*>(w.w), a.x, n, k, r0, r1, store);
+    return;
+  }
+  const int64_t width = r1 - r0;
+  o.sums.resize(n * width);
+  const kvrag_quant::Matrix packed{static_cast<const uint8_t*>(w.w), w.scales, w.mins, static_cast<int>(m.bits), k};
+  kvrag_quant::tiles(packed, a.q, n, r0 / kvrag_quant::TILE, r1 / kvrag_quant::TILE, o.sums.data(), width);
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t r = 0; r < width; ++r) store(b, r0 + r, o.sums[b * width + r]);
+}
 
 // Every key's place (block from the row's table, slot in it), and the rows longest first so that the
 // attention items taken last are short.
@@ -456,13 +505,13 @@ void plan(const StepModel& m, const int64_t* tables, int64_t max_blocks, Shared&
 
 // q, k, v of layer `layer` for thread t's heads, every row: k and v into the cache at each row's slot, q and k
 // rotated to the row's rotary position, q into s.q.
-void qkv_heads(const StepModel& m, const uint64_t* w, int64_t layer, Shared& s, Own& o, Inputs x, Span heads) {
+void qkv_heads(const StepModel& m, int64_t layer, Shared& s, Own& o, const Act& x, Span heads) {
   const int64_t hd = m.head_dim, d = m.hidden, nq = m.n_heads * hd;
-  const auto* wqkv = reinterpret_cast<const uint16_t*>(w[1]);
-  const auto* bias = reinterpret_cast<const uint16_t*>(w[2]);
+  const Weights wqkv = matrix(m, layer, 0);
+  const auto* bias = reinterpret_cast<const uint16_t*>(m.layers[7 * layer + 2]);
   uint16_t *k = m.k_base + layer * m.layer_stride, *v = m.v_base + layer * m.layer_stride;
   for (int64_t head = heads.begin; head < heads.end; ++head) {
-    gemv_rows(wqkv, x, s.rows, d, head * hd, (head + 1) * hd, [&](int64_t b, int64_t r, float sum) {
+    product(m, wqkv, x, s.rows, d, head * hd, (head + 1) * hd, o, [&](int64_t b, int64_t r, float sum) {
       o.head[b * hd + r - head * hd] = round_bf16(bias ? sum + from_bf16(bias[r]) : sum);
     });
     const int64_t kv = head - m.n_heads;  // a key head from 0, then a value head from n_kv_heads
@@ -517,19 +566,21 @@ void merge_parts(const StepModel& m, const Shared& s, int64_t b, float* attn) {
 }
 
 // h[b, r] += bf16(W x_b)[r] for thread t's rows and every row b, in bf16 as the torch path's residual add.
-void residual_gemv(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t d, Span rows, float* h) {
-  gemv_rows(w, x, n, k, rows.begin, rows.end, [&](int64_t b, int64_t r, float sum) {
+void residual_gemv(const StepModel& m, const Weights& w, const Act& x, int64_t n, int64_t k, Span rows, Own& o,
+                   float* h) {
+  const int64_t d = m.hidden;
+  product(m, w, x, n, k, rows.begin, rows.end, o, [&](int64_t b, int64_t r, float sum) {
     h[b * d + r] = round_bf16(h[b * d + r] + round_bf16(sum));
   });
 }
 
 // act = bf16(bf16(silu(gate)) * up) for thread t's share of the intermediate rows, every row b.
-void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Inputs x, Span rows) {
+void gate_up(const StepModel& m, const Weights& w, Shared& s, Own& o, const Act& x, Span rows) {
   const int64_t d = m.hidden, inter = m.inter, len = rows.end - rows.begin;
-  gemv_rows(w, x, s.rows, d, rows.begin, rows.end,
-            [&](int64_t b, int64_t r, float sum) { o.gate[b * len + r - rows.begin] = round_bf16(sum); });
-  gemv_rows(w, x, s.rows, d, inter + rows.begin, inter + rows.end,
-            [&](int64_t b, int64_t r, float sum) { o.up[b * len + r - inter - rows.begin] = round_bf16(sum); });
+  product(m, w, x, s.rows, d, rows.begin, rows.end, o,
+          [&](int64_t b, int64_t r, float sum) { o.gate[b * len + r - rows.begin] = round_bf16(sum); });
+  product(m, w, x, s.rows, d, inter + rows.begin, inter + rows.end, o,
+          [&](int64_t b, int64_t r, float sum) { o.up[b * len + r - inter - rows.begin] = round_bf16(sum); });
   for (int64_t b = 0; b < s.rows; ++b) {
     const float *gate = o.gate.data() + b * len, *up = o.up.data() + b * len;
     float* act = s.act.data() + b * inter + rows.begin;
@@ -547,33 +598,31 @@ void gate_up(const StepModel& m, const uint16_t* w, Shared& s, Own& o, Inputs x,
 // Every layer, then the LM head, on thread t of n_threads (all of them run this, between barriers).
 void step_thread(const StepModel& m, Shared& s, Barrier& barrier, float* logits, int t, int n_threads) {
   const int64_t d = m.hidden, hd = m.head_dim, nq = m.n_heads * hd, n = s.rows;
-  const Span heads = share(m.n_heads + 2 * m.n_kv_heads, t, n_threads, 1), out_rows = share(d, t, n_threads, 4);
-  const Span mlp_rows = share(m.inter, t, n_threads, 16), vocab = share(m.vocab, t, n_threads, 4);
+  // shares in whole 16s: a packed matrix's tiles (the bf16 path's 4-row blocks stay whole too)
+  const Span heads = share(m.n_heads + 2 * m.n_kv_heads, t, n_threads, 1), out_rows = share(d, t, n_threads, 16);
+  const Span mlp_rows = share(m.inter, t, n_threads, 16), vocab = share(m.vocab, t, n_threads, 16);
   Own o;
   o.x.resize(n * d), o.head.resize(n * hd), o.rotated.resize(hd), o.attn.resize(n * nq);
   o.gate.resize(n * (mlp_rows.end - mlp_rows.begin)), o.up.resize(o.gate.size());
-  const bool bf16 = m.dot_bf16 != 0;
   for (int64_t layer = 0; layer < m.n_layers; ++layer) {
     const uint64_t* w = m.layers + 7 * layer;
     rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[0]), n, d, m.eps, o.x.data());  // each its own
-    qkv_heads(m, w, layer, s, o, inputs(o.x.data(), n * d, bf16, o.x_bf16), heads);
+    qkv_heads(m, layer, s, o, act(m, o.x.data(), n, d, o), heads);
     barrier.wait();
     attention_items(m, layer, s, o);
     barrier.wait();
     for (int64_t b = 0; b < n; ++b) merge_parts(m, s, b, o.attn.data() + b * nq);
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[3]), inputs(o.attn.data(), n * nq, bf16, o.x_bf16), n, nq, d,
-                  out_rows, s.h.data());
+    residual_gemv(m, matrix(m, layer, 1), act(m, o.attn.data(), n, nq, o), n, nq, out_rows, o, s.h.data());
     barrier.wait();
     rms_norm_rows(s.h.data(), reinterpret_cast<const uint16_t*>(w[4]), n, d, m.eps, o.x.data());
-    gate_up(m, reinterpret_cast<const uint16_t*>(w[5]), s, o, inputs(o.x.data(), n * d, bf16, o.x_bf16), mlp_rows);
+    gate_up(m, matrix(m, layer, 2), s, o, act(m, o.x.data(), n, d, o), mlp_rows);
     barrier.wait();
-    residual_gemv(reinterpret_cast<const uint16_t*>(w[6]), inputs(s.act.data(), n * m.inter, bf16, o.x_bf16), n,
-                  m.inter, d, out_rows, s.h.data());
+    residual_gemv(m, matrix(m, layer, 3), act(m, s.act.data(), n, m.inter, o), n, m.inter, out_rows, o, s.h.data());
     barrier.wait();
   }
   rms_norm_rows(s.h.data(), m.final_norm, n, d, m.eps, o.x.data());
-  gemv_rows(m.lm_head, inputs(o.x.data(), n * d, bf16, o.x_bf16), n, d, vocab.begin, vocab.end,
-            [&](int64_t b, int64_t r, float sum) { logits[b * m.vocab + r] = round_bf16(sum); });
+  product(m, matrix(m, m.n_layers, 0), act(m, o.x.data(), n, d, o), n, d, vocab.begin, vocab.end, o,
+          [&](int64_t b, int64_t r, float sum) { logits[b * m.vocab + r] = round_bf16(sum); });
 }
 
 // 0 when every row's slot has a table entry, every block up to it is in the pool, and every rotary position

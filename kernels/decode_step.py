@@ -13,11 +13,12 @@ from functools import lru_cache
 
 import torch
 
-from kvrag.kernels import native
+from kvrag.kernels import native, quant
 from kvrag.kernels.cpu import cpu_flags
 
 PROBE_EVERY = 64  # steps between two timings of the thread count not in use (1.5 % of steps)
 LAYER_TENSORS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # decode.cpp's order
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # those that may be packed, in decode.cpp's `matrix` order
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class StepWeights:
     head_dim: int
     intermediate: int
     rms_eps: float
-    layers: tuple[tuple[torch.Tensor | None, ...], ...]  # per layer, LAYER_TENSORS in that order
-    lm_head: torch.Tensor  # [V, D]
+    layers: tuple[tuple[torch.Tensor | quant.Packed | None, ...], ...]  # per layer, LAYER_TENSORS in that order
+    lm_head: torch.Tensor | quant.Packed  # [V, D]
     final_norm: torch.Tensor  # [D]
 
     @property
@@ -42,11 +43,22 @@ class StepWeights:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.dtype
+        return self.final_norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.device
+        return self.final_norm.device
+
+    @property
+    def matrices(self) -> list[torch.Tensor | quant.Packed]:
+        """Every layer's matrices (MATRICES' order), then the LM head."""
+        return [layer[LAYER_TENSORS.index(name)] for layer in self.layers for name in MATRICES] + [self.lm_head]
+
+    @property
+    def bits(self) -> int | None:
+        """16 where every matrix is bf16, 8 or 4 where every one is packed so (kernels/quant.py), else None."""
+        forms = {16 if isinstance(t, torch.Tensor) else t.bits for t in self.matrices}
+        return forms.pop() if len(forms) == 1 else None
 
 
 def available() -> bool:
@@ -54,11 +66,13 @@ def available() -> bool:
 
 
 def step_serves(w: StepWeights) -> bool:
-    """Whether `WholeStep` runs these weights: bf16 on a CPU with the kernels, every width a multiple of 16, and
-    every weight contiguous (the kernel reads them by address)."""
-    tensors = [t for layer in w.layers for t in layer if t is not None]
+    """Whether `WholeStep` runs these weights: a bf16 model on a CPU with the kernels, every width a multiple of 16,
+    every dense weight contiguous bf16 (the kernel reads them by address), and its matrices all bf16 or all packed
+    alike (the packed ones where quant.cpp runs)."""
+    dense = [t for layer in w.layers for t in layer if isinstance(t, torch.Tensor)] + [w.final_norm]
     return (serves(w.dtype, w.device, w.hidden, w.head_dim, w.group_size) and w.intermediate % 16 == 0
-            and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [*tensors, w.lm_head, w.final_norm]))
+            and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in dense)
+            and (w.bits == 16 or (w.bits in quant.BITS and quant.available())))
 
 
 def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int, group: int) -> bool:
@@ -114,7 +128,8 @@ class StepModel(ctypes.Structure):
                                                       "block_stride", "max_pos", "dot_bf16")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("layers", "k_base", "v_base", "cos", "sin", "final_norm",
-                                                         "lm_head")])
+                                                         "lm_head")]
+                + [("bits", ctypes.c_int64), ("quant", ctypes.c_void_p)])
 
 
 def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
@@ -125,13 +140,22 @@ def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, in
     dot_bf16 = dot_bf16_default() if dot_bf16 is None else dot_bf16
     for t in (cos, sin):  # [max_pos, 1, hd]
         assert t.is_contiguous() and t.dtype == torch.bfloat16
-    addresses = [0 if t is None else t.data_ptr() for layer in w.layers for t in layer]
-    layers = torch.tensor(addresses, dtype=torch.int64)  # [L * 7]
+    addresses = [_address(t) for layer in w.layers for t in layer] + [_address(w.lm_head)]
+    packed = [0 if isinstance(t, torch.Tensor) else _address(p) for t in w.matrices
+              for p in (t.scales, t.mins)] if w.bits != 16 else [0]
+    layers = torch.tensor(addresses + packed, dtype=torch.int64)  # [L * 7 + 1 (+ (L + 1) * 4 * 2)]
     shape = StepModel(w.n_layers, w.hidden, w.n_heads, w.n_kv_heads, w.head_dim, w.intermediate,
                       w.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), w.rms_eps, w.head_dim ** -0.5,
                       layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), w.final_norm.data_ptr(),
-                      w.lm_head.data_ptr())
+                      addresses[-1], w.bits, layers.data_ptr() + 8 * len(addresses))
     return shape, layers
+
+
+def _address(t: torch.Tensor | quant.Packed | None) -> int:
+    """Where a weight's bytes start (a packed matrix's: its weights'), 0 for none."""
+    if t is None:
+        return 0
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.weights.data_ptr()
 
 
 class WholeStep:

@@ -20,19 +20,23 @@ import xxhash
 
 from kvrag.home import kvrag_home
 from kvrag.model.files import LocalModel
+from kvrag.model.quant import quantize_layers
 from kvrag.model.transformer import Transformer
 
 _DIGEST_KEY = "kvrag.digest"  # in the safetensors metadata: xxh3-128 of the tensor bytes after the header
 _BLANK = "x" * 32  # the digest's place while the bytes are hashed (a hex digest has the same length)
 
 
-def prepared_path(local: LocalModel, dtype: torch.dtype) -> Path:
-    return kvrag_home() / "models" / "prepared" / f"{local.fingerprint}-{str(dtype).removeprefix('torch.')}.safetensors"
+def prepared_path(local: LocalModel, dtype: torch.dtype, weights: str = "dense") -> Path:
+    form = "" if weights == "dense" else f"-{weights}"
+    name = f"{local.fingerprint}-{str(dtype).removeprefix('torch.')}{form}.safetensors"
+    return kvrag_home() / "models" / "prepared" / name
 
 
-def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """The model for compute: from its prepared file when there is a sound one, else built and prepared."""
-    path = prepared_path(local, dtype)
+def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device, weights: str = "dense") -> Transformer:
+    """The model for compute, its matrices in `weights`' form (dense, int8, int4: model/quant.py): from its prepared
+    file when there is a sound one, else built (a quantized form from the dense one) and prepared."""
+    path = prepared_path(local, dtype, weights)
     state = _read(path)
     if state is not None:
         try:
@@ -40,7 +44,11 @@ def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device) ->
                                                   dtype, device)
         except Exception as exc:  # noqa: BLE001 - a file from another version: rebuild it
             print(f"kvrag: prepared weights {path.name} do not fit this model ({exc}); rebuilding", file=sys.stderr)
-    model = Transformer.from_safetensors(local.config, local.weight_files(), dtype, device)
+    if weights != "dense":
+        model = load_weights(local, dtype, device)
+        quantize_layers(model, weights)
+    else:
+        model = Transformer.from_safetensors(local.config, local.weight_files(), dtype, device)
     _write(path, model.compute_state())
     return model
 

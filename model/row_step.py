@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import attend_few_rows
 from kvrag.model import rotary
+from kvrag.model.quant import linear
 from kvrag.model.step import CacheKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 
@@ -111,15 +112,15 @@ class RowStep:
         self.h.add_(self._linear(self.act, w.w_down, None, self.out))
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """out [1, N] = x [1, K] @ w [N, K]^T (+ b): F.linear's numbers, into out."""
-        out.copy_(F.linear(x, w, b))
+        """out [1, N] = x [1, K] @ w [N, K]^T (+ b): Transformer's numbers (model/quant.py's linear), into out."""
+        out.copy_(linear(x, w, b))
         return out
 
     def _logits(self) -> torch.Tensor:
         """Transformer.logits of the one row: the bf16 head, then its RESCORED best again in float32."""
         m = self.model
         normed = m._normed(self.h)  # [1, D] float32
-        return self._rescored(F.linear(m.final_norm * normed.to(m.dtype), m.lm_head)[0].float(), normed)  # [V]
+        return self._rescored(linear(m.final_norm * normed.to(m.dtype), m.lm_head)[0].float(), normed)  # [V]
 
     def _rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The head's logits out [V] with their best rescored in float32 (Transformer.rescored) from the final

@@ -11,6 +11,7 @@ from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, se
 from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.prepared import load_weights
 from kvrag.model.prompt import PromptBuilder, check_segmentation
+from kvrag.model.quant import resolve_weights
 from kvrag.model.transformer import Transformer
 
 
@@ -28,12 +29,13 @@ class Runtime:
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
              tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
-             keep_freed: bool = True, native: bool = True) -> Runtime:
+             keep_freed: bool = True, native: bool = True, weights: str = "auto") -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
         default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
         threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
         (device.set_cpu_threads), as the CLI does. kernels: auto or torch (device.resolve_triton). native: kvrag's
-        C++ CPU kernels where they serve (False: torch's ops)."""
+        C++ CPU kernels where they serve (False: torch's ops). weights: the layers' matrices dense, int8 or int4, or
+        auto (model/quant.py's resolve_weights)."""
         if tune_process:
             set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)
@@ -41,16 +43,17 @@ class Runtime:
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
-        weights = load_weights(local, resolve_dtype(dtype, dev), dev)
-        weights.triton = resolve_triton(kernels, dev)
-        weights.native = native
-        return cls(local, weights, tokenizer, prompts)
+        net = load_weights(local, resolve_dtype(dtype, dev), dev, resolve_weights(weights, dev))
+        net.triton = resolve_triton(kernels, dev)
+        net.native = native
+        return cls(local, net, tokenizer, prompts)
 
     @classmethod
     def from_config(cls, config: KVRagConfig) -> Runtime:
         """The model of a resolved configuration (config.py)."""
         return cls.load(config.model, config.dtype, config.device, config.tune_process, config.kernels,
-                        threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native)
+                        threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native,
+                        weights=config.weights)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)

@@ -32,17 +32,18 @@ from kvrag.kernels.decode_step import LAYER_TENSORS, StepWeights
 from kvrag.model import gemma, rotary
 from kvrag.model.config import ModelConfig
 from kvrag.model.device import attention_dtype
+from kvrag.model.quant import QuantWeight, from_state, head_rows, linear, state_of
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [D]
-    wqkv: torch.Tensor  # [(Hq + 2*Hkv) * hd, D]  q, k, v projections fused into one matmul
+    wqkv: torch.Tensor | QuantWeight  # [(Hq + 2*Hkv) * hd, D]  q, k, v projections fused into one matmul
     bqkv: torch.Tensor | None  # [(Hq + 2*Hkv) * hd]  Qwen2's q/k/v bias
-    wo: torch.Tensor  # [D, Hq * hd]
+    wo: torch.Tensor | QuantWeight  # [D, Hq * hd]
     mlp_norm: torch.Tensor  # [D]
-    w_gate_up: torch.Tensor  # [2 * I, D]  gate and up fused
-    w_down: torch.Tensor  # [D, I]
+    w_gate_up: torch.Tensor | QuantWeight  # [2 * I, D]  gate and up fused
+    w_down: torch.Tensor | QuantWeight  # [D, I]
     q_norm: torch.Tensor | None = None  # [hd]  Qwen3's RMSNorm over each query head, before rotary
     k_norm: torch.Tensor | None = None  # [hd]  and over each key head
     post_attn_norm: torch.Tensor | None = None  # [D]  Gemma: a norm of the attention output before the residual add
@@ -113,11 +114,14 @@ class Transformer:
 
     def compute_state(self) -> dict[str, torch.Tensor]:
         """Every weight as the forward uses it (fused, cast): what model/prepared.py caches on disk."""
-        state = {"embed_tokens": self.embed_tokens, "final_norm": self.final_norm}
+        named = {"embed_tokens": self.embed_tokens, "final_norm": self.final_norm}
         if self.lm_head is not self.embed_tokens:
-            state["lm_head"] = self.lm_head
+            named["lm_head"] = self.lm_head
         for i, layer in enumerate(self.layers):
-            state.update({f"layers.{i}.{name}": t for name, t in vars(layer).items() if t is not None})
+            named.update({f"layers.{i}.{name}": t for name, t in vars(layer).items() if t is not None})
+        state = {}
+        for name, t in named.items():  # a quantized matrix as its packed weights and scales (model/quant.py)
+            state.update(state_of(name, t) if isinstance(t, QuantWeight) else {name: t})
         return state
 
     @classmethod
@@ -126,12 +130,14 @@ class Transformer:
         """The inverse of `compute_state`: no fusing or casting left to do."""
         model = cls.__new__(cls)
         model._setup(cfg, dtype, device)
-        if any(t.dtype != dtype for t in state.values()):
+        if any(t.dtype != dtype for k, t in state.items() if t.is_floating_point() and not k.endswith((".scales", ".mins"))):
             raise KvragError("prepared weights are not in the requested dtype")
         model.embed_tokens, model.final_norm = state["embed_tokens"], state["final_norm"]
-        model.lm_head = state.get("lm_head", model.embed_tokens)
-        model.layers = [LayerWeights(**{f.name: state.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
-                        for i in range(cfg.n_layers)]
+        model.lm_head = from_state(state, "lm_head", dtype)
+        if model.lm_head is None:
+            model.lm_head = model.embed_tokens
+        model.layers = [LayerWeights(**{f.name: from_state(state, f"layers.{i}.{f.name}", dtype)
+                                        for f in fields(LayerWeights)}) for i in range(cfg.n_layers)]
         return model
 
     def _layer_weights(self, i: int, take, tensors) -> LayerWeights:
@@ -220,7 +226,7 @@ class Transformer:
         """
         c, w = self.cfg, self.layers[layer]
         x = self.rms_norm(h, w.attn_norm)
-        qkv = F.linear(x, w.wqkv, w.bqkv)  # [T, (Hq + 2*Hkv) * hd]
+        qkv = linear(x, w.wqkv, w.bqkv)  # [T, (Hq + 2*Hkv) * hd]
         nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q = self._head_norm(w.q_norm, qkv[:, :nq].view(-1, c.n_heads, c.head_dim))  # [T, Hq, hd]
         k = self._head_norm(w.k_norm, qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim))  # [T, Hkv, hd]
@@ -255,7 +261,7 @@ class Transformer:
     def _qkv_columns(self, layer: int, x: torch.Tensor, columns: slice) -> torch.Tensor:
         """Some output columns of the fused q/k/v projection (with their bias, if any) for rows x [T, D]."""
         w = self.layers[layer]
-        return F.linear(x, w.wqkv[columns], None if w.bqkv is None else w.bqkv[columns])
+        return linear(x, w.wqkv[columns], None if w.bqkv is None else w.bqkv[columns])
 
     def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -301,9 +307,12 @@ class Transformer:
     def step_weights(self) -> StepWeights:
         """What the native decode step reads (kernels/decode_step.py), in its order."""
         c = self.cfg
-        layers = tuple(tuple(getattr(w, name) for name in LAYER_TENSORS) for w in self.layers)
+        def bare(t):  # a quantized matrix as the kernels read it
+            return t.packed if isinstance(t, QuantWeight) else t
+
+        layers = tuple(tuple(bare(getattr(w, name)) for name in LAYER_TENSORS) for w in self.layers)
         return StepWeights(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size,
-                           c.rms_eps, layers, self.lm_head, self.final_norm)
+                           c.rms_eps, layers, bare(self.lm_head), self.final_norm)
 
     def uses_row_kernel(self) -> bool:
         """Whether causal attention goes through kvrag's AVX-512 row kernel (see `row_kernel_serves`)."""
@@ -318,7 +327,7 @@ class Transformer:
     def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
         w = self.layers[layer]
-        out = F.linear(attn, w.wo)  # [R, D]
+        out = linear(attn, w.wo)  # [R, D]
         h = h + (out if w.post_attn_norm is None else self.rms_norm(out, w.post_attn_norm))
         if h.shape[0] <= MLP_ROWS:
             return self._mlp_residual(w, h)
@@ -329,9 +338,9 @@ class Transformer:
 
     def _mlp_residual(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """h + MLP(norm(h)) for rows h [R, D] (Gemma: gelu-tanh, and the output normed too)."""
-        gate, up = F.linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
+        gate, up = linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
         act = F.gelu(gate, approximate="tanh") if self.is_gemma else F.silu(gate)  # [R, I]
-        out = F.linear(act * up, w.w_down)  # [R, D]
+        out = linear(act * up, w.w_down)  # [R, D]
         return h + (out if w.post_mlp_norm is None else self.rms_norm(out, w.post_mlp_norm))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -343,7 +352,8 @@ class Transformer:
         hidden state: the head of the distribution is exact, the tail keeps its bf16 rounding.
         """
         normed = self._normed(h)  # [R, D] float32, shared by both heads
-        out = self.rescored(F.linear(self._weighted(normed, self.final_norm, h.dtype), self.lm_head).float(), normed)
+        head = linear(self._weighted(normed, self.final_norm, h.dtype), self.lm_head)  # [R, V]
+        out = self.rescored(head.float(), normed)
         return gemma.softcap(out, self.cfg.final_softcap)  # monotonic: the rescored best stay the best
 
     def rescored(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
@@ -352,7 +362,7 @@ class Transformer:
         if self.dtype != torch.float32:
             top = out.topk(min(RESCORED, out.shape[-1]), dim=-1).indices  # [R, K]
             exact = torch.einsum("rd,rkd->rk", self._weighted(normed, self.final_norm, torch.float32),
-                                 self.lm_head[top].float())  # [R, K]
+                                 head_rows(self.lm_head, top).float())  # [R, K]
             out.scatter_(-1, top, exact)
         return out
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from kvrag.kernels import decode_step as native_decode
+from kvrag.kernels import quant
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import TOKENIZER_FILES, resolve_model
 from kvrag.model.generate import prefill
+from kvrag.model.quant import quantize_layers
 from kvrag.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
@@ -133,6 +135,17 @@ def test_batch_of_six_equals_each_alone_on_any_thread_count(fixture, dot_bf16, r
     block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads; each product path."""
     _check_batch_equals_alone(_load(request.getfixturevalue(fixture)), [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3],
                               dot_bf16)
+
+
+@pytest.mark.skipif(not quant.available(), reason="quant.cpp needs AVX512-VNNI")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_packed_matrices_batch_as_alone(tiny_llama_hd64_dir, weights):
+    """Every matrix packed (model/quant.py): the batch's rows still give each sequence's own bits, on any thread
+    count (the tiles split over the threads; each output's sums run in one order)."""
+    model = _load(tiny_llama_hd64_dir)
+    quantize_layers(model, weights)
+    assert native_decode.step_serves(model.step_weights())
+    _check_batch_equals_alone(model, [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3])
 
 
 @pytest.mark.parametrize("lengths", [[33], [9, 50, 21]])

@@ -202,6 +202,21 @@ def pool_is_empty(engine: LLMEngine) -> bool:
     return engine.kv.pool.num_free == engine.kv.pool.num_blocks - len(engine.kv.shared)
 
 
+def test_a_prefill_that_raises_ends_its_request_with_the_error(runtime, requests, monkeypatch):
+    """A fault in a prefill that is not a KvragError ends that request with its error: the request is off the
+    queue and not yet running then, where the loop's failure path does not look, and it used to wait forever."""
+    engine = new_engine(runtime)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault")
+
+    monkeypatch.setattr(engine.prefiller, "prefill", broken)
+    seq = engine.add(requests[0])  # blend: one prefill call
+    while engine.has_work():
+        engine.step()
+    assert seq.finish_reason == "error" and seq.error == "RuntimeError: a fault" and seq.done.is_set()
+
+
 def test_a_prompt_the_pool_cannot_hold_is_refused_with_one_line(runtime, requests):
     from kvrag.errors import KvragError
 

@@ -1,0 +1,133 @@
+"""Weight-only quantized linear layers (`--weights int8|int4`): every layer's matrices and the LM head held as
+kernels/quant.py packs them, the embedding table and the norms kept as they are.
+
+Every product runs quant.cpp's integer kernel: a decode step reads a quarter (int8) or an eighth (int4) of
+float32's bytes, and a prefill's many rows multiply through VNNI's 4-way integer dot products, which beat
+float32's matmul at every row count measured on an AVX-512 CPU without AMX (docs/quantized.md). Where the kernel
+cannot run, `resolve_weights` keeps the model dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.errors import KvragError
+from kvrag.kernels import quant
+
+WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the kernel runs, else dense
+DEFAULT_WEIGHTS = "dense"  # docs/quantized.md: the measured agreement decides what auto means
+BITS = {"int8": 8, "int4": 4}
+LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # model.transformer.LayerWeights' linear layers
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A matrix W [N, K] quantized in groups of quant.GROUP inputs (kernels/quant.py), and the model's dtype."""
+
+    packed: quant.Packed
+    dtype: torch.dtype  # what a product returns
+
+    @classmethod
+    def of(cls, w: torch.Tensor, bits: int) -> QuantWeight:
+        return cls(quant.Packed.of(w, bits), w.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape
+
+    @property
+    def bits(self) -> int:
+        return self.packed.bits
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.weights.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def __getitem__(self, rows: slice) -> QuantWeight:
+        """Output rows start:stop of the matrix, both on a tile's boundary (the q/k/v projection's parts)."""
+        start, stop, _ = rows.indices(self.shape[0])
+        if start % quant.TILE or stop % quant.TILE:
+            raise KvragError(f"rows {start}:{stop} of a quantized matrix cut a tile of {quant.TILE}")
+        return QuantWeight(self.packed.tiles(slice(start // quant.TILE, stop // quant.TILE)), self.dtype)
+
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The matrix's values [N, K] (q x scale, + min) in dtype (default the model's)."""
+        return quant.dequantize(self.packed, dtype or self.dtype)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` [...] of the dense matrix, [..., K]: only their tiles are unpacked."""
+        tiles, inverse = torch.unique(index.reshape(-1) // quant.TILE, return_inverse=True)
+        part = quant.dequantize(self.packed.tiles(tiles), self.dtype)  # [T * 16, K]
+        return part[inverse * quant.TILE + index.reshape(-1) % quant.TILE].reshape(*index.shape, -1)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, K] @ W^T (+ bias) -> [R, N] in the model's dtype."""
+        if not quant.available():  # no activation rounding, and slow: resolve_weights keeps such a model dense
+            return F.linear(x, self.dense(x.dtype), bias)
+        out = quant.matmul(self.packed, x, torch.get_num_threads())  # [R, N] float32
+        return (out if bias is None else out + bias.float()).to(self.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a dense or a quantized matrix: x [R, K] -> [R, N]."""
+    return w.linear(x, bias) if isinstance(w, QuantWeight) else F.linear(x, w, bias)
+
+
+def head_rows(w: torch.Tensor | QuantWeight, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of a dense or quantized matrix (the LM head's best candidates, rescored)."""
+    return w.rows(index) if isinstance(w, QuantWeight) else w[index]
+
+
+def resolve_weights(weights: str, device: torch.device) -> str:
+    """The weights' form a setting (config.py's `weights`) gives on this device: dense, int8 or int4; KvragError
+    where a quantized form cannot run here."""
+    if weights not in WEIGHTS:
+        raise KvragError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    runs = device.type == "cpu" and quant.available()
+    if weights == "auto":
+        return DEFAULT_WEIGHTS if runs else "dense"
+    if weights != "dense" and not runs:
+        raise KvragError(f"--weights {weights} runs on a CPU with AVX512-VNNI and kvrag's kernels built; "
+                         f"this {device.type} has no such kernel (use --weights dense)")
+    return weights
+
+
+def quantize_layers(model, weights: str) -> None:
+    """Replace the model's layer matrices and LM head by their `weights` form (int8 or int4), in place. A matrix
+    whose shape does not fit the kernel's tiles (N % 16, K % 32) stays dense."""
+    bits = BITS[weights]
+
+    def fits(w: torch.Tensor) -> bool:
+        return w.shape[0] % quant.TILE == 0 and w.shape[1] % quant.GROUP == 0
+
+    for layer in model.layers:
+        for name in LAYER_MATRICES:
+            w = getattr(layer, name)
+            if fits(w):
+                setattr(layer, name, QuantWeight.of(w, bits))
+    if fits(model.lm_head):
+        model.lm_head = QuantWeight.of(model.lm_head, bits)
+
+
+def state_of(name: str, w: QuantWeight) -> dict[str, torch.Tensor]:
+    """A quantized matrix as named tensors (model/prepared.py's file): name.q8 or name.q4, name.scales and int4's
+    name.mins."""
+    p = w.packed
+    state = {f"{name}.q{p.bits}": p.weights, f"{name}.scales": p.scales}
+    return state if p.mins is None else {**state, f"{name}.mins": p.mins}
+
+
+def from_state(state: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor | QuantWeight | None:
+    """`name`'s tensor from a state written with `state_of` for quantized matrices: dense, quantized or None."""
+    for bits in quant.BITS:
+        if f"{name}.q{bits}" in state:
+            packed = quant.Packed(state[f"{name}.q{bits}"], state[f"{name}.scales"], state.get(f"{name}.mins"), bits)
+            return QuantWeight(packed, dtype)
+    return state.get(name)

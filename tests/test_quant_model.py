@@ -1,0 +1,149 @@
+"""A model whose matrices are int8 or int4 (model/quant.py, `--weights`): every product goes through quant.cpp (its
+torch twin gives the same bits), the native whole step gives the torch step's numbers, the prepared file keeps the
+packed form, a real model stays near its dense self, and the setting reaches `kvrag ask`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrag.errors import KvragError
+from kvrag.kernels import decode_step as native_decode
+from kvrag.kernels import quant
+from kvrag.model.files import resolve_model
+from kvrag.model.generate import decode_step, prefill
+from kvrag.model.prepared import load_weights, prepared_path
+from kvrag.model.quant import DEFAULT_WEIGHTS, QuantWeight, quantize_layers, resolve_weights
+from kvrag.model.step import full_forward
+from kvrag.model.transformer import Transformer
+from kvrag.tests.conftest import run_kvrag
+
+FORMS = ["int8", "int4"]
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="quant.cpp needs AVX512-VNNI and kvrag's library")
+
+
+def _load(path, dtype=torch.float32, weights: str = "dense") -> Transformer:
+    local = resolve_model(str(path))
+    model = Transformer.from_safetensors(local.config, local.weight_files(), dtype)
+    if weights != "dense":
+        quantize_layers(model, weights)
+    return model
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", FORMS)
+def test_every_product_runs_the_kernel_whose_twin_is_the_spec(tiny_qwen2_dir, weights, monkeypatch):
+    """A float32 forward of 30 rows (Qwen2: q/k/v biases, a tied head) with every matrix packed: the same bits on
+    quant.cpp as on its torch twin, so every linear layer, the head included, multiplies through the kernel."""
+    model = _load(tiny_qwen2_dir, weights=weights)
+    assert all(isinstance(getattr(layer, name), QuantWeight) for layer in model.layers
+               for name in ("wqkv", "wo", "w_gate_up", "w_down")) and isinstance(model.lm_head, QuantWeight)
+    got = full_forward(model, _ids(30, 1), all_logits=True)[0]
+    monkeypatch.setattr(quant, "matmul", lambda packed, x, threads: quant.twin(packed, x))
+    assert torch.equal(full_forward(model, _ids(30, 1), all_logits=True)[0], got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", FORMS)
+def test_quantized_logits_part_from_the_dense_ones_by_the_weights_rounding(tiny_llama_hd64_dir, weights):
+    """Against dense models (independent references): the packed model's logits sit within the activations'
+    rounding (2 % of the logits' spread) of a dense model holding the dequantized weights, so nearly all of
+    their distance from the original model is the weights' own rounding; int8's is small (5 %)."""
+    original, packed = _load(tiny_llama_hd64_dir), _load(tiny_llama_hd64_dir, weights=weights)
+    rounded = _load(tiny_llama_hd64_dir)
+    for layer, source in zip(rounded.layers, packed.layers, strict=True):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            setattr(layer, name, getattr(source, name).dense())
+    rounded.lm_head = packed.lm_head.dense()
+    ids = _ids(40, 2)
+    want = full_forward(original, ids, all_logits=True)[0]  # [40, V]
+    spread = want.std(dim=-1, keepdim=True)  # [40, 1]
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a - b).abs() / spread).mean())
+
+    got, near = full_forward(packed, ids, all_logits=True)[0], full_forward(rounded, ids, all_logits=True)[0]
+    assert distance(got, near) < 0.02
+    if weights == "int8":
+        assert distance(got, want) < 0.05 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernel
+@pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
+@pytest.mark.parametrize("weights", FORMS)
+def test_native_step_over_packed_matrices_gives_the_torch_steps_numbers(tiny_llama_hd64_dir, weights):
+    """bf16 with packed matrices: the native whole step (decode.cpp calling quant.cpp's tiles) against the torch
+    step (model/quant.py's linear, one op at a time). Their products are the same integer sums in the same order;
+    only attention's float32 sums differ, so the logits stay within a few bf16 steps."""
+    model = _load(tiny_llama_hd64_dir, torch.bfloat16, weights)
+    ids, feed = _ids(60, 3), _ids(12, 4).tolist()
+    runs = []
+    for native in (True, False):
+        logits, cache = prefill(model, ids, extra=len(feed))
+        out = []
+        for token in feed:
+            out.append(decode_step(model, cache, token, native=native).clone())
+        assert (cache.stepper.whole is not None) == native
+        runs.append(out)
+    for a, b in zip(*runs, strict=True):
+        scale = b.abs().max()
+        assert (a - b).abs().max() <= 2 ** -5 * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", FORMS)
+def test_the_prepared_file_keeps_the_packed_matrices(tiny_llama_dir, weights):
+    local = resolve_model(str(tiny_llama_dir))
+    path = prepared_path(local, torch.float32, weights)
+    path.unlink(missing_ok=True)
+    built = load_weights(local, torch.float32, torch.device("cpu"), weights)
+    assert path.is_file() and path != prepared_path(local, torch.float32)
+    loaded = load_weights(local, torch.float32, torch.device("cpu"), weights)
+    assert loaded.layers[0].wqkv.bits == quant.BITS[FORMS.index(weights)]
+    n = loaded.layers[0].w_gate_up.shape[0] * loaded.layers[0].w_gate_up.shape[1]
+    # a byte (int8) or half a byte (int4) a weight, and float16 parameters a group of 32 (int4: scale and minimum)
+    assert loaded.layers[0].w_gate_up.nbytes == (n + n // 32 * 2 if weights == "int8" else n // 2 + n // 32 * 4)
+    ids = _ids(20, 5)
+    assert torch.equal(full_forward(loaded, ids, all_logits=True)[0], full_forward(built, ids, all_logits=True)[0])
+
+
+def test_the_setting_is_checked_before_anything_loads():
+    with pytest.raises(KvragError, match="weights must be one of"):
+        resolve_weights("int3", torch.device("cpu"))
+    with pytest.raises(KvragError, match="--weights int8 runs on a CPU"):
+        resolve_weights("int8", torch.device("cuda"))
+    assert resolve_weights("auto", torch.device("cuda")) == "dense"
+    assert resolve_weights("auto", torch.device("cpu")) == (DEFAULT_WEIGHTS if quant.available() else "dense")
+
+
+@pytest.mark.real_model
+@needs_kernel
+def test_real_int8_keeps_the_dense_models_first_tokens(smol, smol_tokenizer, invented_items):
+    """SmolLM2 on three invented RAG prompts: int8's first-token distribution within KL 0.02 of the dense model's
+    and the same first token (measured: docs/quantized.md)."""
+    from kvrag.model.prompt import PromptBuilder
+
+    builder = PromptBuilder(smol_tokenizer)
+    dense = load_weights(smol, torch.float32, torch.device("cpu"))
+    packed = load_weights(smol, torch.float32, torch.device("cpu"), "int8")
+    for item in invented_items[:3]:
+        passages = [builder.passage_ids(c["title"], c["text"]) for c in item["ctxs"][:2]]
+        ids = torch.tensor(builder.build(passages, item["question"]).flat())
+        want = prefill(dense, ids, extra=1)[0].log_softmax(-1)
+        got = prefill(packed, ids, extra=1)[0].log_softmax(-1)
+        assert float((want.exp() * (want - got)).sum()) < 0.02
+        assert int(want.argmax()) == int(got.argmax())
+
+
+@needs_kernel
+def test_ask_takes_the_weights_and_refuses_a_bad_one(store_copy):
+    ok = run_kvrag("ask", "How deep is Lake Baikal?", "--store", str(store_copy), "--weights", "int8",
+                   "--max-tokens", "8", "--json")
+    assert '"answer"' in ok.stdout
+    bad = run_kvrag("ask", "How deep is Lake Baikal?", "--store", str(store_copy), "--weights", "fp3", check=False)
+    assert bad.returncode != 0 and "weights must be one of" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

@@ -116,7 +116,8 @@ def bench_weights(
     invented: int = typer.Option(10, "--invented", min=0, help="Invented items (bench/invented.py, seed 2)."),
     passages: int = typer.Option(None, "--passages", min=1, help="The first N passages of each item (default all)."),
     answer_tokens: int = typer.Option(64, "--answer-tokens", min=1, help="Greedy answer length."),
-    forms: str = typer.Option("int8,int4", "--weights", help="Quantized forms to score against dense."),
+    forms: str = typer.Option("int8,int4", "--weights", help="Forms to score against the dense model: int8, int4, "
+                              "float32 (dense in float32: how far the dtype alone moves the answers)."),
     out: Path = typer.Option(None, "--out", help="Append the markdown table to this file."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
@@ -126,6 +127,8 @@ def bench_weights(
 
     Example: kvrag bench weights --model qwen2.5-coder-0.5b --items 10 --invented 10
     """
+    import torch
+
     from kvrag.bench import weights as bench
     from kvrag.bench.invented import invented_items
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
@@ -136,13 +139,14 @@ def bench_weights(
     from kvrag.model.runtime import Runtime
 
     names = [f.strip() for f in forms.split(",") if f.strip()]
-    if split not in ("tune", "report") or not names or any(n not in BITS for n in names):
-        raise KvragError(f"--split takes tune or report and --weights int8 and/or int4, got {split!r}, {forms!r}")
+    if split not in ("tune", "report") or not names or any(n not in (*BITS, "float32") for n in names):
+        raise KvragError(f"--split takes tune or report and --weights int8, int4, float32, got {split!r}, {forms!r}")
     raw = read_dataset(dataset) if items else []
     indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
     runtime = Runtime.load(model, dtype, tune_process=True, weights="dense")
     device = resolve_device(None)
-    quantized = {n: load_weights(runtime.local, resolve_dtype(dtype, device), device, n) for n in names}
+    quantized = {n: load_weights(runtime.local, torch.float32, device) if n == "float32" else
+                 load_weights(runtime.local, resolve_dtype(dtype, device), device, n) for n in names}
     sets = {f"MuSiQue {split}": bench.rag_prompts(runtime, [raw[i] for i in indices], passages),
             "invented": bench.rag_prompts(runtime, invented_items(invented, seed=2), passages)}
     console = stderr_console()

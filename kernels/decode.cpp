@@ -348,9 +348,9 @@ struct StepModel {
   const uint16_t* cos;  // [max_pos, hd] (the halves repeat)
   const uint16_t* sin;
   const uint16_t* final_norm;  // [D]
-  const uint16_t* lm_head;     // [V, D] bf16, or packed as quant.cpp's matrices (bits < 16)
-  int64_t bits;                // 16: bf16 matrices; 8 or 4: every layer's matrices and the head packed by quant.py
-  const uint64_t* quant;       // bits < 16: [L + 1, 4, 2] the scales' and minimums' addresses (the head: row L)
+  const uint16_t* lm_head;     // [V, D] bf16, or packed as quant.cpp's matrices
+  int64_t packed;              // 0: bf16 matrices; 1: every layer's matrices and the head packed (kernels/quant.py)
+  const uint64_t* quant;       // packed: [L + 1, 4, 3] each matrix's scales, minimums and bits (the head: row L)
 };
 
 // The threads of a step meet here after each product whose whole output the next stage reads. A waiter spins
@@ -447,24 +447,25 @@ struct Act {
 };
 
 Act act(const StepModel& m, const float* x, int64_t n, int64_t k, Own& o) {
-  if (m.bits < 16) return {{x, nullptr}, o.quantized.of(x, n, k)};
+  if (m.packed) return {{x, nullptr}, o.quantized.of(x, n, k)};
   return {inputs(x, n * k, m.dot_bf16 != 0, o.x_bf16), {}};
 }
 
 // Matrix `which` of a layer (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down), or the LM head (layer n_layers).
 struct Weights {
   const void* w;
-  const uint16_t* scales;
+  const uint16_t* scales;  // packed: float16 scales and minimums (int4), and the bits (8, 4)
   const uint16_t* mins;
+  int bits;  // 16: bf16
 };
 
 Weights matrix(const StepModel& m, int64_t layer, int which) {
   static constexpr int COLUMN[4] = {1, 3, 5, 6};  // in a layer's 7 addresses
   const void* w = layer == m.n_layers ? static_cast<const void*>(m.lm_head)
                                       : reinterpret_cast<const void*>(m.layers[7 * layer + COLUMN[which]]);
-  if (m.bits == 16) return {w, nullptr, nullptr};
-  const uint64_t* q = m.quant + 2 * (4 * layer + which);
-  return {w, reinterpret_cast<const uint16_t*>(q[0]), reinterpret_cast<const uint16_t*>(q[1])};
+  if (!m.packed) return {w, nullptr, nullptr, 16};
+  const uint64_t* q = m.quant + 3 * (4 * layer + which);
+  return {w, reinterpret_cast<const uint16_t*>(q[0]), reinterpret_cast<const uint16_t*>(q[1]), static_cast<int>(q[2])};
 }
 
 // store(b, r, sum) for the outputs r0..r1 of W [N, K] and every input row b: gemv_rows for bf16 matrices, quant.cpp's
@@ -472,13 +473,13 @@ Weights matrix(const StepModel& m, int64_t layer, int which) {
 template <class Store>
 void product(const StepModel& m, const Weights& w, const Act& a, int64_t n, int64_t k, int64_t r0, int64_t r1, Own& o,
              Store store) {
-  if (m.bits == 16) {
+  if (w.bits == 16) {
     gemv_rows(static_cast<const uint16_t*>(w.w), a.x, n, k, r0, r1, store);
     return;
   }
   const int64_t width = r1 - r0;
   o.sums.resize(n * width);
-  const kvrag_quant::Matrix packed{static_cast<const uint8_t*>(w.w), w.scales, w.mins, static_cast<int>(m.bits), k};
+  const kvrag_quant::Matrix packed{static_cast<const uint8_t*>(w.w), w.scales, w.mins, w.bits, k};
   kvrag_quant::tiles(packed, a.q, n, r0 / kvrag_quant::TILE, r1 / kvrag_quant::TILE, o.sums.data(), width);
   for (int64_t b = 0; b < n; ++b)
     for (int64_t r = 0; r < width; ++r) store(b, r0 + r, o.sums[b * width + r]);

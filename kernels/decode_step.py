@@ -55,9 +55,9 @@ class StepWeights:
         return [layer[LAYER_TENSORS.index(name)] for layer in self.layers for name in MATRICES] + [self.lm_head]
 
     @property
-    def bits(self) -> int | None:
-        """16 where every matrix is bf16, 8 or 4 where every one is packed so (kernels/quant.py), else None."""
-        forms = {16 if isinstance(t, torch.Tensor) else t.bits for t in self.matrices}
+    def packed(self) -> bool | None:
+        """False where every matrix is bf16, True where every one is packed (kernels/quant.py), else None."""
+        forms = {isinstance(t, quant.Packed) for t in self.matrices}
         return forms.pop() if len(forms) == 1 else None
 
 
@@ -72,7 +72,7 @@ def step_serves(w: StepWeights) -> bool:
     dense = [t for layer in w.layers for t in layer if isinstance(t, torch.Tensor)] + [w.final_norm]
     return (serves(w.dtype, w.device, w.hidden, w.head_dim, w.group_size) and w.intermediate % 16 == 0
             and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in dense)
-            and (w.bits == 16 or (w.bits in quant.BITS and quant.available())))
+            and (w.packed is False or (w.packed is True and quant.available())))
 
 
 def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int, group: int) -> bool:
@@ -129,7 +129,7 @@ class StepModel(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("layers", "k_base", "v_base", "cos", "sin", "final_norm",
                                                          "lm_head")]
-                + [("bits", ctypes.c_int64), ("quant", ctypes.c_void_p)])
+                + [("packed", ctypes.c_int64), ("quant", ctypes.c_void_p)])
 
 
 def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, int], cos: torch.Tensor,
@@ -141,13 +141,13 @@ def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, in
     for t in (cos, sin):  # [max_pos, 1, hd]
         assert t.is_contiguous() and t.dtype == torch.bfloat16
     addresses = [_address(t) for layer in w.layers for t in layer] + [_address(w.lm_head)]
-    packed = [0 if isinstance(t, torch.Tensor) else _address(p) for t in w.matrices
-              for p in (t.scales, t.mins)] if w.bits != 16 else [0]
-    layers = torch.tensor(addresses + packed, dtype=torch.int64)  # [L * 7 + 1 (+ (L + 1) * 4 * 2)]
+    packed = [value for t in w.matrices for value in (_address(t.scales), _address(t.mins), t.bits)] \
+        if w.packed else [0]  # [(L + 1) * 4 * 3]: each matrix's scales, minimums and bits
+    layers = torch.tensor(addresses + packed, dtype=torch.int64)  # [L * 7 + 1 (+ (4 L + 1) * 3)]
     shape = StepModel(w.n_layers, w.hidden, w.n_heads, w.n_kv_heads, w.head_dim, w.intermediate,
                       w.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), w.rms_eps, w.head_dim ** -0.5,
                       layers.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), w.final_norm.data_ptr(),
-                      addresses[-1], w.bits, layers.data_ptr() + 8 * len(addresses))
+                      addresses[-1], int(w.packed), layers.data_ptr() + 8 * len(addresses))
     return shape, layers
 
 

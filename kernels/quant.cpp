@@ -167,3 +167,40 @@ extern "C" int kvrag_quant_matmul(const uint8_t* w, const uint16_t* scales, cons
   }
   return 0;
 }
+
+// W^T [K, N] in bf16 (rounded to nearest even) from W [N, K] packed as above: what a dense matmul of many rows
+// reads (a prefill on a CPU whose bf16 matmul is faster than these products). Each 64-byte vector holds the 16
+// rows' values of 4 inputs, so an input's 16 values come out side by side; the tiles are walked input by input,
+// so that each row of W^T is written in order (writes 16 rows apart were 5-10x slower).
+extern "C" int kvrag_quant_dequantize_t(const uint8_t* w, const uint16_t* scales, const uint16_t* mins, int bits,
+                                        int64_t n, int64_t k, uint16_t* out, int n_threads) {
+  using namespace kvrag_quant;
+  if (n % TILE || k % GROUP || k <= 0 || (bits != 8 && bits != 4) || (bits == 4 && !mins)) return 1;
+  const int64_t groups = k / GROUP, tiles_n = n / TILE, tile_bytes = groups * bits * GROUP * TILE / 8;
+  const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, groups)));
+  const __m512i mask = _mm512_set1_epi32(bits == 8 ? 0xFF : 0x0F);
+#pragma omp parallel for num_threads(t) schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int quad = 0; quad < 8; ++quad) {  // 4 inputs: 16 rows x 4 bytes, or the nibbles of a shared vector
+      const int64_t vector = bits == 8 ? g * 8 + quad : g * 4 + quad / 2;
+      for (int b = 0; b < 4; ++b) {
+        uint16_t* row = out + (g * GROUP + 4 * quad + b) * n;  // input g * 32 + 4 quad + b
+        for (int64_t i = 0; i < tiles_n; ++i) {
+          const int64_t at = (i * groups + g) * TILE;
+          const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(w + i * tile_bytes + vector * 64),
+                                              bits == 8 ? 8 * b : 4 * (quad % 2) + 8 * b);
+          __m512i q = _mm512_and_si512(v, mask);
+          if (bits == 8) q = _mm512_sub_epi32(q, _mm512_set1_epi32(128));
+          __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(q), load_half(scales + at));
+          if (bits == 4) value = _mm512_add_ps(value, load_half(mins + at));
+          // round to nearest even into bf16 (finite values): the top half of value + 0x7FFF + its lowest kept bit
+          const __m512i raw = _mm512_castps_si512(value);
+          const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(raw, 16), _mm512_set1_epi32(1));
+          const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(raw, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i * TILE), _mm512_cvtepi32_epi16(rounded));
+        }
+      }
+    }
+  }
+  return 0;
+}

@@ -147,6 +147,12 @@ def _matmul():
                            [p, p, p, ctypes.c_int, i64, i64, p, i64, p, ctypes.c_int])
 
 
+@lru_cache(maxsize=1)
+def _dequantize_t():
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return native.function("kvrag_quant_dequantize_t", ctypes.c_int, [p, p, p, ctypes.c_int, i64, i64, p, ctypes.c_int])
+
+
 def available() -> bool:
     """Whether quant.cpp runs here: kvrag's library built, on a CPU with AVX512-VNNI."""
     return _matmul() is not None
@@ -162,4 +168,14 @@ def matmul(p: Packed, x: torch.Tensor, n_threads: int) -> torch.Tensor:
     if x.shape[1] != k or _matmul()(p.weights.data_ptr(), p.scales.data_ptr(), mins, p.bits, n, k, x.data_ptr(),
                                     x.shape[0], out.data_ptr(), n_threads) != 0:
         raise ValueError(f"quantized matmul cannot take a [{n}, {k}] matrix times [{x.shape[0]}, {x.shape[1]}]")
+    return out
+
+
+def dequantize_t(p: Packed, n_threads: int) -> torch.Tensor:
+    """W^T [K, N] bf16 from the packed W: `dequantize(p, torch.bfloat16).T`'s values, in quant.cpp (which needs only
+    AVX-512: `native.library()` present)."""
+    (n, k), mins = p.shape, None if p.mins is None else p.mins.data_ptr()
+    out = torch.empty(k, n, dtype=torch.bfloat16)
+    if _dequantize_t()(p.weights.data_ptr(), p.scales.data_ptr(), mins, p.bits, n, k, out.data_ptr(), n_threads):
+        raise ValueError(f"cannot dequantize a [{n}, {k}] matrix")
     return out

@@ -45,12 +45,21 @@ def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device, we
         except Exception as exc:  # noqa: BLE001 - a file from another version: rebuild it
             print(f"kvrag: prepared weights {path.name} do not fit this model ({exc}); rebuilding", file=sys.stderr)
     if weights != "dense":
-        model = load_weights(local, dtype, device)
-        quantize_layers(model, weights)
+        model = _quantized(local, dtype, device, weights)
     else:
         model = Transformer.from_safetensors(local.config, local.weight_files(), dtype, device)
     _write(path, model.compute_state())
     return model
+
+
+def _quantized(local: LocalModel, dtype: torch.dtype, device: torch.device, weights: str) -> Transformer:
+    """The model with its matrices quantized from the checkpoint's float32 values, not from their cast to dtype: a
+    GGUF's own 4- and 8-bit blocks then come back exactly (docs/quantized.md); the rest is cast to dtype."""
+    exact = Transformer.from_safetensors(local.config, local.weight_files(), torch.float32, device)
+    quantize_layers(exact, weights)
+    state = {name: t.to(dtype) if t.is_floating_point() and not name.endswith((".scales", ".mins")) else t
+             for name, t in exact.compute_state().items()}
+    return Transformer.from_compute_state(local.config, state, dtype, device)
 
 
 def _read(path: Path) -> dict[str, torch.Tensor] | None:

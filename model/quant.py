@@ -1,10 +1,11 @@
 """Weight-only quantized linear layers (`--weights int8|int4`): every layer's matrices and the LM head held as
 kernels/quant.py packs them, the embedding table and the norms kept as they are.
 
-Every product runs quant.cpp's integer kernel: a decode step reads a quarter (int8) or an eighth (int4) of
-float32's bytes, and a prefill's many rows multiply through VNNI's 4-way integer dot products, which beat
-float32's matmul at every row count measured on an AVX-512 CPU without AMX (docs/quantized.md). Where the kernel
-cannot run, `resolve_weights` keeps the model dense.
+A product runs quant.cpp's integer kernel: a decode step reads a quarter (int8) or a sixth (int4) of float32's
+bytes, and a prefill's many rows multiply through VNNI's 4-way integer dot products, which beat float32's matmul at
+every row count measured on a CPU without AMX. With AMX, a bf16 model's products of many rows (DENSE_ROWS) run AMX's
+bf16 matmul over the matrix dequantized for the call instead (docs/quantized.md). Where the kernel cannot run,
+`resolve_weights` keeps the model dense.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import torch.nn.functional as F
 
 from kvrag.errors import KvragError
 from kvrag.kernels import quant
+from kvrag.kernels.cpu import cpu_has_amx
 
 WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the kernel runs, else dense
 DEFAULT_WEIGHTS = "dense"  # docs/quantized.md: the measured agreement decides what auto means
 BITS = {"int8": 8, "int4": 4}
+# Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
+# matmul), below it through the integer kernel: they crossed between 128 and 256 rows on Qwen2.5-0.5B's MLP matrix
+# (docs/quantized.md). Without AMX the integer kernel was faster at every row count measured.
+DENSE_ROWS = 256
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # model.transformer.LayerWeights' linear layers
 
 
@@ -71,6 +77,9 @@ class QuantWeight:
         """x [R, K] @ W^T (+ bias) -> [R, N] in the model's dtype."""
         if not quant.available():  # no activation rounding, and slow: resolve_weights keeps such a model dense
             return F.linear(x, self.dense(x.dtype), bias)
+        if x.shape[0] > DENSE_ROWS and x.dtype == torch.bfloat16 and cpu_has_amx():  # a prefill: AMX's bf16 matmul
+            out = torch.matmul(x, quant.dequantize_t(self.packed, torch.get_num_threads()))  # [R, N]
+            return out if bias is None else out + bias
         out = quant.matmul(self.packed, x, torch.get_num_threads())  # [R, N] float32
         return (out if bias is None else out + bias.float()).to(self.dtype)
 
@@ -100,8 +109,10 @@ def resolve_weights(weights: str, device: torch.device) -> str:
 
 
 def quantize_layers(model, weights: str) -> None:
-    """Replace the model's layer matrices and LM head by their `weights` form (int8 or int4), in place. A matrix
-    whose shape does not fit the kernel's tiles (N % 16, K % 32) stays dense."""
+    """Replace the model's layer matrices and LM head by their `weights` form, in place: int8 all in 8 bits; int4
+    the layers' matrices in 4 bits and the head in 8, as GGUF's 4-bit files keep their output tensor at 6-8 bits
+    (the head decides every token; docs/quantized.md). A matrix whose shape does not fit the kernel's tiles
+    (N % 16, K % 32) stays dense."""
     bits = BITS[weights]
 
     def fits(w: torch.Tensor) -> bool:
@@ -113,7 +124,7 @@ def quantize_layers(model, weights: str) -> None:
             if fits(w):
                 setattr(layer, name, QuantWeight.of(w, bits))
     if fits(model.lm_head):
-        model.lm_head = QuantWeight.of(model.lm_head, bits)
+        model.lm_head = QuantWeight.of(model.lm_head, 8)
 
 
 def state_of(name: str, w: QuantWeight) -> dict[str, torch.Tensor]:

@@ -84,3 +84,12 @@ def test_kernel_refuses_a_shape_it_cannot_take():
     packed = quant.Packed.of(torch.randn(16, 64), 8)
     with pytest.raises(ValueError):
         quant.matmul(packed, torch.randn(1, 32), 1)
+
+
+@pytest.mark.skipif(not quant.available(), reason="kvrag's library missing")
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_the_transposed_bf16_matrix_is_the_dequantized_one(bits):
+    """What a bf16 prefill on an AMX CPU multiplies by: W^T [K, N] with `dequantize`'s values rounded as torch
+    rounds to bf16, bit for bit."""
+    packed = quant.Packed.of(torch.randn(48, 96, generator=torch.Generator().manual_seed(bits)) * 3, bits)
+    assert torch.equal(quant.dequantize_t(packed, 2), quant.dequantize(packed, torch.bfloat16).T)

@@ -10,6 +10,7 @@ import torch
 from kvrag.errors import KvragError
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels import quant
+from kvrag.model import quant as quant_model
 from kvrag.model.files import resolve_model
 from kvrag.model.generate import decode_step, prefill
 from kvrag.model.prepared import load_weights, prepared_path
@@ -92,6 +93,23 @@ def test_native_step_over_packed_matrices_gives_the_torch_steps_numbers(tiny_lla
     for a, b in zip(*runs, strict=True):
         scale = b.abs().max()
         assert (a - b).abs().max() <= 2 ** -5 * scale
+
+
+@needs_kernel
+def test_a_bf16_prefill_on_amx_multiplies_by_the_dequantized_matrices(tiny_qwen2_dir, monkeypatch):
+    """Past DENSE_ROWS rows a bf16 model on an AMX CPU multiplies by each matrix dequantized for the call: the
+    numbers of a dense model holding the dequantized weights (the same bf16 values, other matmul calls)."""
+    monkeypatch.setattr(quant_model, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(quant_model, "DENSE_ROWS", 8)
+    packed = _load(tiny_qwen2_dir, torch.bfloat16, "int8")
+    rounded = _load(tiny_qwen2_dir, torch.bfloat16)
+    for layer, source in zip(rounded.layers, packed.layers, strict=True):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            setattr(layer, name, getattr(source, name).dense())
+    rounded.lm_head = packed.lm_head.dense()
+    ids = _ids(24, 6)
+    got, want = full_forward(packed, ids, all_logits=True)[0], full_forward(rounded, ids, all_logits=True)[0]
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
 
 
 @needs_kernel

@@ -4,7 +4,8 @@ layer of a quantized model) and its torch twin, which computes the same bits.
 A weight matrix W [N, K] is cut into groups of GROUP inputs along K, each with float16 parameters:
 - int8: w = d q, q in [-127, 127], d = max |w| / 127 (llama.cpp's Q8_0).
 - int4: w = d q + m, q in [0, 15], m = min w, d = (max w - min w) / 15 (llama.cpp's Q4_1): a minimum as well as a
-  scale, so that the 16 levels span the group's own range (GGUF files of 4- and 5-bit blocks store such ranges).
+  scale, so that the 16 levels span the group's own range; where a group's values already sit on a grid of at most
+  16 levels (a GGUF's 4-bit block), that grid's step, so the block comes back exactly.
 Activations are quantized per row and group as int8 weights are, on the fly (what the integer dot needs).
 """
 
@@ -63,11 +64,25 @@ def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
         shifted = g
     else:
         lo = g.amin(-1)
-        d, m = ((g.amax(-1) - lo) / 15).half(), lo.half()
+        d, m = _grid_step(g, lo).half(), lo.half()
         shifted = g - m.float()[..., None]
     inv = torch.where(d != 0, 1 / d.float(), torch.zeros(d.shape))
     q = torch.round(shifted * inv[..., None]).clamp_(*LEVELS[bits]).to(torch.int8)  # [N, G, 32]
     return q.reshape(n, k), d, m
+
+
+def _grid_step(g: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Each group's int4 scale [N, G] for groups g [N, G, 32] of minimum lo: (max - min) / 15, except where the
+    values already sit on a grid of at most 16 levels, as a GGUF's 4-bit blocks do (Q4_K's levels need not reach
+    0 and 15): there the grid's own step, the smallest gap between values, so that the block comes back exactly."""
+    spread = g.amax(-1) - lo  # [N, G]
+    ordered = g.sort(-1).values
+    gaps = ordered.diff(dim=-1)  # [N, G, 31]
+    tiny = 1e-6 * spread[..., None]
+    step = torch.where(gaps > tiny, gaps, torch.full_like(gaps, float("inf"))).amin(-1)  # [N, G]
+    levels = (g - lo[..., None]) / step[..., None]
+    on_grid = ((levels - levels.round()).abs() < 1e-3).all(-1) & (spread / step < 15.5)
+    return torch.where(on_grid & torch.isfinite(step), step, spread / 15)
 
 
 def _tiled(p: torch.Tensor) -> torch.Tensor:

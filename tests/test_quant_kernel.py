@@ -30,6 +30,20 @@ def test_int4_groups_span_their_own_range():
     assert (q >= 0).all() and (q <= 15).all()
 
 
+def test_int4_gives_back_a_block_already_on_a_grid_of_16_levels():
+    """A GGUF 4-bit block (Q4_K: w = d q - m with q in [0, 15], not every group reaching 0 and 15) comes back with
+    its own step, exactly up to the float16 parameters; a spread of 32 levels (Q5_0) falls back to (max - min) / 15."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(2, 14, (16, 32), generator=g).float()  # levels 2..13 only
+    step, low = torch.tensor(0.25), torch.tensor(-1.5)  # exact in float16
+    w = q * step + low
+    packed = quant.Packed.of(w, 4)
+    assert torch.equal(quant.dequantize(packed), w)
+    five_bit = torch.arange(32).float().repeat(16, 1) * 0.25
+    _, d, _ = quant.quantize(five_bit, 4)
+    assert torch.allclose(d.float(), torch.full((16, 1), 31 * 0.25 / 15), rtol=1e-3)
+
+
 @pytest.mark.parametrize("bits", quant.BITS)
 def test_pack_round_trip(bits):
     g = torch.Generator().manual_seed(bits)

@@ -21,7 +21,7 @@ def main(model: str | None = None, layer: int = 3) -> None:
     print(f"{local.name}, layer {layer}: relative error of the dequantized values")
     for name, w in {**matrices, "lm_head": net.lm_head}.items():
         errors = [float((quant.dequantize(quant.Packed.of(w, bits)) - w).norm() / w.norm()) for bits in quant.BITS]
-        print(f"{name:>10}: " + "  ".join(f"int{bits} {100 * e:.2f} %" for bits, e in zip(quant.BITS, errors)))
+        print(f"{name:>10}: " + "  ".join(f"int{bits} {100 * e:.2f} %" for bits, e in zip(quant.BITS, errors, strict=True)))
 
 
 if __name__ == "__main__":

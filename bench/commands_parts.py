@@ -78,7 +78,7 @@ def bench_decode(
     for form in forms:
         net = load_weights(local, torch.bfloat16, torch.device("cpu"), form)
         typer.echo(f"-- {local.name}, weights {form}: {decode.bytes_per_token(net, 0) / 1e6:.0f} MB a step, "
-                   f"load {os.getloadavg()[0]:.2f}")
+                   f"{decode.resident_bytes(net) / 1e6:.0f} MB resident, load {os.getloadavg()[0]:.2f}")
         if sizes is None:
             decode.single_stream(net, local.load_tokenizer(), contexts, steps or 32, rounds, items, answer_tokens,
                                  typer.echo)

@@ -48,6 +48,13 @@ def read_bandwidth(mib: int = 512, repeats: int = 9) -> float:
     return src.numel() * 4 / statistics.median(times)
 
 
+def resident_bytes(model: Transformer) -> int:
+    """The model's weights in memory: the embedding table, every layer's tensors, the LM head (once, if tied)."""
+    head = 0 if model.lm_head is model.embed_tokens else model.lm_head.nbytes
+    layers = sum(t.nbytes for layer in model.layers for t in vars(layer).values() if t is not None)
+    return model.embed_tokens.nbytes + model.final_norm.nbytes + head + layers
+
+
 def bytes_per_token(model: Transformer, context: int) -> int:
     """Weights read by one step (every layer's matrices and norms, the LM head, one embedding row) plus the KV
     cache's keys and values over `context` positions."""

@@ -20,7 +20,7 @@ import xxhash
 
 from kvrag.home import kvrag_home
 from kvrag.model.files import LocalModel
-from kvrag.model.quant import quantize_layers
+from kvrag.model.quant import RECIPE, quantize_layers
 from kvrag.model.transformer import Transformer
 
 _DIGEST_KEY = "kvrag.digest"  # in the safetensors metadata: xxh3-128 of the tensor bytes after the header
@@ -28,7 +28,7 @@ _BLANK = "x" * 32  # the digest's place while the bytes are hashed (a hex digest
 
 
 def prepared_path(local: LocalModel, dtype: torch.dtype, weights: str = "dense") -> Path:
-    form = "" if weights == "dense" else f"-{weights}"
+    form = "" if weights == "dense" else f"-{weights}-r{RECIPE}"  # a new recipe builds new files
     name = f"{local.fingerprint}-{str(dtype).removeprefix('torch.')}{form}.safetensors"
     return kvrag_home() / "models" / "prepared" / name
 

@@ -20,12 +20,15 @@ from kvrag.kernels import quant
 from kvrag.kernels.cpu import cpu_has_amx
 
 WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the kernel runs, else dense
-DEFAULT_WEIGHTS = "dense"  # docs/quantized.md: the measured agreement decides what auto means
+# int8 kept the dense model's greedy tokens at 0.967-1.000 of the answers' positions on SmolLM2, Gemma 3 270M and
+# Qwen2.5-0.5B; int4 fell to 0.900-0.934 on Gemma (docs/quantized.md): auto is int8, int4 is asked for by name
+DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
 # Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
 # matmul), below it through the integer kernel: they crossed between 128 and 256 rows on Qwen2.5-0.5B's MLP matrix
 # (docs/quantized.md). Without AMX the integer kernel was faster at every row count measured.
 DENSE_ROWS = 256
+RECIPE = 1  # how quantize_layers and kernels/quant.py quantize: part of a prepared file's name (model/prepared.py)
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # model.transformer.LayerWeights' linear layers
 
 

@@ -29,13 +29,13 @@ class Runtime:
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
              tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
-             keep_freed: bool = True, native: bool = True, weights: str = "auto") -> Runtime:
+             keep_freed: bool = True, native: bool = True, weights: str = "dense") -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
         default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
         threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
         (device.set_cpu_threads), as the CLI does. kernels: auto or torch (device.resolve_triton). native: kvrag's
         C++ CPU kernels where they serve (False: torch's ops). weights: the layers' matrices dense, int8 or int4, or
-        auto (model/quant.py's resolve_weights)."""
+        auto (model/quant.py's resolve_weights; the configuration's default, read at the edge)."""
         if tune_process:
             set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)

@@ -21,6 +21,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # KVRag's first-use blending check (engine/model_check.py) off for the session, so no test pays for it or has its
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
+# The models' matrices dense for the session, whatever `auto` picks on this CPU (model/quant.py): the tests hold the
+# forward, the blend and the engine to dense references (transformers' logits, a full prefill); the quantized
+# forms have their own tests (tests/test_quant_*.py), which ask for them by name
+os.environ["KVRAG_WEIGHTS"] = "dense"
 XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 # the user's KVRAG_HOME, before the session's own replaces it: models pulled for the tests (`make test` pulls
 # Qwen2.5-Coder-0.5B there) are read from it, never pulled or converted by a test

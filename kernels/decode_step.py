@@ -142,7 +142,7 @@ def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, in
         assert t.is_contiguous() and t.dtype == torch.bfloat16
     addresses = [_address(t) for layer in w.layers for t in layer] + [_address(w.lm_head)]
     packed = [value for t in w.matrices for value in (_address(t.scales), _address(t.mins), t.bits)] \
-        if w.packed else [0]  # [(L + 1) * 4 * 3]: each matrix's scales, minimums and bits
+        if w.packed else [0]  # [(4 L + 1) * 3]: each matrix's scales, minimums and bits
     layers = torch.tensor(addresses + packed, dtype=torch.int64)  # [L * 7 + 1 (+ (4 L + 1) * 3)]
     shape = StepModel(w.n_layers, w.hidden, w.n_heads, w.n_kv_heads, w.head_dim, w.intermediate,
                       w.lm_head.shape[0], *strides, cos.shape[0], int(dot_bf16), w.rms_eps, w.head_dim ** -0.5,

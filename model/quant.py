@@ -115,8 +115,9 @@ def quantize_layers(model, weights: str) -> None:
     """Replace the model's layer matrices and LM head by their `weights` form, in place: int8 all in 8 bits; int4
     the layers' matrices in 4 bits and the head in 8, as GGUF's 4-bit files keep their output tensor at 6-8 bits
     (the head decides every token; docs/quantized.md). A matrix whose shape does not fit the kernel's tiles
-    (N % 16, K % 32) stays dense."""
-    bits = BITS[weights]
+    (N % 16, K % 32; q/k/v's parts each a multiple of 16) stays dense."""
+    bits, c = BITS[weights], model.cfg
+    split = (c.n_heads * c.head_dim) % quant.TILE == 0 and (c.n_kv_heads * c.head_dim) % quant.TILE == 0
 
     def fits(w: torch.Tensor) -> bool:
         return w.shape[0] % quant.TILE == 0 and w.shape[1] % quant.GROUP == 0
@@ -124,7 +125,7 @@ def quantize_layers(model, weights: str) -> None:
     for layer in model.layers:
         for name in LAYER_MATRICES:
             w = getattr(layer, name)
-            if fits(w):
+            if fits(w) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
                 setattr(layer, name, QuantWeight.of(w, bits))
     if fits(model.lm_head):
         model.lm_head = QuantWeight.of(model.lm_head, 8)

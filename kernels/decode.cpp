@@ -350,7 +350,7 @@ struct StepModel {
   const uint16_t* final_norm;  // [D]
   const uint16_t* lm_head;     // [V, D] bf16, or packed as quant.cpp's matrices
   int64_t packed;              // 0: bf16 matrices; 1: every layer's matrices and the head packed (kernels/quant.py)
-  const uint64_t* quant;       // packed: [L + 1, 4, 3] each matrix's scales, minimums and bits (the head: row L)
+  const uint64_t* quant;       // packed: [4 L + 1, 3] each matrix's scales, minimums and bits (the head last)
 };
 
 // The threads of a step meet here after each product whose whole output the next stage reads. A waiter spins

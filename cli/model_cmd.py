@@ -13,6 +13,7 @@ from rich.table import Table
 from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
+    WEIGHTS_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
     load_runtime,
@@ -30,15 +31,16 @@ if TYPE_CHECKING:
 
 @model_app.command("info")
 def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEVICE_OPTION,
-         as_json: bool = JSON_OPTION) -> None:
+         weights: str = WEIGHTS_OPTION, as_json: bool = JSON_OPTION) -> None:
     """Resolve the model (converting a GGUF on first use) and show what will run.
 
     Example: kvrag model info --model gemma3-270m --json
     """
     from kvrag.model.device import resolve_device, resolve_dtype
     from kvrag.model.files import resolve_model
+    from kvrag.model.quant import resolve_weights
 
-    config = settings(model=model, dtype=dtype, device=device)
+    config = settings(model=model, dtype=dtype, device=device, weights=weights)
     local = resolve_model(config.model)
     dev = resolve_device(config.device)
     compute_dtype = resolve_dtype(config.dtype, dev)
@@ -49,6 +51,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "tokenizer_fingerprint": local.tokenizer_fingerprint,
         "device": str(dev),
         "dtype": str(compute_dtype).removeprefix("torch."),
+        "weights": resolve_weights(config.weights, dev),  # the matrices' form (docs/quantized.md)
         "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
@@ -57,7 +60,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         print_json(payload)
         return
     table = Table(show_header=False, box=None)
-    for key in ("name", "path", "fingerprint", "device", "dtype", "attention"):
+    for key in ("name", "path", "fingerprint", "device", "dtype", "weights", "attention"):
         table.add_row(key, str(payload[key]))
     c = local.config
     table.add_row("architecture", f"{c.architecture}: {c.n_layers} layers, {c.n_heads} query heads, "

@@ -165,3 +165,12 @@ def test_ask_takes_the_weights_and_refuses_a_bad_one(store_copy):
     bad = run_kvrag("ask", "How deep is Lake Baikal?", "--store", str(store_copy), "--weights", "fp3", check=False)
     assert bad.returncode != 0 and "weights must be one of" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+@needs_kernel
+def test_model_info_says_the_weights_form(smol):
+    import json
+
+    shown = json.loads(run_kvrag("model", "info", "--weights", "int4", "--json").stdout)
+    assert shown["weights"] == "int4"
+    assert json.loads(run_kvrag("model", "info", "--json").stdout)["weights"] == "dense"  # the session's pin

@@ -13,9 +13,9 @@ from rich.table import Table
 from kvrag.cli.common import (
     DEVICE_OPTION,
     DTYPE_OPTION,
-    WEIGHTS_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
+    WEIGHTS_OPTION,
     load_runtime,
     print_json,
     settings,

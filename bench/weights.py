@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrag.bench.fidelity import agreed_prefix
+from kvrag.bench.rag.metrics import kl_divergence
 from kvrag.model.generate import decode_step, prefill
 from kvrag.model.transformer import Transformer
 
@@ -34,11 +35,6 @@ class Scores:
         return {"first_kl": statistics.mean(self.first_kl), "first_top1": statistics.mean(self.first_same),
                 "token_agreement": statistics.mean(self.tokens), "prefix_agreement": statistics.mean(self.prefix),
                 "identical": statistics.mean(self.identical), "items": len(self.tokens)}
-
-
-def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    p, q = ref.float().log_softmax(-1), got.float().log_softmax(-1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def greedy(model: Transformer, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
@@ -69,7 +65,7 @@ def compare(dense: Transformer, forms: dict[str, Transformer], prompts: list[lis
         for name, model in forms.items():
             s = scores[name]
             got_first, got = greedy(model, ids, n)
-            s.first_kl.append(_kl(first, got_first))
+            s.first_kl.append(kl_divergence(first, got_first))
             s.first_same.append(int(got_first.argmax()) == answer[0])
             s.prefix.append(agreed_prefix(answer, got))
             s.identical.append(got == answer)

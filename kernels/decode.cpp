@@ -440,7 +440,8 @@ struct Own {
   std::vector<float> sums;           // a packed product's outputs, before they are stored
 };
 
-// A product's inputs [B, K]: as the bf16 path reads them, and quantized where the matrices are packed.
+// A product's inputs [B, K]: as the bf16 path reads them, and quantized where the matrices are packed (by each
+// thread for itself: B x K values, cheaper than the barrier a shared copy would need).
 struct Act {
   Inputs x;
   kvrag_quant::Rows q;

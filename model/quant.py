@@ -25,9 +25,9 @@ WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the k
 DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
 # Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
-# matmul), below it through the integer kernel: they crossed between 128 and 256 rows on Qwen2.5-0.5B's MLP matrix
-# (docs/quantized.md). Without AMX the integer kernel was faster at every row count measured.
-DENSE_ROWS = 256
+# matmul), below it through the integer kernel: they crossed between 64 and 128 rows on Qwen2.5-0.5B's MLP matrices
+# (idle, docs/quantized.md). Without AMX the integer kernel was faster at every row count measured.
+DENSE_ROWS = 128
 RECIPE = 1  # how quantize_layers and kernels/quant.py quantize: part of a prepared file's name (model/prepared.py)
 LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # model.transformer.LayerWeights' linear layers
 

@@ -31,6 +31,16 @@ def _load(path, dtype=torch.float32, weights: str = "dense") -> Transformer:
     return model
 
 
+def _rounded(path, dtype, packed: Transformer) -> Transformer:
+    """A dense model holding `packed`'s dequantized matrices: the weights' rounding without the activations'."""
+    rounded = _load(path, dtype)
+    for layer, source in zip(rounded.layers, packed.layers, strict=True):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            setattr(layer, name, getattr(source, name).dense())
+    rounded.lm_head = packed.lm_head.dense()
+    return rounded
+
+
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -55,11 +65,7 @@ def test_quantized_logits_part_from_the_dense_ones_by_the_weights_rounding(tiny_
     rounding (2 % of the logits' spread) of a dense model holding the dequantized weights, so nearly all of
     their distance from the original model is the weights' own rounding; int8's is small (5 %)."""
     original, packed = _load(tiny_llama_hd64_dir), _load(tiny_llama_hd64_dir, weights=weights)
-    rounded = _load(tiny_llama_hd64_dir)
-    for layer, source in zip(rounded.layers, packed.layers, strict=True):
-        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            setattr(layer, name, getattr(source, name).dense())
-    rounded.lm_head = packed.lm_head.dense()
+    rounded = _rounded(tiny_llama_hd64_dir, torch.float32, packed)
     ids = _ids(40, 2)
     want = full_forward(original, ids, all_logits=True)[0]  # [40, V]
     spread = want.std(dim=-1, keepdim=True)  # [40, 1]
@@ -102,11 +108,7 @@ def test_a_bf16_prefill_on_amx_multiplies_by_the_dequantized_matrices(tiny_qwen2
     monkeypatch.setattr(quant_model, "cpu_has_amx", lambda: True)
     monkeypatch.setattr(quant_model, "DENSE_ROWS", 8)
     packed = _load(tiny_qwen2_dir, torch.bfloat16, "int8")
-    rounded = _load(tiny_qwen2_dir, torch.bfloat16)
-    for layer, source in zip(rounded.layers, packed.layers, strict=True):
-        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            setattr(layer, name, getattr(source, name).dense())
-    rounded.lm_head = packed.lm_head.dense()
+    rounded = _rounded(tiny_qwen2_dir, torch.bfloat16, packed)
     ids = _ids(24, 6)
     got, want = full_forward(packed, ids, all_logits=True)[0], full_forward(rounded, ids, all_logits=True)[0]
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))

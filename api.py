@@ -16,9 +16,11 @@ one paged KV pool shared by all of them. Methods may be called from any thread.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -33,26 +35,23 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
 from kvrag.engine.model_check import blend_rule
 from kvrag.engine.prefiller import Prefiller
-from kvrag.engine.prompt_reuse import carries_passages
 from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.engine.speculation import Speculator, Stage
 from kvrag.errors import KvragError
-from kvrag.model.generate import SamplingConfig, stream_text
+from kvrag.model.detokenize import Detokenizer
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
+from kvrag.request_chunks import Found, Passage, RequestChunks, Retrieval, from_hits
 from kvrag.store.env import StoreEnv
-from kvrag.store.remote import RemoteOptions
+from kvrag.store.open import RemoteOptions
 from kvrag.store.tiers.config import parse_bytes
 
-Passage = tuple[str, str]  # (title, text)
-
-
-# What callers above the engine (the server, applications) use: the API, the end-of-stream mark a Generation's
-# events close with, the two refusals a submission can meet (queue full, prompt too long for the model/pool), the
-# error every bad input raises, and the `ratio` option as a value.
+# What callers above the engine (the server, applications) use: the API, the two refusals a submission can meet
+# (queue full, prompt too long for the model/pool), the error every bad input raises, and the `ratio` option.
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-__all__ = ["DONE", "KV_RULE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
+__all__ = ["KV_RULE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragError", "PromptTooLong", "QueueFull", "RatioPolicy"]
 
 
 class KVRag:
@@ -69,31 +68,34 @@ class KVRag:
         the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's prefill
         on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced chunks
         `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
-        from kvrag.blend.keyformer import KeepConfig
+        from kvrag.precompute.keyformer import KeepConfig
 
         self.config = config = config if config is not None else KVRagConfig.resolve(**options)
         keep_config = KeepConfig(config.keep, config.keep_rule)  # bad settings are said before anything loads
         remote = RemoteOptions.of(config.aws, config.mirror_dir, config.remote_cache)
         self.env = StoreEnv.open(local_store(store, remote), max_map_size=config.max_map_size)  # s3://: its mirror
-        self._retriever = None
+        self.retrieval = Retrieval(self.env)
         self._grammars = None
         self._grammars_lock = threading.Lock()
-        self._retriever_lock = threading.Lock()
-        self.load_timings = {"model_load": 0.0, "embedder_load": 0.0}  # seconds
-        preload = threading.Thread(target=self._preload_retriever, daemon=True) if config.preload_retriever else None
+        self._model_load_s = 0.0
+        preload = threading.Thread(target=self.retrieval.preload, daemon=True) if config.preload_retriever else None
         try:
             if preload is not None:
                 preload.start()  # torch releases the GIL in both loads: they overlap
             start = time.perf_counter()
             self.engine = self._engine(config, keep_config, remote)
-            self.load_timings["model_load"] = time.perf_counter() - start
+            self._model_load_s = time.perf_counter() - start
         except BaseException:
             if preload is not None:
                 preload.join()
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
-        spans = self.engine.planner.spans  # the store's passage index, built beside the first questions
+        planner = self.engine.planner
+        self.chunks = RequestChunks(self.env, config.retrieval, self.runtime.prompts,
+                                    self.runtime.local.tokenizer_fingerprint, self.retrieval, planner.spans,
+                                    planner.paragraphs)  # the engine's passage index and passage rule
+        spans = planner.spans  # the store's passage index, built beside the first questions
         if spans is not None:
             threading.Thread(target=spans.fill, name="kvrag-passage-index", daemon=True).start()
         self.speculator = Speculator(self.loop) if config.speculate else None
@@ -133,7 +135,7 @@ class KVRag:
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
         (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `logprobs`: keep each
-        generated token's log-probability and its `logprobs` most likely alternatives (`Generation.seq.logprobs`;
+        generated token's log-probability and its `logprobs` most likely alternatives (`Generation.logprobs`;
         None: none). `history`: a conversation's earlier turns as (role, text), system first (the prompt is the
         model's chat template over them, the passages inside the last user turn); retrieval then searches for the
         previous user turn and the question together. `rag` False, `k` 0, or no chunk passing the cutoffs: plain chat,
@@ -145,7 +147,7 @@ class KVRag:
         stored chunk's text, or a passage-like paragraph: engine/prompt_reuse.py) is not retrieved for; without
         retrieval the prompt's stored passages are found and blended wherever they stand. `listener`: called with no
         arguments from the
-        engine's thread after each token and at the end (to wake an event loop that reads `Generation.seq.events`
+        engine's thread after each token and at the end (to wake an event loop that reads `Generation.new_text`
         without blocking)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
@@ -159,28 +161,23 @@ class KVRag:
 
         history = tuple((role, text) for role, text in history)
         given = chunk_ids is not None or passages is not None
-        retrieve = rag and k > 0 and not given and self._retrieves(question, history, salt)
+        staged = self.speculator is not None and not history
+        found = self.chunks.find(question, history, k=k, relative_cutoff=relative_cutoff, min_score=min_score,
+                                 chunk_ids=chunk_ids, passages=passages, rag=rag, salt=salt, last_role=last_role,
+                                 plain=False, staged=staged)
 
-        def request(chunks: list[tuple[str, list[int]]], sources: list[dict]) -> Request:
-            return Request(question, tuple((c, tuple(ids)) for c, ids in chunks), mode, blend, policy, sampling,
-                           tuple(sources), kv_tokens=kv_tokens, kv_rule=kv_rule, logprobs=logprobs, history=history,
-                           rag=given or bool(chunks), keep_turn=keep_turn, grammar=grammar, last_role=last_role,
-                           salt=salt)
+        def request(found: Found) -> Request:
+            return Request(question, found.chunks, mode, blend, policy, sampling, found.sources, kv_tokens=kv_tokens,
+                           kv_rule=kv_rule, logprobs=logprobs, history=history, rag=given or bool(found.chunks),
+                           keep_turn=keep_turn, grammar=grammar, last_role=last_role, salt=salt, prompt=found.prompt)
 
-        query = search_text(question, history)
-        if self.speculator is not None and retrieve and not history:
-            stages = self._stages(query, k, relative_cutoff, min_score, request)
+        if staged and found.retrieved:  # the search left to its stages
+            # each stage's request keeps the plain prompt the decision rendered (for a search that finds nothing)
+            stages = self._stages(question, k, relative_cutoff, min_score,
+                                  lambda hits: request(replace(hits, prompt=found.prompt)))
             return Generation(self, *self.speculator.submit(stages, listener, start))
-        chunks, sources = self._chunks(query, k, relative_cutoff, chunk_ids, passages, min_score) \
-            if retrieve or given else ([], [])
         retrieve_s = time.perf_counter() - start
-        return Generation(self, self.loop.submit(request(chunks, sources), listener), retrieve_s)
-
-    def _retrieves(self, question: str, history: Sequence[tuple[str, str]], salt: str) -> bool:
-        """Whether a question that may be retrieved for is (the config's `retrieval`)."""
-        if self.config.retrieval != "auto":
-            return self.config.retrieval == "server"
-        return not carries_passages(self.engine.planner, question, history, salt)
+        return Generation(self, self.loop.submit(request(found), listener), retrieve_s)
 
     def ask(self, question: str, **options) -> Answer:
         """Answer one question (the options of `submit`) and return when it is done."""
@@ -195,7 +192,7 @@ class KVRag:
         [len(texts), dim] float32, and the tokens it read (each text truncated where the embedder truncates)."""
         if not texts or any(not isinstance(t, str) or not t for t in texts):
             raise KvragError("embed takes a non-empty list of non-empty strings")
-        embedder = self._load_retriever().embedder
+        embedder = self.retrieval.get().embedder
         return embedder.embed(list(texts)), embedder.count_tokens(list(texts))
 
     @property
@@ -210,6 +207,11 @@ class KVRag:
             return self._grammars
 
     @property
+    def load_timings(self) -> dict[str, float]:
+        """Seconds the model's load took, and the retriever's (0 until it has loaded)."""
+        return {"model_load": self._model_load_s, "embedder_load": self.retrieval.load_s}
+
+    @property
     def embedder_name(self) -> str:
         from kvrag.corpus.embedder import NAME
 
@@ -217,11 +219,11 @@ class KVRag:
 
     def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5, min_score: float = 0.0) -> list[dict]:
         """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""
-        return self._chunks(question, k, relative_cutoff, None, None, min_score)[1]
+        return list(self.retrieval.search(question, k, relative_cutoff, min_score).sources)
 
     def held_chunks(self, limit: int = 4096) -> list[str]:
         """The chunks this engine's memory tiers hold, the most recently used first, at most `limit` (what a replica
-        reports to a router: server/routing.py)."""
+        reports to a router: cluster/routing.py)."""
         cache = self.engine.prefiller.source.cache
         for _ in range(3):  # the engine's thread may change the tree while this one reads it: read again
             try:
@@ -246,58 +248,20 @@ class KVRag:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- chunks -----------------------------------------------------------------------------------
-
-    def _chunks(self, question: str, k: int, relative_cutoff: float, chunk_ids: Sequence[str] | None,
-                passages: Sequence[Passage] | None,
-                min_score: float = 0.0) -> tuple[list[tuple[str, list[int]]], list[dict]]:
-        from kvrag.store.chunks import ChunkTable, chunk_id_for
-
-        if passages is not None:
-            prompts, fp = self.runtime.prompts, self.runtime.local.tokenizer_fingerprint
-            found = [(title, prompts.passage_ids(title, text)) for title, text in passages]
-            return ([(chunk_id_for(ids, fp), ids) for _, ids in found],
-                    [{"chunk_id": chunk_id_for(ids, fp), "title": title, "tokens": len(ids)} for title, ids in found])
-        if chunk_ids is not None:
-            records = ChunkTable(self.env).get_many(list(chunk_ids))  # a missing id is a KvragError
-            return [(r.chunk_id, list(r.token_ids)) for r in records], [_source(r) for r in records]
-        return _from_hits(self._load_retriever().search(question, k, relative_cutoff, min_score))
-
     def _stages(self, question: str, k: int, relative_cutoff: float, min_score: float, request) -> Iterator[Stage]:
         """The staged search's stages (Retriever.search_staged), each with the request its chunks make."""
-        for staged in self._load_retriever().search_staged(question, k, relative_cutoff, min_score=min_score):
-            chunks, sources = _from_hits(staged.hits)
-            yield Stage(tuple(c for c, _ in chunks), partial(request, chunks, sources), staged.final)
-
-    def _load_retriever(self):
-        """The embedder and the vector index, loaded once (and warmed up on a query)."""
-        with self._retriever_lock:
-            if self._retriever is None:
-                from kvrag.corpus.embedder import Embedder
-                from kvrag.corpus.retrieve import Retriever
-                from kvrag.store.chunks import ChunkTable
-
-                start = time.perf_counter()
-                if ChunkTable(self.env).count() == 0:
-                    raise KvragError(f"the store at {self.env.path} has no indexed chunks; run `kvrag index` first")
-                embedder = Embedder()
-                embedder.embed(["warm-up"])  # the weights and torch's first-call setup, out of the first question
-                self._retriever = Retriever(self.env, embedder)
-                self.load_timings["embedder_load"] = time.perf_counter() - start
-            return self._retriever
-
-    def _preload_retriever(self) -> None:
-        try:
-            self._load_retriever()
-        except KvragError:
-            pass  # no index: said when a question needs retrieval
+        for staged in self.retrieval.get().search_staged(question, k, relative_cutoff, min_score=min_score):
+            found = from_hits(staged.hits)
+            yield Stage(tuple(c for c, _ in found.chunks), partial(request, found), staged.final)
 
 
 class Generation:
-    """One submitted question: iterate it for text pieces, or wait for the whole `result()`."""
+    """One submitted question: iterate it for text pieces, or wait for the whole `result()`. Its tokens, how it
+    ended, its prompt's costs and sources are read here as it runs: the one view of a request above the engine."""
 
     def __init__(self, rag: KVRag, seq: EngineSequence, retrieve_s: float):
-        self._rag, self.seq, self._retrieve_s = rag, seq, retrieve_s
+        self._rag, self._seq, self._retrieve_s = rag, seq, retrieve_s
+        self._text = Detokenizer(rag.runtime.tokenizer)  # for its one reader: the text of the tokens read so far
 
     @property
     def retrieve_s(self) -> float:
@@ -306,48 +270,98 @@ class Generation:
 
     def tokens(self) -> Iterator[int]:
         """Token ids as the engine produces them (one reader: the tokens are handed out once)."""
-        while (token := self.seq.events.get()) is not DONE:
+        while (token := self._seq.events.get()) is not DONE:
             yield token
         self._raise_if_failed()
 
     def __iter__(self) -> Iterator[str]:
-        return stream_text(self._rag.runtime.tokenizer, self.tokens())
+        for token in self.tokens():
+            if piece := self._text.push(token):
+                yield piece
+        if tail := self._text.flush():
+            yield tail
+
+    def new_text(self) -> tuple[str, bool]:
+        """Without waiting: the text generated since the last call (a character's bytes held back until it is whole),
+        and whether it is the end; for a reader on an event loop, woken by submit's `listener`. One reader, as for
+        `tokens` and iterating."""
+        pieces = []
+        while True:
+            try:
+                token = self._seq.events.get_nowait()
+            except queue.Empty:
+                return "".join(pieces), False
+            if token is DONE:
+                return "".join(pieces) + self._text.flush(), True
+            pieces.append(self._text.push(token))
 
     def cancel(self) -> None:
         """Stop generating; its memory goes back to the engine at its next step."""
-        self._rag.loop.cancel(self.seq)
+        self._rag.loop.cancel(self._seq)
 
     @property
     def done(self) -> bool:
-        return self.seq.done.is_set()
+        return self._seq.done.is_set()
 
     def result(self, timeout: float | None = None) -> Answer:
         """The whole answer, once generated. KvragError if it failed, TimeoutError after `timeout` seconds."""
-        if not self.seq.done.wait(timeout):
+        if not self._seq.done.wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         self._raise_if_failed()
-        return self._answer()
+        return self._seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
 
     def _raise_if_failed(self) -> None:
-        if self.seq.finish_reason == "error":
-            raise KvragError(self.seq.error or "the request failed")
+        if self._seq.finish_reason == "error":
+            raise KvragError(self.error)
 
-    def _answer(self) -> Answer:
-        return self.seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
+    # ---- what it did, read while it runs ------------------------------------------------------------
 
+    @property
+    def finish_reason(self) -> str | None:
+        """stop (a stop token), length (max_tokens or a full cache), error, cancelled; None while it runs."""
+        return self._seq.finish_reason
 
-def search_text(question: str, history: Sequence[tuple[str, str]]) -> str:
-    """What retrieval searches for: the question, after the previous user turn where there is one (a follow-up
-    such as "When did she retire?" names its subject there)."""
-    earlier = [text for role, text in history if role == "user" and text.strip()]
-    return f"{earlier[-1].strip()}\n{question}" if earlier else question
+    @property
+    def error(self) -> str:
+        """Why it failed (finish_reason error)."""
+        return self._seq.error or "the request failed"
 
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._seq.output)
 
-def _from_hits(hits) -> tuple[list[tuple[str, list[int]]], list[dict]]:
-    return ([(h.chunk.chunk_id, list(h.chunk.token_ids)) for h in hits],
-            [{**_source(h.chunk), "score": round(h.score, 4)} for h in hits])
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Each generated token's log-probability and its most likely alternatives; None where none were asked."""
+        return None if self._seq.request.logprobs is None else list(self._seq.logprobs)
 
+    @property
+    def prompt_counts(self) -> dict[str, int]:
+        """The prompt's tokens: all, those whose KV was reused (of them, blended_cached: reused as an earlier blend
+        made it) and computed; 0 until prefilled."""
+        seq = self._seq
+        return {"all": seq.prompt_tokens, "reused": seq.reused_tokens, "blended_cached": seq.blended_cached_tokens,
+                "computed": seq.computed_tokens}
 
-def _source(record) -> dict:
-    return {"chunk_id": record.chunk_id, "doc_id": record.doc_id, "title": record.title,
-            "tokens": len(record.token_ids)}
+    @property
+    def sources(self) -> list[dict]:
+        """The chunks the answer was given, each with where its KV came from (`tier`: None until prefilled, and
+        for the chunks after a prefix-caching prompt's first)."""
+        tiers = self._seq.prefill_info.get("chunk_tiers", ())
+        return [{**source, "tier": tiers[i] if i < len(tiers) else None}
+                for i, source in enumerate(self._seq.request.sources)]
+
+    @property
+    def chunk_ids(self) -> list[str] | None:
+        """The chunks its prompt holds, retrieved or given; None for plain chat (no passages, no RAG prompt)."""
+        request = self._seq.request
+        return [chunk_id for chunk_id, _ in request.chunks] if request.rag else None
+
+    def times(self) -> dict[str, float]:
+        """Seconds: retrieval, waiting for a prefill (queued), submission to the first token (ttft), first to last
+        token (decode) so far."""
+        return {"retrieve": self._retrieve_s, **self._seq.times()}
+
+    def stamps(self) -> tuple[float | None, float | None]:
+        """When its first token came and when it ended, on time.perf_counter's clock (None before)."""
+        return self._seq.first_token_at, self._seq.finished_at

@@ -70,8 +70,8 @@ class KVRagConfig:
     cache_policy: str | None = None
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (kvcache/prefix_cache.py); "0": none
-    kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/admission.py)
-    # where retrieval happens (api.py's RETRIEVAL): auto (ours, unless the prompt carries passages), server, client
+    kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/kept_passages.py)
+    # where retrieval happens (RETRIEVAL, below): auto (ours, unless the prompt carries passages), server, client
     retrieval: str = "auto"
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     cuda_graphs: bool = False  # the decode step replayed from CUDA graphs (Triton path on a GPU only)
@@ -112,15 +112,9 @@ class KVRagConfig:
         return config
 
 
-ENVIRONMENT = {
-    "model": "KVRAG_MODEL", "dtype": "KVRAG_DTYPE", "device": "KVRAG_DEVICE", "kernels": "KVRAG_KERNELS",
-    "threads": "KVRAG_THREADS", "native": "KVRAG_NATIVE", "weights": "KVRAG_WEIGHTS", "compiler": "CXX", "malloc_defaults": "KVRAG_MALLOC_DEFAULTS",
-    "max_map_size": "KVRAG_MAX_MAP_SIZE", "remote_cache": "KVRAG_REMOTE_CACHE", "mirror_dir": "KVRAG_MIRROR_DIR",
-    "host_cache": "KVRAG_HOST_CACHE", "gpu_cache": "KVRAG_GPU_CACHE", "cache_policy": "KVRAG_CACHE_POLICY",
-    "reorder_window": "KVRAG_REORDER_WINDOW", "chat_cache": "KVRAG_CHAT_CACHE",
-    "kept_passages": "KVRAG_KEPT_PASSAGES",
-    "model_check": "KVRAG_MODEL_CHECK", "retrieval": "KVRAG_RETRIEVAL", "cuda_graphs": "KVRAG_CUDA_GRAPHS",
-}
+ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
+    "model dtype device kernels threads native weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
+    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check retrieval cuda_graphs").split()}
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages
 RETRIEVAL = ("auto", "server", "client")

@@ -28,7 +28,7 @@ import torch
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.sequence import Request
-from kvrag.model.generate import SamplingConfig
+from kvrag.model.sampling import SamplingConfig
 
 RATIO = 0.15
 

@@ -1,7 +1,7 @@
 """`kvrag bench cluster` (issue 50): serving beyond one process, measured on one machine and simulated for many.
 
     serve       a Zipf-popular RAG load over MuSiQue's report items against 2 engine replicas on Ray Serve, routed by
-                chunk (server/ray_routers.ChunkRouter) and, on a fresh cluster, round robin: the memory tiers' hit
+                chunk (cluster/routers.ChunkRouter) and, on a fresh cluster, round robin: the memory tiers' hit
                 rate (chunks served from a tier over chunks asked, from the replicas' /metrics), TTFT p50/p90 (a
                 streaming client's first content event) and requests per second
     sim         the same policies for 8-64 replicas and 10M chunks, in bench/cluster_sim.py's discrete-event model
@@ -86,9 +86,9 @@ def zipf_load(n_items: int, requests: int, s: float, seed: int) -> list[int]:
 
 def run_router(store: Path, router: str, questions: list[str], plan: ServePlan, log) -> dict:
     from kvrag.api import KVRagConfig
+    from kvrag.bench.local_s3 import free_ports
+    from kvrag.cluster.serve import ClusterServer, ClusterSettings
     from kvrag.server.app import ServerSettings
-    from kvrag.server.ray_serve import ClusterServer, ClusterSettings
-    from kvrag.store.remote.local_s3 import free_ports
 
     config = KVRagConfig.resolve(host_cache=plan.host_cache, threads=1)
     cluster = ClusterSettings(replicas=plan.replicas, router=router, stats_period_s=1.0)

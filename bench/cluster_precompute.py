@@ -22,7 +22,7 @@ from kvrag.bench.precompute import scratch_store
 from kvrag.precompute.on_ray import precompute_ray
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.remote import MARKER, RemoteOptions
+from kvrag.store.open import MARKER, RemoteOptions
 
 
 @dataclass(frozen=True)

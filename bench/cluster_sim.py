@@ -1,4 +1,4 @@
-"""N replicas behind a router, simulated: where chunk-aware routing (server/routing.py) stops paying (issue #50).
+"""N replicas behind a router, simulated: where chunk-aware routing (cluster/routing.py) stops paying (issue #50).
 
 Workload: a Zipf-popular RAG load over `n_chunks` chunks. A request's question has Zipf(s) popularity over a question
 space as large as the corpus, so popular questions repeat with the same chunk set; each distinct question's k chunks
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import xxhash
 
+from kvrag.cluster.routing import BALANCE, RoutingConfig, rank
 from kvrag.kvcache.allocator import BlockLayout
-from kvrag.server.routing import BALANCE, RoutingConfig, rank
 from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.knowledge_tree import GPU, HOST, STORE, KnowledgeTree, Node
 

@@ -22,6 +22,7 @@ from kvrag.cli.common import (
     attention_weight_override,
     print_json,
     stderr_console,
+    stdout_console,
 )
 from kvrag.errors import KvragError
 
@@ -134,15 +135,14 @@ def bench_command(
                           arrivals or (QUICK_ARRIVALS if quick else 2000), seed)
     cache_spec = _cache_spec(host_cache, gpu_cache, cache_policy, cache_sizes,
                              cache_requests or (QUICK_CACHE_REQUESTS if quick else 4000), zipf, seed)
-    console = _wide_console()
+    console = _wide(stderr_console())
     report = _measure(console, store, dataset, data, split, questions, chosen, config, poisson, cache_spec,
                       (model, dtype, device), compress, (k, limit, seed, sample, passage_words, quick), no_workloads)
     report["total_wall_s"] = time.perf_counter() - t_start
     _write(report, out, as_json, console)
 
 
-def _wide_console():
-    console = stderr_console()
+def _wide(console):
     if not console.is_terminal:  # a log file: wide enough for the tables
         console.width = max(console.width, 120)
     return console
@@ -358,12 +358,13 @@ def _cache(bench, runtime, config, spec, pool) -> dict:
 
 
 def _write(report: dict, out: Path | None, as_json: bool, console) -> None:
-    """The tables on stderr, or with --json the report on stdout alone; --out's files either way."""
+    """The tables, or with --json the report, on stdout; --out's files either way."""
     from kvrag.bench.rag.report import markdown, rich_tables
 
     if not as_json:
+        tables = _wide(stdout_console())
         for table in rich_tables(report):
-            console.print(table)
+            tables.print(table)
     if out is not None:
         import json
 

@@ -73,10 +73,10 @@ def _precompute(items: int, dataset: Path | None, log) -> list[dict]:
     import os
     import tempfile
 
+    from kvrag.bench import local_s3
     from kvrag.bench.cluster_precompute import ScratchRemote, precompute_rates
     from kvrag.bench.rag.datasets import musique_report_items
     from kvrag.bench.remote import _cli, write_docs
-    from kvrag.store.remote import local_s3
 
     chosen = musique_report_items(dataset)[:items]
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-precompute-") as tmp:

@@ -19,13 +19,24 @@ from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
-    positive_ints,
     print_json,
     stderr_console,
+    stdout_console,
 )
 from kvrag.errors import KvragError
 
 MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
+
+
+def positive_ints(text: str, what: str) -> list[int]:
+    """Comma-separated positive whole numbers (an option like --batches 1,4,16), or one line naming the option."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvragError(f"{what} takes whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise KvragError(f"{what} takes positive whole numbers, got {text!r}")
+    return values
 
 
 def stamped(report: dict) -> dict:
@@ -259,7 +270,7 @@ def bench_model(
     if as_json:
         print_json(report.to_dict())
     else:
-        console.print(table(report))
+        stdout_console().print(table(report))
 
 
 @bench_app.command("engine")
@@ -294,7 +305,7 @@ def bench_engine_command(
                     "read_bandwidth_bytes_per_s": bandwidth,
                     "points": [{**asdict(p), "over_floor": p.over_floor} for p in points]})
     else:
-        console.print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)
+        stdout_console().print(table(points, bandwidth, path, machine.get("cpu", "")), highlight=False)
 
 
 @bench_app.command("cutoff")

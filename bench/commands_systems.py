@@ -10,13 +10,12 @@ from pathlib import Path
 
 import typer
 
-from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, stamped
+from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, positive_ints, stamped
 from kvrag.bench.typer_app import bench_app
 from kvrag.cli.common import (
     DTYPE_OPTION,
     JSON_OPTION,
     MODEL_OPTION,
-    positive_ints,
     print_json,
     stderr_console,
 )
@@ -297,7 +296,7 @@ def bench_keyformer(
     budget: bool = typer.Option(False, "--budget", help="The decode-time budget: ROUGE-L of summaries under 70/50/30 percent "
                                                         "budgets against the unbudgeted one."),
     rules: str = typer.Option("keyformer,h2o,window", "--rules", help="The rules to compare. With --budget each is "
-                              "name[:modifier+...] (blend/kv_budget.py: pooled, prompt, tau=answer, recent=R)."),
+                              "name[:modifier+...] (engine/kv_budget.py: pooled, prompt, tau=answer, recent=R)."),
     passages: int = typer.Option(5, "--passages", min=1, help="With --budget: the item's first passages summarised."),
     store: Path = typer.Option(None, "--store", help="The bench store, filled on first use by --load (resumable)."),
     records: Path = typer.Option(None, "--records", help="With --load or --budget: append each item's records to this "

@@ -142,8 +142,8 @@ def top1(found: list[list]) -> list[float]:
 def run(items: list[dict], musique_store: Path, demo_store: Path, k: int = 5, relative_cutoff: float = 0.5) -> dict:
     """The report: each group's score distribution and shares over a sweep, the chosen cutoff, the hits kept."""
     from kvrag.bench.rag.report import machine
+    from kvrag.config import MIN_SCORE
     from kvrag.corpus.embedder import Embedder
-    from kvrag.corpus.retrieve import MIN_SCORE
 
     groups, musique = measure(items, musique_store, demo_store, k, relative_cutoff)
     chosen = choose(groups)
@@ -171,7 +171,7 @@ def summary(scores: list[float]) -> dict:
 def render(report: dict) -> str:
     """The report's markdown tables: score distributions, the sweep, and what reaches the prompt."""
     groups = report["groups"]
-    lines = [f"Absolute retrieval cutoff: chosen {report['chosen']:.2f} (MIN_SCORE in corpus/retrieve.py: "
+    lines = [f"Absolute retrieval cutoff: chosen {report['chosen']:.2f} (MIN_SCORE in config.py: "
              f"{report['min_score_default']:.2f}); embedder {report['embedder']['fingerprint']} "
              f"({report['embedder']['dtype']}); CPU {report['machine'].get('cpu', '?')}", "",
              f"Rule: {report['rule']}.", "",

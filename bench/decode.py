@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 
 from kvrag.kernels import decode_step as native_decode
-from kvrag.model.generate import decode_step, decode_step_reference, prefill
+from kvrag.model.decode import decode_step, decode_step_reference
+from kvrag.model.prefill import prefill
 from kvrag.model.transformer import Transformer
 
 STEPS = {

@@ -19,8 +19,9 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.scheduler import SchedulerConfig
 from kvrag.engine.sequence import Request, Sequence
-from kvrag.model.generate import SamplingConfig, prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
 
 
 @dataclass

@@ -1,16 +1,16 @@
-"""The GPU check's parts (issue 47; docs/gpu.md, "The GPU check"): every GPU figure in one device call.
+"""The GPU check's parts (issues 47, 59; docs/gpu.md, "The GPU check"): the GPU figures in one device call.
 
-tools/gpu_check.sh runs each part in a process of its own, under its own time cap, in this order:
+tools/gpu_check.sh runs each part in a process of its own, under its own time cap (its PLAN), most valuable first:
 
-    peaks     bf16 matmul TFLOP/s, device copy and pinned host-to-device GB/s (bench/gpu_kernels.py)
+    tests     the cuda-marked tests on tiny random models built there (bench/gpu_check_tests.py)
+    peaks     bf16 matmul TFLOP/s, device copy and pinned host-to-device GB/s (bench/gpu_kernels.py): the floors
+    e2e-8b    a Llama-3.1-8B-shaped model of random bf16 weights over the folder's first MuSiQue items: full prefill
+              against blend@0.15 from the store (page cache) and from the pinned host tier, the floor, launches
     kernels   decode_attention against SDPA at batch 1/16/64 x context 1k/8k, rows_attention, load_layers;
               FlashInfer's paged decode where it is installed
     graphs    a SmolLM2-shaped decode step eager against replayed from a CUDA graph: time, launches
               (bench/gpu_graphs.py)
-    e2e-8b    a Llama-3.1-8B-shaped model of random bf16 weights over the folder's MuSiQue items: full prefill
-              against blend@0.15 from the store (page cache) and from the pinned host tier, the floor, launches
-    e2e-smol  the same for a SmolLM2-shaped model of random weights on SmolLM2's real tokenizer
-    tests     the cuda-marked tests on tiny random models built there (bench/gpu_check_tests.py)
+    e2e-smol  the same as e2e-8b for a SmolLM2-shaped model of random weights on SmolLM2's real tokenizer
     summary   one table of what the parts wrote
 
 Each part writes `<out>/<part>.json` as it goes ("done": false until it ends), so a run cut by its cap still
@@ -18,7 +18,7 @@ returns what it measured. Speed does not depend on the weights' values; fidelity
 weights. `--cpu-smoke` runs every part at toy sizes on the CPU, under Triton's interpreter: it tests the code and
 the folder, and measures nothing.
 
-    python -m kvrag.bench.gpu_check PART --out DIR --folder .gpu-check [--cpu-smoke] [--items 10]
+    python -m kvrag.bench.gpu_check PART --out DIR --folder .gpu-check [--cpu-smoke] [--items N]
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ import torch
 
 from kvrag.bench import gpu_e2e, gpu_kernels
 
-PARTS = ("peaks", "kernels", "graphs", "e2e-8b", "e2e-smol", "tests")
-GRAPH_CASES = ((1, 1024), (16, 1024), (64, 1024), (16, 4096))  # (batch, context) of a SmolLM2-shaped decode step
+PARTS = ("tests", "peaks", "e2e-8b", "kernels", "graphs", "e2e-smol")  # tools/gpu_check.sh's PLAN, in its order
+# Sized to the parts' caps (a call of 300 s; the 2026-11-28 run's times): the items of each end-to-end part (10
+# items took the 8B shape 83 s, its store fill 37 of them), and the decode steps the graphs part compares.
+E2E_ITEMS = {"e2e-8b": 6, "e2e-smol": 3}
+GRAPH_CASES = ((1, 1024), (64, 1024), (16, 4096))  # (batch, context) of a SmolLM2-shaped decode step
 SMOKE_GRAPH_CASES = ((1, 40), (2, 40))
 SMOKE_WORDS = 24  # words kept of each passage in the CPU rehearsal
 SMOKE_ITEMS = 2
@@ -45,7 +48,7 @@ class Check:
     out: Path
     folder: Path  # tools/gpu_check.py's: smollm2/, minilm/, musique.json
     smoke: bool = False
-    items: int = 10
+    items: int | None = None  # the end-to-end parts' items; None: E2E_ITEMS's
 
     @property
     def device(self) -> torch.device:
@@ -132,8 +135,8 @@ def run_graphs(check: Check) -> None:
     check.write("graphs", {"cases": cases}, done=True)
 
 
-def check_items(check: Check) -> list[dict]:
-    items = json.loads((check.folder / "musique.json").read_text())[:check.items]
+def check_items(check: Check, part: str) -> list[dict]:
+    items = json.loads((check.folder / "musique.json").read_text())[:check.items or E2E_ITEMS[part]]
     if not check.smoke:
         return items
     return [{**item, "ctxs": [{**c, "text": " ".join(c["text"].split()[:SMOKE_WORDS])} for c in item["ctxs"][:3]]}
@@ -157,7 +160,7 @@ def run_e2e(check: Check, part: str) -> None:
     def partial(model: dict) -> None:
         check.write(part, {"model": model, "targets": gpu_e2e.model_targets(model, role)}, done=False)
 
-    model = gpu_e2e.run_model(name, runtime, check_items(check), peaks, log, on_item=partial)
+    model = gpu_e2e.run_model(name, runtime, check_items(check, part), peaks, log, on_item=partial)
     check.write(part, {"model": model, "targets": gpu_e2e.model_targets(model, role)}, done=True)
 
 
@@ -218,7 +221,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--folder", type=Path, default=Path(".gpu-check"))
     parser.add_argument("--cpu-smoke", action="store_true")
-    parser.add_argument("--items", type=int, default=10)
+    parser.add_argument("--items", type=int, default=None)
     args = parser.parse_args()
     check = Check(args.out, args.folder, args.cpu_smoke, args.items)
     check.out.mkdir(parents=True, exist_ok=True)

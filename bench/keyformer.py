@@ -19,12 +19,12 @@ import time
 import numpy as np
 import torch
 
-from kvrag.blend import keyformer
-from kvrag.blend.keyformer import KEEP_RULES, KeepConfig, LayerView, ScoringKV
 from kvrag.cli.common import load_runtime
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
 from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KEEP_RULES, KeepConfig, LayerView, ScoringKV
 from kvrag.precompute.plain import layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.codec import encode

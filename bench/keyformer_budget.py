@@ -26,14 +26,14 @@ import numpy as np
 
 from kvrag.bench.keyformer_load import RecordLog, item_chunks
 from kvrag.blend.config import BlendConfig
-from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.cli.common import load_runtime
 from kvrag.config import KV_RULE
+from kvrag.engine.kv_budget import parse_rule
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
-from kvrag.model.generate import SamplingConfig
+from kvrag.model.sampling import SamplingConfig
 from kvrag.store.env import StoreEnv
 
 SHARES = (0.7, 0.5, 0.3)

@@ -31,19 +31,20 @@ import torch
 
 from kvrag.bench.keyformer import CODECS, KEEPS, RULE_NAMES, chunk_scores
 from kvrag.bench.rag.metrics import best_f1, kl_divergence, top1_agrees
-from kvrag.blend import keyformer
 from kvrag.blend.config import BlendConfig
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.cli.common import load_runtime
 from kvrag.engine.prefiller import Prefiller
 from kvrag.errors import KvragError
-from kvrag.model.generate import SamplingConfig, generate
+from kvrag.model.decode import generate
 from kvrag.model.prefill import extend
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.plain import layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ def variants(codecs: Sequence[str] = CODECS, rules: Sequence[str] = RULE_NAMES,
     return out
 
 
-def _table(env: StoreEnv, runtime: Runtime, v: Variant) -> KVTable:
+def _table(env: StoreEnv, runtime: Runtime, v: Variant) -> LocalKVTable:
     cfg = v.keep_config
-    return KVTable(env, runtime.fingerprint, v.codec, True, cfg.variant if cfg else "")
+    return LocalKVTable(env, runtime.fingerprint, v.codec, True, cfg.variant if cfg else "")
 
 
 def item_chunks(runtime: Runtime, item: dict) -> list[tuple[str, list[int]]]:

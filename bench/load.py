@@ -31,7 +31,8 @@ from kvrag.load.loader import open_loader
 from kvrag.load.staged_loader import StagedLoader
 from kvrag.load.staging import LayerPlan, StagingArea
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, encode_chunk
+from kvrag.store.kv import LocalKVTable
+from kvrag.store.table import encode_chunk
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B's KV
 ROUNDS = 3
@@ -41,7 +42,7 @@ COPY_BYTES = 256 << 20
 
 def build_store(env: StoreEnv, chunks: int, tokens: int, codec: str, compress: bool, layers: int) -> list[ChunkRef]:
     """`chunks` chunks of random KV (normal, as float16), each `tokens` tokens, into a fresh table."""
-    table = KVTable(env, "bench-load", codec, compress)
+    table = LocalKVTable(env, "bench-load", codec, compress)
     rng = np.random.default_rng(0)
     refs = []
     for c in range(chunks):
@@ -74,7 +75,7 @@ def memcpy_gbps(threads: int) -> float:
     return COPY_BYTES / best / 1e9
 
 
-def map_copy_gbps(table: KVTable, refs: list[ChunkRef], threads: int, layers: int) -> float:
+def map_copy_gbps(table: LocalKVTable, refs: list[ChunkRef], threads: int, layers: int) -> float:
     """A plain copy of the same stored values out of LMDB's map (what the staging reads, without checking), over
     `threads` threads: the ceiling a store in the page cache sets, below an anonymous memcpy (the map's pages are
     the file's 4 KiB ones)."""
@@ -106,7 +107,7 @@ def map_copy_gbps(table: KVTable, refs: list[ChunkRef], threads: int, layers: in
     return total / best / 1e9
 
 
-def staging_rate(table: KVTable, refs: list[ChunkRef], area: StagingArea, layers: int) -> dict:
+def staging_rate(table: LocalKVTable, refs: list[ChunkRef], area: StagingArea, layers: int) -> dict:
     """Every layer staged into the area's slots, as the staged loader does, round after round: the best round's
     stored bytes a second, and the staging thread's CPU time a layer."""
     plan = LayerPlan(table.codec, sum(r.n_rows for r in refs), KV_HEADS, HEAD_DIM,
@@ -129,7 +130,7 @@ def staging_rate(table: KVTable, refs: list[ChunkRef], area: StagingArea, layers
             "python_ms_per_layer": 1e3 * cpu_per_layer, "staging_ms_per_layer": 1e3 * best / layers}
 
 
-def counts(table: KVTable, refs: list[ChunkRef], device: torch.device, layers: int) -> dict:
+def counts(table: LocalKVTable, refs: list[ChunkRef], device: torch.device, layers: int) -> dict:
     """Copies and launches a layer of the staged loader, fused, over `layers` layers."""
     rows = sum(r.n_rows for r in refs)
     positions = torch.arange(40, 40 + rows)  # after a preamble
@@ -154,7 +155,7 @@ def run(chunks: int = 10, tokens: int = 600, threads: int = 2, codec: str = "fp1
             StoreEnv.open(Path(tmp) / "store", create=True) as env:
         start = time.perf_counter()
         refs = build_store(env, chunks, tokens, codec, compress, LAYERS)
-        table = KVTable(env, "bench-load", codec, compress)
+        table = LocalKVTable(env, "bench-load", codec, compress)
         log(f"store: {chunks} chunks x {tokens} tokens x {LAYERS} layers in {time.perf_counter() - start:.1f} s")
         area = StagingArea(pinned=device.type == "cuda", threads=threads)
         staging_rate(table, refs, area, LAYERS)  # the page cache warm, the slots grown

@@ -11,8 +11,8 @@ import torch
 from rich.table import Table
 
 from kvrag.model.files import resolve_model
+from kvrag.model.prefill import extend
 from kvrag.model.prompt import PromptBuilder
-from kvrag.model.step import full_forward
 from kvrag.model.transformer import Transformer
 
 
@@ -82,8 +82,8 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         for dt, m in weights.items():
             name = str(dt).removeprefix("torch.")
             log(f"prefill, ours, {name}")
-            full_forward(m, ids[:256])  # warm-up
-            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / best_time(lambda m=m: full_forward(m, ids), repeats)
+            extend(m, None, ids[:256])  # warm-up
+            report.prefill_tokens_per_s[f"kvrag/{name}"] = ids.shape[0] / best_time(lambda m=m: extend(m, None, ids), repeats)
         if with_transformers:
             from transformers import AutoModelForCausalLM
 
@@ -100,8 +100,8 @@ def run_model_bench(items: list[dict], model: str | None, fidelity_items: int, c
         for i, item in enumerate(items[:fidelity_items]):
             log(f"bf16 fidelity {i + 1}/{fidelity_items}")
             prompt = torch.tensor(musique_prompt_ids(builder, item))
-            ref = full_forward(weights[torch.float32], prompt)[0][0]
-            got = full_forward(weights[torch.bfloat16], prompt)[0][0]
+            ref = extend(weights[torch.float32], None, prompt)[0]
+            got = extend(weights[torch.bfloat16], None, prompt)[0]
             agree += int(ref.argmax() == got.argmax())
             kls.append(float(torch.sum(ref.softmax(-1) * (ref.log_softmax(-1) - got.log_softmax(-1)))))
         report.bf16_items = len(kls)

@@ -161,7 +161,7 @@ def _object_store(plan: Plan, tmp: Path) -> Iterator[tuple[str, dict[str, str]]]
     if plan.url is not None:
         yield plan.url, {}
         return
-    from kvrag.store.remote import local_s3
+    from kvrag.bench import local_s3
 
     binary = local_s3.weed_binary()
     if binary is None:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrag.bench.cost_profile import load_or_measure, measure
 from kvrag.bench.replay import (
     Corpus,
     SimResult,
@@ -36,7 +37,7 @@ from kvrag.bench.replay import (
 from kvrag.errors import KvragError
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.store.tiers.config import POLICIES, format_bytes, parse_bytes
-from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure
+from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import MAX_PATH_STATS
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
@@ -211,7 +212,7 @@ def measure_load(local, builder, corpus: Corpus, layout: BlockLayout, n_chunks: 
     from kvrag.model.prefill import extend
     from kvrag.precompute.plain import chunk_kv, layers_to_numpy
     from kvrag.store.env import StoreEnv
-    from kvrag.store.kv import KVTable
+    from kvrag.store.kv import LocalKVTable
     from kvrag.store.tiers.cache import TieredKVCache
 
     runtime = load_runtime()
@@ -223,7 +224,7 @@ def measure_load(local, builder, corpus: Corpus, layout: BlockLayout, n_chunks: 
         kvs = [layers_to_numpy(chunk_kv(runtime, preamble, ids)) for _, ids in chunks]
     cache = TieredKVCache(layout, 256 << 20)
     with tempfile.TemporaryDirectory() as tmp, StoreEnv.open(Path(tmp) / "store", create=True) as env:
-        table = KVTable(env, local.fingerprint, "fp16")
+        table = LocalKVTable(env, local.fingerprint, "fp16")
         nodes = []
         for (cid, ids), kv in zip(chunks, kvs, strict=True):
             table.put_chunk(cid, ids, kv)

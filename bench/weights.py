@@ -19,7 +19,8 @@ import torch
 
 from kvrag.bench.fidelity import agreed_prefix
 from kvrag.bench.rag.metrics import kl_divergence
-from kvrag.model.generate import decode_step, prefill
+from kvrag.model.decode import decode_step
+from kvrag.model.prefill import prefill
 from kvrag.model.transformer import Transformer
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from kvrag.blend.fusion import fused_prefill
-from kvrag.blend.kv_budget import attention_logits
 from kvrag.model.prefill import LayerKV
+from kvrag.model.step import attention_logits
 from kvrag.model.transformer import Transformer
 
 

@@ -17,8 +17,9 @@ from typing import Protocol
 import torch
 
 
-class BlendConfig(Protocol):
-    """What a rule reads of the blend's settings (blend/config.py's BlendConfig)."""
+class RuleSettings(Protocol):
+    """What a rule reads of the blend's settings: blend/config.py's BlendConfig, which imports this module to check
+    its `selection` by name (so the rules cannot import it back)."""
 
     deviation: str
     attention_weight: float
@@ -40,7 +41,7 @@ class Check:
     prior: torch.Tensor | None = None  # [R] the preview's reading of the rows over every layer (blend/preview.py)
 
 
-def cacheblend(check: Check, config: BlendConfig) -> torch.Tensor:
+def cacheblend(check: Check, config: RuleSettings) -> torch.Tensor:
     """CacheBlend's rule: how far the loaded K/V is from the fresh (`config.deviation`), weighted by how much the
     question reads the row (`config.attention_weight`; 0: deviation alone)."""
     score = deviation(config.deviation, *check.fresh, *check.loaded)
@@ -50,20 +51,20 @@ def cacheblend(check: Check, config: BlendConfig) -> torch.Tensor:
     return score
 
 
-def reading(check: Check, config: BlendConfig) -> torch.Tensor:
+def reading(check: Check, config: RuleSettings) -> torch.Tensor:
     """Query-driven (ProphetKV, A3): the rows the question reads most at this layer, whatever their deviation."""
     if check.q_suffix.shape[0] == 0:
         return cacheblend(check, config)
     return suffix_attention(check.q_suffix, check.k_rotated, check.group)
 
 
-def query(check: Check, config: BlendConfig) -> torch.Tensor:
+def query(check: Check, config: RuleSettings) -> torch.Tensor:
     """ProphetKV: the rows the question reads most over every layer of the preview (full reuse's pass), whatever their
     deviation: the budget goes to what the answer is drawn from, not to rows that are only globally salient."""
     return check.prior if check.prior is not None else reading(check, config)
 
 
-def query_deviation(check: Check, config: BlendConfig) -> torch.Tensor:
+def query_deviation(check: Check, config: RuleSettings) -> torch.Tensor:
     """CacheBlend's rule with the preview's reading in place of the check layer's: deviation x (1 + attention_weight
     x reading / its mean)."""
     if check.prior is None:
@@ -81,18 +82,18 @@ def chunk_weight(check: Check) -> torch.Tensor:
     return per_chunk[owner] / per_chunk.mean().clamp_min(1e-12)
 
 
-def chunks(check: Check, config: BlendConfig) -> torch.Tensor:
+def chunks(check: Check, config: RuleSettings) -> torch.Tensor:
     """A3 with CacheBlend's deviation: within the chunks the question reads, the rows that deviate. deviation x
     chunk_weight; `chunks-preview` takes the reading from the preview instead of the check layer."""
     return deviation(config.deviation, *check.fresh, *check.loaded) * chunk_weight(check)
 
 
-def chunks_weighted(check: Check, config: BlendConfig) -> torch.Tensor:
+def chunks_weighted(check: Check, config: RuleSettings) -> torch.Tensor:
     """CacheBlend's score (deviation weighted by the question's reading of the row) x chunk_weight."""
     return cacheblend(check, config) * chunk_weight(check)
 
 
-def chunk_starts_first(check: Check, config: BlendConfig) -> torch.Tensor:
+def chunk_starts_first(check: Check, config: RuleSettings) -> torch.Tensor:
     """EPIC: the first tokens of every chunk (its attention sink, where a chunk computed alone differs most), an
     equal number per chunk, whatever their deviation."""
     owner = chunk_owner(check.rows, check.chunk_starts)
@@ -100,14 +101,14 @@ def chunk_starts_first(check: Check, config: BlendConfig) -> torch.Tensor:
     return -(check.rows - starts[owner]).float()
 
 
-SELECTION_RULES: dict[str, Callable[[Check, BlendConfig], torch.Tensor]] = {
+SELECTION_RULES: dict[str, Callable[[Check, RuleSettings], torch.Tensor]] = {
     "cacheblend": cacheblend, "reading": reading, "query": query, "query-deviation": query_deviation,
     "chunks": chunks, "chunks-preview": chunks, "chunks-weighted": chunks_weighted, "epic": chunk_starts_first,
 }
 PREVIEW_RULES = frozenset({"query", "query-deviation", "chunks-preview"})  # rules that read blend/preview.py's prior
 
 
-def score(check: Check, config: BlendConfig) -> torch.Tensor:
+def score(check: Check, config: RuleSettings) -> torch.Tensor:
     """The configured rule's score [R], with the chunk starts `config.chunk_start_rows` forces in set to inf."""
     result = SELECTION_RULES[config.selection](check, config)
     if config.chunk_start_rows and check.chunk_starts is not None:

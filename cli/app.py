@@ -29,11 +29,9 @@ def _process_settings() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torch's OpenMP workers spin this many rounds after each parallel region before they sleep (libgomp reads it
-    # when torch is imported). The default, 300,000 rounds, keeps a core busy for milliseconds after every op, and
-    # the loader's decode at each layer's hand-over then shares its cores with a spinning worker: 4.0 ms a layer
-    # after a matmul instead of 2.5 (2 cores). 10,000 still spans the gaps between a prefill's ops (no slower
-    # compute measured) and cut the blend's loader wait from 0.14-0.15 s to 0.11-0.12 s a prompt (6.3k tokens).
+    # torch's OpenMP workers spin 300,000 rounds after each parallel region by default (libgomp reads this when torch
+    # is imported), keeping a core busy that the loader's decode then shares; 10,000 still spans the gaps between a
+    # prefill's ops and shortens the blend's loader wait (figures: docs/performance.md).
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
@@ -86,9 +84,9 @@ def main() -> None:
 def run() -> None:
     """The `kvrag` executable: `main()`, then a quick exit once the work is done and written.
 
-    Python's own teardown (clearing torch's modules, freeing the model) took 0.4-0.5 s of a 4 s `kvrag ask` on
-    2 cores, after the answer was out. By the time `main()` returns every store and file is closed, so when no
-    other thread is left to finish, the process ends at once with the same status.
+    Python's own teardown (clearing torch's modules, freeing the model) takes a noticeable share of a short command
+    after its result is out. By the time `main()` returns every store and file is closed, so when no other thread
+    is left to finish, the process ends at once with the same status.
     """
     import threading
 

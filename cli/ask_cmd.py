@@ -32,9 +32,11 @@ from kvrag.cli.common import (
     WEIGHTS_OPTION,
     Interrupted,
     attention_weight_override,
+    check_cache_options,
     print_json,
     resolve_store,
     stderr_console,
+    stdout_console,
 )
 from kvrag.cli.typer_apps import app
 from kvrag.config import MIN_SCORE
@@ -43,7 +45,7 @@ from kvrag.errors import KvragError
 if TYPE_CHECKING:  # torch-bound: imported when a command runs, not when the CLI starts
     from kvrag.blend.config import BlendConfig
     from kvrag.blend.ratio import RatioPolicy
-    from kvrag.model.generate import SamplingConfig
+    from kvrag.model.sampling import SamplingConfig
 
 _IMPORTED_AT = time.perf_counter()
 
@@ -126,7 +128,7 @@ def ask_command(
     keep_rule: str = KEEP_RULE_OPTION,
     kv_tokens: int = KV_TOKENS_OPTION,
     kv_rule: str = KV_RULE_OPTION,
-    show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used (on stderr)."),
+    show_sources: bool = typer.Option(False, "--show-sources", help="List the chunks used, after the answer."),
     host_cache: str = HOST_CACHE_OPTION,
     gpu_cache: str = GPU_CACHE_OPTION,
     cache_policy: str = CACHE_POLICY_OPTION,
@@ -143,7 +145,7 @@ def ask_command(
     from kvrag.blend.config import BlendConfig
     from kvrag.blend.ratio import RatioPolicy
     from kvrag.engine.prefiller import MODES
-    from kvrag.model.generate import SamplingConfig
+    from kvrag.model.sampling import SamplingConfig
     from kvrag.store.keys import codec_id
 
     if mode not in MODES:
@@ -153,7 +155,7 @@ def ask_command(
                                       **attention_weight_override(attention_weight), selection=selection))
     sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
     codec_id(codec)
-    _check_cache_options(host_cache, gpu_cache, cache_policy)
+    check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
     settings = _Settings(mode, config, sampling, policy, codec, (host_cache, gpu_cache, cache_policy),
                          (model, dtype, device, weights), (keep, keep_rule), (kv_tokens, kv_rule))
@@ -234,7 +236,7 @@ def _report(console, answer, codec: str, as_json: bool, show_sources: bool) -> N
         return
     _write(" [interrupted]\n" if answer.finish_reason == "interrupted" else "\n")
     if show_sources:
-        _print_sources(console, answer.sources, answer.chunk_tiers)
+        _print_sources(answer.sources, answer.chunk_tiers)
     if answer.computed_chunks:
         console.print(f"note: {len(answer.computed_chunks)} of {len(answer.sources)} chunks had no stored KV for "
                       f"this model and codec ({codec}): computed them and stored them now; "
@@ -254,15 +256,6 @@ def process_age() -> float:
         return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.perf_counter() - _IMPORTED_AT
-
-
-def _check_cache_options(host_cache: str | None, gpu_cache: str | None, policy: str | None) -> None:
-    """Refuse a bad --host-cache / --gpu-cache / --cache-policy before loading anything."""
-    import torch
-
-    from kvrag.store.tiers.config import CacheConfig
-
-    CacheConfig.from_options(host_cache, gpu_cache, policy, cuda_available=torch.cuda.is_available())
 
 
 def _collect_questions(question: str | None, questions: Path | None, limit: int | None) -> list[Question]:
@@ -292,15 +285,15 @@ class _Chunks:
     def options(self, q: Question) -> dict:
         """The API's chunk options for this question."""
         return {"k": self.k, "relative_cutoff": self.relative_cutoff, "min_score": self.min_score,
-                "chunk_ids": self.explicit,
-                "passages": q.passages}
+                "chunk_ids": self.explicit, "passages": q.passages}
 
 
-def _print_sources(console, sources: list[dict], tiers: list[str]) -> None:
+def _print_sources(sources: list[dict], tiers: list[str]) -> None:
+    """Part of the result, as they are of --json's record: on stdout after the answer."""
     table = Table(title="sources", show_lines=False)
     for col in ("#", "chunk", "title", "tokens", "score", "KV from"):
         table.add_column(col)
     for n, (s, tier) in enumerate(zip(sources, tiers or [""] * len(sources), strict=True), start=1):
         table.add_row(str(n), s["chunk_id"][:12], s.get("title") or s.get("doc_id", ""), str(s["tokens"]),
                       f"{s['score']:.3f}" if "score" in s else "", tier)
-    console.print(table)
+    stdout_console().print(table)

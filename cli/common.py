@@ -1,4 +1,4 @@
-"""Options and helpers shared by the commands: stderr console, JSON output, common flags, Ctrl-C."""
+"""Options and helpers shared by the commands: the two consoles, JSON output, common flags, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import typer
 from rich.console import Console
 
 from kvrag.config import DEFAULT_SELECTION, KEEP_RULE, KV_RULE
-from kvrag.errors import KvragError
 from kvrag.home import default_store_dir
 
 if TYPE_CHECKING:
@@ -79,6 +78,15 @@ class Interrupted(Exception):
         super().__init__(message)
 
 
+def check_cache_options(host_cache: str | None, gpu_cache: str | None, policy: str | None) -> None:
+    """Refuse a bad --host-cache / --gpu-cache / --cache-policy before loading anything."""
+    import torch
+
+    from kvrag.store.tiers.config import CacheConfig
+
+    CacheConfig.from_options(host_cache, gpu_cache, policy, cuda_available=torch.cuda.is_available())
+
+
 def settings(**options) -> KVRagConfig:
     """A command's settings: its options (None: not given) over the environment over the defaults (config.py)."""
     from kvrag.config import KVRagConfig
@@ -88,17 +96,18 @@ def settings(**options) -> KVRagConfig:
 
 def remote_options(config: KVRagConfig):
     """How this command reaches a store on object storage (store/remote's RemoteOptions)."""
-    from kvrag.store.remote import RemoteOptions
+    from kvrag.store.open import RemoteOptions
 
     return RemoteOptions.of(config.aws, config.mirror_dir, config.remote_cache)
 
 
 def load_runtime(model: str | None = None, dtype: str | None = None, device: str | None = None,
-                 tune_process: bool = True):
+                 tune_process: bool = True, weights: str | None = None):
     """The model as a command runs it: these options over the environment over the defaults."""
     from kvrag.model.runtime import Runtime
 
-    return Runtime.from_config(settings(model=model, dtype=dtype, device=device, tune_process=tune_process))
+    return Runtime.from_config(settings(model=model, dtype=dtype, device=device, tune_process=tune_process,
+                                        weights=weights))
 
 
 def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path:
@@ -115,31 +124,16 @@ def resolve_store(store: Path | str | None, *, need_corpus: bool = True) -> Path
     return local_store(text, remote_options(settings()), need_corpus=need_corpus)
 
 
+def stdout_console() -> Console:
+    """A command's result (its answer, table or summary) goes to stdout, so `kvrag model list | grep gemma` works."""
+    return Console()
+
+
 def stderr_console() -> Console:
-    """Progress, tables and messages go to stderr so stdout stays clean for answers and JSON."""
+    """Progress, notes and diagnostics go to stderr, so stdout holds the result alone."""
     return Console(stderr=True)
 
 
 def print_json(payload) -> None:
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     sys.stdout.flush()
-
-
-def read_json_file(path: Path):
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise KvragError(f"{path} does not exist") from None
-    except (OSError, ValueError) as exc:
-        raise KvragError(f"cannot read {path} as JSON: {exc}") from None
-
-
-def positive_ints(text: str, what: str) -> list[int]:
-    """Comma-separated positive whole numbers (an option like --batches 1,4,16), or one line naming the option."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvragError(f"{what} takes whole numbers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise KvragError(f"{what} takes positive whole numbers, got {text!r}")
-    return values

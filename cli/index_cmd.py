@@ -17,6 +17,7 @@ from kvrag.cli.common import (
     print_json,
     resolve_store,
     stderr_console,
+    stdout_console,
 )
 from kvrag.cli.typer_apps import app
 from kvrag.errors import KvragError
@@ -93,8 +94,7 @@ def index_command(
     """
     from kvrag.corpus.chunking import ChunkConfig
     from kvrag.corpus.indexer import IndexOptions, index_corpus
-    from kvrag.corpus.read_json import JsonFields
-    from kvrag.corpus.sources import expand_paths
+    from kvrag.corpus.sources import JsonFields, expand_paths
 
     options = IndexOptions(
         chunking=ChunkConfig(chunk_tokens, overlap),
@@ -114,15 +114,14 @@ def index_command(
     published = _publish(store_dir, err)
     if json_out:  # skipped inputs are listed there too
         print_json(summary.to_json() | ({"published": published} if published else {}))
-    else:
-        _print_summary(err, summary)
-        if published:
-            err.print(f"published {published}", highlight=False, soft_wrap=True)
+    else:  # the skipped inputs are notes on stderr; the summary is the result
+        _print_skipped(err, summary)
+        _print_summary(stdout_console(), summary, published)
 
 
 def _publish(store_dir: Path, console: Console) -> str | None:
     """For a mirror (--store s3://...): its corpus uploaded as the store's current snapshot; its URL."""
-    from kvrag.store.remote import remote_url
+    from kvrag.store.open import remote_url
 
     url = remote_url(store_dir)
     if url is None:
@@ -174,7 +173,7 @@ def search_command(
         snippet = " ".join(h.chunk.text.split())
         table.add_row(str(h.rank), f"{h.score:.3f}", h.chunk.chunk_id[:12], _short_doc(h.chunk),
                       snippet[:160] + ("…" if len(snippet) > 160 else ""))
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def _short_doc(chunk) -> str:
@@ -182,7 +181,15 @@ def _short_doc(chunk) -> str:
     return (chunk.title + "\n" if chunk.title else "") + Path(path).name + sep + record
 
 
-def _print_summary(console: Console, s: IndexSummary) -> None:
+def _print_skipped(console: Console, s: IndexSummary) -> None:
+    for skip in s.skipped[:_SHOWN_SKIPS]:
+        console.print(f"skipped {skip.source}: {skip.reason}" + (f" ({skip.detail})" if skip.detail else ""),
+                      highlight=False, markup=False, soft_wrap=True)
+    if len(s.skipped) > _SHOWN_SKIPS:
+        console.print(f"... and {len(s.skipped) - _SHOWN_SKIPS} more skipped (all are listed by --json)")
+
+
+def _print_summary(console: Console, s: IndexSummary, published: str | None) -> None:
     table = Table(title="kvrag index", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -197,9 +204,6 @@ def _print_summary(console: Console, s: IndexSummary) -> None:
     table.add_row("skipped", f"{len(s.skipped):,}" + (f" ({reasons})" if reasons else ""))
     table.add_row("index", f"{s.index_type}, {s.index_bytes / 2**20:.1f} MiB")
     table.add_row("time", f"{s.seconds:.1f} s")
-    for skip in s.skipped[:_SHOWN_SKIPS]:
-        console.print(f"skipped {skip.source}: {skip.reason}" + (f" ({skip.detail})" if skip.detail else ""),
-                      highlight=False, markup=False, soft_wrap=True)
-    if len(s.skipped) > _SHOWN_SKIPS:
-        console.print(f"... and {len(s.skipped) - _SHOWN_SKIPS} more skipped (all are listed by --json)")
+    if published:
+        table.add_row("published", published)
     console.print(table)

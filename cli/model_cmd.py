@@ -19,7 +19,7 @@ from kvrag.cli.common import (
     load_runtime,
     print_json,
     settings,
-    stderr_console,
+    stdout_console,
 )
 from kvrag.cli.typer_apps import model_app
 
@@ -65,7 +65,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     c = local.config
     table.add_row("architecture", f"{c.architecture}: {c.n_layers} layers, {c.n_heads} query heads, "
                                   f"{c.n_kv_heads} KV heads, head dim {c.head_dim}, rope θ {c.rope_theta:g}")
-    stderr_console().print(table)
+    stdout_console().print(table)
 
 
 def _attention_path(cfg: ModelConfig, compute_dtype: torch.dtype, dev: torch.device, native: bool,
@@ -124,7 +124,7 @@ def list_models(as_json: bool = JSON_OPTION) -> None:
         installed = "-" if r["installed"] is None else "yes" if r["installed"] else f"no: {r['install']}"
         size = "-" if r["bytes"] is None else f"{r['bytes'] / (1 << 20):,.1f} MiB"
         table.add_row(r["name"], installed, "yes" if r["converted"] else "no", r["path"] or "-", size)
-    stderr_console().print(table)
+    stdout_console().print(table)
 
 
 def _known_row(short: str, cached: dict[str, dict]) -> dict:
@@ -202,7 +202,7 @@ def check(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DE
             for key, value in c.figures.items():
                 bound = f"{c.bound[key]:.4g}" if key in c.bound else "-"  # a count that qualifies another figure
                 table.add_row(c.name, key, f"{value:.4g}", bound, "yes" if c.passed else "NO")
-        stderr_console().print(table)
+        stdout_console().print(table)
     failed = report.failed()
     if failed is not None:
         print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}); questions are answered "

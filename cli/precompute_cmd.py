@@ -28,6 +28,7 @@ from kvrag.cli.common import (
     print_json,
     resolve_store,
     stderr_console,
+    stdout_console,
 )
 from kvrag.cli.typer_apps import app
 
@@ -61,10 +62,10 @@ def precompute_command(
     Example: kvrag precompute --store ./store --codec int8 --keep 0.5
     Example: kvrag precompute --store ./store --ray local --ray-workers 4
     """
-    from kvrag.blend.keyformer import KeepConfig
+    from kvrag.precompute.keyformer import KeepConfig
     from kvrag.precompute.plain import PrecomputeInterrupted
     from kvrag.store.keys import codec_id
-    from kvrag.store.kv import Shard
+    from kvrag.store.table import Shard
 
     codec_id(codec)  # validate before loading anything
     if ray is not None:
@@ -83,22 +84,16 @@ def precompute_command(
     if as_json:
         print_json(summary.to_dict())
         return
-    table = Table(title="precompute", show_header=False)
-    table.add_row("model", summary.model_fp)
-    table.add_row("codec", summary.codec)
-    if summary.variant:
-        table.add_row("variant", summary.variant)
-    table.add_row("indexed chunks", str(summary.indexed_chunks))
-    table.add_row("already stored", str(summary.already_stored))
-    table.add_row("computed now", f"{summary.computed} ({summary.tokens:,} tokens)")
-    if summary.variant:
-        table.add_row("kept", f"{summary.kept_tokens:,} tokens")
-    if summary.skipped_by_others:
-        table.add_row("left to other processes", str(summary.skipped_by_others))
-    table.add_row("throughput", f"{summary.tokens_per_s:,.0f} tok/s")
-    table.add_row("store overhead", f"{summary.store_overhead:.1%} of compute time")
-    table.add_row("time", f"{summary.wall_s:.1f} s")
-    console.print(table)
+    s, table = summary, Table(title="precompute", show_header=False)
+    rows = [("model", s.model_fp), ("codec", s.codec), ("variant", s.variant), ("indexed chunks", s.indexed_chunks),
+            ("already stored", s.already_stored), ("computed now", f"{s.computed} ({s.tokens:,} tokens)"),
+            ("kept", s.variant and f"{s.kept_tokens:,} tokens"), ("left to other processes", s.skipped_by_others),
+            ("throughput", f"{s.tokens_per_s:,.0f} tok/s"), ("store overhead", f"{s.store_overhead:.1%} of compute time"),
+            ("time", f"{s.wall_s:.1f} s")]
+    for name, value in rows:
+        if value or name not in ("variant", "kept", "left to other processes"):  # those three only when they apply
+            table.add_row(name, str(value))
+    stdout_console().print(table)  # the result; the progress bar was on stderr
 
 
 def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model, dtype, device, console,
@@ -133,6 +128,8 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model,
             with progress:  # the workers load the model (on CPUs); --device does not apply
                 return precompute_ray(env, model, dtype, codec, keep, address, workers, on_progress=on_progress,
                                       on_start=on_start, limit=limit, shard=shard, compress=compress, remote=remote)
-        runtime = load_runtime(model, dtype, device)
+        # Stored KV is the model's own, from its dense weights whatever form `ask` decodes with (as on Ray actors):
+        # a store is not keyed by weights form, so every reader blends the same, most faithful values.
+        runtime = load_runtime(model, dtype, device, weights="dense")
         with progress:
             return precompute(env, runtime, codec, limit, shard, on_progress, on_start, compress, keep, remote)

@@ -18,6 +18,7 @@ from kvrag.cli.common import (
     MODEL_OPTION,
     STORE_OPTION,
     WEIGHTS_OPTION,
+    check_cache_options,
     resolve_store,
     stderr_console,
 )
@@ -88,10 +89,9 @@ def serve_command(
         from kvrag.store.tiers.config import parse_bytes
 
         parse_bytes(kept_passages, "--kept-passages")
-    options = dict(model=model, dtype=dtype, device=device, weights=weights, codec=codec, kv_budget=kv_budget, host_cache=host_cache,
-                   kept_passages=kept_passages,
-                   gpu_cache=gpu_cache, cache_policy=cache_policy, max_running=max_running, max_waiting=max_waiting,
-                   keep=keep, keep_rule=keep_rule, retrieval=retrieval)
+    options = dict(model=model, dtype=dtype, device=device, weights=weights, codec=codec, kv_budget=kv_budget,
+                   host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, kept_passages=kept_passages,
+                   max_running=max_running, max_waiting=max_waiting, keep=keep, keep_rule=keep_rule, retrieval=retrieval)
     settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
     if ray_serve:
         from kvrag.cli.serve_ray import serve_on_ray
@@ -107,19 +107,17 @@ def serve_command(
 def _checked_store(store: Path, codec: str, retrieval: str, kv_budget: str, host_cache: str, gpu_cache: str,
                    cache_policy: str) -> Path:
     """The store's local path, once every option is known good: a bad one is one line before anything loads."""
-    import torch
-
     from kvrag.config import RETRIEVAL
     from kvrag.errors import KvragError
     from kvrag.store.env import StoreEnv
     from kvrag.store.keys import codec_id
-    from kvrag.store.tiers.config import CacheConfig, parse_bytes
+    from kvrag.store.tiers.config import parse_bytes
 
     codec_id(codec)
     if retrieval not in RETRIEVAL:
         raise KvragError(f"--retrieval must be one of {', '.join(RETRIEVAL)}, got {retrieval}")
     parse_bytes(kv_budget, "--kv-budget")
-    CacheConfig.from_options(host_cache, gpu_cache, cache_policy, cuda_available=torch.cuda.is_available())
+    check_cache_options(host_cache, gpu_cache, cache_policy)
     path = resolve_store(store)
     StoreEnv.open(path).close()  # not a store: said before anything loads
     return path

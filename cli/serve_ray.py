@@ -1,4 +1,4 @@
-"""`kvrag serve --ray-serve N`: the application of server/ray_serve.py on a Ray cluster, until SIGTERM or Ctrl-C."""
+"""`kvrag serve --ray-serve N`: the application of cluster/serve.py on a Ray cluster, until SIGTERM or Ctrl-C."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ INSTALL_HINT = "--ray-serve needs Ray Serve: pip install 'kvrag[serve]'"
 
 def serve_on_ray(store: str, config: KVRagConfig, settings: dict, cluster: dict, host: str, port: int) -> None:
     try:
-        from kvrag.server.ray_serve import ClusterServer, ClusterSettings
+        from kvrag.cluster.serve import ClusterServer, ClusterSettings
     except ImportError:
         raise KvragError(INSTALL_HINT) from None
     from kvrag.model.files import resolve_model

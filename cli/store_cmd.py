@@ -1,26 +1,33 @@
-"""`kvrag store stats|verify|gc`: inspect and maintain the KV store. Tables go to stderr; with --json, the
-result goes to stdout and stderr holds only errors."""
+"""`kvrag store stats|verify|gc`: inspect and maintain the KV store. The result (a table, or with --json the
+JSON) goes to stdout; stderr holds progress, warnings and errors alone."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from kvrag.cli.common import JSON_OPTION, STORE_OPTION, resolve_store
+from kvrag.cli.common import (
+    JSON_OPTION,
+    STORE_OPTION,
+    print_json,
+    resolve_store,
+    stderr_console,
+    stdout_console,
+)
 from kvrag.cli.typer_apps import store_app
 from kvrag.errors import KvragError
 
 if TYPE_CHECKING:  # the store's maintenance code loads when a store command runs, not with every command
+    from rich.console import Console
+
     from kvrag.store.env import StoreEnv
     from kvrag.store.maintenance import GcReport, StoreStats, VerifyReport
 
-_SHOWN_PROBLEMS = 20  # listed one by one on stderr; all of them are in --json
+_SHOWN_PROBLEMS = 20  # listed one by one; all of them are in --json
 
 
 def _open(store: Path | None) -> StoreEnv:
@@ -52,11 +59,11 @@ def stats_command(
     client = {"passages": len(kept), "tokens": sum(len(r.token_ids) for r in kept),
               "tenants": len({r.doc_id for r in kept})}
     if json_out:
-        typer.echo(json.dumps({**_stats_json(result), "client_passages": client}, indent=2))
+        print_json({**_stats_json(result), "client_passages": client})
     else:
-        err = Console(stderr=True)
-        _print_stats(err, result)
-        err.print(f"passages kept from clients' prompts: {client['passages']:,} ({client['tokens']:,} tokens, "
+        out = stdout_console()
+        _print_stats(out, result)
+        out.print(f"passages kept from clients' prompts: {client['passages']:,} ({client['tokens']:,} tokens, "
                   f"{client['tenants']} tenant(s)); `kvrag store gc --client-passages` drops them")
 
 
@@ -73,15 +80,14 @@ def verify_command(
 
     Example: kvrag store verify --repair
     """
-    err = Console(stderr=True)
-    with _open(store) as env, err.status("verifying every stored value"):
+    with _open(store) as env, stderr_console().status("verifying every stored value"):
         from kvrag.store.maintenance import verify
 
         report = verify(env, repair=repair)
     if json_out:
-        typer.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+        print_json({**asdict(report), "ok": report.ok})
     else:
-        _print_verify(err, report)
+        _print_verify(stdout_console(), report)
     if not report.ok and not repair:
         chunks = len({(p.model_fp, p.codec, p.variant, p.chunk_id) for p in report.problems})
         raise KvragError(f"{len(report.problems)} problem(s) in {chunks} chunk(s); "
@@ -123,9 +129,9 @@ def gc_command(
             table.delete_records(dropped)
         report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run, drop_ids=dropped)
     if json_out:
-        typer.echo(json.dumps(asdict(report), indent=2))
+        print_json(asdict(report))
     else:
-        _print_gc(Console(stderr=True), report)
+        _print_gc(stdout_console(), report)
 
 
 def _stats_json(result: StoreStats) -> dict:
@@ -136,11 +142,11 @@ def _stats_json(result: StoreStats) -> dict:
     return out
 
 
-def _print_stats(err: Console, result: StoreStats) -> None:
-    err.print(f"store {result.path} (schema {result.schema_version}): {_mib(result.used_bytes)} used, "
+def _print_stats(out: Console, result: StoreStats) -> None:
+    out.print(f"store {result.path} (schema {result.schema_version}): {_mib(result.used_bytes)} used, "
               f"map {_mib(result.map_size)}; models: {', '.join(result.models) or 'none'}")
     if not result.groups:
-        err.print("no KV stored yet (run `kvrag precompute`)")
+        out.print("no KV stored yet (run `kvrag precompute`)")
         return
     table = Table("model", "codec", "variant", "chunks", "tokens", "kept", "size", "bytes/token", "layers", "preamble")
     for g in result.groups:
@@ -148,33 +154,33 @@ def _print_stats(err: Console, result: StoreStats) -> None:
         table.add_row(g.model_fp, g.codec, g.variant or "full", f"{g.chunks:,}", f"{g.tokens:,}",
                       f"{g.kept_share:.0%}", _mib(g.bytes), f"{g.bytes_per_token:,.0f}", str(len(g.layer_bytes)),
                       preamble)
-    err.print(table)
+    out.print(table)
     for g in result.groups:
         if g.layer_bytes:
             sizes = " ".join(f"{b / (1 << 20):.1f}" for b in g.layer_bytes)
-            err.print(f"{g.model_fp} {g.codec} {g.variant or 'full'} per-layer MiB: {sizes}")
+            out.print(f"{g.model_fp} {g.codec} {g.variant or 'full'} per-layer MiB: {sizes}")
         if g.damaged_records:
-            err.print(f"[red]{g.damaged_records} damaged chunk record(s): run `kvrag store verify`[/red]")
+            stderr_console().print(f"[red]{g.damaged_records} damaged chunk record(s): run `kvrag store verify`[/red]")
 
 
-def _print_verify(err: Console, report: VerifyReport) -> None:
-    err.print(f"checked {report.chunks:,} chunks, {report.values:,} values ({_mib(report.bytes)})")
+def _print_verify(out: Console, report: VerifyReport) -> None:
+    out.print(f"checked {report.chunks:,} chunks, {report.values:,} values ({_mib(report.bytes)})")
     if report.ok:
-        err.print("[green]no problems[/green]")
+        out.print("[green]no problems[/green]")
         return
     table = Table("model", "codec", "variant", "chunk", "layer", "problem")
     for p in report.problems[:_SHOWN_PROBLEMS]:
         table.add_row(p.model_fp, p.codec, p.variant or "full", p.chunk_id, "-" if p.layer is None else str(p.layer),
                       p.reason)
-    err.print(table)
+    out.print(table)
     if len(report.problems) > _SHOWN_PROBLEMS:
-        err.print(f"… and {len(report.problems) - _SHOWN_PROBLEMS} more (see --json)")
+        out.print(f"… and {len(report.problems) - _SHOWN_PROBLEMS} more (see --json)")
     if report.repaired_chunks:
-        err.print(f"repaired: deleted {report.repaired_chunks} chunk(s); `kvrag precompute` recomputes them")
+        out.print(f"repaired: deleted {report.repaired_chunks} chunk(s); `kvrag precompute` recomputes them")
 
 
-def _print_gc(err: Console, report: GcReport) -> None:
+def _print_gc(out: Console, report: GcReport) -> None:
     verb = "would drop" if report.dry_run else "dropped"
     models = f"; {verb} model(s) {', '.join(report.dropped_models)}" if report.dropped_models else ""
-    err.print(f"{verb} {report.dropped_chunks:,} chunk(s), {_mib(report.dropped_bytes)}{models}; "
+    out.print(f"{verb} {report.dropped_chunks:,} chunk(s), {_mib(report.dropped_bytes)}{models}; "
               f"kept {report.kept_chunks:,}")

@@ -60,17 +60,12 @@ class BertEncoder:
         self.w = {name: t.to(dtype) for name, t in weights.items() if t.is_floating_point()}
         self.dtype, self.device = dtype, torch.device(device)
 
-    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids and attention mask, both [B, T] (T: the longest text's tokens, at most max_tokens)."""
-        encoded = self.tokenizer.encode_batch(texts)
-        ids = torch.tensor([e.ids for e in encoded], device=self.device)
-        mask = torch.tensor([e.attention_mask for e in encoded], device=self.device)
-        return ids, mask
-
     @torch.inference_mode()
     def encode(self, texts: list[str]) -> torch.Tensor:
         """[B, D] float32 mean-pooled vectors."""
-        ids, mask = self.tokenize(texts)
+        encoded = self.tokenizer.encode_batch(texts)
+        ids = torch.tensor([e.ids for e in encoded], device=self.device)  # [B, T]: T the longest, <= max_tokens
+        mask = torch.tensor([e.attention_mask for e in encoded], device=self.device)  # [B, T]
         h = self._embed(ids)  # [B, T, D]
         keep = mask.bool()[:, None, None, :]  # [B, 1, 1, T]: padding is never attended
         for i in range(self.cfg.n_layers):

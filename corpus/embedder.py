@@ -50,9 +50,8 @@ def _dimension(path: Path) -> int:
 class Embedder:
     """Normalised embeddings (inner product = cosine), batched, on the CPU by default.
 
-    dtype "auto" is bf16 where the hardware has it: twice as fast as fp32 on the 2-core CI machine,
-    with cosine >= 0.998 to the fp32 vectors (tests/test_corpus_index.py checks it); "fp32" is the
-    reference.
+    dtype "auto" is bf16 where the hardware has it, faster and close to the fp32 reference's vectors
+    (tests/test_corpus_index.py holds it to them).
     """
 
     def __init__(self, path: Path | None = None, batch_size: int = 32, device: str = "cpu",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -22,13 +21,13 @@ import numpy as np
 
 from kvrag.corpus.chunking import ChunkConfig, Chunker, PassageTokenizer
 from kvrag.corpus.documents import EMPTY, Document, ReadResult, Skipped
-from kvrag.corpus.read_json import JsonFields
-from kvrag.corpus.sources import read_path
+from kvrag.corpus.sources import JsonFields, read_path
 from kvrag.corpus.vector_index import VectorIndex, check_factory, choose_factory, index_bytes, writer_lock
 from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig, chunk_id_for
 from kvrag.store.env import StoreEnv, is_store
 
+_FLUSH_CHUNKS = 2048  # chunks per write transaction while chunking
 
 class Progress(Protocol):
     def start(self, stage: str, total: int) -> None: ...
@@ -36,11 +35,8 @@ class Progress(Protocol):
 
 
 class NoProgress:
-    def start(self, stage: str, total: int) -> None:
-        pass
-
-    def advance(self, stage: str, n: int = 1) -> None:
-        pass
+    def start(self, stage: str, total: int) -> None: ...
+    def advance(self, stage: str, n: int = 1) -> None: ...
 
 
 class EmbedderLike(Protocol):
@@ -57,11 +53,6 @@ class IndexOptions:
     prune: bool = False  # drop documents of earlier runs that this run did not read
     rechunk: bool = False  # accept new chunking settings: re-chunk everything read, drop the rest
     index_factory: str | None = None  # None: keep the store's choice; "auto": automatic
-    flush_chunks: int = 2048  # chunks per write transaction while chunking
-
-    def __post_init__(self) -> None:
-        if self.flush_chunks < 1:
-            raise ValueError("flush_chunks must be positive")
 
 
 @dataclass
@@ -94,10 +85,6 @@ class IndexSummary:
         return data
 
 
-def embedding_text(chunk: ChunkRecord) -> str:
-    return f"{chunk.title}\n{chunk.text}" if chunk.title else chunk.text
-
-
 def index_corpus(files: list[Path], store_dir: Path, passages: PassageTokenizer, embedder: EmbedderLike,
                  options: IndexOptions, progress: Progress | None = None) -> IndexSummary:
     progress = progress or NoProgress()
@@ -113,7 +100,11 @@ def index_corpus(files: list[Path], store_dir: Path, passages: PassageTokenizer,
     elif store_dir.is_dir() and any(store_dir.iterdir()):
         raise KvragError(f"{store_dir} is not empty and is not a kvrag store; choose another --store")
 
-    read = _read_all(files, options.fields, progress)
+    read = ReadResult()
+    progress.start("reading", len(files))
+    for path in files:
+        read.extend(read_path(path, options.fields))
+        progress.advance("reading")
     if not read.documents:
         reasons = ", ".join(f"{n} {r}" for r, n in Counter(s.reason for s in read.skipped).items())
         raise KvragError(f"nothing to index in {len(files)} file(s)" + (f" (skipped: {reasons})" if reasons else ""))
@@ -148,15 +139,6 @@ def _check_config(old: IndexConfig | None, new: IndexConfig, options: IndexOptio
         )
 
 
-def _read_all(files: list[Path], fields: JsonFields, progress: Progress) -> ReadResult:
-    result = ReadResult()
-    progress.start("reading", len(files))
-    for path in files:
-        result.extend(read_path(path, fields))
-        progress.advance("reading")
-    return result
-
-
 def _content_hash(doc: Document, chunking_hash: str) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for part in (chunking_hash, doc.title, doc.text):
@@ -169,11 +151,7 @@ class _Run:
 
     def __init__(self, table: ChunkTable, config: IndexConfig, chunker: Chunker, progress: Progress,
                  options: IndexOptions):
-        self.table = table
-        self.config = config
-        self.chunker = chunker
-        self.progress = progress
-        self.options = options
+        self.table, self.config, self.chunker, self.progress, self.options = table, config, chunker, progress, options
 
     def execute(self, read: ReadResult, store_dir: Path, embedder: EmbedderLike) -> IndexSummary:
         old_docs = self.table.docs()
@@ -241,7 +219,7 @@ class _Run:
             done[doc.doc_id] = record
             batch.append((record, records))
             pending += len(records)
-            if pending >= self.options.flush_chunks:
+            if pending >= _FLUSH_CHUNKS:
                 self.table.put_docs(batch)
                 batch, pending = [], 0
         if batch:
@@ -257,14 +235,11 @@ class _Run:
         missing = [chunk_id for chunk_id in target if chunk_id not in old_rows]
         if previous is not None and not missing and len(target) == len(previous.ids) and previous.factory == factory:
             return previous, 0  # nothing changed: leave the live generation alone
-        fresh = self._embed(missing, embedder)
         vectors = np.empty((len(target), embedder.dim), dtype=np.float32)  # [n, dim]
-        fresh_rows = {chunk_id: row for row, chunk_id in enumerate(missing)}
-        for row, chunk_id in enumerate(target):
-            if chunk_id in fresh_rows:
-                vectors[row] = fresh[fresh_rows[chunk_id]]
-            else:
-                vectors[row] = previous.vectors[old_rows[chunk_id]]
+        new = np.array([chunk_id not in old_rows for chunk_id in target], dtype=bool)  # [n], in `missing`'s order
+        vectors[new] = self._embed(missing, embedder)
+        if previous is not None:
+            vectors[~new] = previous.vectors[[old_rows[chunk_id] for chunk_id in target if chunk_id in old_rows]]
         self.progress.start("indexing", len(target))
         reported = [0]
 
@@ -280,17 +255,17 @@ class _Run:
         self.progress.start("embedding", len(chunk_ids))
         parts = []
         for start in range(0, len(chunk_ids), batch):  # read texts a batch at a time: bounded memory
-            texts = [embedding_text(c) for c in self.table.get_many(chunk_ids[start:start + batch])]
+            chunks = self.table.get_many(chunk_ids[start:start + batch])
+            texts = [f"{c.title}\n{c.text}" if c.title else c.text for c in chunks]
             parts.append(embedder.embed(texts, advance=lambda n: self.progress.advance("embedding", n)))
         return np.concatenate(parts) if parts else np.empty((0, embedder.dim), dtype=np.float32)
 
 
-def _owners(candidates: Iterable[str], live: dict[str, DocRecord]) -> dict[str, list[DocRecord]]:
+def _owners(candidates: set[str], live: dict[str, DocRecord]) -> dict[str, list[DocRecord]]:
     """For chunks whose document went or changed: the live documents that still list them."""
-    wanted = set(candidates)
     owners: dict[str, list[DocRecord]] = {}
     for doc in live.values():
         for c in doc.chunks:
-            if c.chunk_id in wanted:
+            if c.chunk_id in candidates:
                 owners.setdefault(c.chunk_id, []).append(doc)
     return owners

@@ -2,7 +2,7 @@
 
 A mirror is an ordinary local store directory. Its corpus (the chunks and docs databases, the index config and the
 vector index) is a copy of the snapshot last published to the object store; its `kv` database is the size-bounded
-read-through cache in front of the remote KV (`store_table` in this package builds the CachedKVTable).
+read-through cache in front of the remote KV (store/open.py's `store_table` builds the CachedKVTable).
 
     <prefix>/corpus/<generation>.tar   snapshot.json, dbs/{chunks,docs,meta} dumped, index/ (the live files)
     <prefix>/corpus/current.json       {"generation": ...}, put last: a reader never sees a half-published corpus
@@ -36,7 +36,7 @@ from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
 from kvrag.store.chunks import INDEX_CONFIG_KEY
 from kvrag.store.env import StoreEnv, is_store
-from kvrag.store.remote import MARKER, RemoteOptions, is_remote, remote_url, require_obstore
+from kvrag.store.open import MARKER, RemoteOptions, is_remote, remote_url, require_obstore
 
 if TYPE_CHECKING:  # obstore is optional (the s3 extra): a local store must open without it
     from kvrag.store.remote.object_store import ObjectStore, S3Location
@@ -84,7 +84,9 @@ class Snapshot:
         out = io.BytesIO()
         with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for name, data in members.items():
-                tar.addfile(_member(name, len(data)), io.BytesIO(data))
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
         return out.getvalue()
 
     @classmethod
@@ -113,7 +115,7 @@ class Mirror:
     """One remote store's object store and local mirror directory."""
 
     def __init__(self, objects: ObjectStore, path: Path):
-        self.objects, self.path = objects, path
+        self.objects, self.path, self.url = objects, path, objects.url
 
     @classmethod
     def open(cls, url: str, remote: RemoteOptions) -> Mirror:
@@ -130,15 +132,12 @@ class Mirror:
                 raise KvragError(f"{path} is a local store, not a mirror of {objects.url}; set KVRAG_MIRROR_DIR "
                                  "to another directory")
             StoreEnv.open(path, create=True).close()  # first: a store refuses to be made in a non-empty directory
-            _write_atomic(path / MARKER, json.dumps({"url": objects.url}).encode())
+            (path / f"{MARKER}.tmp").write_text(json.dumps({"url": objects.url}))
+            os.replace(path / f"{MARKER}.tmp", path / MARKER)  # whole or not at all
         elif mirrored != objects.url:
             raise KvragError(f"{path} mirrors {mirrored}, not {objects.url}; set KVRAG_MIRROR_DIR to another "
                              "directory")
         return cls(objects, path)
-
-    @property
-    def url(self) -> str:
-        return self.objects.url
 
     def current(self) -> str | None:
         """The generation current.json names; None when nothing was published."""
@@ -156,7 +155,8 @@ class Mirror:
                 raise KvragError(f"{self.url} holds no corpus: run kvrag index --store {self.url} first")
             return self.path
         with self._locked(), StoreEnv.open(self.path) as env:
-            if _generation(env) != current:  # read under the lock: another process may have just pulled it
+            # read under the lock: another process may have just pulled it
+            if env.read(lambda txn: txn.get(GENERATION_KEY, db=env.db("meta"))) != current.encode():
                 self._pull(env, current)
         return self.path
 
@@ -213,11 +213,6 @@ def _replace_corpus(txn: lmdb.Transaction, env: StoreEnv, snapshot: Snapshot, ge
     txn.put(GENERATION_KEY, generation.encode(), db=env.db("meta"))
 
 
-def _generation(env: StoreEnv) -> str | None:
-    raw = env.read(lambda txn: txn.get(GENERATION_KEY, db=env.db("meta")))
-    return None if raw is None else bytes(raw).decode()
-
-
 def _dump(records: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(_RECORD.pack(len(k), len(v)) + k + v for k, v in records)
 
@@ -231,18 +226,6 @@ def _load(data: bytes) -> Iterator[tuple[bytes, bytes]]:
             raise ValueError("a record runs past the end")
         yield data[at:at + klen], data[at + klen:at + klen + vlen]
         at += klen + vlen
-
-
-def _member(name: str, size: int) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = size, 0o644
-    return info
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def local_store(store: str | Path, remote: RemoteOptions, *, need_corpus: bool = True) -> Path:

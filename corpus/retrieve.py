@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrag.config import MIN_SCORE  # noqa: E402,F401  (where callers of retrieval find it)
 from kvrag.corpus.vector_index import VectorIndex, live_generation
 from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable
@@ -17,6 +16,13 @@ class Hit:
     rank: int  # 1 = best
     score: float  # inner product of unit vectors = cosine similarity
     chunk: ChunkRecord
+
+
+@dataclass(frozen=True)
+class StagedHits:
+    hits: list[Hit]  # this stage's top-k after the cutoff, best first
+    final: bool  # the full search's result
+    changed: bool  # other chunks than the previous stage's
 
 
 class Retriever:
@@ -38,26 +44,20 @@ class Retriever:
                              "run `kvrag index` again to re-embed")
         return index
 
-    def __len__(self) -> int:
-        return len(self.index.ids)
-
     def search(self, query: str, k: int = 5, relative_cutoff: float = 0.0, min_score: float = 0.0) -> list[Hit]:
         return self.search_batch([query], k, relative_cutoff, min_score)[0]
 
     def search_batch(self, queries: list[str], k: int = 5, relative_cutoff: float = 0.0,
                      min_score: float = 0.0) -> list[list[Hit]]:
-        """Top-k hits per query, best first; with `relative_cutoff` r > 0, hits scoring below r x the best hit's
-        score are dropped (see `keep_close_hits`); with `min_score` > 0, so are hits scoring below it: a query
-        whose best hit scores below it gets none (see `cut_hits`)."""
+        """Top-k hits per query, best first, after `cut_hits`."""
         self._check(queries, k, min_score)
         found = self.index.search(self.embedder.embed(list(queries)), k)
         return [self._hits(cut_hits(hits, relative_cutoff, min_score)) for hits in found]
 
     def search_staged(self, query: str, k: int = 5, relative_cutoff: float = 0.0,
                       stages: int = 8, min_score: float = 0.0) -> Iterator[StagedHits]:
-        """`search` in stages (corpus/staged_search.py: an IVF index's probed lists a slice at a time): each stage's
-        running top-k after the cutoffs, `changed` when its chunks differ from the previous stage's; the final
-        stage's hits are `search`'s (none, where `min_score` drops them all). One stage for a Flat index."""
+        """`search` in stages (corpus/staged_search.py): each stage's running top-k after the cutoffs, `changed`
+        when its chunks differ from the previous stage's; the final stage's hits are `search`'s."""
         self._check([query], k, min_score)
         vector = self.embedder.embed([query])[0]
         previous = None
@@ -84,33 +84,15 @@ class Retriever:
                 for rank, ((_, score), record) in enumerate(zip(hits, records, strict=True), start=1)]
 
 
-@dataclass(frozen=True)
-class StagedHits:
-    hits: list[Hit]  # this stage's top-k after the cutoff, best first
-    final: bool  # the full search's result
-    changed: bool  # other chunks than the previous stage's
-
-
-def keep_close_hits(hits: list[tuple[str, float]], relative_cutoff: float) -> list[tuple[str, float]]:
-    """The hits (best first) scoring at least `relative_cutoff` x the best one's score; the best is always kept.
-
-    Off-topic chunks in the prompt cost a small model its answer, and their KV costs load time; chunks far
-    below the best one are off-topic far more often than they are a second hop (docs/retrieval.md measures it).
-    """
-    if not hits or relative_cutoff <= 0 or hits[0][1] <= 0:
-        return hits
-    floor = relative_cutoff * hits[0][1]
-    return [hit for n, hit in enumerate(hits) if n == 0 or hit[1] >= floor]
-
-
 def cut_hits(hits: list[tuple[str, float]], relative_cutoff: float, min_score: float) -> list[tuple[str, float]]:
-    """`keep_close_hits` of the hits (best first) scoring at least `min_score`: with `min_score` > 0, none when
-    even the best one scores below it. 0 turns the absolute cutoff off (negative scores are kept then).
+    """The hits (best first) scoring at least `min_score` (none when even the best one scores below it; 0: off)
+    and at least `relative_cutoff` x the best one's score (the best is always kept).
 
-    The best chunk's score says whether a request is about the documents at all: "Write a haiku about the sea."
-    scores at most 0.30 against the 1,255 MuSiQue passages, MuSiQue's questions 0.28-0.71 (median 0.57) against
-    theirs (docs/retrieval-cutoff.md, which chose MIN_SCORE).
+    The best chunk's score says whether a request is about the documents at all; off-topic chunks far below the
+    best one cost a small model its answer and their KV load time (docs/retrieval.md, docs/retrieval-cutoff.md).
     """
     if min_score > 0:
         hits = [hit for hit in hits if hit[1] >= min_score]
-    return keep_close_hits(hits, relative_cutoff)
+    if not hits or relative_cutoff <= 0 or hits[0][1] <= 0:
+        return hits
+    return hits[:1] + [hit for hit in hits[1:] if hit[1] >= relative_cutoff * hits[0][1]]

@@ -13,8 +13,7 @@ Indexes that are not IVF (Flat, HNSW, a refined IVF, ...) give one final stage f
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import faiss
@@ -27,8 +26,6 @@ class Stage:
     scores: np.ndarray  # [k] float32, best first (largest for inner product, smallest for L2)
     lists: int  # inverted lists searched so far (nprobe at the final stage; 0 for a non-IVF index)
     final: bool
-    changed: bool  # ids differ from the previous stage's (always True at the first stage)
-    elapsed: float  # seconds the search itself has run so far (the caller's time between stages excluded)
 
 
 @dataclass(frozen=True)
@@ -38,30 +35,23 @@ class _Unwrapped:
     labels: Callable[[np.ndarray], np.ndarray]  # IVF ids -> the outer index's labels (IndexIDMap)
 
 
-def stage_bounds(nprobe: int, stages: int | Sequence[int]) -> list[int]:
-    """Cumulative list counts at the end of each stage: `stages` equal slices of nprobe lists, or the
-    counts themselves (increasing, ending at nprobe)."""
-    if isinstance(stages, int):
-        if stages < 1:
-            raise ValueError(f"stages must be at least 1 (got {stages})")
-        count = min(stages, nprobe)
-        return sorted({round(nprobe * (s + 1) / count) for s in range(count)})
-    bounds = [int(b) for b in stages]
-    if not bounds or bounds[-1] != nprobe or any(b <= a for a, b in zip([0, *bounds], bounds, strict=False)):
-        raise ValueError(f"stage bounds must increase from above 0 to nprobe={nprobe} (got {list(stages)})")
-    return bounds
+def stage_bounds(nprobe: int, stages: int) -> list[int]:
+    """Cumulative list counts at the end of each of `stages` equal slices of nprobe lists."""
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1 (got {stages})")
+    count = min(stages, nprobe)
+    return sorted({round(nprobe * (s + 1) / count) for s in range(count)})
 
 
 def staged_search(index: faiss.Index, query: np.ndarray, k: int, nprobe: int | None = None,
-                  stages: int | Sequence[int] = 4) -> Iterator[Stage]:
+                  stages: int = 4) -> Iterator[Stage]:
     """The running top-k of one query [D] after each stage; the last stage (final=True) equals
     `index.search` with this nprobe (default: the index's own)."""
-    start = time.perf_counter()
     query = np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1)  # [1, D]
     unwrapped = _unwrap(index)
     if unwrapped is None:
         scores, ids = index.search(query, k)
-        yield Stage(ids[0], scores[0], 0, True, True, time.perf_counter() - start)
+        yield Stage(ids[0], scores[0], 0, True)
         return
     ivf = unwrapped.ivf
     nprobe = min(ivf.nlist, nprobe or ivf.nprobe)
@@ -70,17 +60,12 @@ def staged_search(index: faiss.Index, query: np.ndarray, k: int, nprobe: int | N
         query = transform.apply(query)  # [1, D'] what the IVF itself sees
     coarse_scores, lists = ivf.quantizer.search(query, nprobe)  # [1, nprobe] closest lists first
     similarity = faiss.is_similarity_metric(ivf.metric_type)
-    best_scores, best_ids = None, None
-    searched, spent = 0, time.perf_counter() - start
+    best_scores, best_ids, searched = None, None, 0
     for bound in bounds:
-        resumed = time.perf_counter()
         scores, ids = _search_lists(ivf, query, k, lists[:, searched:bound], coarse_scores[:, searched:bound])
-        previous = best_ids
         best_scores, best_ids = _merge(best_scores, best_ids, scores[0], ids[0], k, similarity)
         searched = bound
-        spent += time.perf_counter() - resumed
-        changed = previous is None or not np.array_equal(previous, best_ids)
-        yield Stage(unwrapped.labels(best_ids), best_scores, bound, bound == nprobe, changed, spent)
+        yield Stage(unwrapped.labels(best_ids), best_scores, bound, bound == nprobe)
 
 
 def _search_lists(ivf: faiss.IndexIVF, query: np.ndarray, k: int, lists: np.ndarray,

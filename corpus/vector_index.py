@@ -18,8 +18,7 @@ import json
 import math
 import os
 import re
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,20 +29,17 @@ import numpy as np
 from kvrag.corpus.staged_search import Stage, staged_search
 from kvrag.errors import KvragError
 
-# Exact search up to this many chunks. At 100k x 384 float32 the index is 150 MiB and a query scans
-# it in a few ms on one core (see docs/performance.md): below the cost of the embedding and far below a prefill.
+# Exact search up to this many chunks: a query scans the flat index in a few ms on one core, below the cost of
+# the embedding (docs/performance.md).
 FLAT_MAX = 100_000
-# IVF-PQ (4-bit fast-scan codes, dim/4 bytes a vector) with an exact re-rank from this many chunks on. Here an
-# IVF-Flat's lists, a second full copy of the vectors beside the kept ones, pass 700 MiB at 384 dims; the PQ
-# lists hold 104 bytes a chunk (codes and id) at 384 dims, and re-ranking 8 x k candidates kept recall@10 on
-# clustered synthetic vectors at IVF-Flat's (0.997 both at 100k x 384, same nprobe, `kvrag bench index`; dim/8-byte
-# codes fell to 0.982 at 20k). Below it the copy is small and PQ training (~10 CPU-s more) is a large share of
-# the build.
+# IVF-PQ (4-bit fast-scan codes, dim/4 bytes a vector) with an exact re-rank from this many chunks on: beyond it an
+# IVF-Flat's lists, a second full copy of the vectors, grow large, and re-ranking kept IVF-Flat's recall@10 ("The
+# index at a million chunks" in docs/performance.md); below it PQ training is a large share of the build.
 PQ_MIN = 500_000
-REFINE_FACTOR = 8  # candidates re-ranked exactly per hit wanted (4: recall@10 0.986 at 20k x 384)
+REFINE_FACTOR = 8  # candidates re-ranked exactly per hit wanted
 REFINE = ",RFlat"
 # Training sample, at most: 64 vectors a list (k-means needs ~40; faiss would take up to 256) and never under
-# 65,536, what an 8-bit PQ trains on (256 points for each of its 256 centroids). At 1M x 384: 384 MiB.
+# 65,536, what an 8-bit PQ trains on (256 points for each of its 256 centroids).
 TRAIN_PER_LIST, TRAIN_MIN = 64, 65_536
 ADD_BATCH = 65_536  # vectors added at a time: faiss's temporaries stay ~ADD_BATCH x dim floats
 _POINTER = "current.json"
@@ -84,8 +80,7 @@ def check_factory(factory: str, dim: int) -> None:
     try:
         faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as exc:
-        message = _FAISS_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
-        raise KvragError(f"bad --index-factory {factory!r}: {message}") from None
+        raise KvragError(f"bad --index-factory {factory!r}: {_faiss_message(exc)}") from None
 
 
 def live_generation(store_dir: Path) -> str | None:
@@ -135,8 +130,7 @@ class VectorIndex:
                 index.add(vectors[start:start + batch])
                 report(min(start + batch, len(vectors)), len(vectors))
         except RuntimeError as exc:  # bad factory string, too few vectors to train on, ...
-            message = _FAISS_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
-            raise KvragError(f"cannot build index {factory!r} on {len(ids)} vectors: {message}") from None
+            raise KvragError(f"cannot build index {factory!r} on {len(ids)} vectors: {_faiss_message(exc)}") from None
         ivf = _ivf(index)
         if ivf is not None:
             ivf.nprobe = default_nprobe(ivf.nlist)
@@ -159,12 +153,12 @@ class VectorIndex:
                 for srow, rrow in zip(scores, rows, strict=True)]
 
     def search_staged(self, query: np.ndarray, k: int,
-                      stages: int | Sequence[int] = 4) -> Iterator[tuple[Stage, list[tuple[str, float]]]]:
+                      stages: int = 4) -> Iterator[tuple[Stage, list[tuple[str, float]]]]:
         """`search` of one query [dim] in stages (corpus/staged_search.py), each with its running top-k as
         (chunk id, inner product) hits, best first; the last stage's hits are `search`'s. A refined index
         stages its candidates and re-ranks each stage's (the stage then holds the re-ranked top-k)."""
         if not self.ids or k < 1:
-            yield Stage(np.empty(0, np.int64), np.empty(0, np.float32), 0, True, True, 0.0), []
+            yield Stage(np.empty(0, np.int64), np.empty(0, np.float32), 0, True), []
             return
         query = np.ascontiguousarray(query, dtype=np.float32)  # [dim]
         k = min(k, len(self.ids))
@@ -190,15 +184,10 @@ class VectorIndex:
         return best_scores, best_rows
 
     def _reranked(self, stages: Iterator[Stage], query: np.ndarray, k: int) -> Iterator[Stage]:
-        """Each stage's candidates re-ranked to its exact top-k; `changed` and `elapsed` follow."""
-        previous, spent = None, 0.0
+        """Each stage's candidates re-ranked to its exact top-k."""
         for stage in stages:
-            start = time.perf_counter()
             scores, rows = self._rerank(query[None], stage.ids[None], k)  # [1, k]
-            spent += time.perf_counter() - start
-            changed = previous is None or not np.array_equal(previous, rows[0])
-            previous = rows[0]
-            yield replace(stage, ids=rows[0], scores=scores[0], changed=changed, elapsed=stage.elapsed + spent)
+            yield replace(stage, ids=rows[0], scores=scores[0])
 
     # -- files ------------------------------------------------------------------------------------
     @classmethod
@@ -227,7 +216,7 @@ class VectorIndex:
     def save(self, store_dir: Path) -> None:
         folder = Path(store_dir) / "index"
         folder.mkdir(parents=True, exist_ok=True)
-        generation = f"g{_last_generation(folder) + 1:06d}"
+        generation = f"g{int((live_generation(store_dir) or 'g0')[1:]) + 1:06d}"
         raw_ids = np.frombuffer(b"".join(bytes.fromhex(i) for i in self.ids), dtype=np.uint8).reshape(-1, 16)
         _atomic_write(folder / f"{generation}.faiss", lambda f: f.write(faiss.serialize_index(self.index).tobytes()))
         _atomic_write(folder / f"{generation}.ids.npy", lambda f: np.save(f, raw_ids))
@@ -283,18 +272,15 @@ def _train_sample(index: faiss.Index, vectors: np.ndarray) -> np.ndarray:
     return vectors[rows]
 
 
+def _faiss_message(exc: RuntimeError) -> str:
+    return _FAISS_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+
+
 def _ivf(index: faiss.Index):
     try:
         return faiss.extract_index_ivf(index)
     except RuntimeError:  # not an IVF index
         return None
-
-
-def _last_generation(folder: Path) -> int:
-    try:
-        return int(json.loads((folder / _POINTER).read_text())["generation"][1:])
-    except FileNotFoundError:
-        return 0
 
 
 def _atomic_write(path: Path, write) -> None:

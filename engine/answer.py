@@ -1,15 +1,8 @@
-"""One question end to end after retrieval: prefill by mode, then stream the decoded answer."""
+"""One answer as `kvrag ask --json` reports it: text, tokens, sources, costs and timings."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from kvrag.blend.config import BlendConfig
-from kvrag.blend.ratio import SUFFIX_GUESS, RatioPolicy
-from kvrag.engine.prefiller import Prefilled, Prefiller
-from kvrag.model.generate import SamplingConfig, generate, stream_text
 
 SCHEMA = "kvrag.answer/1"  # `kvrag ask --json`; README "JSON output" documents it: bump on any breaking change
 # Every answer's timings carry exactly these keys (seconds; decode_tokens_per_s a rate), 0 where a part did not
@@ -56,52 +49,3 @@ class Answer:
             "timings": {k: round(float(self.timings.get(k, 0.0)), 6) for k in TIMING_KEYS},
         }
 
-
-def answer_question(engine: Prefiller, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str,
-                    config: BlendConfig, sampling: SamplingConfig, on_text: Callable[[str], None] | None = None,
-                    ratio: RatioPolicy | None = None, interruptible: bool = False) -> tuple[Answer, Prefilled]:
-    """Prefill and decode one question. `interruptible`: Ctrl-C while decoding ends the answer where it stands
-    (finish_reason "interrupted") and the caller decides what follows; chunks computed for it are still stored."""
-    start = time.perf_counter()
-    if mode == "blend" and ratio is not None:  # None: the config's ratio as it is
-        n_chunk = sum(len(ids) for _, ids in chunks)
-        chosen = ratio.resolve(config, engine.runtime.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
-        mode, config = ("full", config) if chosen is None else (mode, chosen)  # None: a full prefill costs less
-    pre = engine.prefill(chunks, question, mode, config, extra=sampling.max_tokens)
-    tokens: list[int] = []
-    first_token_at = None
-    pieces: list[str] = []
-    decode_start = time.perf_counter()
-
-    def token_stream():
-        nonlocal first_token_at
-        for token in generate(engine.runtime.model, pre.cache, pre.logits, sampling, engine.stop_ids):
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            tokens.append(token)
-            yield token
-
-    try:
-        for piece in stream_text(engine.runtime.tokenizer, token_stream()):
-            pieces.append(piece)
-            if on_text:
-                on_text(piece)
-        finish = "length" if len(tokens) >= sampling.max_tokens else "stop"  # the cache holds max_tokens more
-    except KeyboardInterrupt:
-        if not interruptible:
-            raise
-        finish = "interrupted"
-    end = time.perf_counter()
-    engine.flush_write_back()
-    first = first_token_at or end
-    timings = dict(pre.timings)
-    timings["ttft"] = first - start
-    timings["decode"] = end - decode_start
-    timings["decode_tokens_per_s"] = (len(tokens) - 1) / (end - first) if len(tokens) > 1 and end > first else 0.0
-    ratio = config.ratio if mode == "blend" else None
-    if ratio is not None and config.deviation_mass > 0 and pre.chunk_tokens:  # chosen per prompt: what it was
-        ratio = round(pre.recomputed_chunk_tokens / pre.chunk_tokens, 4)
-    answer = Answer(question, "".join(pieces).strip(), tokens, mode, ratio,
-                    pre.prompt_tokens, pre.chunk_tokens, pre.recomputed_chunk_tokens, pre.bytes_loaded, timings,
-                    chunk_tiers=pre.chunk_tiers, finish_reason=finish)
-    return answer, pre

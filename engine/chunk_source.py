@@ -13,6 +13,7 @@ are cached as they stood in this prompt, and the chunks read from the store are 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -20,21 +21,22 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvrag.blend import keyformer
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.engine.prompt_reuse import PROMPT_TIER, Piece
 from kvrag.errors import KvragError
 from kvrag.load.layer_work import ChunkRef, CorruptChunk
 from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.codec import CorruptValue, stored_positions
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import MissingChunk
 from kvrag.store.manifest import check_or_record
-from kvrag.store.remote import RemoteOptions, store_table
+from kvrag.store.open import RemoteOptions, store_table
+from kvrag.store.table import MissingChunk
 from kvrag.store.tiers.cost_profile import CostProfile
 from kvrag.store.tiers.knowledge_tree import STORE as STORE_TIER
+from kvrag.store.tiers.lease import as_layers
 from kvrag.store.tiers.reorder import order_priority
 
 
@@ -112,10 +114,7 @@ class ChunkSource:
         computed now (not stored yet, or damaged: then stored, or repaired, at the next write-back)."""
         m, rows = self.model, slice(piece.offset, piece.offset + n)
         try:
-            if self.table is None:
-                raise MissingChunk(piece.chunk_id)
-            layers = [self.table.get_layer(piece.chunk_id, layer, expect_token_ids=piece.stored)
-                      for layer in range(m.cfg.n_layers)]
+            layers = self._read_layers(piece.chunk_id, piece.stored)
         except KvragError as exc:
             kv, _ = self.compute_chunk(piece.chunk_id, piece.stored)
             if not isinstance(exc, MissingChunk):
@@ -125,6 +124,12 @@ class ChunkSource:
         k = [torch.from_numpy(d.k[rows]).to(m.device, m.dtype) for d in layers]  # [n, Hkv, hd] each
         v = [torch.from_numpy(d.v[rows]).to(m.device, m.dtype) for d in layers]
         return LayerKV(k, v, torch.arange(n)), STORE_TIER
+
+    def _read_layers(self, chunk_id: str, ids: Sequence[int]) -> list:
+        """Every layer of a stored chunk, decoded (MissingChunk without a store)."""
+        if self.table is None:
+            raise MissingChunk(chunk_id)
+        return [self.table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(self.model.cfg.n_layers)]
 
     def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
         """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
@@ -199,21 +204,14 @@ class ChunkSource:
         """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
         if lease is None or not lease.matched:
             return self.preamble
-        from kvrag.store.tiers.lease import as_layers
-
-        layers = as_layers(self.cache.gather(lease.prefix, self.model.device))
-        n_pre = len(self.preamble)
-        n = layers[0][0].shape[0]
-        return LayerKV([torch.cat([self.preamble.k[i].to(self.model.dtype), k.to(self.model.dtype)])
-                        for i, (k, _) in enumerate(layers)],
-                       [torch.cat([self.preamble.v[i].to(self.model.dtype), v.to(self.model.dtype)])
-                        for i, (_, v) in enumerate(layers)],
-                       torch.arange(n_pre + n, device=self.model.device))
+        dtype, pre = self.model.dtype, self.preamble
+        layers = as_layers(self.cache.gather(lease.prefix, self.model.device))  # per layer K, V [n, Hkv, hd]
+        return LayerKV([torch.cat([pre.k[i].to(dtype), k.to(dtype)]) for i, (k, _) in enumerate(layers)],
+                       [torch.cat([pre.v[i].to(dtype), v.to(dtype)]) for i, (_, v) in enumerate(layers)],
+                       torch.arange(len(pre) + layers[0][0].shape[0], device=self.model.device))
 
     def memory_kv(self, lease) -> list[LayerKV | None]:
         """Per chunk below the match: its stored KV from a memory tier, or None (read the store)."""
-        from kvrag.store.tiers.lease import as_layers
-
         out: list[LayerKV | None] = []
         for i in range(lease.matched, len(lease.chunk_ids)):
             node = lease.memory_node(i)
@@ -232,12 +230,9 @@ class ChunkSource:
         dtype = getattr(torch, self.cache.layout.dtype) if self._pending_cache else None
         for lease, rest, rest_kv, not_in_memory, prefill_s in self._pending_cache:
             try:
-                per_chunk, start = [], 0
-                for _, ids in rest:
-                    n = len(ids)
-                    per_chunk.append([(k[start:start + n].to("cpu", dtype), v[start:start + n].to("cpu", dtype))
-                                      for k, v in rest_kv])
-                    start += n
+                bounds = itertools.accumulate((len(ids) for _, ids in rest), initial=0)  # each chunk's rows
+                per_chunk = [[(k[a:b].to("cpu", dtype), v[a:b].to("cpu", dtype)) for k, v in rest_kv]
+                             for a, b in itertools.pairwise(bounds)]
                 self.cache.insert(lease, per_chunk, cost_s=prefill_s)
                 self.cache.cost = CostProfile.linear(prefill_s / max(lease.new_tokens, 1))  # for put_stored
                 for chunk_id, ids in not_in_memory:
@@ -250,11 +245,8 @@ class ChunkSource:
 
     def _stored_layers(self, chunk_id: str, ids: Sequence[int]):
         """Every layer of a chunk's stored KV as torch tensors in the cache's dtype, None if unreadable."""
-        if self.table is None:
-            return None
         try:
-            layers = [self.table.get_layer(chunk_id, layer, expect_token_ids=ids)
-                      for layer in range(self.model.cfg.n_layers)]
+            layers = self._read_layers(chunk_id, ids)
         except KvragError:
             return None  # damaged or gone: the next question reads (and repairs) it through the loader
         dtype = getattr(torch, self.cache.layout.dtype)

@@ -24,7 +24,6 @@ static input buffers and replayed: one launch a step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,22 +34,14 @@ from kvrag.model.step import Rows, run_layers
 from kvrag.model.transformer import Transformer
 
 Step = Callable[[], torch.Tensor]  # the captured step: reads the static inputs, returns logits [bucket, V]
-
-
-class Capture(Protocol):
-    def __call__(self, step: Step) -> Step:
-        """Capture `step` (its inputs already set to pad rows); returns what replays it."""
+Capture = Callable[[Step], Step]  # captures a step (its inputs already set to pad rows), returns what replays it
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """The batch sizes captured: powers of two below max_batch, then max_batch itself."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return (*out, max_batch)
+    return (*(1 << i for i in range((max_batch - 1).bit_length())), max_batch)
 
 
 def eager_capture(step: Step) -> Step:
@@ -86,10 +77,6 @@ class CudaGraphCapture:
             return out
 
         return replay
-
-
-def default_capture(device: torch.device) -> Capture:
-    return CudaGraphCapture(device) if device.type == "cuda" else eager_capture
 
 
 class StaticInputs:
@@ -188,7 +175,7 @@ class DecodeGraphs:
         self.scratch = kv.pool.allocator.allocate(1)[0]  # pad rows' K/V: a block no table lists
         device = kv.pool.kv.device
         self.inputs = StaticInputs(self.buckets[-1], self.max_blocks, self.scratch, kv.block_size, device)
-        self.capture = capture or default_capture(device)
+        self.capture = capture or (CudaGraphCapture(device) if device.type == "cuda" else eager_capture)
         self.splits = splits  # the decode kernel's splits (None: its default plan for M_max, per bucket)
         self.replays: dict[int, Step] = {}
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}  # eager: batches BatchDecoder ran without them

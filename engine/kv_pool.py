@@ -16,20 +16,18 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.kvcache.allocator import BlockLayout, BlockTable, OutOfBlocks
+from kvrag.kvcache.allocator import BlockLayout, BlockTable
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.kvcache.prefix_cache import PrefixCache
 from kvrag.model.cache import DecodeCache
 from kvrag.model.prefill import PagedRows
 from kvrag.model.transformer import Transformer
 
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
 
 class SequenceKV:
     def __init__(self, model: Transformer, budget_bytes: int, block_size: int = 16, cache_bytes: int = 0):
         c = model.cfg
-        layout = BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, DTYPE_NAMES[model.dtype], block_size)
+        layout = BlockLayout(c.n_layers, c.n_kv_heads, c.head_dim, str(model.dtype).removeprefix("torch."), block_size)
         self.pool = BlockPool.for_budget(layout, budget_bytes, model.device)
         if self.pool.num_blocks < 2:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds fewer than 2 blocks of {block_size} tokens")
@@ -175,5 +173,3 @@ def _first_moved(rows: torch.Tensor) -> int:
     stays = (rows == torch.arange(m, device=rows.device)).all(dim=0).all(dim=0)  # [m]
     return m if bool(stays.all()) else int((~stays).nonzero()[0])
 
-
-__all__ = ["OutOfBlocks", "SequenceKV"]

@@ -1,8 +1,8 @@
 """The resident engine: many requests at once over one model, one store and one paged KV pool.
 
 Each `step()` cancels what callers gave up on, prefills at most one waiting request (blended, full, prefix or
-reuse, through a Prefiller (engine/prefiller.py), whose memory tiers all requests share), then runs one batched decode step of
-every running sequence. Single-threaded: callers on other threads go through engine/loop.py.
+reuse, through a Prefiller (engine/prefiller.py), whose memory tiers all requests share), then runs one batched
+decode step of every running sequence. Single-threaded: callers on other threads go through engine/loop.py.
 """
 
 from __future__ import annotations
@@ -15,23 +15,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvrag.blend.kv_budget import parse_rule
 from kvrag.blend.ratio import SUFFIX_GUESS
 from kvrag.config import DEFAULT_SELECTION
-from kvrag.engine.admission import PassageKeeper
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
-from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.kept_passages import PassageKeeper
+from kvrag.engine.kv_budget import parse_rule
+from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.plans import Planner
 from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
-from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefilling
+from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefiller
 from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
 from kvrag.engine.write_back import WriteBack
 from kvrag.errors import KvragError
+from kvrag.kvcache.allocator import OutOfBlocks
 from kvrag.model.cache import DecodeCache
-from kvrag.model.generate import choose
+from kvrag.model.sampling import choose
 
 
 class PromptTooLong(KvragError):
@@ -53,14 +54,14 @@ class EngineConfig:
     # the selection rule a blend asking for the default one runs: the one the model's check passed with
     selection: str = DEFAULT_SELECTION
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
-    kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/admission.py); 0: none
+    kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/kept_passages.py); 0: none
     # the decode step captured per batch bucket and replayed (engine/decode_graphs.py): CUDA graphs on a GPU's
     # Triton path; off until measured there
     cuda_graphs: bool = False
 
 
 class LLMEngine:
-    def __init__(self, prefiller: Prefilling, config: EngineConfig = EngineConfig()):
+    def __init__(self, prefiller: Prefiller, config: EngineConfig = EngineConfig()):
         self.prefiller, self.config = prefiller, config
         self.model = prefiller.runtime.model
         self.max_positions = self.model.cfg.max_positions
@@ -73,12 +74,12 @@ class LLMEngine:
         spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
         self.planner = Planner(prefiller.runtime, self.kv.prefix, self.kv.block_size, spans)
         self.conversations = Conversations(prefiller.runtime, self.kv, self.planner)
-        self.keeper = None  # clients' new passages, stored at their second sighting (engine/admission.py)
+        self.keeper = None  # clients' new passages, stored at their second sighting (engine/kept_passages.py)
         if spans is not None and source.table is not None:
             cfg, local = self.model.cfg, prefiller.runtime.local
             per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2  # fp16 K and V
             self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,
-                                        config.kept_passages_bytes // per_token)
+                                        config.kept_passages_bytes // per_token, self.planner.paragraphs)
         self.writes = WriteBack(prefiller.source, self.keeper)  # stores off this thread
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
@@ -104,7 +105,7 @@ class LLMEngine:
         plan = self.planner.plan(request.question, request.history, request.chunks, request.rag,
                                  request.last_role, room=self.max_positions - request.sampling.max_tokens,
                                  salt=request.salt, find_spans=request.mode in ("blend", "reuse"),
-                                 exact=wants_exact(request))
+                                 exact=wants_exact(request), found=request.prompt)
         head = len(plan.head)
         if 0 < request.kv_tokens <= head + self.kv.block_size:
             raise KvragError(f"a KV budget of {request.kv_tokens} tokens leaves nothing past the "
@@ -113,7 +114,9 @@ class LLMEngine:
         if prompt + request.sampling.max_tokens > self.max_positions:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate exceeds the "
                              f"model's context of {self.max_positions}")
-        rows = prompt - self._dropped_rows(request, plan)
+        # reduced chunks' dropped tokens have no row in the pool (a full prefill keeps every row, prefix caching
+        # computes all but its first chunk whole)
+        rows = prompt - (self.prefiller.source.dropped_rows(plan.chunks) if request.mode in ("blend", "reuse") else 0)
         held = len(self.kv.shared) + self.decoder.reserved_blocks  # blocks no sequence of its own can have
         if self.kv.blocks_needed(rows + request.sampling.max_tokens) + held > self.kv.pool.num_blocks:
             raise PromptTooLong(f"prompt of {prompt} tokens + {request.sampling.max_tokens} to generate needs more KV "
@@ -121,13 +124,6 @@ class LLMEngine:
         seq = Sequence(next(self._ids), request, prompt, rows)
         seq.plan, seq.head_rows = plan, head
         return seq
-
-    def _dropped_rows(self, request: Request, plan) -> int:
-        """Prompt tokens with no row in the pool (reduced chunks' dropped tokens): none for a full prefill, which
-        keeps every row, nor for prefix caching, which computes all but its first chunk whole."""
-        if request.mode not in ("blend", "reuse"):
-            return 0
-        return self.prefiller.source.dropped_rows(plan.chunks)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.prefilling)
@@ -195,13 +191,12 @@ class LLMEngine:
                 return
             pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req),
                                          framing=framing)
-        except KvragError as exc:
-            seq.error = str(exc)
-            self._finish(seq, "error")
-            return
         except Exception as exc:  # noqa: BLE001 - off the queue and not yet running: the loop's _fail_all misses it
-            logging.getLogger("kvrag.engine").exception("a prefill failed; its request ends with the error")
-            seq.error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, KvragError):
+                seq.error = str(exc)
+            else:
+                logging.getLogger("kvrag.engine").exception("a prefill failed; its request ends with the error")
+                seq.error = f"{type(exc).__name__}: {exc}"
             self._finish(seq, "error")
             return
         self._prefilled(seq, pre, config)
@@ -388,7 +383,7 @@ def _observe(req: Request) -> str | None:
     return req.kv_rule if req.kv_tokens > 0 else None
 
 
-def _rotated_prefix(prefiller: Prefilling) -> DecodeCache:
+def _rotated_prefix(prefiller: Prefiller) -> DecodeCache:
     """The preamble's KV as a prefill leaves it in a decode cache: keys rotated to positions 0..P-1."""
     model, pre = prefiller.runtime.model, prefiller.preamble
     with torch.inference_mode():

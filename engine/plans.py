@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag.engine.prompt_reuse import Piece, PromptSpans, split
+from kvrag.engine.prompt_reuse import Paragraphs, Piece, PromptFound, PromptSpans, find_in_prompt, split
 from kvrag.kvcache.prefix_cache import PrefixCache
 from kvrag.model.chat import ChatPrompts, Turn
 from kvrag.model.runtime import Runtime
@@ -49,6 +49,7 @@ class Plan:
     pieces: tuple[Piece, ...] | None = None  # a plain prompt's stored spans and text between (prompt_reuse.py)
     salt: str = ""  # whose prefix cache the head is looked up in
     framed: bool = True
+    found: PromptFound | None = None  # a plain prompt's ids and stored spans: cut again from them at its prefill
 
     @property
     def tokens(self) -> int:
@@ -71,16 +72,19 @@ class Planner:
     def __init__(self, runtime: Runtime, prefix: PrefixCache, block: int, spans: PromptSpans | None = None):
         self.runtime, self.prefix, self.block, self.spans = runtime, prefix, block, spans
         self.chat = ChatPrompts(runtime.prompts)
+        self.paragraphs = Paragraphs(runtime.tokenizer)  # what a passage is (prompt_reuse.py): kept_passages.py's too
         self._turns: OrderedDict[str, KeptTurn] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user",
-             room: int | None = None, salt: str = "", find_spans: bool = True, exact: bool = False) -> Plan:
+             room: int | None = None, salt: str = "", find_spans: bool = True, exact: bool = False,
+             found: PromptFound | None = None) -> Plan:
         """The request's prompt (`role`: the question's, user or tool); the single-turn RAG prompt is preamble, chunks,
         suffix, not framed. A kept turn is continued only if the prompt then fits in `room` tokens (and,
         where `exact` KV is asked for, only if its rows are all exact): else the history is rendered from its text,
         without the earlier turns' passages. A plain prompt's stored passages are blended where `find_spans`
-        (prompt_reuse.py); `salt` keys what a client's prompts leave cached."""
+        (prompt_reuse.py): those `found` with the request (request_chunks.py), else found here; `salt` keys what a
+        client's prompts leave cached."""
         if rag and not history:
             prompts = self.runtime.prompts
             return Plan(tuple(prompts.preamble_ids), tuple(chunks), tuple(prompts.build([], question).suffix), None,
@@ -96,7 +100,9 @@ class Planner:
             if room is None or plan.tokens <= room:
                 return plan
         if not rag:
-            return self._plain(self.chat.plain_ids(history, question, role), salt, find_spans)
+            if found is None:  # a request not made through request_chunks.py (the engine's own callers)
+                found = find_in_prompt(self.chat, self.spans, history, question, role, salt, probe=find_spans)
+            return self._plain(found, salt, find_spans)
         return Plan(tuple(self.chat.head_ids(history)), chunks, tuple(self.runtime.prompts.build([], question).suffix),
                     None, salt=salt)
 
@@ -108,20 +114,23 @@ class Planner:
         cached = self.prefix.cached_rows(ids, plan.salt)
         if cached <= len(plan.head) or (plan.turn is not None and plan.chunks):
             return plan
-        if plan.turn is None:
-            return self._plain(ids, plan.salt, find_spans)
+        if plan.turn is None:  # a plain prompt; or a chat RAG prompt given no chunks, cut as one
+            found = plan.found or PromptFound(tuple(ids), tuple(self.spans.find(ids, plan.salt))
+                                              if find_spans and self.spans is not None else ())
+            return self._plain(found, plan.salt, find_spans)
         head = min(cached, (len(ids) - 1) // self.block * self.block)
         return Plan(tuple(ids[:head]), (), tuple(ids[head:]), plan.turn, salt=plan.salt)
 
-    def _plain(self, ids: list[int], salt: str, find_spans: bool) -> Plan:
+    def _plain(self, found: PromptFound, salt: str, find_spans: bool) -> Plan:
         """A plain prompt: cut around its stored passages, or a head up to its last block boundary and a tail."""
+        ids = found.ids
         if find_spans and self.spans is not None:
             cached = self.prefix.cached_rows(ids, salt)  # an exact prefix beats a blended span: spans start after it
-            cut = split(ids, [s for s in self.spans.find(ids, salt) if s.start >= cached], self.spans.index)
+            cut = split(ids, [s for s in found.spans if s.start >= cached], self.spans.index)
             if cut is not None:
-                return Plan(cut.head, cut.chunks, cut.tail, None, cut.pieces, salt)
+                return Plan(cut.head, cut.chunks, cut.tail, None, cut.pieces, salt, found=found)
         head = (len(ids) - 1) // self.block * self.block
-        return Plan(tuple(ids[:head]), (), tuple(ids[head:]), None, salt=salt)
+        return Plan(ids[:head], (), ids[head:], None, salt=salt, found=found)
 
     def keep(self, history: Sequence[Turn], question: Turn, answer: str, ids: Sequence[int],
              chunk_ids: frozenset[str], salt: str = "", exact_rows: int = 0) -> None:

@@ -35,11 +35,9 @@ def reused_tokens(seq: Sequence, pre: Prefilled, preamble_rows: int) -> int:
     blend also selected are counted once. A full prefill reuses its head's cached rows alone."""
     if seq.request.mode == "full":
         return seq.head_reused
-    if seq.plan.pieces is not None:  # stored spans' rows the blend did not recompute
-        tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=True)  # a span whose chunk had no KV: computed now
-        computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
-        return seq.head_reused + max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
-    tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=False)  # prefix mode: a tier for its first chunk alone
+    # a plain prompt's pieces have a tier each (a span whose chunk had no KV: computed now); prefix mode has one for
+    # its first chunk alone
+    tiers = zip(seq.plan.chunks, pre.chunk_tiers, strict=seq.plan.pieces is not None)
     computed = sum(len(ids) for (_, ids), tier in tiers if tier == "computed")
     kept = max(0, pre.chunk_tokens - pre.recomputed_chunk_tokens - computed)
     return (seq.head_reused if seq.plan.framed else preamble_rows) + kept

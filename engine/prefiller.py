@@ -1,7 +1,7 @@
 """The prefiller: one prompt's prefill by mode (Mode) over chunk KV from a ChunkSource (engine/chunk_source.py).
 
-One Prefiller serves many questions in a process; the preamble's KV is computed once. What the resident engine
-(engine/llm_engine.py) uses of it is the `Prefilling` protocol below.
+One Prefiller serves many questions in a process, and the resident engine (engine/llm_engine.py) many requests; the
+preamble's KV is computed once.
 """
 
 from __future__ import annotations
@@ -9,50 +9,32 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Protocol
 
 import torch
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.fusion import fused_prefill
-from kvrag.blend.keyformer import KeepConfig
-from kvrag.blend.kv_budget import AttentionScore, parse_rule
 from kvrag.blend.preview import preview
 from kvrag.blend.selection import PREVIEW_RULES
 from kvrag.engine.chunk_source import ChunkSource
+from kvrag.engine.kv_budget import AttentionScore, parse_rule
 from kvrag.engine.prompt_reuse import Piece
 from kvrag.errors import KvragError
 from kvrag.load.layer_work import ChunkRef, CorruptChunk, DecoderPause
 from kvrag.load.loader import open_loader
 from kvrag.load.staging import StagingArea, spare_cores
 from kvrag.model.cache import DecodeCache
-from kvrag.model.generate import ChunkedPrefill, stop_ids
-from kvrag.model.prefill import LayerKV, extend
+from kvrag.model.prefill import ChunkedPrefill, LayerKV, extend
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import stop_ids
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.store.env import StoreEnv
-from kvrag.store.remote import RemoteOptions
+from kvrag.store.open import RemoteOptions
 from kvrag.store.tiers.knowledge_tree import STORE
 
-
-class Mode(str, Enum):
-    """How a prompt is prefilled: blended (CacheBlend), in full, the first chunk reused as a prefix (prefix caching),
-    or every chunk's KV reused as loaded (ratio 0)."""
-
-    BLEND = "blend"
-    FULL = "full"
-    PREFIX = "prefix"
-    REUSE = "reuse"
-
-    @classmethod
-    def parse(cls, text: str | Mode) -> Mode:
-        try:
-            return cls(text)
-        except ValueError:
-            raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {text}") from None
-
-
-MODES = tuple(m.value for m in Mode)
+# how a prompt is prefilled: blended (CacheBlend), in full, the first chunk reused as a prefix (prefix caching), or
+# every chunk's KV reused as loaded (ratio 0)
+MODES = ("blend", "full", "prefix", "reuse")
 
 
 @dataclass
@@ -94,7 +76,8 @@ class Framing:
 
 
 class FullPrefill:
-    """A full prefill run a piece at a time (decode.ChunkedPrefill), so an engine can decode between the pieces."""
+    """A full prefill run a piece at a time (model/prefill.ChunkedPrefill), so an engine can decode between the
+    pieces."""
 
     def __init__(self, runtime: Runtime, chunks: Sequence[tuple[str, Sequence[int]]], suffix: list[int], extra: int,
                  start: float, tap: AttentionScore | None = None, framing: Framing | None = None):
@@ -106,10 +89,6 @@ class FullPrefill:
                                   None if framing is None else framing.head.dense())
         self.start, self.compute_s = start, 0.0
 
-    @property
-    def remaining(self) -> int:
-        return self.job.ids.shape[0] - self.job.cache.length
-
     def advance(self, tokens: int) -> Prefilled | None:
         """Run the next `tokens` positions; the Prefilled once the whole prompt has run, else None."""
         t0 = time.perf_counter()
@@ -118,39 +97,18 @@ class FullPrefill:
         if not done:
             return None
         timings = {"prefill": time.perf_counter() - self.start, "compute": self.compute_s}
-        n = self.job.cache.length
-        return Prefilled(self.job.logits, self.job.cache, n, self.chunk_tokens, self.chunk_tokens, timings,
+        return Prefilled(self.job.logits, self.job.cache, self.job.cache.length, self.chunk_tokens, self.chunk_tokens, timings,
                          attention=self.job.tap)
-
-
-class Prefilling(Protocol):
-    """What the resident engine uses of a prefiller: the model and its preamble, the two prefills, the write-back
-    between them, and the chunk source's answers about a prompt."""
-
-    runtime: Runtime
-    preamble: LayerKV
-    stop_ids: set[int]
-    source: ChunkSource
-
-    def prefill(self, chunks, question: str, mode: str = "blend", config: BlendConfig | None = None,
-                extra: int = 64, observe: str | None = None, framing: Framing | None = None) -> Prefilled: ...
-
-    def full_prefill(self, chunks, question: str, extra: int = 64, observe: str | None = None,
-                     framing: Framing | None = None) -> FullPrefill: ...
-
-    def flush_write_back(self) -> int: ...
 
 
 class Prefiller:
     """Prefills prompts of `runtime`'s model over `source`'s chunk KV (None: a source without a store or tiers,
-    which computes every chunk). `load_delay_s` slows each layer's read (tests)."""
+    which computes every chunk)."""
 
-    def __init__(self, runtime: Runtime, source: ChunkSource | None = None, load_delay_s: float = 0.0,
-                 preamble: LayerKV | None = None):
+    def __init__(self, runtime: Runtime, source: ChunkSource | None = None, preamble: LayerKV | None = None):
         self.runtime, self.model = runtime, runtime.model
         self.preamble = preamble if preamble is not None else preamble_kv(runtime)
         self.source = source if source is not None else ChunkSource(runtime, None, self.preamble)
-        self.load_delay_s = load_delay_s
         self.decoder_pause = DecoderPause()  # this prefiller's loaders' idle decoder, off for a while once starved
         # the staged loader's host slots (pinned on a GPU) and threads, for this prefiller's life
         device = self.model.device.type
@@ -158,13 +116,12 @@ class Prefiller:
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
 
     @classmethod
-    def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", load_delay_s: float = 0.0,
-             cache=None, compress: bool = True, keep: KeepConfig | None = None,
-             remote: RemoteOptions | None = None) -> Prefiller:
+    def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", cache=None, compress: bool = True,
+             keep: KeepConfig | None = None, remote: RemoteOptions | None = None) -> Prefiller:
         """A prefiller over the store `env` (None: none), through a chunk source of these settings."""
         preamble = preamble_kv(runtime)
         source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote)
-        return cls(runtime, source, load_delay_s, preamble)
+        return cls(runtime, source, preamble)
 
     def flush_write_back(self) -> int:
         """Between questions: store the chunks computed on the fly and fill the memory tiers (ChunkSource)."""
@@ -176,7 +133,8 @@ class Prefiller:
         """Prefill preamble + chunks + suffix(question) by `mode` (with `framing`: its head + chunks + its tail);
         retries once per corrupt chunk. observe (a rule: keyformer, h2o, window): score the rows by the question's
         attention (Prefilled.attention), for a decode-time budget."""
-        mode = Mode.parse(mode).value
+        if mode not in MODES:
+            raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
         config = config or BlendConfig()
         suffix = self.runtime.prompts.build([], question).suffix if framing is None else framing.tail
         for _ in range(len(chunks) + 1):
@@ -213,7 +171,7 @@ class Prefiller:
         start = time.perf_counter()
         if mode == "full":
             job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap, framing)
-            return job.advance(job.remaining)
+            return job.advance(job.job.ids.shape[0])  # the whole prompt in one piece
         if not chunks:  # nothing to load or blend (plain chat, or a follow-up over passages already in its context)
             mode = "reuse"
         # the memory tiers' knowledge tree is rooted at the preamble: a conversation's head reads the store alone
@@ -228,7 +186,6 @@ class Prefiller:
     def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
                             start: float, tap: AttentionScore | None = None,
                             framing: Framing | None = None) -> Prefilled:
-        rt = self.runtime
         matched = lease.matched if lease is not None else 0
         source = self.source
         exact = source.exact_prefix(lease) if framing is None else framing.head
@@ -261,7 +218,7 @@ class Prefiller:
         loader = self._loader(refs, layers, layout.positions[:loaded_rows], rotate=lease is None) \
             if loaded_rows else None
         try:
-            rest_ids, chunk_kv, prior = rt.ids_tensor(layout.ids + suffix), loader, None
+            rest_ids, chunk_kv, prior = self.runtime.ids_tensor(layout.ids + suffix), loader, None
             if previewed:
                 prior, chunk_kv = preview(self.model, exact, rest_ids, n_chunk, loader, layout.positions,
                                           blend_cfg.preview_layers)
@@ -274,12 +231,11 @@ class Prefiller:
                 loader.close()
         elapsed = time.perf_counter() - start
         spans = fused.spans + (loader.spans if loader else [])
-        load_s = loader.busy_s if loader else 0.0
-        timings = {"prefill": elapsed, "compute": fused.compute_s, "load": load_s, "load_wait": fused.wait_s,
-                   "compute_missing": missing_s}
+        timings = {"prefill": elapsed, "compute": fused.compute_s, "load": loader.busy_s if loader else 0.0,
+                   "load_wait": fused.wait_s, "compute_missing": missing_s}
         tiers = piece_tiers if piece_tiers is not None else \
-            ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else ref_tier(ref)
-                                  for i, ref in enumerate(refs)]
+            ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else
+                                  STORE if ref.in_memory is None else "computed" for i, ref in enumerate(refs)]
         if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
             not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
             source.keep_for_later(lease, rest, fused.rest_kv, not_in_memory, elapsed)
@@ -294,8 +250,7 @@ class Prefiller:
         scaled or partial one, yarn or Phi-3's, the blend applies itself)."""
         rotated = positions if rotate and self.model.cfg.plain_rotary else None
         return open_loader(self.source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
-                           delay_s=self.load_delay_s, positions=rotated, inv_freq=self.model.inv_freq,
-                           fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
+                           positions=rotated, inv_freq=self.model.inv_freq, fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
 
     def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
@@ -319,11 +274,6 @@ def preamble_kv(runtime: Runtime) -> LayerKV:
     """The preamble's KV, computed once per prefiller: an exact prefix of every prompt."""
     with torch.inference_mode():
         return extend(runtime.model, None, runtime.ids_tensor(runtime.prompts.preamble_ids))[1]
-
-
-def ref_tier(ref: ChunkRef) -> str:
-    """Where a chunk's KV came from when no memory tier had it: the store, or computed now."""
-    return STORE if ref.in_memory is None else "computed"
 
 
 @dataclass

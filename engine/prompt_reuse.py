@@ -16,21 +16,18 @@ shares with earlier prompts (a system prompt, a conversation's head).
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag.model.prompt import encode
+from kvrag.model.chat import ChatPrompts
 from kvrag.store.chunks import CLIENT_DOC, ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.passage_index import PassageIndex, Span
 
 PROMPT_TIER = "prompt"  # a piece of the prompt's own text: computed, never loaded
-# a paragraph this long (between line breaks or tags) is a passage, not a question: LangChain's, LlamaIndex's and
-# Open WebUI's templates put each passage on lines or in tags of its own
-PASSAGE_TOKENS = 48
-_BREAKS = re.compile(r"\n|</?[A-Za-z_][^<>\n]{0,80}>")
+PASSAGE_TOKENS = 48  # a run of a prompt's ids this long between breaks is a passage (Paragraphs)
+_BREAK = frozenset("\n<>")  # a token holding one of these ends a run: a line break, a tag's bracket
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class PromptSpans:
                 self._indexed += 1  # the record this adds to the table: no need to read the table again for it
 
     def remove(self, chunk_id: str) -> None:
-        """Forget a kept passage before its record goes (engine/admission.py evicts it): no plan finds it again."""
+        """Forget a kept passage before its record goes (engine/kept_passages.py evicts it): no plan finds it again."""
         with self._lock:
             if chunk_id in self.kept:
                 salt, _ = self.kept.pop(chunk_id)
@@ -148,26 +145,65 @@ def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Spl
     return Split(ids[:spans[0].start], tuple(chunks), tuple(pieces), ids[at:])
 
 
-def carries_passages(planner, question: str, history: Sequence[tuple[str, str]], salt: str = "") -> bool:
-    """Whether a request's messages (not the model's earlier answers) hold passages of their own: a paragraph of
-    PASSAGE_TOKENS or more, or a stored chunk's text. `planner`: the engine's (engine/plans.py: its runtime's
-    tokenizer, its spans)."""
-    tokenizer, spans = planner.runtime.tokenizer, planner.spans
-    texts = client_texts(question, history)
-    return passage_like(tokenizer, texts) or bool(stored_spans(tokenizer, spans, texts, salt))
+@dataclass(frozen=True)
+class PromptFound:
+    """A plain prompt rendered once (request_chunks.py, or the engine for a request that came without it): its ids
+    and the stored spans found in them for its salt. The engine plans from these, tokenizing and probing nothing
+    again."""
+
+    ids: tuple[int, ...]
+    spans: tuple[Span, ...]
 
 
-def client_texts(question: str, history: Sequence[tuple[str, str]]) -> list[str]:
-    """What the client wrote: the question and every earlier message but the model's answers."""
-    return [question, *(text for who, text in history if who != "assistant")]
+class Paragraphs:
+    """The one rule for "a passage" in a prompt's ids: a run between break tokens (a token whose text holds a line
+    break or a tag's bracket) PASSAGE_TOKENS long or more. LangChain's, LlamaIndex's and Open WebUI's templates put
+    each passage on lines or in tags of its own, so a run that long is a passage, not a question or a template's
+    glue. Used to decide whether a client's prompt carries passages, and to find the ones worth keeping."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # fast (its Rust tokenizer reads the vocabulary at once)
+        self._breaks: frozenset[int] | None = None
+        self._lock = threading.Lock()
+
+    def runs(self, ids: Sequence[int], skip: int = 0) -> list[tuple[int, int]]:
+        """(start, end) of each passage of `ids`: a run between breaks with PASSAGE_TOKENS of it at or past `skip`
+        (what a prompt computed, past the rows the prefix cache served)."""
+        breaks, out, start = self.breaks(), [], 0
+        for i, token in enumerate([*ids, None]):
+            if token is None or token in breaks:
+                if i - max(start, skip) >= PASSAGE_TOKENS:
+                    out.append((start, i))
+                start = i + 1
+        return out
+
+    def breaks(self) -> frozenset[int]:
+        with self._lock:
+            if self._breaks is None:
+                rust = self.tokenizer.backend_tokenizer  # one batched call: per-id decodes take a second
+                vocab = range(rust.get_vocab_size(with_added_tokens=True))
+                texts = rust.decode_batch([[i] for i in vocab], skip_special_tokens=False)
+                self._breaks = frozenset(i for i, t in zip(vocab, texts, strict=True) if _BREAK.intersection(t))
+            return self._breaks
 
 
-def passage_like(tokenizer, texts: Sequence[str]) -> bool:
-    """Whether any paragraph of `texts` (between line breaks or tags) is PASSAGE_TOKENS long or more."""
-    return any(len(encode(tokenizer, part)) >= PASSAGE_TOKENS
-               for text in texts for part in _BREAKS.split(text) if part.strip())
+def find_in_prompt(chat: ChatPrompts, spans: PromptSpans | None, history: Sequence[tuple[str, str]], question: str,
+                   role: str = "user", salt: str = "", probe: bool = True) -> PromptFound:
+    """Render a plain prompt (the template over the history and the question) and find its stored spans (where
+    `probe`)."""
+    ids = chat.plain_ids(history, question, role)
+    return PromptFound(tuple(ids), tuple(spans.find(ids, salt)) if probe and spans is not None else ())
 
 
-def stored_spans(tokenizer, spans: PromptSpans | None, texts: Sequence[str], salt: str = "") -> list[Span]:
-    """The stored passages found in `texts` (joined by line breaks), as the engine finds them in a prompt."""
-    return [] if spans is None else spans.find(encode(tokenizer, "\n".join(texts)), salt)
+def carries_passages(paragraphs: Paragraphs, found: PromptFound, question: str,
+                     history: Sequence[tuple[str, str]]) -> bool:
+    """Whether the client's own messages (not the model's earlier answers) hold passages: a stored span or a
+    passage-like run of the prompt whose text one of them holds."""
+    texts = [question, *(text for who, text in history if who != "assistant")]
+
+    def written(start: int, end: int) -> bool:  # a run cut inside a character decodes to U+FFFD at its ends
+        text = paragraphs.tokenizer.decode(list(found.ids[start:end])).strip(" \n\ufffd")
+        return bool(text) and any(text in t for t in texts)
+
+    return (any(written(s.start, s.end) for s in found.spans)
+            or any(written(a, b) for a, b in paragraphs.runs(found.ids)))

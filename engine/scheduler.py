@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrag.config import DEFAULT_REORDER_WINDOW
-from kvrag.engine.kv_pool import OutOfBlocks, SequenceKV
+from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.sequence import Sequence, Status
 from kvrag.errors import KvragError
+from kvrag.kvcache.allocator import OutOfBlocks
 from kvrag.store.tiers.reorder import next_index
 
 

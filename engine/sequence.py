@@ -19,8 +19,9 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.config import KV_RULE
 from kvrag.engine.answer import Answer
+from kvrag.engine.prompt_reuse import PromptFound
 from kvrag.kvcache.allocator import BlockTable
-from kvrag.model.generate import SamplingConfig
+from kvrag.model.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Request:
 
     question: str
     chunks: tuple[tuple[str, tuple[int, ...]], ...]
-    mode: str = "blend"  # blend, full, prefix or reuse (engine.prefiller.Mode)
+    mode: str = "blend"  # blend, full, prefix or reuse (engine.prefiller.MODES)
     blend: BlendConfig = field(default_factory=BlendConfig)
     ratio: RatioPolicy = field(default_factory=RatioPolicy)  # blend: auto (chosen per prompt from blend) or fixed
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -38,7 +39,7 @@ class Request:
     # a decode-time KV budget (Keyformer): past this many rows (and a block more), the lowest-scoring are dropped
     # down to it and their blocks freed (0: none)
     kv_tokens: int = 0
-    kv_rule: str = KV_RULE  # how the budget scores rows (blend/kv_budget.py): keyformer, h2o or window
+    kv_rule: str = KV_RULE  # how the budget scores rows (engine/kv_budget.py): keyformer, h2o or window
     # each generated token's log-probability under the model, with this many of the most likely alternatives
     # (OpenAI's logprobs / top_logprobs); None: none are kept
     logprobs: int | None = None
@@ -58,6 +59,9 @@ class Request:
     # whose cache this request's prompt reads and adds to (a tenant: vLLM's cache_salt, or its API key): the prefix
     # cache's blocks, kept turns and the passages its prompts leave in the store; "" is the shared default
     salt: str = ""
+    # a plain prompt's ids and stored spans as request_chunks.py found them: planned from, not found again (None:
+    # the engine renders and probes it)
+    prompt: PromptFound | None = None
 
 
 class Status(enum.Enum):
@@ -105,7 +109,7 @@ class Sequence:
         self.prefill_started: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        self.generator = _generator(request.sampling)
+        self.generator = request.sampling.generator()  # its own: a sample is the same whatever runs beside it
         self.constraint = request.grammar.start() if request.grammar is not None else None  # the grammar's state
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then DONE: for streaming readers
         self.done = threading.Event()  # set once finished, for readers that wait for the whole answer
@@ -174,9 +178,3 @@ class Sequence:
     def __repr__(self) -> str:
         return f"Sequence({self.id}, {self.status.value}, length={self.length}, out={len(self.output)})"
 
-
-def _generator(sampling: SamplingConfig) -> torch.Generator | None:
-    """A per-sequence generator, so a sampled answer does not depend on what else runs beside it."""
-    if sampling.temperature == 0 or sampling.seed is None:
-        return None
-    return torch.Generator(device="cpu").manual_seed(sampling.seed)

@@ -1,5 +1,5 @@
 """The engine's writes, on a thread beside it: chunks computed on the fly, and clients' passages kept at their second
-sighting (engine/admission.py), computed and stored here so that no decode step or prefill waits for them.
+sighting (engine/kept_passages.py), computed and stored here so that no decode step or prefill waits for them.
 
 Jobs run one at a time, in the order given. Each chunk is one LMDB transaction (store/kv.py's put_chunk), a kept
 passage's record after its KV: a kill loses what was queued, never what was stored, and leaves no record naming
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from kvrag.engine.admission import PassageKeeper
 from kvrag.engine.chunk_source import ChunkSource
+from kvrag.engine.kept_passages import PassageKeeper
 from kvrag.store.chunks import ChunkTable
 
 MAX_QUEUED = 32  # jobs waiting at once: a kept passage's KV is held in memory until it is stored
@@ -27,13 +27,12 @@ MAX_QUEUED = 32  # jobs waiting at once: a kept passage's KV is held in memory u
 class WriteBack:
     """One engine's write-back worker; the thread starts with the first job and stops at `close`."""
 
-    def __init__(self, source: ChunkSource, keeper: PassageKeeper | None, max_queued: int = MAX_QUEUED):
+    def __init__(self, source: ChunkSource, keeper: PassageKeeper | None):
         self.source, self.keeper = source, keeper
-        self._jobs: queue.Queue = queue.Queue(max_queued)
+        self._jobs: queue.Queue = queue.Queue(MAX_QUEUED)
         self._thread: threading.Thread | None = None
         self._computed_queued = threading.Event()  # a "store what was computed" job is waiting: one is enough
         self._lock = threading.Lock()
-        self.failures = 0  # jobs that raised (logged; the engine goes on)
         self.given = self.done = 0  # jobs queued, and finished (in that order: done >= n means the first n are)
 
     def store_computed(self) -> None:
@@ -91,7 +90,6 @@ class WriteBack:
                 else:
                     self._keep(*job[1:])
             except Exception:  # noqa: BLE001 - a failed write must not stop the next ones; what was stored stays
-                self.failures += 1
                 logging.getLogger("kvrag.engine").exception("a write-back job failed; the engine goes on")
             finally:
                 self.done += job is not None

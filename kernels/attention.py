@@ -155,9 +155,8 @@ def _attend_triton(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def row_kernel_serves(head_dim: int, attn_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prefill attention runs in kvrag's AVX-512 row kernel: float32 attention on a CPU that has it (on
-    this project's 2-core AVX512 machine, causal attention over 6.3k tokens 265 vs 345 ms a layer in SDPA's flash
-    kernel; a blend's ≈980 scattered rows 51-61 vs 70-88 ms; with a bf16 model's Q.K in bf16 pairs, 200 and 35 ms)."""
+    """Whether prefill attention runs in kvrag's AVX-512 row kernel: float32 attention on a CPU that has it (faster
+    than SDPA's flash kernel, causal or scattered: docs/performance.md)."""
     return device.type == "cpu" and attn_dtype == torch.float32 and row_attention.supports(head_dim)
 
 
@@ -165,11 +164,8 @@ FEW_ROWS = 8  # decoding: this many query rows over every key go through two flo
 
 
 def attend_few_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
-    """Attention of a few query rows q [R, Hq, hd] over all keys k/v [S, Hkv, hd] -> [R, Hq * hd].
-
-    A decode step's shape: SDPA's CPU kernel took 4 ms a layer for one row over 6.3k bf16 keys, these two
-    float32 matmuls 1.4 ms (scores and softmax in float32, as SDPA accumulates).
-    """
+    """Attention of a few query rows q [R, Hq, hd] over all keys k/v [S, Hkv, hd] -> [R, Hq * hd]: a decode step's
+    shape, where two float32 matmuls beat SDPA's CPU kernel (scores and softmax in float32, as SDPA accumulates)."""
     r, hq, hd = q.shape
     qg = q.float().view(r, -1, group, hd).permute(1, 0, 2, 3).reshape(-1, r * group, hd)  # [Hkv, R*g, hd]
     scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * hd ** -0.5  # [Hkv, R*g, S]
@@ -177,17 +173,14 @@ def attend_few_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: in
     return out.view(-1, r, group, hd).permute(1, 0, 2, 3).reshape(r, hq * hd).to(q.dtype)
 
 
-BLOCK_ROWS = 192  # scattered query rows per block: at R≈940 over 6.3k keys, 78 ms vs 356 ms as one block (bf16)
+BLOCK_ROWS = 192  # scattered query rows per block (≈4.5x faster than one block at a blend's ≈1k rows over 6k keys)
 
 
 def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1.
-
-    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting.
-    A mask does not skip work, so one [R, S] mask pays for every key after each row's position: half the scores, on average, for rows spread
-    over the prompt (CacheBlend's selected tokens). Cut into blocks of consecutive rows, each block
-    only reads the keys up to its last row's position — close to causal attention's cost.
-    """
+    """Masked attention of scattered query rows (sorted positions) qh [1, Hq, R, hd] over keys at positions 0..S-1,
+    kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]; `sdpa` is SDPA with the model's GQA setting. A mask skips no work, so
+    one [R, S] mask pays for half the scores on average for rows spread over the prompt; in blocks of consecutive
+    rows, each block reads the keys up to its last row only, close to causal attention's cost."""
     n_rows = qh.shape[2]
     n_blocks = max(1, n_rows // BLOCK_ROWS)
     bounds = [n_rows * i // n_blocks for i in range(n_blocks + 1)]
@@ -200,10 +193,10 @@ def _attend_row_blocks(sdpa, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tenso
     return torch.cat(outs, dim=2)
 
 
-SEGMENT_KEYS = 1024  # keys per segment: at R≈980 over 6.3k keys (bf16, 2 cores) 18.7 ms vs 24 ms in row blocks
+SEGMENT_KEYS = 1024  # keys per segment (faster than row blocks at a blend's ≈1k rows over 6k keys)
 # The rows inside a segment go in this many groups, each reading the segment's keys only up to its own last row:
 # a masked call pays for every key up to its end, so one group wastes half a segment a row on average, two a
-# third. 2: 72.0 vs 74.8 ms a blended layer (bf16), 65.9 vs 68.1 ms (float32); 3 gains nothing more.
+# third (a few % faster a blended layer; 3 gains nothing more).
 MASKED_GROUPS = 2
 # The CPU flash kernel behind SDPA, called directly because it also returns each row's log-sum-exp (public
 # SDPA does not); with it, partial attentions over key segments merge exactly. Absent: row blocks instead.
@@ -212,13 +205,10 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
                                  group: int, plans: AttendPlans, q_last: int) -> torch.Tensor:
-    """`_attend_key_segments` with each KV head's query heads stacked as rows of one head.
-
-    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Query head h reads KV head h // group, so the
-    group's rows go in as [1, Hkv, R * group, hd], row r of head j at r * group + j (positions stay sorted):
-    the kernel then reads each K/V block once for `group` times as many rows, and takes no GQA path
-    (74 vs 79 ms a blended layer at R≈980 over 6.3k keys, bf16, 2 cores).
-    """
+    """`_attend_key_segments` with each KV head's query heads stacked as rows of one head: qh [1, Hq, R, hd],
+    kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Query head h reads KV head h // group, so the group's rows go in as
+    [1, Hkv, R * group, hd], row r of head j at r * group + j (positions stay sorted): the kernel reads each K/V
+    block once for `group` times as many rows, and takes no (slower) GQA path."""
     if group == 1:
         return _attend_key_segments(qh, kh, vh, q_pos, plans, q_last)
     _, n_heads, n_rows, hd = qh.shape
@@ -230,13 +220,10 @@ def _attend_key_segments_grouped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.T
 
 def _attend_key_segments(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
                          plans: AttendPlans, q_last: int) -> torch.Tensor:
-    """Masked attention of scattered query rows (sorted positions) over keys at positions 0..S-1, by key segment.
-
-    qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each segment of SEGMENT_KEYS keys is attended
-    by exactly the rows at or after its start: rows past its end in one unmasked call, rows inside it with a
-    small mask. So every row reads only the keys it sees, as causal attention does (row blocks read up to
-    their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments.
-    """
+    """`_attend_row_blocks` by key segment: qh [1, Hq, R, hd], kh/vh [1, Hkv, S, hd] -> [1, Hq, R, hd]. Each
+    segment of SEGMENT_KEYS keys is attended by exactly the rows at or after its start: rows past its end in one
+    unmasked call, rows inside it with a small mask, so every row reads only the keys it sees (row blocks read up
+    to their last row). The parts merge by their log-sum-exp in float32: softmax over the union of segments."""
     plan = plans.segments(q_pos, min(kh.shape[2], q_last + 1), qh.dtype)
     acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)  # [1, Hq, R, hd]: merged output so far
     lse = torch.full(qh.shape[:3], float("-inf"), device=qh.device)  # [1, Hq, R]: its log-sum-exp

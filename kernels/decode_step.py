@@ -1,7 +1,6 @@
 """A decode step in decode.cpp: the whole step of a batch of new rows, one a sequence, through every layer and
-the LM head in one call over a paged KV pool (`BatchStep`), its one-row case over a contiguous decode cache
-(`WholeStep`), and its memory-bound pieces alone (bf16 matrix x one vector, one row's attention over the bf16
-decode cache). Where kvrag's native library is missing (kernels/native.py), `available()` is False and the
+the LM head in one call over a paged KV pool (`BatchStep`), and its one-row case over a contiguous decode cache
+(`WholeStep`). Where kvrag's native library is missing (kernels/native.py), `available()` is False and the
 decoder keeps torch's ops."""
 
 from __future__ import annotations
@@ -62,62 +61,24 @@ class StepWeights:
 
 
 def available() -> bool:
-    return _gemv() is not None and _attention() is not None and _step() is not None and _batch() is not None
+    return _step() is not None and _batch() is not None
 
 
 def step_serves(w: StepWeights) -> bool:
-    """Whether `WholeStep` runs these weights: a bf16 model on a CPU with the kernels, every width a multiple of 16,
-    every dense weight contiguous bf16 (the kernel reads them by address), and its matrices all bf16 or all packed
+    """Whether `WholeStep` runs these weights: a bf16 model on a CPU with the kernels, every width a multiple of 16
+    (head_dim at most 256, at most 8 query heads a KV head), every dense weight contiguous bf16 (the kernel reads them by address), and its matrices all bf16 or all packed
     alike (the packed ones where quant.cpp runs)."""
     dense = [t for layer in w.layers for t in layer if isinstance(t, torch.Tensor)] + [w.final_norm]
-    return (serves(w.dtype, w.device, w.hidden, w.head_dim, w.group_size) and w.intermediate % 16 == 0
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.hidden % 16 == 0 and w.head_dim % 16 == 0
+            and w.head_dim <= 256 and w.group_size <= 8 and w.intermediate % 16 == 0 and available()
             and all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in dense)
             and (w.packed is False or (w.packed is True and quant.available())))
-
-
-def serves(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int, group: int) -> bool:
-    """Whether a model of this dtype and shape decodes through these kernels (bf16 on a CPU that has them)."""
-    return (dtype == torch.bfloat16 and device.type == "cpu" and hidden % 16 == 0 and head_dim % 16 == 0
-            and head_dim <= 256 and group <= 8 and available())
 
 
 def dot_bf16_default() -> bool:
     """Whether a step multiplies with VDPBF16PS (pairs of bf16 products summed into float32): where the CPU has
     AVX512-BF16. Another order of sums than the float32 path's, so other bits; each path is batch-invariant."""
     return "avx512_bf16" in cpu_flags()
-
-
-def gemv(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, n_threads: int = 1) -> torch.Tensor:
-    """out [N] = w [N, K] @ x [K] (contiguous bf16; K % 16 == 0), float32 sums rounded to bf16. out is bf16, or
-    float32 holding the bf16-rounded values (what `F.linear(...).float()` gives)."""
-    rc = _gemv()(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1],
-                 int(out.dtype == torch.float32), n_threads)
-    if rc:
-        raise RuntimeError(f"decode gemv refused the shapes (code {rc})")
-    return out
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, n_keys: int,
-              scale: float) -> torch.Tensor:
-    """One query row q [Hq, D] over the first n_keys rows of k, v [S, Hkv, D] (contiguous bf16) -> out [Hq, D]
-    bf16: scores, softmax and the weighted sum in float32."""
-    n_q, d = q.shape
-    rc = _attention()(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n_keys, n_q, k.shape[1], d, scale)
-    if rc:
-        raise RuntimeError(f"decode attention refused the shapes (code {rc})")
-    return out
-
-
-@lru_cache(maxsize=1)
-def _gemv():
-    return native.function("kvrag_decode_gemv", ctypes.c_int,
-                           [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2)
-
-
-@lru_cache(maxsize=1)
-def _attention():
-    return native.function("kvrag_decode_attention", ctypes.c_int,
-                           [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_float])
 
 
 class StepModel(ctypes.Structure):
@@ -182,13 +143,10 @@ class WholeStep:
         position `rotary` (None: pos; past it where earlier rows were dropped). n_threads None: the faster of
         one thread and torch's count, as measured (the numbers are the same on any count)."""
         rotary = pos if rotary is None else rotary
-        threads = self.threads.pick() if n_threads is None else n_threads
-        start = time.perf_counter()
-        if _step()(ctypes.byref(self.shape), pos, rotary, h.data_ptr(), logits.data_ptr(), threads):
+        if self.threads.run(n_threads, lambda threads: _step()(ctypes.byref(self.shape), pos, rotary, h.data_ptr(),
+                                                                logits.data_ptr(), threads)):
             raise RuntimeError(f"decode step refused row {pos} at rotary position {rotary} (capacity "
                                f"{self.capacity}, rotary tables {self.shape.max_pos})")
-        if n_threads is None:
-            self.threads.record(threads, time.perf_counter() - start)
 
 
 class BatchStep:
@@ -229,16 +187,13 @@ class BatchStep:
                              f"[B, {vocab}] float32, contiguous; got {tuple(positions.shape)}, "
                              f"{tuple(rotary.shape)}, {tuple(tables.shape)}, {tuple(h.shape)}, {tuple(logits.shape)}")
         picker = self.pickers.setdefault(n.bit_length(), ThreadPicker(torch.get_num_threads()))
-        threads = picker.pick() if n_threads is None else n_threads
-        start = time.perf_counter()
-        rc = _batch()(ctypes.byref(self.shape), n, positions.data_ptr(), rotary.data_ptr(), tables.data_ptr(),
-                      tables.shape[1], h.data_ptr(), logits.data_ptr(), threads)
+        rc = picker.run(n_threads, lambda threads: _batch()(ctypes.byref(self.shape), n, positions.data_ptr(),
+                                                            rotary.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                                            h.data_ptr(), logits.data_ptr(), threads))
         if rc:
             raise RuntimeError(f"batch step refused slots {positions.tolist()} at rotary positions "
                                f"{rotary.tolist()} over tables of {tables.shape[1]} blocks (code {rc}: "
                                f"{_REFUSALS.get(rc, '?')})")
-        if n_threads is None:
-            picker.record(threads, time.perf_counter() - start)
 
 
 _REFUSALS = {1: "an empty batch or table", 2: "a slot past its table or a rotary position past the rotary tables",
@@ -264,6 +219,15 @@ class ThreadPicker:
         if self.calls % PROBE_EVERY == 0:
             return next((n for n in self.seconds if n != best), best)
         return best
+
+    def run(self, n_threads: int | None, step) -> int:
+        """step(threads) on n_threads, or on the picked count (None), timed; step's return code."""
+        threads = self.pick() if n_threads is None else n_threads
+        start = time.perf_counter()
+        rc = step(threads)
+        if n_threads is None:
+            self.record(threads, time.perf_counter() - start)
+        return rc
 
     def record(self, n: int, seconds: float) -> None:
         before = self.seconds[n]

@@ -108,11 +108,8 @@ def unpack(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if p.bits == 4:
         u = torch.stack([u & 0x0F, u >> 4], dim=2).reshape(tiles, k // 4, TILE, 4)
     q = (u.permute(0, 2, 1, 3).reshape(n, k).to(torch.int16) - STORED[p.bits]).to(torch.int8)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(n, -1)
-
-    return q, flat(p.scales), None if p.mins is None else flat(p.mins)
+    scales, mins = (None if t is None else t.transpose(1, 2).reshape(n, -1) for t in (p.scales, p.mins))  # [N, G]
+    return q, scales, mins
 
 
 def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:

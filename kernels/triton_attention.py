@@ -1,5 +1,4 @@
-"""Triton attention over the paged KV pool (issue 28, kernels 2 and 3), each with its torch twin: the spec, and the
-path where no GPU runs Triton.
+"""Triton attention over the paged KV pool (issue 28, kernels 2 and 3), each with its torch twin: the spec.
 
 Layouts (engine/kv_pool.py, kvcache/allocator.py):
     k_pool, v_pool  [num_blocks, block_size, Hkv, hd]  keys already rotated; float16, bfloat16 or float32;
@@ -23,10 +22,8 @@ runs on tensor cores (16-bit products are exact in float32) and p.v takes p as a
 float32 pool gets float32 dots at IEEE precision (not TF32). A query that sees no key (visible 0, seq_len 0) gets
 zeros, where softmax over nothing is undefined.
 
-Tolerance (tests/test_triton_attention.py; the interpreter on the CPU, compiled on the H200): the online softmax
-sums in another order than the twin's one softmax, and p's two parts hold it to 2^-18 relative (bfloat16) or 2^-22
-(float16), so kernel and twin are not bit-equal: the tests hold them to 2e-5 absolute (4e-5 for bfloat16 pools,
-whose bound times max|v| is 1.7e-5 on their unit-scale random data).
+The online softmax sums in another order than the twin's one softmax: kernel and twin agree within docs/gpu.md's
+tolerances, not bit for bit (tests/test_triton_attention.py).
 """
 
 from __future__ import annotations
@@ -34,7 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from kvrag.kernels.triton_mode import interpreting
 
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROWS_PER_TILE = 16  # query rows a rows_attention program takes (times the group's heads, padded to a power of 2)
@@ -245,7 +243,7 @@ def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
                        k_pool.shape[1], hd ** -0.5, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
                        k_pool.stride(2), out.stride(0), out.stride(1), hk.stride(0), hk.stride(-2),
                        BLOCK_M=ROWS_PER_TILE, GROUP_P=triton.next_power_of_2(group), BLOCK_N=KEYS_PER_TILE,
-                       BLOCK_D=triton.next_power_of_2(hd), HALF=_half(q, k_pool), WIDEN=_interpreted())
+                       BLOCK_D=triton.next_power_of_2(hd), HALF=_half(q, k_pool), WIDEN=interpreting())
     return out
 
 
@@ -277,7 +275,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         q, k_pool, v_pool, block_tables, seq_lens, out, parts, ml, n_q, group, hd, k_pool.shape[1], hd ** -0.5,
         per_split, n_splits, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=KEYS_PER_TILE, BLOCK_D=block_d, SPLIT=n_splits > 1, HALF=_half(q, k_pool), WIDEN=_interpreted())
+        BLOCK_N=KEYS_PER_TILE, BLOCK_D=block_d, SPLIT=n_splits > 1, HALF=_half(q, k_pool), WIDEN=interpreting())
     if n_splits > 1:
         _combine_kernel[(batch * n_q,)](parts, ml, out, hd, n_splits, BLOCK_S=triton.next_power_of_2(n_splits),
                                         BLOCK_D=block_d)
@@ -287,10 +285,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 def _half(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether the kernels take their tensor-core path: q and the pool one 16-bit dtype."""
     return q.dtype == k_pool.dtype and k_pool.dtype != torch.float32
-
-
-def _interpreted() -> bool:
-    return isinstance(_rows_kernel, InterpretedFunction)
 
 
 def _keys_per_split(capacity: int, programs: int, device: torch.device, splits: int | None) -> int:
@@ -329,7 +323,7 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
                          f"{k_pool.stride()}")
     if k_pool.device != q.device or v_pool.device != q.device:
         raise ValueError(f"q, k_pool and v_pool must share a device, got {q.device}, {k_pool.device}, {v_pool.device}")
-    if q.device.type != "cuda" and not _interpreted():
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {q.device}: "
                          f"use the twin")
     return n_kv, hd

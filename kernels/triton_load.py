@@ -11,18 +11,12 @@ Keyformer-reduced chunk has consecutive rows but positions with gaps.
     pool_k, pool_v: [num_blocks, block_size, Hkv, hd]  one layer of the engine's pool (pool.kv[layer, 0 | 1])
     row r lives in slot block_table[r // block_size] * block_size + r % block_size of the flat [slots, Hkv, hd]
 
-`load_chunk_twin` is the spec and the path without a GPU; `load_chunk` checks its inputs and launches the Triton
+`load_chunk_twin` is the spec; `load_chunk` checks its inputs and launches the Triton
 kernel (grid: token tiles x KV heads x layers); `load_layers` loads every layer of a chunk in one launch into the
 engine's whole pool [L, 2, num_blocks, block_size, Hkv, hd]. Block ids are trusted (the allocator hands them out):
-checking their range would cost a device sync per load.
-
-Agreement with the twin (tests/test_triton_load.py, Triton's interpreter on the CPU, positions past 6000): V is
-bit-equal for every stored and pool dtype, and so is K wherever the kernel's cos/sin equal torch's (with numpy's
-cos/sin in the twin the interpreted kernel is bit-equal throughout). Where they differ by a float32 ulp, K differs:
-in a float32 pool 17 % of the keys, by at most 2^-22.5 (|x1| + |x2|) (the tests allow 2^-22 (|x1| + |x2|) plus one
-ulp); in a float16 pool 0.04 % and in a bfloat16 pool 0.01 % of the keys, by one ulp of the pool dtype. On a GPU
-(compiled for sm_90 in the tests, not run: no GPU here) cos and sin are libdevice's cosf and sinf, as in torch's CUDA
-kernels, and the launch turns FP fusion off, so the rotation rounds its two products as the twin does.
+checking their range would cost a device sync per load. The launch turns FP fusion off, so the rotation rounds its
+two products as the twin does; V is bit-equal to the twin's, K wherever Triton's cos/sin equal torch's
+(tests/test_triton_load.py; docs/gpu.md gives the bounds).
 """
 
 from __future__ import annotations
@@ -142,10 +136,7 @@ def load_chunk(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v
                k_per_channel: bool | None = None, scale_chunk: torch.Tensor | None = None) -> None:
     """load_chunk_twin in one Triton launch (same arguments); ValueError on any input it cannot take."""
     _check_ndim(k=(k, 3), v=(v, 3), pool_k=(pool_k, 4), pool_v=(pool_v, 4))
-    if k_scale is not None:
-        k_scale = k_scale[None]
-    if v_scale is not None:
-        v_scale = v_scale[None]
+    k_scale, v_scale = (None if x is None else x[None] for x in (k_scale, v_scale))  # one layer
     _launch(k[None], v[None], k_scale, v_scale, positions, inv_freq, pool_k[None], pool_v[None], block_table,
             first_row, block_size, k_per_channel, scale_chunk)
 

@@ -58,10 +58,6 @@ class BlockLayout:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def blocks_in(self, budget_bytes: int) -> int:
-        """How many whole blocks a byte budget holds (the pool never goes over it)."""
-        return budget_bytes // self.bytes_per_block
-
 
 @dataclass(eq=False)
 class BlockTable:

@@ -16,11 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.kvcache.allocator import BlockAllocator, BlockLayout, BlockTable, OutOfBlocks
+from kvrag.kvcache.allocator import BlockAllocator, BlockLayout, BlockTable
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [T, kv_heads, head_dim]
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class BlockPool:
@@ -29,7 +27,7 @@ class BlockPool:
         self.layout = layout
         self.allocator = BlockAllocator(num_blocks)
         self.device = None if device is None else torch.device(device)
-        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.dtype = getattr(torch, layout.dtype)  # "float16" -> torch.float16 (BlockLayout checked the name)
         self.kv: torch.Tensor | None = None
         if self.device is not None:
             L, B, H, D = layout.n_layers, layout.block_size, layout.kv_heads, layout.head_dim
@@ -39,7 +37,8 @@ class BlockPool:
     @classmethod
     def for_budget(cls, layout: BlockLayout, budget_bytes: int, device: str | torch.device | None = "cpu",
                    pin_memory: bool = False) -> BlockPool:
-        return cls(layout, layout.blocks_in(budget_bytes), device, pin_memory)
+        """As many whole blocks as the byte budget holds (the pool never goes over it)."""
+        return cls(layout, budget_bytes // layout.bytes_per_block, device, pin_memory)
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -67,12 +66,6 @@ class BlockPool:
         """A table of fresh blocks for `n_tokens` tokens (contents undefined until written)."""
         blocks = self.allocator.allocate(self.layout.blocks_for(n_tokens))
         return BlockTable(blocks, n_tokens, self.layout.block_size)
-
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A second table over the same blocks (no copy); writing to either copies the block first."""
-        self._check(table)
-        self.allocator.incref(table.blocks)
-        return BlockTable(list(table.blocks), table.n_tokens, table.block_size)
 
     def share(self, blocks: Sequence[int]) -> None:
         """Take one more reference on blocks that a new table will list."""
@@ -134,15 +127,6 @@ class BlockPool:
             flat[layer, 0].index_copy_(0, slots, self._cast(k))  # [N*B, H, D] <- [R, H, D]
             flat[layer, 1].index_copy_(0, slots, self._cast(v))
 
-    def write_rows(self, table: BlockTable, layer: int, rows: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
-        """Overwrite some token rows [R] of one layer (blending's recomputed tokens) with k, v [R, H, D]."""
-        flat = self._flat()
-        self.make_private(table, table.blocks_of(rows.tolist()))
-        slots = self.slot_index([table])[rows.to(flat.device)]  # [R]
-        flat[layer, 0].index_copy_(0, slots, self._cast(k))
-        flat[layer, 1].index_copy_(0, slots, self._cast(v))
-
     def gather(self, tables: Sequence[BlockTable], device: torch.device | str | None = None) -> torch.Tensor:
         """Every layer's K and V of the tables' tokens, concatenated: a fresh [L, 2, S, H, D] tensor."""
         flat, slots = self._flat(), self.slot_index(tables)
@@ -200,5 +184,3 @@ class BlockPool:
         if table.block_size != self.layout.block_size:
             raise ValueError(f"table of {table.block_size}-token blocks, pool of {self.layout.block_size}")
 
-
-__all__ = ["BlockPool", "Layers", "OutOfBlocks"]

@@ -52,13 +52,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self, ids: Sequence[int], salt: str) -> list[str]:
-        return block_keys(ids, self.block_size, salt)
-
     def cached_rows(self, ids: Sequence[int], salt: str) -> int:
         """How many leading rows of `ids` the cache holds now (whole blocks), exact or not."""
         with self._lock:
-            keys = self.keys(ids, salt)
+            keys = block_keys(ids, self.block_size, salt)
             return next((i for i, key in enumerate(keys) if key not in self._entries), len(keys)) * self.block_size
 
     def match(self, ids: Sequence[int], salt: str, exact: bool) -> tuple[list[int], int]:
@@ -67,7 +64,7 @@ class PrefixCache:
         rows are exact."""
         with self._lock:
             found: list = []
-            for key in self.keys(ids, salt):
+            for key in block_keys(ids, self.block_size, salt):
                 entry = self._entries.get(key)
                 if entry is None or (exact and not entry.exact):
                     break
@@ -85,7 +82,7 @@ class PrefixCache:
         exact."""
         if not self.max_blocks:
             return
-        keys = self.keys(ids, salt)[:len(blocks)]
+        keys = block_keys(ids, self.block_size, salt)[:len(blocks)]
         with self._lock:
             for i in reversed(range(len(keys))):  # the tail first: the head ends the most recent, the last to go
                 exact = (i + 1) * self.block_size <= exact_rows
@@ -109,19 +106,15 @@ class PrefixCache:
 
     def evict(self, n: int) -> int:
         """Give back up to `n` evictable blocks to the free list, least recently used first; how many it freed."""
-        with self._lock:
-            return self._evict(n)
-
-    def _evict(self, n: int) -> int:
         freed = 0
-        for key in list(self._entries):
-            if freed >= n:
-                break
-            entry = self._entries[key]
-            if self.allocator.refcount(entry.block) == 1:
-                del self._entries[key]
-                self._drop(entry)
-                freed += 1
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                if freed >= n:
+                    break
+                if self.allocator.refcount(entry.block) == 1:
+                    del self._entries[key]
+                    self._drop(entry)
+                    freed += 1
         return freed
 
     def _trim(self) -> None:

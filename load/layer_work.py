@@ -1,9 +1,10 @@
-"""What the layer loader (load/loader.py) works on: the prompt's chunk refs, one read layer's decoding items, the
-pause that turns the idle-priority decoder off when it starves, and the checks a stored layer must pass."""
+"""What both layer loaders share (load/loader.py, load/staged_loader.py): the prompt's chunk refs, the reader
+thread that reads layers ahead of the consumer, one read layer's decoding items, the pause that turns the
+idle-priority decoder off when it starves, and the checks a stored layer must pass."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,21 +16,21 @@ import torch
 from kvrag.errors import KvragError
 from kvrag.model import rotary
 from kvrag.model.prefill import LayerKV
-from kvrag.store.codec import DECODED_DTYPES, CorruptValue, stored_positions
-from kvrag.store.kv import RawLayer
+from kvrag.store.table import KVTable
 
 # The idle-priority decoder starves when other processes keep every core busy; then a consumer waiting on a chunk
 # it has begun (or on the GIL it holds) would wait for it too. A wait this long turns it off for a while.
 STARVED_WAIT_S = 0.02
 STARVED_PAUSE_S = 60.0
+LOOKAHEAD = 4  # layers read (or decoded) ahead of the consumer at most
 
 
+@dataclass
 class DecoderPause:
     """Until when loaders decode at hand-over instead of at idle priority: shared by an engine's loaders, so a
     decoder that starved in one load stays off in the next ones for STARVED_PAUSE_S."""
 
-    def __init__(self):
-        self.until = 0.0  # time.monotonic()
+    until: float = 0.0  # time.monotonic()
 
     def start(self) -> None:
         self.until = time.monotonic() + STARVED_PAUSE_S
@@ -59,13 +60,117 @@ class ChunkRef:
         return len(self.token_ids) if self.kept is None else len(self.kept)
 
 
+class LayerReader:
+    """A loader's reader thread: layers `layers` of `chunks` (their rows one after another) read in order by
+    `_read`, at most LOOKAHEAD ahead of the consumer's `_take`, which raises a read's failure (for that layer and
+    every later one). `positions` [C] and `inv_freq` [hd/2] float32 (the model's): the rows' absolute positions, to
+    which keys are handed out rotated (`rotated`), else before rotary; or `rope` instead: their cos, sin
+    [C, 1, hd] in the model's dtype (model.positions_cos_sin)."""
+
+    def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
+                 dtype: torch.dtype, device: torch.device, positions: torch.Tensor | None,
+                 inv_freq: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        self.table, self.chunks, self.layers = table, list(chunks), list(layers)
+        self.dtype, self.device = dtype, device
+        if positions is not None:
+            positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)
+            if rope is None:
+                rope = rotary.cos_sin(inv_freq, positions, dtype)
+        self.rope, self.positions, self.inv_freq = rope, positions, inv_freq
+        # chunk i's rows of every layer are starts[i] .. starts[i + 1] - 1
+        self._starts = list(itertools.accumulate((ref.n_rows for ref in self.chunks), initial=0))
+        self._ready = {layer: threading.Event() for layer in self.layers}
+        self._results: dict[int, object] = {}  # a read layer, or the failure to hand on
+        self._lookahead = threading.Semaphore(LOOKAHEAD)
+        self._stop = False
+        # (kind, layer, start, end): "load", a layer read by the reader thread; the loaders add their own kinds
+        self.spans: list[tuple[str, int, float, float]] = []
+        self.bytes_read = 0
+        self.reader_cpu_s = 0.0  # the reader thread's own CPU time: the host side's Python, GIL held or not
+        self.ahead_cpu_s = 0.0  # LayerLoader's idle-priority decoder's CPU time
+        self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    @property
+    def rotated(self) -> bool:
+        """Whether `layer` hands out keys rotated to their positions (read by the blend)."""
+        return self.rope is not None
+
+    @property
+    def busy_s(self) -> float:
+        """Time spent loading: reads and decoding at hand-over (wall), and the idle-priority decoder's CPU time."""
+        return sum(e - s for kind, _, s, e in self.spans if kind in ("load", "decode")) + self.ahead_cpu_s
+
+    def close(self) -> None:
+        self._stop = True
+        for _ in self.layers:
+            self._lookahead.release()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=30)
+
+    def _read(self, index: int, layer: int):
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        failure: BaseException | None = None
+        for index, layer in enumerate(self.layers):
+            self._lookahead.acquire()
+            if self._stop:
+                return
+            if failure is None:
+                try:
+                    cpu, start = time.thread_time(), time.perf_counter()
+                    self._results[layer] = self._read(index, layer)
+                    self.spans.append(("load", layer, start, time.perf_counter()))
+                    self.reader_cpu_s += time.thread_time() - cpu
+                except BaseException as exc:  # handed to the consumer, which decides
+                    failure = exc
+            if failure is not None:
+                self._results[layer] = failure
+            self._ready[layer].set()
+
+    def _take(self, index: int):
+        self._ready[index].wait()
+        result = self._results.pop(index)
+        self._lookahead.release()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _handed_out(self, k: torch.Tensor, v: torch.Tensor, rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A made layer as `layer` hands it out: keys rotated here (in the model's dtype) unless they are already."""
+        if self.rope is not None and not rotated:
+            k = rotary.rotate(k.to(self.dtype), *self.rope)
+        return k, v
+
+    def _rows(self, i: int) -> slice:
+        return slice(self._starts[i], self._starts[i + 1])
+
+    def _copy_in_memory(self, k: torch.Tensor, v: torch.Tensor, layer: int, rotated: bool) -> None:
+        """The in-memory chunks' K, V [T, Hkv, hd] into their rows of the layer k, v, keys rotated by rope's rows
+        where the layer's are. A torch copy: never in a pool thread (see LayerLoader._work)."""
+        for i, ref in enumerate(self.chunks):
+            if ref.in_memory is None:
+                continue
+            rows, mk = self._rows(i), ref.in_memory.k[layer]
+            check_rows(ref, mk.shape, rows.stop - rows.start, k.shape[1:])
+            if rotated:
+                rotary.rotate(mk.to(k.device, k.dtype), self.rope[0][rows], self.rope[1][rows], out=k[rows])
+            else:
+                k[rows] = mk
+            v[rows] = ref.in_memory.v[layer]
+
+
 class LayerWork:
     """One read layer's decoding: an item per stored chunk, each done by whichever worker claims it first,
     into the layer's buffers k, v [C, Hkv, hd]."""
 
-    def __init__(self, fetched: list, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
+    def __init__(self, stored: list[int], k: torch.Tensor, v: torch.Tensor, put: Callable[[int], None],
                  rotates: bool = False):
-        self.fetched, self.k, self.v, self.put = fetched, k, v, put
+        self.k, self.v, self.put = k, v, put
         self.rotates = rotates  # `put` writes keys rotated (and in-memory chunks are rotated as they are copied in)
         self._items = stored  # chunk indices still to claim
         self._left = len(stored)  # items not finished
@@ -75,14 +180,14 @@ class LayerWork:
         if not stored:
             self.done.set()
 
-    def claim(self) -> int | None:
-        with self._lock:
-            return self._items.pop(0) if self._items else None
-
     def work(self) -> bool:
         """Claim and decode items until none is left; whether this worker decoded any."""
         did = False
-        while (i := self.claim()) is not None:
+        while True:
+            with self._lock:
+                if not self._items:
+                    return did
+                i = self._items.pop(0)
             did = True
             try:
                 self.put(i)
@@ -93,7 +198,6 @@ class LayerWork:
                     self._left -= 1
                     if self._left == 0:
                         self.done.set()
-        return did
 
     @property
     def unclaimed(self) -> int:
@@ -113,72 +217,3 @@ def check_rows(ref: ChunkRef, kv_shape, rows: int, shape) -> None:
     """A stored layer must hold one row per prompt row of its chunk, of the layer's (Hkv, hd)."""
     if kv_shape[0] != rows or tuple(kv_shape[1:]) != tuple(shape):
         raise CorruptChunk(ref.chunk_id, f"holds KV of shape {tuple(kv_shape)}, not one row per token")
-
-
-def checked_body(ref: ChunkRef, raw: RawLayer, rows: int, shape):
-    """A stored layer's header and checked, decompressed payload, once its kept tokens and shape hold."""
-    try:
-        head, body = raw.body()
-    except CorruptValue as exc:
-        raise CorruptChunk(ref.chunk_id, str(exc)) from None
-    check_kept(ref, stored_positions(head, body))
-    check_rows(ref, head.shape, rows, shape)
-    return head, body
-
-
-def decoded(ref: ChunkRef, raw: RawLayer) -> tuple[np.ndarray, np.ndarray]:
-    """A stored layer's (k, v) decoded, as arrays [T, Hkv, hd] (views of the value when stored uncompressed)."""
-    try:
-        kv = raw.decode(copy=False)  # the caller copies them into the layer buffer
-    except CorruptValue as exc:
-        raise CorruptChunk(ref.chunk_id, str(exc)) from None
-    check_kept(ref, kv.positions)
-    return kv.k, kv.v
-
-
-def row_starts(chunks: Sequence[ChunkRef]) -> list[int]:
-    """Chunk i's rows of every layer are starts[i] .. starts[i + 1] - 1: the chunks' rows one after another."""
-    starts = [0]
-    for ref in chunks:
-        starts.append(starts[-1] + ref.n_rows)
-    return starts
-
-
-def rotation(positions: torch.Tensor | None, inv_freq: torch.Tensor | None,
-             rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype, device: torch.device):
-    """A loader's (rope, positions, inv_freq): the rows' positions [C] and inv_freq [hd/2] on the device, and their
-    cos, sin [C, 1, hd] in the model's dtype (as model.positions_cos_sin) unless `rope` gives them."""
-    if positions is not None:
-        positions, inv_freq = positions.to(device).contiguous(), inv_freq.to(device)
-        if rope is None:
-            rope = rotary.cos_sin(inv_freq, positions, dtype)
-    return rope, positions, inv_freq
-
-
-def place_rows(ref: ChunkRef, rows: slice, mk: torch.Tensor, mv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """An in-memory chunk's K, V [T, Hkv, hd] into its rows of the layer k, v; its keys rotated by rope's rows when
-    the layer's are (`rope` given), else copied as they are."""
-    check_rows(ref, mk.shape, rows.stop - rows.start, k.shape[1:])
-    if rope is not None:
-        rotary.rotate(mk.to(k.device, k.dtype), rope[0][rows], rope[1][rows], out=k[rows])
-    else:
-        k[rows] = mk
-    v[rows] = mv
-
-
-def idle_priority_available() -> bool:
-    """Whether a thread can lower itself to idle priority here (Linux SCHED_IDLE)."""
-    return hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-
-
-def layer_shape(fetched: list) -> tuple[int, int]:
-    """(Hkv, hd) of a layer's chunks: the first chunk's, which `check_rows` holds every other chunk to."""
-    return next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:]) for item in fetched)
-
-
-def array_dtype(item) -> np.dtype:
-    """The numpy dtype that holds a chunk's KV exactly: what its codec decodes to, or its in-memory dtype."""
-    if isinstance(item, RawLayer):
-        return DECODED_DTYPES[item.codec]
-    return np.dtype(np.float16 if item[0].dtype == torch.float16 else np.float32)

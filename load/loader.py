@@ -38,88 +38,62 @@ from kvrag.load.layer_work import (
     ChunkRef,
     CorruptChunk,
     DecoderPause,
+    LayerReader,
     LayerWork,
-    array_dtype,
+    check_kept,
     check_rows,
-    checked_body,
-    decoded,
-    idle_priority_available,
-    layer_shape,
-    place_rows,
-    rotation,
-    row_starts,
 )
 from kvrag.load.staged_loader import StagedLoader
 from kvrag.load.staging import StagingArea, spare_cores
-from kvrag.model import rotary
 from kvrag.model.device import triton_available
-from kvrag.store.codec import (
-    FLAG_SHUFFLED,
-    CorruptValue,
-)
-from kvrag.store.kv import KVTable, MissingChunk, RawLayer
-
-DECODE_MODES = ("thread", "hand-over", "idle")  # "thread": the staged loader's
+from kvrag.store.codec import DECODED_DTYPES, FLAG_SHUFFLED, CorruptValue, stored_positions
+from kvrag.store.table import KVTable, MissingChunk, RawLayer
 
 
 def open_loader(table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int], dtype: torch.dtype,
                 device: torch.device, *, area: StagingArea | None = None, decode: str | None = None,
                 fused: bool | None = None, positions: torch.Tensor | None = None,
-                inv_freq: torch.Tensor | None = None, pause: DecoderPause | None = None, delay_s: float = 0.0,
-                native: bool = True, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                inv_freq: torch.Tensor | None = None, pause: DecoderPause | None = None, native: bool = True,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The loader for this load: the staged one on a GPU, for the fused load or for decode="thread" (through
     `area`, the engine's staging slots; a fresh one if None), else a LayerLoader decoding on the CPU."""
     is_fused = wants_fused(fused, device, positions, inv_freq)
     if device.type == "cuda" or is_fused or decode == "thread":
         area = area if area is not None else StagingArea(pinned=device.type == "cuda", threads=spare_cores(device.type))
-        return StagedLoader(table, chunks, layers, dtype, device, area, delay_s=delay_s, positions=positions,
-                            inv_freq=inv_freq, fused=is_fused, rope=rope)
-    return LayerLoader(table, chunks, layers, dtype, device, delay_s=delay_s, decode=decode, positions=positions,
-                       inv_freq=inv_freq, pause=pause, native=native, rope=rope)
+        return StagedLoader(table, chunks, layers, dtype, device, area, positions=positions, inv_freq=inv_freq,
+                            fused=is_fused, rope=rope)
+    return LayerLoader(table, chunks, layers, dtype, device, decode=decode, positions=positions, inv_freq=inv_freq,
+                       pause=pause, native=native, rope=rope)
 
 
-class LayerLoader:
-    """Loads layers `layers` of `chunks` (concatenated in prompt order) ahead of the consumer.
+class LayerLoader(LayerReader):
+    """Loads layers `layers` of `chunks` (concatenated in prompt order) ahead of the consumer, decoding on the CPU.
 
-    At most `lookahead` layers wait read (or decoded) in memory. `delay_s` slows each layer's read (tests).
-    `positions` [C] and `inv_freq` [hd/2] float32 (the model's): the chunk rows' absolute positions, to which keys
-    are then handed out rotated (`rotated`), else before rotary; or `rope` instead: their cos, sin [C, 1, hd] in the
-    model's dtype (model.positions_cos_sin).
     `decode` (see the module doc): "hand-over" (the consumer decodes), "idle" (a decoder thread at idle priority
     decodes ahead, the consumer the rest); None picks "idle" where idle priority exists and `pause` (shared by an
-    engine's loaders) is not on, else "hand-over". `native`: the fp16 -> bf16 pass where it is built.
+    engine's loaders) is not on, else "hand-over". `native`: the fp16 -> bf16 pass where it is built. The rest as
+    LayerReader.
     """
 
     def __init__(self, table: KVTable | None, chunks: Sequence[ChunkRef], layers: Sequence[int],
-                 dtype: torch.dtype, device: torch.device, lookahead: int = 4, delay_s: float = 0.0,
-                 decode: str | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 dtype: torch.dtype, device: torch.device, decode: str | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
                  pause: DecoderPause | None = None, native: bool = True):
         self.pause = pause if pause is not None else DecoderPause()
-        if decode is None:
-            decode = "idle" if idle_priority_available() and not self.pause.active() else "hand-over"
+        if decode is None:  # SCHED_IDLE: Linux only
+            idle = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
+            decode = "idle" if idle and not self.pause.active() else "hand-over"
         if decode not in ("hand-over", "idle") or device.type != "cpu":
             raise ValueError(f"LayerLoader decodes on the CPU, by hand-over or idle, not {decode} on {device.type} "
                              "(open_loader picks the staged loader for the others)")
-        self.native = native
-        self.table, self.chunks, self.layers = table, list(chunks), list(layers)
-        self.dtype, self.device, self.delay_s, self.decode = dtype, device, delay_s, decode
-        self.rope, self.positions, self.inv_freq = rotation(positions, inv_freq, rope, dtype, device)
-        self._starts = row_starts(self.chunks)
-        self._ready = {layer: threading.Event() for layer in self.layers}
-        # a read layer, or the failure to hand on
-        self._results: dict[int, LayerWork | BaseException] = {}
-        self._slots = threading.Semaphore(lookahead)
-        self._stop = False
-        # ("load" | "decode" | "decode-ahead", layer, start, end): reads, decoding by the reader or the consumer,
-        # and the idle-priority decoder's (wall time, mostly waiting for a free core: see busy_s)
-        self.spans: list[tuple[str, int, float, float]] = []
-        self.ahead_cpu_s = 0.0  # the idle-priority decoder's CPU time
-        self.bytes_read = 0
+        super().__init__(table, chunks, layers, dtype, device, positions, inv_freq, rope)
+        self.native, self.decode = native, decode
+        # spans beside "load": "decode", decoding by the consumer, and "decode-ahead", the idle-priority
+        # decoder's (wall time, mostly waiting for a free core: see busy_s)
         self._pool_threads = max(1, torch.get_num_threads())
         self._pool = None if self._pool_threads == 1 else ThreadPoolExecutor(self._pool_threads - 1,
                                                                              thread_name_prefix="kvrag-decode")
-        self._thread = threading.Thread(target=self._run, name="kvrag-loader", daemon=True)
         self._ahead: queue.SimpleQueue[tuple[int, LayerWork] | None] | None = None  # read layers, to decode ahead
         self._decoder = None
         self._decoder_off = False  # set when the decoder starved: the consumer decodes the rest
@@ -128,7 +102,7 @@ class LayerLoader:
             self._decoder = threading.Thread(target=self._decode_ahead, name="kvrag-decoder", daemon=True)
 
     def start(self) -> LayerLoader:
-        self._thread.start()
+        super().start()
         if self._decoder is not None:
             self._decoder.start()
         return self
@@ -136,60 +110,26 @@ class LayerLoader:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of every chunk token for layer `index`, each [C, Hkv, hd]: keys rotated when `rotated`, else
         before rotary; in the stored dtype unless rotated here (the consumer casts as it copies)."""
-        self._ready[index].wait()
-        result = self._results.pop(index)
-        self._slots.release()
-        if isinstance(result, BaseException):
-            raise result
+        work = self._take(index)
         start = time.perf_counter()  # read; decoded in part or not at all
-        if self._finish(result):
+        if self._finish(work, index):
             self.spans.append(("decode", index, start, time.perf_counter()))
-        k, v, rotated = result.k, result.v, result.rotates
-        if self.rope is not None and not rotated:
-            k = rotary.rotate(k.to(self.dtype), *self.rope)
-        return k, v
+        return self._handed_out(work.k, work.v, work.rotates)
 
     def close(self) -> None:
-        self._stop = True
-        for _ in self.layers:
-            self._slots.release()
+        super().close()
         if self._ahead is not None:
             self._ahead.put(None)
-        for thread in (self._thread, self._decoder):
-            if thread is not None and thread.ident is not None:
-                thread.join(timeout=5)
+        if self._decoder is not None and self._decoder.ident is not None:
+            self._decoder.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
-    @property
-    def rotated(self) -> bool:
-        """Whether `layer` hands out keys rotated to their positions (read by the blend)."""
-        return self.rope is not None
-
-    @property
-    def busy_s(self) -> float:
-        """Time spent loading: reads and decoding at hand-over (wall), and the idle-priority decoder's CPU time."""
-        return sum(e - s for kind, _, s, e in self.spans if kind in ("load", "decode")) + self.ahead_cpu_s
-
-    def _run(self) -> None:
-        failure: BaseException | None = None
-        for layer in self.layers:
-            self._slots.acquire()
-            if self._stop:
-                return
-            if failure is None:
-                try:
-                    start = time.perf_counter()
-                    work = self._work(self._fetch(layer))
-                    self.spans.append(("load", layer, start, time.perf_counter()))
-                    self._results[layer] = work
-                    if self._ahead is not None:
-                        self._ahead.put((layer, work))
-                except BaseException as exc:  # handed to the consumer, which decides
-                    failure = exc
-            if failure is not None:
-                self._results[layer] = failure
-            self._ready[layer].set()
+    def _read(self, index: int, layer: int) -> LayerWork:
+        work = self._work(self._fetch(layer))
+        if self._ahead is not None:
+            self._ahead.put((layer, work))
+        return work
 
     def _decode_ahead(self) -> None:
         """The decoder thread: at idle priority, the items of each read layer that nobody has claimed yet."""
@@ -206,7 +146,7 @@ class LayerLoader:
                 self.ahead_cpu_s += time.thread_time() - cpu
                 self.spans.append(("decode-ahead", layer, start, time.perf_counter()))
 
-    def _finish(self, work: LayerWork) -> bool:
+    def _finish(self, work: LayerWork, layer: int) -> bool:
         """Decode the items left (over the pool, where there is one and more than one item is left), wait for
         the ones another worker is decoding, then copy the in-memory chunks in; raises the first failure.
         Whether this call decoded anything."""
@@ -218,31 +158,19 @@ class LayerLoader:
         start = time.perf_counter()
         work.done.wait()
         if self._decoder is not None and time.perf_counter() - start > STARVED_WAIT_S:
-            self._pause_decoder()
+            # the decoder waited long for a core: hand-over for the rest of this load and, for a while, in new
+            # loaders that share `pause` too
+            self._decoder_off = True
+            self.pause.start()
         if work.error is not None:
             raise work.error
-        self._copy_in_memory(work)
+        self._copy_in_memory(work.k, work.v, layer, work.rotates)
         return did
-
-    def _copy_in_memory(self, work: LayerWork) -> None:
-        """The in-memory chunks into their rows of the layer, keys rotated where the layer's are."""
-        for i, item in enumerate(work.fetched):  # a torch copy here, never in a pool thread (see `_work`)
-            if not isinstance(item, RawLayer):
-                place_rows(self.chunks[i], slice(self._starts[i], self._starts[i + 1]), *item, work.k, work.v,
-                           self.rope if work.rotates else None)
-
-    def _pause_decoder(self) -> None:
-        """The decoder waited long for a core: decode at hand-over for the rest of this load and, for a while,
-        in new loaders that share `pause` too."""
-        self._decoder_off = True
-        self.pause.start()
 
     def _fetch(self, layer: int) -> list:
         """Per chunk: its (k, v) tensors when in memory, else its stored value read and checked against the
         chunk's record, not decoded (CorruptChunk when missing or damaged)."""
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return [(ref.in_memory.k[layer], ref.in_memory.v[layer]) if ref.in_memory is not None else self._read(ref, layer)
+        return [(ref.in_memory.k[layer], ref.in_memory.v[layer]) if ref.in_memory is not None else self._read_raw(ref, layer)
                 for ref in self.chunks]
 
     def _work(self, fetched: list) -> LayerWork:
@@ -253,44 +181,45 @@ class LayerLoader:
         on the CPU over fp16 values, written by the native pass. Items use numpy or the native pass, never torch:
         a torch op in a pool thread would start its own OpenMP team on busy cores."""
         stored = [i for i, item in enumerate(fetched) if isinstance(item, RawLayer)]
-        shape = layer_shape(fetched)
+        # (Hkv, hd): the first chunk's, which check_rows holds every other chunk to
+        shape = next(tuple(item.shape[1:]) if isinstance(item, RawLayer) else tuple(item[0].shape[1:])
+                     for item in fetched)
         rows = self._starts[-1]
         if self.dtype == torch.bfloat16 and self.native and fp16_to_bf16.available() and all(
                 fetched[i].codec == "fp16" for i in stored):
             k_out = torch.empty((rows, *shape), dtype=torch.bfloat16)  # [C, Hkv, hd]
             v_out = torch.empty_like(k_out)
-            return LayerWork(fetched, stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape),
-                              rotates=self.rope is not None)
-        dtypes = {array_dtype(item) for item in fetched}
+            return LayerWork(stored, k_out, v_out, lambda i: self._put_bf16(fetched, i, k_out, v_out, shape),
+                             rotates=self.rope is not None)
+        # the numpy dtype that holds each chunk exactly: what its codec decodes to, or its in-memory dtype
+        dtypes = {DECODED_DTYPES[item.codec] if isinstance(item, RawLayer)
+                  else np.dtype(np.float16 if item[0].dtype == torch.float16 else np.float32) for item in fetched}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
         k_np = np.empty((rows, *shape), dtype=dtype)  # [C, Hkv, hd]
         v_np = np.empty_like(k_np)
-        return LayerWork(fetched, stored, torch.from_numpy(k_np), torch.from_numpy(v_np),
-                          lambda i: self._put_numpy(fetched, i, k_np, v_np, shape))
+        return LayerWork(stored, torch.from_numpy(k_np), torch.from_numpy(v_np),
+                         lambda i: self._put_numpy(fetched, i, k_np, v_np, shape))
 
     def _put_numpy(self, fetched: list, i: int, k_out: np.ndarray, v_out: np.ndarray, shape) -> None:
         """Stored chunk i decoded into its rows of k_out, v_out [C, Hkv, hd]."""
         k, v = decoded(self.chunks[i], fetched[i])  # [T, Hkv, hd] each
-        starts = self._starts
-        check_rows(self.chunks[i], k.shape, self._rows(i), shape)
-        k_out[starts[i]:starts[i + 1]] = k
-        v_out[starts[i]:starts[i + 1]] = v
+        rows = self._rows(i)
+        check_rows(self.chunks[i], k.shape, rows.stop - rows.start, shape)
+        k_out[rows] = k
+        v_out[rows] = v
 
     def _put_bf16(self, fetched: list, i: int, k_out: torch.Tensor, v_out: torch.Tensor, shape) -> None:
-        """Stored fp16 chunk i straight to bf16 rows of k_out, v_out [C, Hkv, hd] in one native pass (the numpy
-        decode and a torch cast took ≈5 ms a layer of 6.3k tokens), keys rotated on the way when `rope` is given."""
-        head, body = checked_body(self.chunks[i], fetched[i], self._rows(i), shape)
-        starts = self._starts
-        rows, planes = slice(starts[i], starts[i + 1]), bool(head.flags & FLAG_SHUFFLED)
+        """Stored fp16 chunk i straight to bf16 rows of k_out, v_out [C, Hkv, hd] in one native pass (instead of a
+        numpy decode and a torch cast), keys rotated on the way when `rope` is given."""
+        rows = self._rows(i)
+        head, body = checked_body(self.chunks[i], fetched[i], rows.stop - rows.start, shape)
+        planes = bool(head.flags & FLAG_SHUFFLED)
         if self.rope is None:
             fp16_to_bf16.convert(body, planes, k_out[rows], v_out[rows])
         else:
             fp16_to_bf16.convert_rotated(body, planes, k_out[rows], v_out[rows], self.rope[0][rows], self.rope[1][rows])
 
-    def _rows(self, i: int) -> int:
-        return self._starts[i + 1] - self._starts[i]
-
-    def _read(self, ref: ChunkRef, layer: int) -> RawLayer:
+    def _read_raw(self, ref: ChunkRef, layer: int) -> RawLayer:
         """One chunk's stored layer, read and checked against its record; CorruptChunk when missing or damaged."""
         try:
             raw = self.table.get_layer_raw(ref.chunk_id, layer, expect_token_ids=ref.token_ids)
@@ -302,8 +231,29 @@ class LayerLoader:
         return raw
 
 
+def checked_body(ref: ChunkRef, raw: RawLayer, rows: int, shape):
+    """A stored layer's header and checked, decompressed payload, once its kept tokens and shape hold."""
+    try:
+        head, body = raw.body()
+    except CorruptValue as exc:
+        raise CorruptChunk(ref.chunk_id, str(exc)) from None
+    check_kept(ref, stored_positions(head, body))
+    check_rows(ref, head.shape, rows, shape)
+    return head, body
+
+
+def decoded(ref: ChunkRef, raw: RawLayer) -> tuple[np.ndarray, np.ndarray]:
+    """A stored layer's (k, v) decoded, as arrays [T, Hkv, hd] (views of the value when stored uncompressed)."""
+    try:
+        kv = raw.decode(copy=False)  # the caller copies them into the layer buffer
+    except CorruptValue as exc:
+        raise CorruptChunk(ref.chunk_id, str(exc)) from None
+    check_kept(ref, kv.positions)
+    return kv.k, kv.v
+
+
 def wants_fused(fused: bool | None, device: torch.device, positions: torch.Tensor | None,
-                 inv_freq: torch.Tensor | None) -> bool:
+                inv_freq: torch.Tensor | None) -> bool:
     """Whether stored chunks take the fused load: only where keys are rotated here (positions given)."""
     if positions is None:
         return False

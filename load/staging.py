@@ -36,6 +36,7 @@ from kvrag.store.codec import (
     checked_body,
     copy_checked,
     read_header,
+    stored_kv,
 )
 
 STORED_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -45,13 +46,11 @@ STORED_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int
 class StagedLayer:
     """Views of a slot holding one layer's stored chunks (layout in the module doc)."""
 
-    slot: int
     flat: torch.Tensor  # uint8 [nbytes]: everything below, in one piece
     k: torch.Tensor  # [C, Hkv, hd] stored dtype
     v: torch.Tensor  # [C, Hkv, hd]
     k_scale: torch.Tensor | None = None  # int8: [n_chunks, Hkv, hd] or [C, Hkv] float32
     v_scale: torch.Tensor | None = None  # int8: [C, Hkv] float32
-    k_per_channel: bool = False
     staged_bytes: int = 0  # stored bytes this layer read (before decompression)
     host: dict[str, np.ndarray] | None = None  # the same sections as numpy arrays (16-bit values as uint16 bits)
 
@@ -67,17 +66,13 @@ class LayerPlan:
     starts: tuple[int, ...]
     k_per_channel: bool = False
 
-    @property
-    def n_chunks(self) -> int:
-        return len(self.starts) - 1
-
     def sections(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, dtype, shape) of the slot's sections, in order."""
         c, h, d = self.rows, self.heads, self.head_dim
         kv_dtype = STORED_TORCH[self.codec]
         out = [("k", kv_dtype, (c, h, d)), ("v", kv_dtype, (c, h, d))]
         if self.codec == "int8":
-            out += [("k_scale", torch.float32, (self.n_chunks, h, d) if self.k_per_channel else (c, h)),
+            out += [("k_scale", torch.float32, (len(self.starts) - 1, h, d) if self.k_per_channel else (c, h)),
                     ("v_scale", torch.float32, (c, h))]
         return out
 
@@ -172,7 +167,7 @@ class StagingArea:
             self.grown += 1
         self._device[slot][:n].copy_(staged.flat, non_blocking=True)
         views = _views_of(self._device[slot], plan, host=False)
-        return StagedLayer(slot, self._device[slot][:n], k_per_channel=plan.k_per_channel, **views)
+        return StagedLayer(self._device[slot][:n], **views)
 
     def _views(self, slot: int, plan: LayerPlan) -> StagedLayer:
         need = sum(_aligned(torch.Size(shape).numel() * dtype.itemsize) for _, dtype, shape in plan.sections())
@@ -181,7 +176,7 @@ class StagingArea:
             self.grown += 1
         views = _views_of(self._buffers[slot], plan, host=False)
         host = _views_of(self._buffers[slot], plan, host=True)
-        return StagedLayer(slot, self._buffers[slot][:need], k_per_channel=plan.k_per_channel, host=host, **views)
+        return StagedLayer(self._buffers[slot][:need], host=host, **views)
 
 
 def _views_of(buffer: torch.Tensor, plan: LayerPlan, host: bool) -> dict:
@@ -246,37 +241,22 @@ def _destinations(staged: StagedLayer, plan: LayerPlan, i: int) -> list[np.ndarr
 
 
 def _copy_rows(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader, body) -> None:
-    start, end = plan.starts[i], plan.starts[i + 1]
-    t, h, d = head.shape
-    n = t * h * d
-    k_rows = staged.host["k"][start:end].reshape(-1)  # contiguous rows of the slot, as bits
-    v_rows = staged.host["v"][start:end].reshape(-1)
-    if plan.codec == "int8":
-        _stage_int8(staged, plan, i, head, body, n)
-    elif head.flags & FLAG_SHUFFLED:  # byte planes: [low bytes of K|V; high bytes of K|V]
+    """Chunk i's decompressed body into its rows of the slot (int8: and its scales)."""
+    rows = slice(plan.starts[i], plan.starts[i + 1])
+    if plan.codec == "int8":  # views of the body: values and scales in natural order
+        kv = stored_kv(head, body)
+        staged.host["k"][rows], staged.host["v"][rows] = kv.k, kv.v
+        staged.host["k_scale"][i if kv.k_per_channel else rows] = kv.k_scale
+        staged.host["v_scale"][rows] = kv.v_scale
+        return
+    n = int(np.prod(head.shape))
+    k_rows = staged.host["k"][rows].reshape(-1)  # contiguous rows of the slot, as bits
+    v_rows = staged.host["v"][rows].reshape(-1)
+    if head.flags & FLAG_SHUFFLED:  # byte planes: [low bytes of K|V; high bytes of K|V]
         planes = np.frombuffer(body, dtype=np.uint8, count=4 * n).reshape(2, 2 * n)
         for bits, part in ((k_rows, slice(0, n)), (v_rows, slice(n, 2 * n))):
             np.left_shift(planes[1, part], 8, out=bits, dtype=np.uint16)
             np.bitwise_or(bits, planes[0, part], out=bits)
     else:  # natural order, K then V
         kv = np.frombuffer(body, dtype=np.uint16, count=2 * n)
-        k_rows[:] = kv[:n]
-        v_rows[:] = kv[n:]
-
-
-def _stage_int8(staged: StagedLayer, plan: LayerPlan, i: int, head: ValueHeader, body, n: int) -> None:
-    """int8 values and scales of chunk i into the slot (their natural order is the stored one)."""
-    start, end = plan.starts[i], plan.starts[i + 1]
-    t, h, d = head.shape
-    q = np.frombuffer(body, dtype=np.int8, count=2 * n)
-    staged.host["k"][start:end].reshape(-1)[:] = q[:n]
-    staged.host["v"][start:end].reshape(-1)[:] = q[n:]
-    per_channel = bool(head.flags & FLAG_K_PER_CHANNEL)
-    k_len = h * d if per_channel else t * h
-    scales = np.frombuffer(body, dtype="<f4", count=k_len + t * h, offset=2 * n)
-    k_scale = staged.host["k_scale"][i] if per_channel else staged.host["k_scale"][start:end]
-    k_scale.reshape(-1)[:] = scales[:k_len]
-    staged.host["v_scale"][start:end].reshape(-1)[:] = scales[k_len:]
-
-
-__all__ = ["LayerPlan", "StageFailed", "StagedLayer", "StagingArea"]
+        k_rows[:], v_rows[:] = kv[:n], kv[n:]

@@ -37,7 +37,7 @@ class Grammars:
     """The grammars of one tokenizer: its token table as llguidance compiles it (0.25-0.45 s: build this once per
     model) and a small cache of compiled grammars keyed by their source. Safe to share between threads.
 
-    stop_ids: the tokens that end a turn (model/generate.py's stop_ids(tokenizer): <|im_end|> and the EOS); default
+    stop_ids: the tokens that end a turn (model/sampling.py's stop_ids(tokenizer): <|im_end|> and the EOS); default
     the tokenizer's eos_token_id."""
 
     def __init__(self, tokenizer, stop_ids: Iterable[int] | None = None, cache_size: int = 64):

@@ -1,4 +1,6 @@
-"""Prefill of new tokens after a prefix whose KV is already known (the preamble, or a cached path)."""
+"""Every prefill: after a prefix whose KV is already known (`extend`: the preamble, a chunk, a cached path; with no
+prefix, the plain reference forward), and into a decode cache, whole (`prefill`) or a piece at a time
+(`ChunkedPrefill`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.kernels.attention import PagedKeys
-from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.model.cache import DecodeCache
+from kvrag.model.step import CacheKV, GrowingKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 
 
@@ -60,17 +63,70 @@ class LayerKV:
         return LayerKV([k for k, _ in joined], [v for _, v in joined], self.positions, self.rotated)
 
 
-def extend(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor,
-           positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerKV]:
-    """Prefill ids [T] after `prefix`: the last position's logits [V] and the new tokens' LayerKV.
+def extend(model: Transformer, prefix: LayerKV | None, ids: torch.Tensor, positions: torch.Tensor | None = None,
+           all_logits: bool = False) -> tuple[torch.Tensor, LayerKV]:
+    """Prefill ids [T] after `prefix`: the last position's logits [V] (every position's [T, V] with `all_logits`)
+    and the new tokens' LayerKV, keys before rotary.
 
     Positions default to right after the prefix. The new tokens attend to every prefix key at a
-    position at or before theirs, and causally to each other.
+    position at or before theirs, and causally to each other. With no prefix this is the plain causal forward the
+    tests hold against transformers.
     """
     start = int(prefix.positions[-1]) + 1 if prefix is not None and len(prefix) else 0
     if positions is None:
         positions = torch.arange(start, start + ids.shape[0])
     rows = Rows.at(model, ids, positions)
     kv = GrowingKV(model, prefix, rows.pos)
-    logits = run_layers(model, rows, kv)
-    return logits[0], LayerKV(kv.new_k, kv.new_v, rows.pos)
+    logits = run_layers(model, rows, kv, all_rows=all_logits)
+    return logits if all_logits else logits[0], LayerKV(kv.new_k, kv.new_v, rows.pos)
+
+
+class ChunkedPrefill:
+    """A full prefill of ids [T] run a piece at a time: each piece is one pass of every layer over the next tokens,
+    attending to every token before them in the cache. An engine decodes its running sequences between the pieces
+    of a long prompt instead of stalling them all for its whole prefill."""
+
+    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None, head=None):
+        self.model, self.ids, self.tap = model, ids, tap  # tap: sees every layer's queries and keys, where set
+        self.cache = DecodeCache(model, ids.shape[0] + extra)
+        self.logits: torch.Tensor | None = None  # [V] at the last position, once every piece has run
+        if head is not None and len(head):  # a LayerKV of the first ids' exact KV (a prefix cache hit): not computed
+            self._seed(head)
+
+    @torch.inference_mode()
+    def _seed(self, head: LayerKV) -> None:
+        n = len(head)
+        if n >= self.ids.shape[0]:
+            raise ValueError(f"a seeded head of {n} rows leaves nothing of a {self.ids.shape[0]}-token prompt to run")
+        for layer, (k, v) in enumerate(zip(head.k, head.v, strict=True)):  # each [n, Hkv, hd]
+            if head.rotated:
+                self.cache.k[layer, :n] = k
+            else:
+                self.model.rotate_keys(k, head.positions, out=self.cache.k[layer, :n], layer=layer)
+            self.cache.v[layer, :n] = v
+        self.cache.length = n
+
+    @property
+    def done(self) -> bool:
+        return self.cache.length == self.ids.shape[0]
+
+    @torch.inference_mode()
+    def advance(self, tokens: int) -> bool:
+        """Run the next `tokens` positions (at least one); True when the whole prompt is in the cache."""
+        start = self.cache.length
+        stop = min(start + max(tokens, 1), self.ids.shape[0])
+        rows = Rows.at(self.model, self.ids[start:stop], torch.arange(start, stop))
+        kv = CacheKV(self.model, self.cache, rows.pos)
+        kv.tap = self.tap
+        logits = run_layers(self.model, rows, kv)  # [1, V]
+        self.cache.length = stop
+        if self.done:
+            self.logits = logits[0]
+        return self.done
+
+
+def prefill(model: Transformer, ids: torch.Tensor, extra: int) -> tuple[torch.Tensor, DecodeCache]:
+    """Plain full prefill of ids [T] in one piece: last-position logits [V] and a cache ready for decoding."""
+    job = ChunkedPrefill(model, ids, extra)
+    job.advance(ids.shape[0])
+    return job.logits, job.cache

@@ -13,6 +13,7 @@ paged pool of a batch of sequences (engine.batch_decode.PoolKV). A blend's check
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -98,7 +99,7 @@ class CacheKV:
         self.slots = slice(start, self.stop)  # the new rows: consecutive positions
         # the mask's key positions: slot numbers, at or below the real ones, so every earlier slot stays visible
         self.key_pos = torch.arange(self.stop, device=model.device)  # [S]
-        self.tap = None  # called with each layer's queries and keys (kv_budget.AttentionScore), where set
+        self.tap = None  # called with each layer's queries and keys (engine/kv_budget.AttentionScore), where set
 
     def place(self, layer: int, rows: Rows, k: torch.Tensor, v: torch.Tensor) -> None:
         self.model.rotate_keys(k, rows.pos, rows.rope, out=self.cache.k[layer, self.slots], layer=layer)
@@ -145,13 +146,14 @@ class GrowingKV:
         return self.model.attend(q, rows.pos, self.k_rot, self.v, self.key_pos, layer, head)
 
 
-def full_forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                 all_logits: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The reference path: a plain causal prefill of ids [T]: logits ([T, V] or last row [1, V]) and per-layer
-    (k, v), keys before rotary ([T, Hkv, hd]), values as they are."""
-    if positions is None:
-        positions = torch.arange(ids.shape[0])
-    rows = Rows.at(model, ids, positions)
-    kv = GrowingKV(model, None, rows.pos)
-    logits = run_layers(model, rows, kv, all_rows=all_logits)
-    return logits, list(zip(kv.new_k, kv.new_v, strict=True))
+def attention_logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     exact: bool = True) -> torch.Tensor:
+    """What a tap (CacheKV.tap) scores with: the scaled logits [Hkv, g, R, S] in float32 of queries q [R, Hq, hd] over
+    rotated keys k [S, Hkv, hd], -inf where a key lies after its query. exact=False: the product in the keys' dtype,
+    as Keyformer's code scores (a decode step then skips a float32 copy of every key)."""
+    r, hq, hd = q.shape
+    h_kv = k.shape[1]
+    dtype = torch.float32 if exact else k.dtype
+    qf = q.to(dtype).view(r, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, R, hd]
+    logits = torch.matmul(qf, k.to(dtype).permute(1, 2, 0).unsqueeze(1)).float() * hd ** -0.5  # [Hkv, g, R, S]
+    return logits.masked_fill_(k_pos[None, :] > q_pos[:, None], -math.inf)

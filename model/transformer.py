@@ -13,8 +13,8 @@ and V:
         h = model.finish(layer, h, a)
     logits = model.logits(h[-1:])
 
-model/step.py runs that loop for every forward (full prefill, prefix extension, blend, decode); `step.full_forward` is
-the plainest of them, the reference the tests hold against transformers' own logits.
+model/step.py runs that loop for every forward (full prefill, prefix extension, blend, decode); `prefill.extend` with no
+prefix is the plainest of them, the reference the tests hold against transformers' own logits.
 """
 
 from __future__ import annotations

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.errors import KvragError
 from kvrag.model.device import keep_freed_memory
-from kvrag.model.files import LocalModel, resolve_model
+from kvrag.model.files import resolve_model
 from kvrag.model.prompt import PromptBuilder
 from kvrag.model.runtime import Runtime
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.plain import (
     PrecomputeInterrupted,
     PrecomputeSummary,
@@ -49,14 +49,14 @@ from kvrag.precompute.plain import (
 )
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import preamble_chunk_id
-from kvrag.store.kv import KVTable, Shard, encode_chunk
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.manifest import preamble_hash
-from kvrag.store.remote import RemoteOptions, remote_url
+from kvrag.store.open import RemoteOptions, open_table, remote_url
+from kvrag.store.table import KVTable, Shard, encode_chunk
 
 RAY_BATCH = 4  # chunks per Ray task: few, so a killed worker redoes little and results stay small
 IN_FLIGHT_PER_WORKER = 2  # batches queued per actor: one computing, one ready to start; bounds the driver's memory
 MAX_RESTARTS = 3  # times a dead worker is restarted (and its batch retried) before the run fails
-INSTALL_HINT = "--ray needs Ray: pip install 'kvrag[ray]'"
 
 
 def import_ray():
@@ -64,7 +64,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise KvragError(INSTALL_HINT) from None
+        raise KvragError("--ray needs Ray: pip install 'kvrag[ray]'") from None
     return ray
 
 
@@ -111,7 +111,7 @@ class PrefillWorker:
         keep_freed_memory()
         self.runtime = Runtime.load(model_path, dtype, "cpu")
         self.keep, self.dest, self.on_batch = keep, dest, on_batch
-        self._tables: dict = {}  # variant -> RemoteKVTable or KVTable, opened at first use
+        self._tables: dict[str, KVTable] = {}  # variant -> its table, opened at first use
         self._env: StoreEnv | None = None
         on_driver_node = dest.store_path is not None and ray.get_runtime_context().get_node_id() == dest.node_id
         self.writes = dest.url is not None or on_driver_node  # else the driver commits what this returns
@@ -155,17 +155,15 @@ class PrefillWorker:
         damaged one, which the PUT then replaces); where the driver commits, it checks then."""
         return self.writes and self._table(variant).has(chunk_id)
 
-    def _table(self, variant: str):
+    def _table(self, variant: str) -> KVTable:
         if variant not in self._tables:
-            from kvrag.store.remote import open_table
-
             if self.dest.url is not None:
                 self._tables[variant] = open_table(self.dest.url, self.dest.model_fp, self.dest.codec,
                                                    self.dest.compress, variant, aws=self.dest.aws)
             else:  # LMDB takes writers from several processes in turn: one transaction a chunk, as the driver's
                 self._env = self._env or StoreEnv.open(self.dest.store_path)
-                self._tables[variant] = KVTable(self._env, self.dest.model_fp, self.dest.codec,
-                                                self.dest.compress, variant)
+                self._tables[variant] = LocalKVTable(self._env, self.dest.model_fp, self.dest.codec,
+                                                     self.dest.compress, variant)
         return self._tables[variant]
 
 
@@ -199,7 +197,8 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
         with _connected(ray, address, workers):
             if url is None:  # workers on this node commit to the store themselves
                 dest = replace(dest, store_path=str(store.path), node_id=ray.get_runtime_context().get_node_id())
-            actors = _start_workers(ray, local, dtype, keep, dest, workers, on_batch)
+            actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
+            actors = [actor.remote(str(local.path), dtype, keep, dest, on_batch) for _ in range(workers)]
             try:
                 busy_from = time.perf_counter()
                 waited_s = _store_preamble(ray, actors[0], run.full, preamble_id) if need_preamble else 0.0
@@ -233,12 +232,6 @@ def _connected(ray, address: str | None, workers: int) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-def _start_workers(ray, local: LocalModel, dtype, keep: KeepConfig, dest: Destination, workers: int,
-                   on_batch) -> list:
-    actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
-    return [actor.remote(str(local.path), dtype, keep, dest, on_batch) for _ in range(workers)]
 
 
 def _store_preamble(ray, actor, full: KVTable, chunk_id: str) -> float:
@@ -282,7 +275,9 @@ def _run_batches(ray, actors: list, run: RunPlan, batch: int, on_progress) -> fl
                 load[pending.pop(ref)] -= 1
                 done = _get(ray, ref)
                 for chunk in done:
-                    _count(summary, chunk, _commit(table, chunk))
+                    summary.compute_s += chunk.compute_s
+                    summary.store_s += chunk.store_s  # the workers' encoding and uploads: what held up their forwards
+                    summary.count(chunk.tokens, _commit(table, chunk), chunk.kept_tokens)
                     unstored.discard(chunk.chunk_id)
                     if on_progress:
                         on_progress(summary.computed, summary.tokens, len(todo))
@@ -300,17 +295,6 @@ def _commit(table: KVTable, chunk: Prefilled) -> bool:
     if chunk.encoded is None:
         return chunk.stored
     return table.put_encoded(chunk.chunk_id, *chunk.encoded)
-
-
-def _count(summary: PrecomputeSummary, chunk: Prefilled, stored: bool) -> None:
-    summary.compute_s += chunk.compute_s
-    summary.store_s += chunk.store_s  # the workers' encoding and uploads: what held up their forward passes
-    if stored:
-        summary.computed += 1
-        summary.tokens += chunk.tokens
-        summary.kept_tokens += chunk.kept_tokens
-    else:  # stored meanwhile by another process (its claim had expired), or by this worker before it died
-        summary.skipped_by_others += 1
 
 
 def _get(ray, ref):

@@ -8,7 +8,7 @@ each chunk is written whole in one transaction, so an interrupted run resumes wh
 
 With a KeepConfig that reduces (`--keep R`), each chunk's keys are scored during that same forward and only the
 kept tokens' K and V are stored, with their positions, under the store variant the settings name (keyed apart
-from the full chunks: one store holds both); the preamble stays in the full chunks' range (blend/keyformer.py).
+from the full chunks: one store holds both); the preamble stays in the full chunks' range (precompute/keyformer.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvrag.blend import keyformer
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, Shard
+from kvrag.store.keys import preamble_chunk_id
 from kvrag.store.manifest import check_or_record, preamble_hash
-from kvrag.store.remote import RemoteOptions, store_table
+from kvrag.store.open import RemoteOptions, store_table
+from kvrag.store.table import KVTable, Shard
 
 CLAIM_BATCH = 4  # chunks claimed per transaction: small, so a crash strands little work
 WRITES_IN_FLIGHT = 2  # chunks encoded/written behind the forward passes; bounds the memory held
@@ -62,6 +63,16 @@ class PrecomputeSummary:
         """Time storing held up the forward passes, as a share of their time (the target is under 10 %)."""
         return self.store_s / self.compute_s if self.compute_s else 0.0
 
+    def count(self, tokens: int, stored: bool, kept_tokens: int = 0) -> None:
+        """One chunk done: stored by this run, or stored meanwhile by another process (its claim had expired) or by
+        a Ray worker before it died."""
+        if stored:
+            self.computed += 1
+            self.tokens += tokens
+            self.kept_tokens += kept_tokens
+        else:
+            self.skipped_by_others += 1
+
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s, "store_overhead": self.store_overhead}
 
@@ -85,13 +96,14 @@ def layers_to_numpy(kv: LayerKV, codec: str = "int8") -> list[tuple[np.ndarray, 
 def preamble_kv(runtime: Runtime, kv_table: KVTable) -> LayerKV:
     """The preamble's KV, computed (it is short) and stored once for `ask`."""
     ids = runtime.prompts.preamble_ids
-    _, kv = extend(runtime.model, None, runtime.ids_tensor(ids))
-    kv_table.put_preamble(preamble_hash(runtime.prompts.template.preamble), ids, layers_to_numpy(kv, kv_table.codec))
+    kv = chunk_kv(runtime, None, ids)
+    kv_table.put_chunk(preamble_chunk_id(preamble_hash(runtime.prompts.template.preamble)), ids,
+                       layers_to_numpy(kv, kv_table.codec))
     return kv
 
 
-def chunk_kv(runtime: Runtime, preamble: LayerKV, token_ids: list[int] | tuple[int, ...]) -> LayerKV:
-    """One chunk's KV as it stands right after the preamble."""
+def chunk_kv(runtime: Runtime, preamble: LayerKV | None, token_ids: list[int] | tuple[int, ...]) -> LayerKV:
+    """One chunk's KV as it stands right after the preamble (None: the preamble's own)."""
     _, kv = extend(runtime.model, preamble, runtime.ids_tensor(list(token_ids)))
     return kv
 
@@ -148,7 +160,7 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     try:
         with torch.inference_mode(), writer:
             preamble = preamble_kv(runtime, run.full)
-            _compute_all(runtime, run.chunks, run.table, writer, run.todo, summary, on_progress, preamble, keep)
+            _compute_all(runtime, run, writer, on_progress, preamble, keep)
     except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
         raise PrecomputeInterrupted(writer.stored) from exc
     summary.writer_busy_s = writer.busy_s
@@ -156,9 +168,10 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     return summary
 
 
-def _compute_all(runtime: Runtime, chunks: ChunkTable, table: KVTable, writer: ChunkWriter, todo: list[str],
-                 summary: PrecomputeSummary, on_progress, preamble: LayerKV, keep: KeepConfig) -> None:
-    """Each chunk of `todo` this process claims, computed after the preamble and queued to the writer."""
+def _compute_all(runtime: Runtime, run: RunPlan, writer: ChunkWriter, on_progress, preamble: LayerKV,
+                 keep: KeepConfig) -> None:
+    """Each chunk of `run.todo` this process claims, computed after the preamble and queued to the writer."""
+    chunks, table, todo, summary = run.chunks, run.table, run.todo, run.summary
     for i in range(0, len(todo), CLAIM_BATCH):
         batch = todo[i:i + CLAIM_BATCH]
         mine = table.claim(batch)
@@ -192,11 +205,7 @@ def chunk_layers(runtime: Runtime, preamble: LayerKV, chunk_id: str, token_ids, 
 
 def _count(summary: PrecomputeSummary, done: list[tuple[int, bool]], on_progress, n_todo: int) -> None:
     for n_tokens, stored in done:
-        if stored:
-            summary.computed += 1
-            summary.tokens += n_tokens
-        else:
-            summary.skipped_by_others += 1
+        summary.count(n_tokens, stored)
         if on_progress:
             on_progress(summary.computed, summary.tokens, n_todo)
 
@@ -208,9 +217,8 @@ class ChunkWriter:
     WRITES_IN_FLIGHT chunks wait; each is still one transaction, so a crash leaves whole chunks only.
     """
 
-    def __init__(self, table: KVTable, in_flight: int = WRITES_IN_FLIGHT):
+    def __init__(self, table: KVTable):
         self.table = table
-        self.in_flight = in_flight
         self.busy_s = 0.0
         self.stored = 0  # chunks this writer committed (not those another process had stored first)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer")
@@ -223,7 +231,7 @@ class ChunkWriter:
         future = self._pool.submit(self._put, chunk_id, token_ids, layers, positions)
         self._pending.append((chunk_id, len(token_ids), future))
         done = []
-        while self._pending and (len(self._pending) > self.in_flight or self._pending[0][2].done()):
+        while self._pending and (len(self._pending) > WRITES_IN_FLIGHT or self._pending[0][2].done()):
             _, n_tokens, future = self._pending.popleft()
             done.append((n_tokens, future.result()))
         return done

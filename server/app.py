@@ -14,8 +14,6 @@ a benchmark or a test may run it in-process. The app never closes the KVRag it w
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -26,19 +24,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvrag.api import KVRag, PromptTooLong, QueueFull
 from kvrag.errors import KvragError
+from kvrag.server.auth import check_key, tenant_salt
+from kvrag.server.choice import Choice, GenerationFailed
 from kvrag.server.errors import ApiError, error_body, install_handlers
-from kvrag.server.generate import GenerationFailed, Run
 from kvrag.server.metrics import Metrics
 from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest, EmbeddingRequest
 from kvrag.server.responses import (
     Ids,
+    assistant_message,
     chat_chunk,
     chat_completion,
     completion,
     embedding_response,
     sse,
     stream_chunk,
-    tool_call,
     usage_chunk,
 )
 
@@ -75,7 +74,7 @@ class Server:
         self.rag, self.settings = rag, settings
         self.metrics = Metrics(rag)
         self.started = int(time.time())
-        self.runs: set[Run] = set()  # requests in the engine, for cancel_all
+        self.runs: set[Choice] = set()  # requests in the engine, for cancel_all
 
     def cancel_all(self) -> None:
         """Cancel every request in the engine: each ends at once, a stream with an error event, a whole answer with
@@ -125,7 +124,8 @@ class Server:
     # ---- a generation -----------------------------------------------------------------------------
 
     async def _serve(self, endpoint: str, body: ChatRequest | CompletionRequest, request: Request):
-        body = body.model_copy(update={"cache_salt": self._salt(body.cache_salt, request)})
+        salt = tenant_salt(self.settings.api_key, request.headers.get("authorization"), body.cache_salt)
+        body = body.model_copy(update={"cache_salt": salt})
         runs = await self._start(endpoint, body, time.perf_counter())
         ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
         tools = endpoint == "chat" and body.calls_tools()
@@ -141,19 +141,19 @@ class Server:
                 self._record(endpoint, run)
         return chat_completion(ids, runs, texts, tools) if endpoint == "chat" else completion(ids, runs, texts)
 
-    async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Run]:
+    async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Choice]:
         """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
         refusal as an ApiError (the choices already submitted are cancelled)."""
         self._check_model(body.model)
         question_field = "messages" if endpoint == "chat" else "prompt"
-        runs: list[Run] = []
+        runs: list[Choice] = []
         try:
             question = body.question()
             body.bias(self.rag.runtime.model.cfg.vocab_size)  # a token id the model has not: a 400, not a 500
             options = body.options(self.settings.max_tokens, lambda: self.rag.grammars)
             for i in range(body.n or 1):
                 choice = _next_choice(options, runs[0], i) if i else options
-                runs.append(await Run.start(self.rag, question, choice, body.stops(), arrival))
+                runs.append(await Choice.start(self.rag, question, choice, body.stops(), arrival))
                 self.runs.add(runs[-1])
             return runs
         except BaseException as exc:
@@ -162,7 +162,7 @@ class Server:
                 self.runs.discard(run)
             raise _refusal(exc, self.metrics, endpoint, question_field, self.settings.retry_after_s) from None
 
-    async def _events(self, endpoint: str, runs: list[Run], ids: Ids, include_usage: bool, tools: bool = False):
+    async def _events(self, endpoint: str, runs: list[Choice], ids: Ids, include_usage: bool, tools: bool = False):
         """The stream's server-sent events, the choices' pieces as they come (each chunk names its choice); a client
         that goes away cancels every choice (finally). With `tools` each choice's answer is held to its end: a call
         comes as one tool_calls delta, text as one content delta."""
@@ -173,20 +173,19 @@ class Server:
                 run = runs[index]
                 if piece is None:  # this choice is done
                     reason = run.finish_reason
-                    if tools:
-                        call = tool_call(held[index].strip())
-                        delta = {"role": "assistant", "content": held[index]} if call is None else \
-                            {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
-                        yield sse(chat_chunk(ids, delta, index=index, sources=run.sources()))
-                        reason = "tool_calls" if call else reason
+                    if tools:  # the whole answer's message, as one delta (a call's with its index)
+                        delta, reason = assistant_message(held[index], reason, tools)
+                        if "tool_calls" in delta:
+                            delta["tool_calls"] = [{"index": 0, **delta["tool_calls"][0]}]
+                        yield sse(chat_chunk(ids, delta, index=index, sources=run.gen.sources))
                     elif first[index]:  # an empty answer still says who speaks and from what
-                        yield sse(stream_chunk(endpoint, ids, "", first=True, index=index, sources=run.sources()))
+                        yield sse(stream_chunk(endpoint, ids, "", first=True, index=index, sources=run.gen.sources))
                     yield sse(stream_chunk(endpoint, ids, "", finish_reason=reason, index=index, timings=run.timings()))
                     continue
                 if tools:
                     held[index] += piece
                     continue
-                extra = {"sources": run.sources()} if first[index] else {}
+                extra = {"sources": run.gen.sources} if first[index] else {}
                 yield sse(stream_chunk(endpoint, ids, piece, first=first[index], index=index, **extra))
                 first[index] = False
             if include_usage:
@@ -199,19 +198,10 @@ class Server:
                 self._record(endpoint, run)
         yield sse("[DONE]")
 
-    def _record(self, endpoint: str, run: Run) -> None:
+    def _record(self, endpoint: str, run: Choice) -> None:
         self.runs.discard(run)
-        outcome = "disconnected" if run.close() else run.finish_reason or run.seq.finish_reason or "error"
-        self.metrics.finished(endpoint, outcome, run.seq, run.arrival)
-
-    def _salt(self, cache_salt: str | None, request: Request) -> str:
-        """Whose caches a request uses: its API key's (when keys are configured; a digest, never the key) and, within
-        it, its `cache_salt`'s. Corpus chunks are shared by all."""
-        key = ""
-        if self.settings.api_key:
-            given = request.headers.get("authorization", "").partition(" ")[2].strip()
-            key = hashlib.sha256(given.encode()).hexdigest()[:32]
-        return f"{key}:{cache_salt}" if cache_salt else key
+        outcome = "disconnected" if run.close() else run.finish_reason or run.gen.finish_reason or "error"
+        self.metrics.finished(endpoint, outcome, run.gen, run.arrival)
 
     # ---- checks -----------------------------------------------------------------------------------
 
@@ -224,22 +214,20 @@ class Server:
         return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
 
 
-def _next_choice(options: dict, first: Run, index: int) -> dict:
+def _next_choice(options: dict, first: Choice, index: int) -> dict:
     """Choice `index` of a request: the first choice's prompt (its chunks, retrieved once; plain chat where it had
     none), its own seed."""
     seed = options.get("seed")
     return {**options, **_same_prompt(options, first), "seed": None if seed is None else seed + index}
 
 
-def _same_prompt(options: dict, first: Run) -> dict:
+def _same_prompt(options: dict, first: Choice) -> dict:
     """The options that give a later choice the first's prompt: given chunks or passages are given again; retrieved
     ones become chunk_ids, and none at all plain chat (an empty chunk_ids would be a RAG prompt with no passages)."""
     if options.get("passages") is not None or options.get("chunk_ids") is not None:
         return {}
-    request = first.seq.request
-    if not request.rag:
-        return {"rag": False}
-    return {"chunk_ids": [chunk_id for chunk_id, _ in request.chunks]}
+    chunk_ids = first.gen.chunk_ids
+    return {"rag": False} if chunk_ids is None else {"chunk_ids": chunk_ids}
 
 
 def _refusal(exc: BaseException, metrics: Metrics, endpoint: str, question_field: str, retry_after_s: int):
@@ -258,12 +246,12 @@ def _refusal(exc: BaseException, metrics: Metrics, endpoint: str, question_field
     return exc
 
 
-async def _merged(runs: list[Run]):
+async def _merged(runs: list[Choice]):
     """(choice index, text piece) as each choice produces them, and (index, None) when one ends; the first
     failure (GenerationFailed) is raised once the others have been stopped."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, run: Run) -> None:
+    async def pump(index: int, run: Choice) -> None:
         try:
             async for piece in run.pieces():
                 await queue.put((index, piece))
@@ -301,16 +289,9 @@ async def _unless_gone(text: Awaitable, request: Request):
 
 
 def _key_check(api_key: str):
-    """A dependency that wants `Authorization: Bearer <key>`, one of api_key's comma-separated keys (each compared in
-    constant time)."""
-    expected = [key.strip().encode() for key in api_key.split(",") if key.strip()]
+    """A dependency that wants `Authorization: Bearer <key>`, one of api_key's comma-separated keys."""
 
     async def check(authorization: str | None = Header(None)) -> None:
-        scheme, _, given = (authorization or "").partition(" ")
-        matches = [hmac.compare_digest(given.strip().encode(), key) for key in expected]
-        if scheme.lower() != "bearer" or not any(matches):
-            message = "incorrect API key provided" if authorization else "an API key is required: " \
-                      "Authorization: Bearer <key>"
-            raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        check_key(api_key, authorization)
 
     return check

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvrag.api import KVRag
+from kvrag.api import Generation, KVRag
 
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
@@ -34,19 +34,22 @@ class Metrics:
                               registry=r)
         r.register(_EngineState(rag))
 
-    def finished(self, endpoint: str, outcome: str, seq, arrival: float) -> None:
-        """Count a request that reached the engine: its outcome, latency and tokens."""
+    def finished(self, endpoint: str, outcome: str, gen: Generation, arrival: float) -> None:
+        """Count a request that reached the engine: its outcome, latency and tokens (none of its prompt's until
+        prefilled)."""
         self.requests.labels(endpoint, outcome).inc()
-        if seq.first_token_at is not None:
-            self.ttft.observe(seq.first_token_at - arrival)
-        if seq.finished_at is not None:
-            self.latency.observe(seq.finished_at - arrival)
-        if seq.prefill_info:
-            self.prompt_tokens.labels("reused").inc(seq.reused_tokens)
-            self.prompt_tokens.labels("computed").inc(seq.computed_tokens)
-            for tier in seq.prefill_info.get("chunk_tiers", ()):
-                self.chunks.labels(tier).inc()
-        self.generated.inc(len(seq.output))
+        first_token_at, finished_at = gen.stamps()
+        if first_token_at is not None:
+            self.ttft.observe(first_token_at - arrival)
+        if finished_at is not None:
+            self.latency.observe(finished_at - arrival)
+        prompt = gen.prompt_counts
+        self.prompt_tokens.labels("reused").inc(prompt["reused"])
+        self.prompt_tokens.labels("computed").inc(prompt["computed"])
+        for source in gen.sources:
+            if source["tier"] is not None:
+                self.chunks.labels(source["tier"]).inc()
+        self.generated.inc(len(gen.token_ids))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,7 +57,8 @@ class ContentPart(_Body):
 
 
 class Message(_Body):
-    role: str
+    # OpenAI's roles (its deprecated `function` aside: functions are refused); any other is a 400 wherever it stands
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls, as this server returned them
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 import uuid
 
 import numpy as np
 
-from kvrag.server.generate import Run
+from kvrag.server.choice import Choice
 
 
 class Ids:
@@ -26,16 +27,14 @@ class Ids:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: Ids, runs: list[Run], texts: list[str], tools: bool = False) -> dict:
-    """With `tools`, an answer that is a call comes back as the message's tool_calls."""
+def chat_completion(ids: Ids, runs: list[Choice], texts: list[str], tools: bool = False) -> dict:
+    """`texts` as generated (unstripped); with `tools`, an answer that is a call comes back as tool_calls."""
     choices = []
     for i, (run, text) in enumerate(zip(runs, texts, strict=True)):
-        call = tool_call(text) if tools else None
-        message = {"role": "assistant", "content": text} if call is None else \
-            {"role": "assistant", "content": None, "tool_calls": [call]}
-        choices.append({"index": i, "message": message, "logprobs": run.logprobs(text),
-                        "finish_reason": "tool_calls" if call else run.finish_reason})
-    return {**ids.head("chat.completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].sources(),
+        message, reason = assistant_message(text, run.finish_reason, tools)
+        choices.append({"index": i, "message": message, "logprobs": run.logprobs(text.strip()),
+                        "finish_reason": reason})
+    return {**ids.head("chat.completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].gen.sources,
             "timings": runs[0].timings()}
 
 
@@ -44,10 +43,10 @@ def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, index: i
             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
 
 
-def completion(ids: Ids, runs: list[Run], texts: list[str]) -> dict:
-    choices = [{"index": i, "text": text, "finish_reason": run.finish_reason, "logprobs": None}
+def completion(ids: Ids, runs: list[Choice], texts: list[str]) -> dict:
+    choices = [{"index": i, "text": text.strip(), "finish_reason": run.finish_reason, "logprobs": None}
                for i, (run, text) in enumerate(zip(runs, texts, strict=True))]
-    return {**ids.head("text_completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].sources(),
+    return {**ids.head("text_completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].gen.sources,
             "timings": runs[0].timings()}
 
 
@@ -56,7 +55,7 @@ def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, inde
             "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra}
 
 
-def usage(runs: list[Run]) -> dict:
+def usage(runs: list[Choice]) -> dict:
     """One prompt (the first choice's), every choice's completion tokens."""
     first = runs[0].usage()
     completion_tokens = sum(run.usage()["completion_tokens"] for run in runs)
@@ -64,22 +63,33 @@ def usage(runs: list[Run]) -> dict:
             "total_tokens": first["prompt_tokens"] + completion_tokens}
 
 
-def usage_chunk(ids: Ids, kind: str, runs: list[Run]) -> dict:
+def usage_chunk(ids: Ids, kind: str, runs: list[Choice]) -> dict:
     """stream_options.include_usage's last chunk: no choices, the usage."""
     return {**ids.head(kind), "choices": [], "usage": usage(runs)}
 
 
-def tool_call(text: str) -> dict | None:
-    """OpenAI's tool call for an answer decoded as {"name": ..., "arguments": {...}} (model/constrain.tool_call), or
-    None for text (tool_choice auto's other branch, or a call cut short by max_tokens)."""
+# a call as model/constrain.tool_call's grammar writes it, up to its arguments: {"name": "<name>", "arguments": {...}}
+CALL_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def assistant_message(text: str, finish_reason: str, tools: bool) -> tuple[dict, str]:
+    """A chat answer (as generated) as OpenAI's assistant message, with its choice's finish reason. With `tools`,
+    an answer that opens with "{" is a call (the grammar opens text with any other character): whole, it is the
+    message's tool_calls (finish_reason tool_calls); cut short (max_tokens), it is what OpenAI returns for a cut
+    call: the call as far as it got (once its name is whole), never content, and the reason that cut it."""
+    if not (tools and text.startswith("{")):
+        return {"role": "assistant", "content": text.strip()}, finish_reason
+    head = CALL_HEAD.match(text)
+    if head is None:  # cut before its name was whole: no call to show
+        return {"role": "assistant", "content": None}, finish_reason
     try:
-        value = json.loads(text)
+        json.loads(text)
+        whole, arguments = True, text.rstrip()[head.end():-1]  # less the call's closing brace
     except json.JSONDecodeError:
-        return None
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(value["arguments"], ensure_ascii=False)}}
+        whole, arguments = False, text[head.end():]
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": json.loads(head.group(1)), "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls" if whole else finish_reason
 
 
 def sse(payload: dict | str) -> str:

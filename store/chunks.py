@@ -102,7 +102,7 @@ class DocRecord:
         return cls(d["doc"], d["source"], d["title"], d["hash"], tuple(DocChunk(*c) for c in d["chunks"]))
 
 
-CLIENT_DOC = "client:"  # the doc id of a passage kept from a client's prompt (engine/admission.py): this + its salt
+CLIENT_DOC = "client:"  # the doc id of a passage kept from a client's prompt (engine/kept_passages.py): this + its salt
 
 
 def _chunk_key(chunk_id: str) -> bytes | None:
@@ -203,10 +203,6 @@ class ChunkTable:
             records = (DocRecord.from_bytes(bytes(raw)) for _, raw in txn.cursor(db=self._docs))
             return {r.doc_id: r for r in records}
 
-    def get_doc(self, doc_id: str) -> DocRecord | None:
-        raw = self.env.read(lambda txn: txn.get(_doc_key(doc_id), db=self._docs))
-        return None if raw is None else DocRecord.from_bytes(raw)
-
     def put_docs(self, items: list[tuple[DocRecord, list[ChunkRecord]]]) -> int:
         """Store documents with their chunks; a chunk already stored is left untouched.
 
@@ -226,11 +222,8 @@ class ChunkTable:
 
     def put_records(self, records: Iterable[ChunkRecord]) -> int:
         """Chunks that belong to no document (passages kept from clients' prompts); one already stored is left."""
-        def put(txn: lmdb.Transaction) -> int:
-            return sum(txn.put(bytes.fromhex(r.chunk_id), r.to_bytes(), db=self._chunks, overwrite=False)
-                       for r in records)
-
-        return self.env.write(put)
+        items = [(bytes.fromhex(r.chunk_id), r.to_bytes()) for r in records]  # a list: `write` may run again
+        return self.env.write(lambda txn: sum(txn.put(k, v, db=self._chunks, overwrite=False) for k, v in items))
 
     def remove_docs(self, doc_ids: Iterable[str], owners: dict[str, list[DocRecord]]) -> None:
         """Delete document records, and re-point chunks whose owning document went or changed.
@@ -260,27 +253,19 @@ class ChunkTable:
         self.env.write(remove)
 
     def client_records(self) -> list[ChunkRecord]:
-        """The passages kept from clients' prompts (no document lists them; engine/admission.py)."""
+        """The passages kept from clients' prompts (no document lists them; engine/kept_passages.py)."""
         return [r for r in self.iter() if r.doc_id.startswith(CLIENT_DOC)]
 
     def delete_records(self, chunk_ids: Iterable[str]) -> None:
-        def delete(txn: lmdb.Transaction) -> None:
-            for chunk_id in chunk_ids:
-                txn.delete(bytes.fromhex(chunk_id), db=self._chunks)
-
-        self.env.write(delete)
+        keys = [bytes.fromhex(c) for c in chunk_ids]  # a list: `write` may run the transaction again
+        self.env.write(lambda txn: [txn.delete(key, db=self._chunks) for key in keys])
 
     def delete_unreferenced(self, live: set[str]) -> list[str]:
         """Delete every chunk no live document lists (crash leftovers included), clients' kept passages aside; returns
         their ids."""
         dead = sorted(self.ids() - live - {r.chunk_id for r in self.client_records()})
-
-        def delete(txn: lmdb.Transaction) -> None:
-            for chunk_id in dead:
-                txn.delete(bytes.fromhex(chunk_id), db=self._chunks)
-
         if dead:
-            self.env.write(delete)
+            self.delete_records(dead)
         return dead
 
     # -- settings ---------------------------------------------------------------------------------

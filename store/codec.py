@@ -6,20 +6,15 @@
     payload (zstd): K then V, then int8 scales, then optional token positions (int32)
 
 The checksum covers the header too, so a flipped shape byte is caught like a flipped payload byte.
-16-bit codecs store their two byte planes apart (all high bytes, then all low bytes): the high bytes
-(sign, exponent) are very repetitive and zstd then squeezes them — 5-7 % smaller and faster to
-decompress than interleaved bytes on random-normal KV.
+Compressed 16-bit values store their two byte planes apart (all low bytes, then all high bytes): zstd squeezes
+the repetitive high bytes (sign, exponent) better. Uncompressed values (`compress=False`, FLAG_RAW) keep K then
+V in natural little-endian order: larger, but they decode to zero-copy views of the stored bytes, which spares
+a CPU blend the decode on its own cores (figures: docs/performance.md, "Precompute and the store").
 
-Uncompressed values (`compress=False`, flag FLAG_RAW) keep the payload as it is: K then V in natural
-little-endian order. They take about half as much room again (23.0 vs 15.2 KB a token, fp16, default
-model) but decode to zero-copy views of the stored bytes: on a CPU the decode runs on the same cores as
-the blend's compute, and zstd plus the byte planes cost about 20 % of a blended prefill.
-
-Decoded arrays are fresh and writable (unless `copy=False` lets an uncompressed value decode to views).
-Their dtype, unless `dtype` asks otherwise: fp16 → float16 (the stored values exactly; the loader
-converts once to its compute dtype, so a float32 detour would only add a copy), bf16 → float32 (exact),
-int8 → float32. `stored_kv` gives a checked payload's K and V without dequantising int8 (the values and their
-scales), for a load that dequantises on the device (load/loader.py's fused path).
+Decoded arrays are fresh and writable (unless `copy=False` lets an uncompressed value decode to views), fp16 as
+float16 (exact: the loader converts once to its compute dtype), bf16 and int8 as float32, unless `dtype` asks
+otherwise. `stored_kv` gives K and V without dequantising int8 (values and scales), for a load that dequantises
+on the device (load/loader.py's fused path).
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import xxhash
 import zstandard
 
 from kvrag.errors import KvragError
-from kvrag.store.keys import CODEC_IDS, CODEC_NAMES, codec_id
+from kvrag.store.keys import CODEC_NAMES, codec_id
 
 MAGIC = b"KVRV"
 FORMAT_VERSION = 1
@@ -51,11 +46,7 @@ SRC_DTYPE_NAMES = {1: "float32", 2: "float16"}
 # what `decode` returns per codec, unless asked otherwise (see the module doc)
 DECODED_DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(np.float32), "int8": np.dtype(np.float32)}
 
-# int8 K scales: per (head, channel) over the chunk's tokens, as KIVI does, because pre-rotary keys have
-# outlier channels. Measured on SmolLM2-135M (6 MuSiQue passages of ~594 tokens after the preamble, all
-# 30 layers): per-channel K halves the error of per-token-per-head K — relative K error 0.48 % vs 1.06 %,
-# RMS error of the rotated attention logits 0.023 vs 0.044, attention total variation 0.0075 vs 0.014 —
-# for 768 bytes of scales per (chunk, layer). V keeps per-token-per-head scales (0.72 % relative error).
+# int8 K scales per (head, channel), as KIVI does: pre-rotary keys have outlier channels (docs/performance.md).
 # The per-token K layout stays readable (flag clear), so the choice can change without a format change.
 INT8_K_PER_CHANNEL = True
 
@@ -73,10 +64,6 @@ class ValueHeader:
     raw_len: int
     payload_len: int
     checksum: int
-
-    @property
-    def has_positions(self) -> bool:
-        return bool(self.flags & FLAG_POSITIONS)
 
 
 @dataclass(frozen=True)
@@ -108,7 +95,6 @@ def encode(
     codec: str = "fp16",
     positions: np.ndarray | None = None,
     *,
-    level: int = ZSTD_LEVEL,
     k_per_channel: bool = INT8_K_PER_CHANNEL,
     compress: bool = True,
 ) -> bytes:
@@ -145,7 +131,7 @@ def encode(
         sections.append(pos.tobytes())
     raw = b"".join(sections)
     if compress:
-        payload = zstandard.ZstdCompressor(level=level).compress(raw)
+        payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     else:
         payload, flags = raw, flags | FLAG_RAW
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, cid, SRC_DTYPES[k.dtype], flags, t, h, d, len(raw), len(payload), 0)
@@ -187,11 +173,14 @@ def decode(
     head, body = checked_body(raw, expect_codec=expect_codec, expect_shape=expect_shape)
     if copy and head.flags & FLAG_RAW:
         body = bytearray(body)  # a bytearray: writable arrays
-    k, v = _decode_kv(head, body)
-    positions = stored_positions(head, body)
+    kv = stored_kv(head, body)
+    k, v = kv.k, kv.v
+    if kv.k_scale is not None:
+        ks = kv.k_scale[None] if kv.k_per_channel else kv.k_scale[..., None]  # [1, H, D] or [T, H, 1]
+        k, v = k.astype(np.float32) * ks, v.astype(np.float32) * kv.v_scale[..., None]  # [T, H, D] each
     if dtype is not None:
         k, v = k.astype(dtype, copy=False), v.astype(dtype, copy=False)
-    return DecodedKV(k, v, positions)
+    return DecodedKV(k, v, stored_positions(head, body))
 
 
 def checked_body(raw: bytes | memoryview, *, expect_codec: str | None = None,
@@ -248,7 +237,7 @@ def copy_checked(raw: bytes | memoryview, destinations: list[np.ndarray], *, exp
 def stored_positions(head: ValueHeader, body: bytes | bytearray | memoryview) -> np.ndarray | None:
     """A checked body's kept positions (int32 [T] or [T, kv_heads], the payload's last section), None for a full
     chunk: readable without decoding K and V."""
-    if not head.has_positions:
+    if not head.flags & FLAG_POSITIONS:
         return None
     t, h, _ = head.shape
     pshape = (t, h) if head.flags & FLAG_POSITIONS_PER_HEAD else (t,)
@@ -283,14 +272,6 @@ def stored_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> Stored
     else:  # bf16: the upper half of a float32
         kv = (bits.astype(np.uint32) << 16).view(np.float32)
     return StoredKV(kv[0], kv[1])
-
-
-def _decode_kv(head: ValueHeader, body: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray]:
-    kv = stored_kv(head, body)
-    if kv.k_scale is None:
-        return kv.k, kv.v
-    ks = kv.k_scale[None] if kv.k_per_channel else kv.k_scale[..., None]  # [1, H, D] or [T, H, 1]
-    return kv.k.astype(np.float32) * ks, kv.v.astype(np.float32) * kv.v_scale[..., None]  # [T, H, D] each
 
 
 def _int8_sections(k: np.ndarray, v: np.ndarray, k_per_channel: bool) -> list[bytes]:
@@ -364,6 +345,3 @@ def _checksum(header: bytes, payload: bytes | memoryview) -> int:
     digest.update(payload)
     return digest.intdigest()
 
-
-__all__ = ["CODEC_IDS", "CorruptValue", "DecodedKV", "StoredKV", "ValueHeader", "checked_body", "decode", "encode",
-           "read_header", "stored_kv", "stored_positions"]

@@ -22,7 +22,7 @@ from kvrag.store.keys import (
     parse_key,
     preamble_chunk_id,
 )
-from kvrag.store.kv import claim_alive, delete_prefix, positions_problem, scan_records
+from kvrag.store.kv import claim_alive, delete_prefix, scan_records
 from kvrag.store.manifest import (
     current_chunking,
     drop_manifest,
@@ -31,6 +31,7 @@ from kvrag.store.manifest import (
     set_chunking,
 )
 from kvrag.store.record import KVRecord
+from kvrag.store.table import positions_problem
 
 DELETE_BATCH = 64  # chunks per write transaction in gc/repair: bounded transactions, steady progress
 
@@ -262,9 +263,8 @@ def _walk(env: StoreEnv) -> Iterator[tuple[ChunkKey | None, dict, list[bytes]]]:
     stray: list[bytes] = []
     with env.reader() as txn:
         for raw in txn.cursor(db=env.db("kv")).iternext(values=False):
-            try:
-                key = parse_key(raw)
-            except ValueError:
+            key = _parsed(raw)
+            if key is None:
                 stray.append(bytes(raw))
                 continue
             chunk = chunk_of(key)
@@ -278,10 +278,7 @@ def _walk(env: StoreEnv) -> Iterator[tuple[ChunkKey | None, dict, list[bytes]]]:
             cursor = txn.cursor(db=env.db("kv"))
             ok = cursor.set_range(chunk.prefix)
             while ok and cursor.key().startswith(chunk.prefix):
-                try:
-                    key = parse_key(cursor.key())
-                except ValueError:  # already reported by the keys-only pass
-                    key = None
+                key = _parsed(cursor.key())  # None: malformed, already reported by the keys-only pass
                 if isinstance(key, KVKey):
                     entries["layers"][key.layer] = cursor.value()
                 elif isinstance(key, ChunkKey):
@@ -295,15 +292,16 @@ def _dead_claims(env: StoreEnv) -> list[bytes]:
     now = time.time()
     with env.reader() as txn:
         keys = [bytes(k) for k in txn.cursor(db=env.db("kv")).iternext(values=False) if k.endswith(TAG_CLAIM)]
-        keys = [k for k in keys if _is_claim(k)]
-        return [k for k in keys if not claim_alive(txn.get(k, db=env.db("kv")), "", now)]  # "": judged by no owner
+        return [k for k in keys if isinstance(_parsed(k), ClaimKey)
+                and not claim_alive(txn.get(k, db=env.db("kv")), "", now)]  # "": judged by no owner
 
 
-def _is_claim(raw: bytes) -> bool:
+def _parsed(raw: bytes):
+    """The key, None for a malformed one."""
     try:
-        return isinstance(parse_key(raw), ClaimKey)
+        return parse_key(raw)
     except ValueError:
-        return False
+        return None
 
 
 def _models_in_kv(env: StoreEnv) -> set[str]:
@@ -313,13 +311,12 @@ def _models_in_kv(env: StoreEnv) -> set[str]:
         cursor = txn.cursor(db=env.db("kv"))
         ok = cursor.first()
         while ok:
-            try:
-                fp = chunk_of(parse_key(cursor.key())).model_fp
-            except ValueError:
+            key = _parsed(cursor.key())
+            if key is None:
                 ok = cursor.next()
                 continue
-            found.add(fp)
-            nxt = after_prefix(model_prefix(fp))
+            found.add(chunk_of(key).model_fp)
+            nxt = after_prefix(model_prefix(chunk_of(key).model_fp))
             ok = nxt is not None and cursor.set_range(nxt)
     return found
 

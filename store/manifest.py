@@ -169,13 +169,6 @@ def drop_manifest(txn: lmdb.Transaction, env: StoreEnv, model_fp: str) -> None:
     txn.delete(manifest_key(model_fp), db=env.db("meta"))
 
 
-def chunking_diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> list[str]:
-    """'key: old → new' for every key present in both that differs (new keys are not a mismatch)."""
-    if old is None or new is None:
-        return []
-    return [f"{k}: {old[k]!r} → {new[k]!r}" for k in sorted(set(old) & set(new)) if old[k] != new[k]]
-
-
 def _refuse_mismatch(env: StoreEnv, old: Manifest, wanted_hash: str, chunking: Mapping[str, Any] | None) -> None:
     fp = old.model_fp
     if old.preamble_hash != wanted_hash:
@@ -183,7 +176,8 @@ def _refuse_mismatch(env: StoreEnv, old: Manifest, wanted_hash: str, chunking: M
             f"store at {env.path} holds KV of model {fp} computed after another preamble "
             f"(stored {old.preamble_hash[:12]}, now {wanted_hash[:12]}); use another --store, or drop that KV "
             f"with `kvrag store gc --drop-model {fp}` and precompute again")
-    diff = chunking_diff(old.chunking, chunking)
+    was, now = old.chunking or {}, chunking or {}  # a key new since is not a mismatch
+    diff = [f"{k}: {was[k]!r} → {now[k]!r}" for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]
     if diff:
         raise KvragError(
             f"store at {env.path} was re-indexed with other chunking since model {fp}'s KV was computed "

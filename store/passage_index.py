@@ -7,7 +7,7 @@ where the client cut it. So the index keeps the hash of every chunk's WINDOW-tok
 start; a prompt hashes every window it has, and each hit is extended over its chunk, both ways, as far as the ids
 agree. Any common run of WINDOW + STRIDE - 1 tokens is found; runs shorter than MIN_SPAN are not worth a blend.
 
-Passages a client added (kept by admission, engine/passages.py) carry that client's salt: a prompt sees the
+Passages kept from clients' prompts (engine/kept_passages.py) carry that client's salt: a prompt sees the
 corpus's chunks (salt "") and its own salt's, never another's.
 
 Plain Python and numpy: no torch, no LMDB (the caller feeds it records).

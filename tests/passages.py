@@ -12,12 +12,12 @@ from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
-from kvrag.model.generate import SamplingConfig
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, chunk_id_for
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def corpus(tmp_path, tiny_runtime, invented_items):
                                    len(text), ids))
     ChunkTable(env).put_docs([(DocRecord("d", "d.txt", "", "h", tuple(DocChunk(r.chunk_id, 0, 1, len(r.token_ids))
                                                                        for r in records)), records)])
-    table = KVTable(env, rt.fingerprint, "fp16")
+    table = LocalKVTable(env, rt.fingerprint, "fp16")
     with torch.inference_mode():
         for r in records[:3]:  # the fourth is indexed, its KV not computed yet
             table.put_chunk(r.chunk_id, r.token_ids, layers_to_numpy(chunk_kv(rt, prefiller.preamble, r.token_ids)))

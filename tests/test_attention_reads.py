@@ -15,7 +15,7 @@ from kvrag.blend.config import BlendConfig
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.prefiller import Prefiller
-from kvrag.model.generate import prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for

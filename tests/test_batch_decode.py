@@ -14,7 +14,7 @@ from kvrag.kernels import quant
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import TOKENIZER_FILES, resolve_model
-from kvrag.model.generate import prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.quant import quantize_layers
 from kvrag.model.transformer import Transformer
 

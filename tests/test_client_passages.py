@@ -3,7 +3,7 @@ kvrag field in any request): a LangChain LCEL RAG chain over ChatOpenAI, LlamaIn
 OpenAILike, Open WebUI's RAG template over plain HTTP, and two tenants (API keys) behind one server. kvrag (with
 `retrieval="auto"`, the default) finds the store's chunks inside those prompts and blends their stored KV
 (store/passage_index.py, engine/prompt_reuse.py), adds no passages of its own (the prompt carries some), keeps a
-client's new passages at their second sighting for that tenant alone (engine/admission.py), and caches every prompt's
+client's new passages at their second sighting for that tenant alone (engine/kept_passages.py), and caches every prompt's
 whole blocks for exact repeats per tenant (engine/conversations.py). Each test asserts counts
 (`usage.prompt_tokens_details.cached_tokens`, `prompt_tokens`, /metrics), never the tiny random model's words; the
 server's `ratio: auto` runs without its first-token time budget (see `rag`), so a blend recomputes r* = 15 % of the
@@ -244,7 +244,7 @@ def test_stored_chunks_computed_now_are_not_reported_cached(store_copy, tiny_lla
     """A store that is indexed but not precomputed (as `kvrag index` leaves it): the chunks a client's prompt carries
     have no KV yet, so the first prompt computes them all; nothing of it was cached."""
     from kvrag import KVRag
-    from kvrag.store.kv import KVTable
+    from kvrag.store.kv import LocalKVTable
 
     with KVRag(store_copy, model=str(tiny_llama_dir), dtype="float32", host_cache="0") as fresh, \
             BackgroundServer(fresh, ServerSettings(MODEL)) as running, \
@@ -252,7 +252,7 @@ def test_stored_chunks_computed_now_are_not_reported_cached(store_copy, tiny_lla
         from kvrag.store.chunks import ChunkTable
 
         ids = [r.chunk_id for r in ChunkTable(fresh.env).iter() if r.text in {t for t, _ in passages}]
-        table = KVTable(fresh.env, fresh.runtime.fingerprint, "fp16")
+        table = LocalKVTable(fresh.env, fresh.runtime.fingerprint, "fp16")
         if set(table.missing(ids)) != set(ids):
             pytest.skip("the indexed store holds these chunks' KV already")  # not this test's case
         body = post_chat(client, [{"role": "user", "content": open_webui_prompt([t for t, _ in passages], QUESTION)}])

@@ -20,9 +20,10 @@ from kvrag.bench.cluster_sim import (
     workload,
     zipf_ranks,
 )
+from kvrag.cluster.routing import BALANCE
 from kvrag.kvcache.allocator import BlockLayout
-from kvrag.server.routing import BALANCE
 from kvrag.store.tiers.cache import TieredKVCache
+from kvrag.tests.tier_invariants import check_invariants
 
 TINY = BlockLayout(1, 1, 1)  # 4 B a token: a 16-token chunk is one 64-B block
 
@@ -117,4 +118,4 @@ def test_heap_victim_cache_evicts_as_the_scan_does(policy):
     assert fast.cache.stats == scan.cache.stats and fast.cache.stats.evictions["host"] > 500
     assert sorted(n.path for n in fast.tree.nodes()) == sorted(n.path for n in scan.tree.nodes())
     assert fast.tree.counts == Counter(n.chunk_id for n in scan.tree.nodes())
-    fast.cache.check()
+    check_invariants(fast.cache)

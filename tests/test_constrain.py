@@ -11,7 +11,7 @@ import torch
 
 from kvrag.errors import KvragError
 from kvrag.model.constrain import Grammars
-from kvrag.model.generate import stop_ids
+from kvrag.model.sampling import stop_ids
 
 PERSON = {
     "type": "object",
@@ -220,7 +220,8 @@ def test_sequences_share_a_grammar_across_threads(grammars, smol_tokenizer, clos
 @pytest.mark.real_model
 def test_smollm2_answers_in_the_schema(smol):
     """The real model's greedy answer, constrained: JSON that fits, ended by the model at <|im_end|>."""
-    from kvrag.model.generate import decode_step, prefill
+    from kvrag.model.decode import decode_step
+    from kvrag.model.prefill import prefill
     from kvrag.model.runtime import Runtime
 
     rt = Runtime.load(None)

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrag.corpus import documents as why
-from kvrag.corpus.read_json import JsonFields
-from kvrag.corpus.sources import expand_paths, read_path
+from kvrag.corpus.sources import JsonFields, expand_paths, read_path
 from kvrag.errors import KvragError
 from kvrag.tests.corpus_samples import make_pdf
 

@@ -60,7 +60,7 @@ def test_table_put_get_iter_count_and_ids(table):
     assert table.ids() == {a.chunk_id, b.chunk_id}
     assert table.count() == 2
     assert sorted(table.iter(), key=lambda r: r.chunk_id) == sorted([a, b], key=lambda r: r.chunk_id)
-    assert table.get_doc("/d.txt") == doc_of("/d.txt", a, b)
+    assert table.docs() == {"/d.txt": doc_of("/d.txt", a, b)}
     for bad in ("ff" * 16, "not-hex", "abcd"):  # absent, a typo, too short: one clear error, no traceback
         assert table.get(bad) is None
         with pytest.raises(KvragError, match=f"chunk {bad} is not in the store at "):
@@ -85,7 +85,7 @@ def test_removing_an_owner_moves_shared_chunks_and_gc_keeps_them(table):
     table.remove_docs(["/a.txt"], {shared.chunk_id: [doc_b], only_a.chunk_id: []})
     moved = table.get(shared.chunk_id)
     assert (moved.doc_id, moved.char_start) == ("/b.txt", 40)
-    assert table.get_doc("/a.txt") is None
+    assert "/a.txt" not in table.docs()
     assert table.get(only_a.chunk_id) is not None  # deleted only by delete_unreferenced
     assert table.delete_unreferenced({shared.chunk_id}) == [only_a.chunk_id]
     assert table.ids() == {shared.chunk_id}

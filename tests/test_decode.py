@@ -12,17 +12,10 @@ from kvrag.errors import KvragError
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels.attention import attend_few_rows
 from kvrag.model.cache import DecodeCache
+from kvrag.model.decode import decode_step, decode_step_reference, generate
 from kvrag.model.files import resolve_model
-from kvrag.model.generate import (
-    SamplingConfig,
-    choose,
-    decode_step,
-    decode_step_reference,
-    generate,
-    prefill,
-    stream_text,
-)
-from kvrag.model.step import full_forward
+from kvrag.model.prefill import extend, prefill
+from kvrag.model.sampling import SamplingConfig, choose
 from kvrag.model.transformer import RESCORED, Transformer
 
 
@@ -57,7 +50,7 @@ def test_real_greedy_32_tokens_match_generate(smol, smol_tokenizer, invented_ite
     assert _greedy_ours(smol.path, ids, 32) == _greedy_hf(smol.path, ids, 32)
 
 
-def test_decode_step_logits_equal_full_forward(tiny_llama_dir):
+def test_decode_step_logits_equal_a_full_prefill(tiny_llama_dir):
     """Logits after feeding tokens one by one equal a full forward of the whole sequence."""
     local = resolve_model(str(tiny_llama_dir))
     model = Transformer.from_safetensors(local.config, local.weight_files(), torch.float32)
@@ -66,8 +59,8 @@ def test_decode_step_logits_equal_full_forward(tiny_llama_dir):
         _, cache = prefill(model, ids[:20], extra=10)
         for t in ids[20:]:
             step_logits = decode_step(model, cache, int(t))
-        ref, _ = full_forward(model, ids)
-    torch.testing.assert_close(step_logits, ref[0], rtol=1e-4, atol=1e-4)
+        ref, _ = extend(model, None, ids)
+    torch.testing.assert_close(step_logits, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_full_cache_refuses_another_token(tiny_llama_dir):
@@ -97,14 +90,6 @@ def test_sampling_rules_by_hand():
 def test_sampling_config_is_validated(bad):
     with pytest.raises(KvragError):
         SamplingConfig(**bad)
-
-
-def test_stream_text_reassembles_the_answer(smol_tokenizer):
-    text = "Zürich — 12 km² of naïve café ☕ text."
-    ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
-    pieces = list(stream_text(smol_tokenizer, iter(ids)))
-    assert "".join(pieces) == text
-    assert all("\ufffd" not in p for p in pieces)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

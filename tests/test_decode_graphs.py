@@ -19,7 +19,7 @@ from kvrag.engine.decode_graphs import CudaGraphCapture, StaticInputs, batch_buc
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.kernels import triton_attention
 from kvrag.kvcache.allocator import BlockTable
-from kvrag.model.generate import prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.runtime import Runtime
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,7 +223,7 @@ def test_an_engine_with_cuda_graphs_answers_as_one_without(runtime, monkeypatch)
     from kvrag.engine.prefiller import Prefiller
     from kvrag.engine.scheduler import SchedulerConfig
     from kvrag.engine.sequence import Request
-    from kvrag.model.generate import SamplingConfig
+    from kvrag.model.sampling import SamplingConfig
 
     questions = ["Where does the Nile flow?", "How deep is Lake Baikal?", "Who wrote Hamlet?"]
 

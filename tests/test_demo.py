@@ -39,6 +39,9 @@ def test_every_demo_question_gets_its_answer(kvrag, demo_store, mode):
     # with AVX512-BF16 and no AMX (bf16, native kernels) all five are right; with AMX, whose bf16 attention is SDPA's,
     # the blend's LMDB answer misses (the full prefill's does not); on an AVX2-only CPU (float32, or bf16 without
     # the kernels) the VEI and LMDB answers miss, in both modes. The ones each path gets are all asserted.
+    # LMDB is a tie in the model itself, not a blending error: in float32 blend and full prefill agree (KV to 1e-12)
+    # and both say "a cache" (' cache' over ' L' by 0.007 logits); with AMX, bf16's full prefill puts ' L' ahead by
+    # 0.023 and its blend ' cache' by 0.053, each as far from float32's KV as from the other (issue 59).
     bf16_path = cpu_has_fast_bf16() and native.library() is not None
     want = (4 if mode == "blend" and cpu_has_amx() else len(expected)) if bf16_path else 3
     assert all(right[:want]), [a["answer"] for a in out]

@@ -13,7 +13,8 @@ from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
+from kvrag.tests.tier_invariants import check_invariants
 
 Q1 = "Who was the spouse of the performer?"
 Q2 = "When was the company founded?"
@@ -32,7 +33,7 @@ def setup(tmp_path, runtime, invented_items):
     for ctx in invented_items[1]["ctxs"][:5]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
         chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
-    table = KVTable(env, runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, runtime.fingerprint, "fp16")
     with torch.inference_mode():
         for chunk_id, ids in chunks:
             table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(runtime, plain.preamble, ids)))
@@ -48,7 +49,7 @@ QUESTION_FREE = BlendConfig(attention_weight=0)
 
 def _ask(engine: Prefiller, chunks, question: str, mode: str = "blend"):
     out = engine.prefill(chunks, question, mode, QUESTION_FREE)
-    engine.flush_write_back()  # what answer_question does after decoding: fills the tiers
+    engine.flush_write_back()  # what tests/reference_answer.py does after decoding: fills the tiers
     return out
 
 
@@ -69,7 +70,7 @@ def test_a_matched_path_is_reused_exactly(setup):
     torch.testing.assert_close(second.cache.v[:, :n], reference.cache.v[:, :n], rtol=1e-3, atol=2e-3)
     stats = tiered.source.cache.stats
     assert stats.requests == 2 and stats.prefix_hits == len(chunks)
-    tiered.source.cache.check()
+    check_invariants(tiered.source.cache)
 
 
 def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
@@ -87,7 +88,7 @@ def test_stored_kv_comes_from_memory_below_the_first_miss(setup):
     # a stored chunk is an exact depth-1 path: a prompt that starts with it reuses it without recompute
     again = _ask(tiered, [chunks[2], chunks[0]], Q1)
     assert again.chunk_tiers == ["tree", "host"]
-    tiered.source.cache.check()
+    check_invariants(tiered.source.cache)
 
 
 def test_a_cache_too_small_for_anything_still_answers_right(setup, runtime):

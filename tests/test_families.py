@@ -13,9 +13,9 @@ from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.errors import KvragError
 from kvrag.model.config import ModelConfig
+from kvrag.model.decode import decode_step
 from kvrag.model.files import resolve_model
-from kvrag.model.generate import decode_step, prefill
-from kvrag.model.step import full_forward
+from kvrag.model.prefill import extend, prefill
 from kvrag.model.transformer import Transformer
 
 FAMILY_NAMES = ["qwen3", "qwen3_window", "phi3", "phi3_longrope", "mistral_window", "llama_yarn", "llama_dynamic",
@@ -39,7 +39,7 @@ def test_family_logits_match_transformers(name, tiny_family):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]  # [T, V]
-        ours, _ = full_forward(_ours(path), ids, all_logits=True)
+        ours, _ = extend(_ours(path), None, ids, all_logits=True)
     assert ours.shape == ref.shape
     print(f"{name}: max abs logit diff {float((ours - ref).abs().max()):.2e}, rel {_rel_err(ours, ref):.2e}")
     assert _rel_err(ours, ref) < 1e-4
@@ -67,7 +67,7 @@ def test_family_batched_decode_equals_one_at_a_time(name, tiny_family):
             cache = prefill(model, ids, extra=steps)[1]
             alone = torch.stack([decode_step(model, cache, int(t)) for t in feeds[b]])  # [steps, V]
             torch.testing.assert_close(torch.stack([s[b] for s in batched]), alone, rtol=1e-5, atol=1e-5)
-            full, _ = full_forward(model, torch.cat([ids, feeds[b]]), all_logits=True)  # [T + steps, V]
+            full, _ = extend(model, None, torch.cat([ids, feeds[b]]), all_logits=True)  # [T + steps, V]
             torch.testing.assert_close(alone, full[len(ids):], rtol=1e-4, atol=1e-4)
 
 

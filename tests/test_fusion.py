@@ -16,7 +16,7 @@ from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
 
 
@@ -44,7 +44,7 @@ def _store(path, runtime: Runtime, items):
     env = StoreEnv.open(path, create=True)
     engine = Prefiller.open(runtime, env)
     chunks = _chunks(runtime, items)
-    table = KVTable(env, runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, runtime.fingerprint, "fp16")
     with torch.inference_mode():
         for chunk_id, ids in chunks:
             table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(runtime, engine.preamble, ids)))
@@ -294,20 +294,20 @@ def test_loader_overlaps_compute(tiny_runtime, stored, monkeypatch):
 
 
 def _on_read(monkeypatch, name: str, began: list[threading.Event]) -> None:
-    """KVTable.<name>(…, layer, …) sets began[layer] before it reads."""
-    real = getattr(KVTable, name)
+    """LocalKVTable.<name>(…, layer, …) sets began[layer] before it reads."""
+    real = getattr(LocalKVTable, name)
 
     def read(self, chunks, layer, *args, **kwargs):
         began[layer].set()
         return real(self, chunks, layer, *args, **kwargs)
 
-    monkeypatch.setattr(KVTable, name, read)
+    monkeypatch.setattr(LocalKVTable, name, read)
 
 
 def test_damaged_value_is_never_used(stored, tiny_runtime):
     env, engine, chunks = stored
     reference = engine.prefill(chunks, QUESTION, mode="reuse").logits
-    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, tiny_runtime.fingerprint, "fp16")
     key = table.key(chunks[1][0]).layer(2).to_bytes()
     with env.env.begin(write=True, db=env.db("kv")) as txn:  # flip one payload byte
         value = bytearray(txn.get(key))
@@ -324,7 +324,7 @@ def test_missing_chunk_is_computed_and_written_back(stored, tiny_runtime):
     env, engine, chunks = stored
     extra_ids = tiny_runtime.prompts.passage_ids("", "A passage nobody precomputed, about owls.")
     extra = (chunk_id_for(extra_ids, tiny_runtime.local.tokenizer_fingerprint), extra_ids)
-    table = KVTable(env, tiny_runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, tiny_runtime.fingerprint, "fp16")
     assert not table.has(extra[0])
     out = engine.prefill(chunks + [extra], QUESTION, mode="blend", config=BlendConfig(ratio=1.0))
     full = engine.prefill(chunks + [extra], QUESTION, mode="full")
@@ -355,7 +355,7 @@ def test_every_codec_reaches_the_blend_through_the_loader(tmp_path, tiny_runtime
     chunks = _chunks(tiny_runtime, invented_items)
     with StoreEnv.open(tmp_path / "store", create=True) as env:
         engine = Prefiller.open(tiny_runtime, env, codec)
-        table = KVTable(env, tiny_runtime.fingerprint, codec)
+        table = LocalKVTable(env, tiny_runtime.fingerprint, codec)
         with torch.inference_mode():
             for chunk_id, ids in chunks:
                 table.put_chunk(chunk_id, ids, layers_to_numpy(chunk_kv(tiny_runtime, engine.preamble, ids), codec))

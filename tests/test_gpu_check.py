@@ -1,6 +1,7 @@
-"""The GPU check (issue 47) rehearsed without a GPU: tools/gpu_check.sh --cpu-smoke over the folder `make gpu-check`
-fills (CI makes it before the suite; elsewhere a folder without wheels is made here), every part's JSON, what a
-device call brings back, the folder's size bound and manifest, and the summary of a run cut short."""
+"""The GPU check (issues 47, 59) rehearsed without a GPU: tools/gpu_check.sh --cpu-smoke over the folder `make
+gpu-check` fills (CI makes it before the suite; elsewhere a folder without wheels is made here), every part's JSON,
+what a device call brings back, the call's time budget as the script plans it, the folder's size bound and manifest,
+and the summary of a run cut short."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from kvrag.bench.gpu_check_tests import junit_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / ".gpu-check"
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
+DEVICE_CALL_S = 300  # one call, its setup included, leaves a second within a session's 15 minutes of device time
+
+
+def _plan() -> dict:
+    """The budget as the script itself sets it (its assignments, not a copy kept here)."""
+    values = dict(re.findall(r'^([A-Z_]+)=("[^"]*"|\d+)', SCRIPT.read_text(), re.M))
+    numbers = {k: int(values[k]) for k in ("CALL_S", "SETUP_CAP", "GRACE", "SUMMARY_CAP")}
+    caps = {name: int(cap) for name, cap in (spec.split(":") for spec in values["PLAN"].strip('"').split())}
+    return {**numbers, "caps": caps}
 
 
 def _tool():
@@ -43,9 +54,15 @@ def folder(tmp_path_factory, musique_path, smol) -> Path:
 def test_the_rehearsal_runs_every_part_and_writes_what_a_device_call_returns(folder, tmp_path, smol):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_FOLDER": str(folder), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-smoke"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the call's budget: setup, every part's cap and kill grace, and the summary, within one call of 300 s
+    plan = _plan()
+    total = plan["SETUP_CAP"] + sum(cap + plan["GRACE"] for cap in plan["caps"].values()) + plan["SUMMARY_CAP"]
+    assert total <= plan["CALL_S"] <= DEVICE_CALL_S, plan
+    assert f": {total} s of the call's {plan['CALL_S']}" in proc.stdout.splitlines()[0]  # the plan it ran
+    assert tuple(plan["caps"]) == gpu_check.PARTS  # most valuable first, the order the summary lists them in
+    assert proc.stdout.index("gpu_check: tests exit") < proc.stdout.index("gpu_check: e2e-smol exit")
     for part in gpu_check.PARTS:
         assert re.search(rf"gpu_check: {part} exit 0 in \d+ s", proc.stdout), proc.stdout
     # a device call brings back at most 8 files, named in letters, digits, '.', '_' and '-'
@@ -72,6 +89,15 @@ def test_the_rehearsal_runs_every_part_and_writes_what_a_device_call_returns(fol
     assert tests["skipped"] == 3 and all("gpu" in c["test"] for c in tests["cases"] if c["outcome"] == "skipped")
     # the summary table comes last, one row a part
     assert all(f"| {p} | done |" in proc.stdout for p in gpu_check.PARTS)
+
+
+def test_a_plan_over_the_call_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "tools").mkdir()
+    over = _plan()["CALL_S"] + 1
+    (tmp_path / "tools" / "gpu_check.sh").write_text(SCRIPT.read_text().replace('PLAN="', f'PLAN="late:{over} ', 1))
+    proc = subprocess.run(["bash", str(tmp_path / "tools" / "gpu_check.sh")], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path / "out")}, timeout=60)
+    assert proc.returncode == 2 and "over the call's" in proc.stdout.splitlines()[-1], proc.stdout
 
 
 def test_the_folder_fits_its_bound_and_matches_its_manifest(folder):

@@ -1,17 +1,17 @@
-"""Kept passages are evicted, not frozen (engine/admission.py): PGDSF's order on a hand-computed case, and on the engine
+"""Kept passages are evicted, not frozen (engine/kept_passages.py): PGDSF's order on a hand-computed case, and on the engine
 the bound held, the evicted passage's index entry, record and KV gone, the newcomer served from the store."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvrag.engine.admission import PassageKeeper, client_chunk_id
+from kvrag.engine.kept_passages import PassageKeeper, client_chunk_id
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.model.prompt import encode
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.tests.passages import OTHER_TASK, TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
@@ -73,7 +73,7 @@ def test_a_full_bound_evicts_the_least_valuable_passage_and_keeps_the_new_one(co
     engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
     lengths = [len(encode(prefiller.runtime.tokenizer, text)) for text in (first, second)]
     engine.keeper.bound_tokens = max(lengths) + min(lengths) // 2  # room for one of them, not both
-    table = KVTable(env, prefiller.runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, prefiller.runtime.fingerprint, "fp16")
 
     def kept() -> dict[str, tuple[int, ...]]:
         return {r.chunk_id: r.token_ids for r in ChunkTable(env).client_records()}

@@ -1,4 +1,4 @@
-"""Passages kept from clients' prompts (engine/admission.py), end to end on a store: a real `kvrag serve` killed with
+"""Passages kept from clients' prompts (engine/kept_passages.py), end to end on a store: a real `kvrag serve` killed with
 SIGKILL while it stores them leaves whole KV values and no record naming missing KV, keeps what it stored before, and
 serves a kept passage's third sighting from the store after a restart; `kvrag store stats` counts them and
 `kvrag store gc --client-passages` drops them (records and KV), the corpus's KV staying."""
@@ -20,7 +20,7 @@ import numpy as np
 
 from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
 from kvrag.store.manifest import read_manifests
 from kvrag.tests.client_templates import open_webui_prompt
@@ -123,7 +123,7 @@ def check_store(path) -> dict[str, str]:
         kept = {r.chunk_id: r for r in ChunkTable(env).client_records()}
         # the salt the server keys them by: "<API key's tenant>:<cache_salt>" (no key here)
         assert {r.doc_id for r in kept.values()} <= {f"{CLIENT_DOC}:{SALT}"}
-        missing = KVTable(env, model_fingerprint(env), "fp16").missing(sorted(kept))
+        missing = LocalKVTable(env, model_fingerprint(env), "fp16").missing(sorted(kept))
         assert missing == [], f"client records naming KV that is not there: {missing}"
         return {chunk_id: r.text for chunk_id, r in kept.items()}
 
@@ -280,7 +280,7 @@ def test_store_stats_counts_kept_passages_and_gc_drops_them(store_copy, tiny_lla
         client_ids = sorted(r.chunk_id for r in records)
         corpus_ids = sorted(table.ids() - set(client_ids))
         fp = model_fingerprint(env)
-        kv = KVTable(env, fp, "fp16")
+        kv = LocalKVTable(env, fp, "fp16")
         assert kv.missing(client_ids) == [] and kv.missing(corpus_ids) == []
     assert len(records) >= 8  # 2 tenants x 2 prompts x 2 passages, each its own line
     assert {r.doc_id for r in records} == {f"{CLIENT_DOC}:{SALT}", f"{CLIENT_DOC}:{OTHER_SALT}"}
@@ -290,7 +290,7 @@ def test_store_stats_counts_kept_passages_and_gc_drops_them(store_copy, tiny_lla
     assert before["client_passages"] == {"passages": len(records), "tokens": sum(len(r.token_ids) for r in records),
                                          "tenants": 2}
     assert chunks_of(before, fp) == len(corpus_ids) + len(client_ids)
-    text = run_kvrag("store", "stats", "--store", str(store_copy)).stderr
+    text = run_kvrag("store", "stats", "--store", str(store_copy)).stdout
     assert f"passages kept from clients' prompts: {len(records)}" in text
 
     plain = json.loads(run_kvrag("store", "gc", "--store", str(store_copy), "--json").stdout)
@@ -309,7 +309,7 @@ def test_store_stats_counts_kept_passages_and_gc_drops_them(store_copy, tiny_lla
     with StoreEnv.open(str(store_copy)) as env:
         table = ChunkTable(env)
         assert table.client_records() == [] and table.ids() == set(corpus_ids)
-        kv = KVTable(env, fp, "fp16")
+        kv = LocalKVTable(env, fp, "fp16")
         assert kv.missing(client_ids) == client_ids  # their KV gone
         assert kv.missing(corpus_ids) == []  # the corpus's stays
         assert verify(env).ok
@@ -324,9 +324,9 @@ def test_gc_client_passages_on_a_store_with_no_corpus_drops_their_kv_too(tmp_pat
         ensure_schema(env)
         ChunkTable(env).put_records([ChunkRecord(chunk_id, f"{CLIENT_DOC}:{SALT}", "", "x", 0, 1, ids)])
         zeros = np.zeros((len(ids), 2, 8), np.float32)
-        assert KVTable(env, "model-a", "fp16").put_chunk(chunk_id, list(ids), [(zeros, zeros)] * 2)
+        assert LocalKVTable(env, "model-a", "fp16").put_chunk(chunk_id, list(ids), [(zeros, zeros)] * 2)
     done = run_kvrag("store", "gc", "--store", str(path), "--client-passages", check=False)
     with StoreEnv.open(str(path)) as env:
-        records, kv = ChunkTable(env).client_records(), KVTable(env, "model-a", "fp16")
+        records, kv = ChunkTable(env).client_records(), LocalKVTable(env, "model-a", "fp16")
         # either it drops both, or it refuses and drops neither: never records gone and their KV kept
         assert (records == [] and kv.missing([chunk_id]) == [chunk_id]) or (len(records) == 1 and done.returncode)

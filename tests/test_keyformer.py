@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvrag.blend import keyformer
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.errors import KvragError
 from kvrag.model.prefill import extend
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.plain import chunk_kv
 
 CHUNK = list(range(1000, 1037))  # 37 invented token ids
@@ -123,19 +123,18 @@ def test_one_set_sums_layers_and_heads_per_layer_sets_do_not():
     assert [p.tolist() for p in per] == [keyformer.select(s.sum(0), 0.5).tolist() for s in scores]
 
 
-def test_reduce_layers_and_kept_layers_round_trip():
+def test_reduce_layers_round_trips_through_the_codec():
     from kvrag.store.codec import decode, encode
 
     rng = np.random.default_rng(0)
     layers = [tuple(rng.standard_normal((2, 10, 2, 4)).astype(np.float16)) for _ in range(3)]
     kept = np.array([0, 3, 4, 9], dtype=np.int32)
     reduced = keyformer.reduce_layers(layers, kept)
-    stored = [decode(encode(k, v, "fp16", kept)) for k, v in reduced]
-    for (k, v, pos), (full_k, full_v) in zip(keyformer.kept_layers(stored), layers, strict=True):
-        assert k.shape == v.shape == (4, 2, 4) and pos.tolist() == [0, 3, 4, 9]
-        assert torch.equal(k, torch.from_numpy(full_k[kept])) and torch.equal(v, torch.from_numpy(full_v[kept]))
-    with pytest.raises(ValueError, match="not a reduced chunk"):
-        keyformer.kept_layers([decode(encode(*layers[0], "fp16"))])
+    for (k, v), (full_k, full_v) in zip(reduced, layers, strict=True):
+        stored = decode(encode(k, v, "fp16", kept))
+        assert stored.k.shape == stored.v.shape == (4, 2, 4) and stored.positions.tolist() == [0, 3, 4, 9]
+        assert np.array_equal(stored.k, full_k[kept]) and np.array_equal(stored.v, full_v[kept])
+    assert decode(encode(*layers[0], "fp16")).positions is None  # a full chunk keeps no positions
 
 
 @pytest.mark.parametrize("bad", [{"keep": 0.0}, {"keep": 1.5}, {"keep": math.nan}, {"rule": "lru"},

@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from kvrag.blend import keyformer
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import keyformer
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.plain import precompute
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import ChunkKey, KVKey, model_prefix, parse_key
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import stats, verify
 
 VARIANT = "keyformer:keep=0.5:recent=0.3:tau=1:seed=0"
@@ -40,7 +40,7 @@ def _layers(rng, n_layers: int, n: int):
 def test_one_store_holds_full_and_reduced_side_by_side(tmp_path):
     rng = np.random.default_rng(0)
     with StoreEnv.open(tmp_path / "s", create=True) as env:
-        full, reduced = KVTable(env, "m", "int8"), KVTable(env, "m", "int8", variant=VARIANT)
+        full, reduced = LocalKVTable(env, "m", "int8"), LocalKVTable(env, "m", "int8", variant=VARIANT)
         layers, kept = _layers(rng, 3, 10), np.array([1, 4, 8, 9], dtype=np.int32)
         assert full.put_chunk("c1", list(range(10)), layers)
         assert reduced.missing(["c1"]) == ["c1"]
@@ -59,7 +59,7 @@ def test_one_store_holds_full_and_reduced_side_by_side(tmp_path):
 def test_verify_flags_bad_positions_and_reduced_values_without_them(tmp_path):
     rng = np.random.default_rng(1)
     with StoreEnv.open(tmp_path / "s", create=True) as env:
-        reduced = KVTable(env, "m", "fp16", variant=VARIANT)
+        reduced = LocalKVTable(env, "m", "fp16", variant=VARIANT)
         with pytest.raises(ValueError, match="rise strictly"):
             reduced.put_chunk("c0", list(range(10)), _layers(rng, 1, 2), np.array([3, 3]))
         with pytest.raises(ValueError, match="outside"):
@@ -86,7 +86,7 @@ def test_precompute_keep_stores_the_full_chunks_kept_rows_and_resumes(store_copy
         again = precompute(env, tiny, codec, keep=cfg)
         assert (full_run.computed, first.computed, rest.computed, again.computed) == (5, 2, 3, 0)
         assert rest.variant == cfg.variant and again.already_stored == 5
-        full, reduced = KVTable(env, tiny.fingerprint, codec), KVTable(env, tiny.fingerprint, codec, variant=cfg.variant)
+        full, reduced = LocalKVTable(env, tiny.fingerprint, codec), LocalKVTable(env, tiny.fingerprint, codec, variant=cfg.variant)
         for record in ChunkTable(env).iter():
             n = len(record.token_ids)
             for layer in range(tiny.model.cfg.n_layers):
@@ -107,8 +107,8 @@ def test_reduced_positions_are_the_h2o_selection_of_the_chunk(store_copy, tiny):
     cfg = KeepConfig(0.3, "h2o")
     with StoreEnv.open(store_copy) as env:
         precompute(env, tiny, "fp16", keep=cfg, limit=1)
-        cid, record = next(KVTable(env, tiny.fingerprint, "fp16", variant=cfg.variant).iter_chunks())
-        stored = KVTable(env, tiny.fingerprint, "fp16", variant=cfg.variant).get_layer(cid, 0).positions
+        cid, record = next(LocalKVTable(env, tiny.fingerprint, "fp16", variant=cfg.variant).iter_chunks())
+        stored = LocalKVTable(env, tiny.fingerprint, "fp16", variant=cfg.variant).get_layer(cid, 0).positions
         token_ids = ChunkTable(env).get_many([cid])[0].token_ids
     _, preamble = extend(tiny.model, None, tiny.ids_tensor(tiny.prompts.preamble_ids))
     _, scores = keyformer.score_chunk(tiny.model, preamble, tiny.ids_tensor(list(token_ids)), cfg)
@@ -124,7 +124,7 @@ def test_cli_keep_stores_apart_and_stats_show_it(store_copy, tiny_llama_dir, kvr
     groups = {g["variant"]: g for g in stats_out["groups"]}
     assert groups[""]["chunks"] == 2 and groups["window:keep=0.5:sinks=4"]["chunks"] == 5
     assert 0.45 < groups["window:keep=0.5:sinks=4"]["kept_share"] < 0.55
-    table = kvrag("store", "stats", "--store", str(store_copy)).stderr
+    table = kvrag("store", "stats", "--store", str(store_copy)).stdout
     assert "window:keep=0.5:sinks=4" in table and "full" in table
 
 

@@ -8,15 +8,16 @@ import pytest
 import torch
 
 from kvrag.blend.config import BlendConfig
-from kvrag.blend.kv_budget import RULES, AttentionScore, budget_rows, parse_rule
 from kvrag.blend.ratio import RatioPolicy
+from kvrag.engine.kv_budget import RULES, AttentionScore, budget_rows, parse_rule
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
 from kvrag.errors import KvragError
-from kvrag.model.generate import SamplingConfig, decode_step
+from kvrag.model.decode import decode_step
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
 from kvrag.store.chunks import chunk_id_for
 
 QUESTION = "What do these passages say about the river?"

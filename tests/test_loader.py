@@ -10,7 +10,7 @@ from kvrag.load.layer_work import ChunkRef, CorruptChunk
 from kvrag.load.loader import LayerLoader, open_loader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 N_LAYERS, HKV, HD = 3, 2, 8
 
@@ -19,7 +19,7 @@ N_LAYERS, HKV, HD = 3, 2, 8
 def table(tmp_path, request):
     """A store with three chunks of 5, 7 and 4 tokens of random fp16 KV: compressed, uncompressed, or both."""
     env = StoreEnv.open(tmp_path / "store", create=True)
-    kv_table = KVTable(env, "model-fp", "fp16")
+    kv_table = LocalKVTable(env, "model-fp", "fp16")
     rng = np.random.default_rng(0)
     chunks = []
     for n, length in enumerate((5, 7, 4)):
@@ -33,7 +33,7 @@ def table(tmp_path, request):
     env.close()
 
 
-def _expected(kv_table: KVTable, chunks, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected(kv_table: LocalKVTable, chunks, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The store's own decode of every chunk, concatenated in prompt order: [C, Hkv, hd] each."""
     parts = [kv_table.get_layer(cid, layer, ids) for cid, ids in chunks]
     return (torch.from_numpy(np.concatenate([p.k for p in parts])),

@@ -14,7 +14,7 @@ from kvrag.load.layer_work import ChunkRef, CorruptChunk
 from kvrag.load.loader import open_loader
 from kvrag.model.prefill import LayerKV
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 N_LAYERS, HKV, HD = 3, 2, 8
 LENGTHS = (5, 11, 4)  # chunk 1 is Keyformer-reduced: it keeps the rows KEPT of its 11 tokens
@@ -32,7 +32,7 @@ def stored(tmp_path, request):
     """A store of one codec with three chunks of random KV (outlier key channels, as pre-rotary keys have): chunk 1
     reduced and stored uncompressed (so that its arrays view the read-only value), the others compressed."""
     env = StoreEnv.open(tmp_path / "store", create=True)
-    table = KVTable(env, "model-fp", request.param)
+    table = LocalKVTable(env, "model-fp", request.param)
     rng = np.random.default_rng(0)
     refs = []
     for n, length in enumerate(LENGTHS):
@@ -176,7 +176,7 @@ def test_a_blend_with_the_fused_load_equals_the_torch_blend(tmp_path, tiny_llama
     runtime = Runtime.load(str(tiny_llama_dir), "float32", device=str(DEVICE))
     env = StoreEnv.open(tmp_path / "store", create=True)
     try:
-        engine, table, chunks = Prefiller.open(runtime, env, codec="int8"), KVTable(env, runtime.fingerprint, "int8"), []
+        engine, table, chunks = Prefiller.open(runtime, env, codec="int8"), LocalKVTable(env, runtime.fingerprint, "int8"), []
         with torch.inference_mode():
             for ctx in invented_items[0]["ctxs"][:3]:
                 ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from kvrag.model import transformer as model_module
 from kvrag.model.files import resolve_model
-from kvrag.model.step import full_forward
+from kvrag.model.prefill import extend
 from kvrag.model.transformer import Transformer
 
 
@@ -36,7 +36,7 @@ def test_tiny_logits_match_transformers(fixture, mlp_rows, request, monkeypatch)
     ids = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = _hf(path)(ids[None]).logits[0]  # [T, V]
-        ours, _ = full_forward(_ours(path), ids, all_logits=True)
+        ours, _ = extend(_ours(path), None, ids, all_logits=True)
     assert ours.shape == ref.shape
     assert _rel_err(ours, ref) < 1e-4
 
@@ -101,17 +101,17 @@ def test_replacing_a_layers_kv_changes_only_what_it_should(tiny_llama_dir):
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(64)
     with torch.no_grad():
-        ref_logits, kv = full_forward(model, ids)
+        ref_logits, kv = extend(model, None, ids)  # [V], LayerKV
         # recompute only the last row, attending to stored K/V of every other row
         h_last = model.embed(ids)
         h_all = h_last
         for layer in range(model.cfg.n_layers):
-            k, v = kv[layer]
+            k, v = kv.k[layer], kv.v[layer]
             sub = model.project(layer, h_all[-1:], pos[-1:])
             attn = model.attend(sub.q, pos[-1:], model.rotate_keys(k, pos), v, pos)
             h_all = h_all.clone()
             h_all[-1:] = model.finish(layer, h_all[-1:], attn)
-        torch.testing.assert_close(model.logits(h_all[-1:]), ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.logits(h_all[-1:])[0], ref_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
@@ -120,11 +120,11 @@ def test_last_layer_runs_only_the_last_row_and_keeps_every_kv(tiny_llama_dir):
     model = _ours(tiny_llama_dir)
     ids = torch.randint(0, 49152, (96,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        every_row, kv_every = full_forward(model, ids, all_logits=True)  # [T, V]
-        last_row, kv = full_forward(model, ids)  # [1, V]
+        every_row, kv_every = extend(model, None, ids, all_logits=True)  # [T, V]
+        last_row, kv = extend(model, None, ids)  # [V]
     assert model.rows_read_after(model.cfg.n_layers - 1, 96) == slice(95, 96)
-    torch.testing.assert_close(last_row[0], every_row[-1], rtol=1e-5, atol=1e-5)
-    for (k, v), (k_ref, v_ref) in zip(kv, kv_every, strict=True):
+    torch.testing.assert_close(last_row, every_row[-1], rtol=1e-5, atol=1e-5)
+    for k, v, k_ref, v_ref in zip(kv.k, kv.v, kv_every.k, kv_every.v, strict=True):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
@@ -139,8 +139,8 @@ def test_real_model_logits_match_transformers_on_long_prompt(smol, smol_tokenize
     assert ids.shape[0] > 1000
     with torch.no_grad():
         ref = _hf(smol.path)(ids[None], logits_to_keep=1).logits[0, -1]
-        ours, _ = full_forward(Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32), ids)
-    assert _rel_err(ours[0], ref) < 1e-4
+        ours, _ = extend(Transformer.from_safetensors(smol.config, smol.weight_files(), torch.float32), None, ids)
+    assert _rel_err(ours, ref) < 1e-4
 
 
 def test_bf16_top_logits_are_rescored_in_float32(tiny_llama_dir):
@@ -175,6 +175,6 @@ def test_qwen25_real_weights_match_transformers_over_2000_tokens(qwen05, invente
         # transformers' SDPA attention: eager's 14 x 2,000 x 2,000 score matrices a layer took most of a minute
         hf = AutoModelForCausalLM.from_pretrained(str(qwen05.path), dtype=torch.float32, attn_implementation="sdpa")
         ref = hf.eval()(ids[None], logits_to_keep=1).logits[0, -1]
-        ours, _ = full_forward(Transformer.from_safetensors(qwen05.config, qwen05.weight_files(), torch.float32), ids)
-    assert _rel_err(ours[0], ref) < 1e-4
-    assert int(ours[0].argmax()) == int(ref.argmax())
+        ours, _ = extend(Transformer.from_safetensors(qwen05.config, qwen05.weight_files(), torch.float32), None, ids)
+    assert _rel_err(ours, ref) < 1e-4
+    assert int(ours.argmax()) == int(ref.argmax())

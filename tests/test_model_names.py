@@ -60,9 +60,10 @@ def test_model_list_shows_smollm2_installed_and_converted(smol, monkeypatch, cap
     assert smollm2["path"] == str(smol.path) and smollm2["fingerprint"] == smol.fingerprint
     assert smollm2["bytes"] == sum(f.stat().st_size for f in smol.path.iterdir())
     monkeypatch.setenv("COLUMNS", "200")  # the table on one line a model
-    code, _, table = _cli(monkeypatch, capsys, "list")
+    code, table, err = _cli(monkeypatch, capsys, "list")
     line = next(line for line in table.splitlines() if "smollm2" in line)
     assert code == 0 and str(smol.path) in line and "yes" in line and "gemma3-270m" in table
+    assert err == ""  # the table is the result: stdout alone
 
 
 def test_model_list_shows_other_converted_models(tmp_path, monkeypatch, capsys):

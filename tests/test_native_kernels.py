@@ -4,6 +4,8 @@ position apart from its slot against the torch reference step rotated the same w
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import resolve_model
-from kvrag.model.generate import prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.step import CacheKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 
@@ -390,18 +392,38 @@ def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
 needs_native = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
 
 
+def _gemv(w, x, out, n_threads=1):
+    """decode.cpp's bf16 matrix x vector: out [N] = w [N, K] @ x [K] (contiguous bf16; K % 16 == 0), float32 sums
+    rounded to bf16; out bf16, or float32 holding the bf16-rounded values."""
+    fn = native.function("kvrag_decode_gemv", ctypes.c_int, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                         + [ctypes.c_int] * 2)
+    if fn(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], int(out.dtype == torch.float32),
+          n_threads):
+        raise RuntimeError("decode gemv refused the shapes")
+    return out
+
+
+def _attention(q, k, v, out, n_keys, scale):
+    """decode.cpp's one row q [Hq, D] over the first n_keys rows of k, v [S, Hkv, D] (contiguous bf16) -> out."""
+    fn = native.function("kvrag_decode_attention", ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+                         + [ctypes.c_float])
+    if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n_keys, q.shape[0], k.shape[1], q.shape[1], scale):
+        raise RuntimeError("decode attention refused the shapes")
+    return out
+
+
 @needs_native
 @pytest.mark.parametrize("n, k", [(1, 16), (7, 576), (960, 576), (576, 1536), (4099, 64)])
 def test_native_gemv_equals_linear_up_to_one_bf16_step(n, k):
     g = torch.Generator().manual_seed(n + k)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
     exact = w.double() @ x.double()  # [N]
-    got = native_decode.gemv(w, x, torch.empty(n, dtype=torch.bfloat16), n_threads=2)
+    got = _gemv(w, x, torch.empty(n, dtype=torch.bfloat16), n_threads=2)
     ref = torch.nn.functional.linear(x[None], w)[0]
     step = exact.abs().clamp(min=1e-6) * 2 ** -7  # one bf16 ulp (8 significant bits), or less
     assert ((got.double() - exact).abs() <= step).all()
     assert ((got.double() - ref.double()).abs() <= step).all()
-    wide = native_decode.gemv(w, x, torch.empty(n), n_threads=1)  # float32 out: the bf16 values, widened
+    wide = _gemv(w, x, torch.empty(n), n_threads=1)  # float32 out: the bf16 values, widened
     torch.testing.assert_close(wide, got.float(), rtol=0, atol=0)
 
 
@@ -415,7 +437,7 @@ def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
     k = (torch.randn(keys + 9, n_kv, dim, generator=g) * 3).bfloat16()  # [S + 9, Hkv, D]
     v = torch.randn(keys + 9, n_kv, dim, generator=g).bfloat16()
     k[keys:], v[keys:] = float("nan"), float("nan")  # past the keys: must not leak in
-    got = native_decode.attention(q, k, v, torch.empty_like(q), keys, dim ** -0.5)
+    got = _attention(q, k, v, torch.empty_like(q), keys, dim ** -0.5)
     expand = lambda x: x[:keys].double().repeat_interleave(group, dim=1).transpose(0, 1)  # noqa: E731 [Hq, S, D]
     ref = torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], expand(k), expand(v))[:, 0]
     torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-3)
@@ -426,9 +448,9 @@ def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
 @needs_native
 def test_native_kernels_refuse_shapes_they_cannot_take():
     with pytest.raises(RuntimeError):
-        native_decode.gemv(torch.zeros(4, 17, dtype=torch.bfloat16), torch.zeros(17, dtype=torch.bfloat16),
+        _gemv(torch.zeros(4, 17, dtype=torch.bfloat16), torch.zeros(17, dtype=torch.bfloat16),
                            torch.empty(4, dtype=torch.bfloat16))
     q = torch.zeros(18, 64, dtype=torch.bfloat16)  # 9 query heads a KV head: more than the kernel keeps
     kv = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        native_decode.attention(q, kv, kv, torch.empty_like(q), 4, 0.125)
+        _attention(q, kv, kv, torch.empty_like(q), 4, 0.125)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvrag.errors import KvragError
-from kvrag.model.generate import SamplingConfig, adjusted, choose
+from kvrag.model.sampling import SamplingConfig, adjusted, choose
 from kvrag.server.app import ServerSettings
 from kvrag.server.run import BackgroundServer
 

@@ -12,8 +12,8 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
 from kvrag.kernels.attention import PagedKeys
-from kvrag.model.generate import SamplingConfig
 from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
 from kvrag.store.env import StoreEnv
 
 SYSTEM = "You are a careful assistant for the harbour archive. Answer in one sentence and say so when you do not know."

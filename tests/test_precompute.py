@@ -18,8 +18,10 @@ from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import PrecomputeInterrupted, precompute
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.keys import preamble_chunk_id
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
+from kvrag.store.manifest import preamble_hash
 
 
 def _hf_cache_keys_values(path: Path, ids: torch.Tensor):
@@ -34,7 +36,7 @@ def _hf_cache_keys_values(path: Path, ids: torch.Tensor):
 
 def _check_stored_against_transformers(store: Path, model_path: Path, runtime: Runtime, atol: float):
     with StoreEnv.open(store) as env:
-        table = KVTable(env, runtime.fingerprint, "fp16")
+        table = LocalKVTable(env, runtime.fingerprint, "fp16")
         record = next(ChunkTable(env).iter())
         pre = runtime.prompts.preamble_ids
         ids = torch.tensor(pre + list(record.token_ids))
@@ -73,7 +75,7 @@ def test_resume_computes_each_chunk_once(store_copy, tiny_llama_dir):
         third = precompute(env, runtime)
         assert (first.computed, second.already_stored, second.computed) == (2, 2, 3)
         assert (third.computed, third.already_stored) == (0, 5)
-        assert len(list(KVTable(env, runtime.fingerprint, "fp16").iter_chunks())) == 5
+        assert len(list(LocalKVTable(env, runtime.fingerprint, "fp16").iter_chunks())) == 5
 
 
 def test_two_codecs_and_a_preamble_share_one_store(store_copy, tiny_llama_dir):
@@ -82,10 +84,9 @@ def test_two_codecs_and_a_preamble_share_one_store(store_copy, tiny_llama_dir):
         precompute(env, runtime, codec="fp16")
         precompute(env, runtime, codec="int8")
         for codec in ("fp16", "int8"):
-            table = KVTable(env, runtime.fingerprint, codec)
+            table = LocalKVTable(env, runtime.fingerprint, codec)
             assert len(list(table.iter_chunks())) == 5
-            assert table.has_preamble(__import__("kvrag.store.manifest", fromlist=["x"]).preamble_hash(
-                runtime.prompts.template.preamble))
+            assert table.has(preamble_chunk_id(preamble_hash(runtime.prompts.template.preamble)))
 
 
 @pytest.mark.slow
@@ -163,4 +164,4 @@ def test_full_store_keeps_what_was_stored(store_copy, tiny_llama_dir, kvrag):
     with StoreEnv.open(store_copy) as env:
         assert verify(env).ok
         assert ChunkTable(env).count() == 5
-        assert len(list(KVTable(env, runtime.fingerprint, "fp16").iter_chunks())) == 2
+        assert len(list(LocalKVTable(env, runtime.fingerprint, "fp16").iter_chunks())) == 2

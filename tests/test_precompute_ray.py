@@ -16,15 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag.blend.keyformer import KeepConfig
 from kvrag.model.runtime import Runtime
 from kvrag.precompute import on_ray
+from kvrag.precompute.keyformer import KeepConfig
 from kvrag.precompute.on_ray import precompute_ray
 from kvrag.precompute.plain import PrecomputeInterrupted, precompute
-from kvrag.store import kv as kv_module
+from kvrag.store import table as table_module
 from kvrag.store.env import StoreEnv
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
-from kvrag.store.remote import ObjectStore, RemoteOptions, cached_kv, remote_kv
+from kvrag.store.open import RemoteOptions
+from kvrag.store.remote.object_store import ObjectStore
 from kvrag.tests.conftest import DOCS, run_cli_in_process, run_kvrag
 from kvrag.tests.test_remote_store import s3  # noqa: F401  (s3: the SeaweedFS fixture, one per module)
 
@@ -143,11 +145,10 @@ def test_the_driver_encodes_and_writes_nothing(ray_cluster, reference, store_cop
     def refuse(*args, **kwargs):
         raise AssertionError("the driver encoded or wrote a chunk")
 
-    for module in (kv_module, on_ray, remote_kv, cached_kv):
-        if hasattr(module, "encode_chunk"):
-            monkeypatch.setattr(module, "encode_chunk", refuse)
-    monkeypatch.setattr(kv_module, "encode", refuse)
-    monkeypatch.setattr(kv_module.KVTable, "put_encoded", refuse)
+    for module in (table_module, on_ray):
+        monkeypatch.setattr(module, "encode_chunk", refuse)
+    monkeypatch.setattr(table_module, "encode", refuse)
+    monkeypatch.setattr(LocalKVTable, "put_encoded", refuse)
     summary = _run(store_copy, tiny_llama_dir)
     assert (summary.computed, summary.skipped_by_others) == (5, 0)
     assert kv_entries(store_copy) == reference["fp16"]

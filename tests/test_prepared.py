@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from kvrag.model.files import resolve_model
+from kvrag.model.prefill import extend
 from kvrag.model.prepared import load_weights, prepared_path
-from kvrag.model.step import full_forward
 from kvrag.model.transformer import Transformer
 
 IDS = torch.tensor([1, 503, 2077, 28, 9, 4413, 311, 17, 88, 2])
 
 
 def _logits(model: Transformer) -> torch.Tensor:
-    return full_forward(model, IDS, all_logits=True)[0]
+    return extend(model, None, IDS, all_logits=True)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

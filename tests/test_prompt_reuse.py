@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
-from kvrag.model.generate import SamplingConfig
+from kvrag.model.sampling import SamplingConfig
 from kvrag.precompute.plain import chunk_kv
 from kvrag.store.chunks import ChunkRecord, ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.passage_index import MIN_SPAN, PassageIndex
 from kvrag.tests.passages import OTHER_TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
@@ -150,7 +150,7 @@ def test_a_new_passage_is_kept_at_its_second_sighting_for_its_own_tenant(corpus,
     assert stored_spans(third) == 2
     bob = _run(engine, _request(_client_prompt(new[::-1]), salt="bob"))
     assert bob.plan.pieces is None and bob.head_reused == 0  # bob's prompts see none of alice's
-    table = KVTable(env, prefiller.runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, prefiller.runtime.fingerprint, "fp16")
     kept = [r for r in ChunkTable(env).iter() if r.doc_id == "client:alice"]
     assert len(kept) == 2
     for record in kept:

@@ -11,11 +11,11 @@ from kvrag.errors import KvragError
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels import quant
 from kvrag.model import quant as quant_model
+from kvrag.model.decode import decode_step
 from kvrag.model.files import resolve_model
-from kvrag.model.generate import decode_step, prefill
+from kvrag.model.prefill import extend, prefill
 from kvrag.model.prepared import load_weights, prepared_path
 from kvrag.model.quant import DEFAULT_WEIGHTS, QuantWeight, quantize_layers, resolve_weights
-from kvrag.model.step import full_forward
 from kvrag.model.transformer import Transformer
 from kvrag.tests.conftest import run_kvrag
 
@@ -53,9 +53,9 @@ def test_every_product_runs_the_kernel_whose_twin_is_the_spec(tiny_qwen2_dir, we
     model = _load(tiny_qwen2_dir, weights=weights)
     assert all(isinstance(getattr(layer, name), QuantWeight) for layer in model.layers
                for name in ("wqkv", "wo", "w_gate_up", "w_down")) and isinstance(model.lm_head, QuantWeight)
-    got = full_forward(model, _ids(30, 1), all_logits=True)[0]
+    got = extend(model, None, _ids(30, 1), all_logits=True)[0]
     monkeypatch.setattr(quant, "matmul", lambda packed, x, threads: quant.twin(packed, x))
-    assert torch.equal(full_forward(model, _ids(30, 1), all_logits=True)[0], got)
+    assert torch.equal(extend(model, None, _ids(30, 1), all_logits=True)[0], got)
 
 
 @needs_kernel
@@ -67,13 +67,13 @@ def test_quantized_logits_part_from_the_dense_ones_by_the_weights_rounding(tiny_
     original, packed = _load(tiny_llama_hd64_dir), _load(tiny_llama_hd64_dir, weights=weights)
     rounded = _rounded(tiny_llama_hd64_dir, torch.float32, packed)
     ids = _ids(40, 2)
-    want = full_forward(original, ids, all_logits=True)[0]  # [40, V]
+    want = extend(original, None, ids, all_logits=True)[0]  # [40, V]
     spread = want.std(dim=-1, keepdim=True)  # [40, 1]
 
     def distance(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(((a - b).abs() / spread).mean())
 
-    got, near = full_forward(packed, ids, all_logits=True)[0], full_forward(rounded, ids, all_logits=True)[0]
+    got, near = extend(packed, None, ids, all_logits=True)[0], extend(rounded, None, ids, all_logits=True)[0]
     assert distance(got, near) < 0.02
     if weights == "int8":
         assert distance(got, want) < 0.05 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
@@ -110,7 +110,7 @@ def test_a_bf16_prefill_on_amx_multiplies_by_the_dequantized_matrices(tiny_qwen2
     packed = _load(tiny_qwen2_dir, torch.bfloat16, "int8")
     rounded = _rounded(tiny_qwen2_dir, torch.bfloat16, packed)
     ids = _ids(24, 6)
-    got, want = full_forward(packed, ids, all_logits=True)[0], full_forward(rounded, ids, all_logits=True)[0]
+    got, want = extend(packed, None, ids, all_logits=True)[0], extend(rounded, None, ids, all_logits=True)[0]
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
 
 
@@ -128,7 +128,7 @@ def test_the_prepared_file_keeps_the_packed_matrices(tiny_llama_dir, weights):
     # a byte (int8) or half a byte (int4) a weight, and float16 parameters a group of 32 (int4: scale and minimum)
     assert loaded.layers[0].w_gate_up.nbytes == (n + n // 32 * 2 if weights == "int8" else n // 2 + n // 32 * 4)
     ids = _ids(20, 5)
-    assert torch.equal(full_forward(loaded, ids, all_logits=True)[0], full_forward(built, ids, all_logits=True)[0])
+    assert torch.equal(extend(loaded, None, ids, all_logits=True)[0], extend(built, None, ids, all_logits=True)[0])
 
 
 def test_the_setting_is_checked_before_anything_loads():

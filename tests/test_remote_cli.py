@@ -1,5 +1,5 @@
 """`--store s3://bucket/prefix` end to end: kvrag index, precompute (on Ray), ask and search in subprocesses
-against a real S3 server (SeaweedFS, store/remote/local_s3.py), each "machine" a mirror directory of its own. The
+against a real S3 server (SeaweedFS, bench/local_s3.py), each "machine" a mirror directory of its own. The
 reference is the same flow on a local store: the answers' token ids must be the same."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from kvrag.corpus.mirror import CURRENT
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
-from kvrag.store.remote import ObjectStore
+from kvrag.store.kv import LocalKVTable
+from kvrag.store.remote.object_store import ObjectStore
 from kvrag.tests.test_remote_store import _flip, s3  # noqa: F401  (s3: the module's SeaweedFS fixture)
 
 SAMPLE = Path(__file__).resolve().parents[1] / "corpus" / "sample"
@@ -80,7 +80,7 @@ def test_a_second_machine_computes_nothing(s3, kvrag, local, remote, tiny_llama_
     answer = _ask(kvrag, url, tiny_llama_dir, env)
     assert answer["token_ids"] == local[1]["token_ids"] and answer["computed_chunks"] == []
     with StoreEnv.open(env["KVRAG_MIRROR_DIR"], readonly=True) as mirror:  # the chunks it read are cached
-        cached = {c for c, _ in KVTable(mirror, _fingerprint(s3, url)).iter_chunks()}
+        cached = {c for c, _ in LocalKVTable(mirror, _fingerprint(s3, url)).iter_chunks()}
     assert {s["chunk_id"] for s in answer["sources"]} <= cached
 
 
@@ -103,7 +103,7 @@ def test_a_corrupted_kv_object_is_recomputed_and_repaired(s3, kvrag, local, remo
     store = tmp_path_factory.mktemp("local-cold") / "store"
     shutil.copytree(local[0], store)
     with StoreEnv.open(store) as env:
-        assert KVTable(env, _fingerprint(s3, url)).delete_chunk(victim)
+        assert LocalKVTable(env, _fingerprint(s3, url)).delete_chunk(victim)
     want = _ask(kvrag, str(store), tiny_llama_dir)
     answer = _ask(kvrag, url, tiny_llama_dir, _machine(s3, tmp_path_factory, "c"))
     assert answer["computed_chunks"] == [victim] and answer["token_ids"] == want["token_ids"]

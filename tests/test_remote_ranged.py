@@ -16,10 +16,11 @@ import pytest
 
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
-from kvrag.store.remote import CachedKVTable, DamagedObject, ObjectStore, RemoteKVTable
-from kvrag.store.remote.cached_kv import stored_bytes
+from kvrag.store.kv import LocalKVTable
+from kvrag.store.remote.cached_kv import CachedKVTable, stored_bytes
 from kvrag.store.remote.layout import HEAD_SIZE
+from kvrag.store.remote.object_store import ObjectStore
+from kvrag.store.remote.remote_kv import DamagedObject, RemoteKVTable
 from kvrag.tests import test_remote_store as remote_tests
 from kvrag.tests.test_remote_store import CountingObjectStore, _flip, assert_same_layer
 from kvrag.tests.test_store_kv import layers_for, tokens_for
@@ -70,11 +71,11 @@ def gets(objects: ObjectStore) -> tuple[int, int]:
     return snap["requests"].get("GET", 0), snap["bytes_in"]
 
 
-def object_size(table: KVTable, chunk_id: str) -> int:
+def object_size(table: LocalKVTable, chunk_id: str) -> int:
     return HEAD_SIZE + stored_bytes(table.record(chunk_id))
 
 
-def put_chunks(objects: ObjectStore, reference: KVTable, n: int, codec: str = "fp16", variant: str = "",
+def put_chunks(objects: ObjectStore, reference: LocalKVTable, n: int, codec: str = "fp16", variant: str = "",
                n_tokens: int = N_TOKENS, first_seed: int = 0) -> list[list[int]]:
     """Chunks c0..c{n-1} in the object store and in `reference`; their token ids."""
     remote = RemoteKVTable(objects, MODEL, codec, variant=variant)
@@ -100,9 +101,9 @@ def cache_over(tmp_path):
     envs = []
 
     def make(objects, name: str, codec: str = "fp16", variant: str = "", warm: bool = False,
-             **options) -> tuple[CachedKVTable, KVTable]:
+             **options) -> tuple[CachedKVTable, LocalKVTable]:
         envs.append(StoreEnv.open(tmp_path / name, create=True))
-        local = KVTable(envs[-1], MODEL, codec, variant=variant)
+        local = LocalKVTable(envs[-1], MODEL, codec, variant=variant)
         if warm:
             local.put_chunk("warm", tokens_for(99, N_TOKENS), kv_layers(99, N_TOKENS))
         remote = RemoteKVTable(objects, MODEL, codec, variant=variant)
@@ -121,11 +122,11 @@ def wait_until(done, what: str) -> None:
         time.sleep(0.01)
 
 
-def raw_bytes(table: KVTable, chunk_id: str) -> tuple[bytes, list[bytes]]:
+def raw_bytes(table: LocalKVTable, chunk_id: str) -> tuple[bytes, list[bytes]]:
     """The record's and every value's bytes, as LMDB holds them."""
     key = table.key(chunk_id)
     record = table.env.read(lambda txn: bytes(txn.get(key.to_bytes(), db=table.db)))
-    n = KVTable.record(table, chunk_id).n_layers
+    n = LocalKVTable.record(table, chunk_id).n_layers
     return record, [table.env.read(lambda txn, i=i: bytes(txn.get(key.layer(i).to_bytes(), db=table.db)))
                     for i in range(n)]
 
@@ -134,7 +135,7 @@ def raw_bytes(table: KVTable, chunk_id: str) -> tuple[bytes, list[bytes]]:
 
 
 def test_layer_zero_is_served_while_the_later_layers_are_outstanding(objects, local_env, cache_over):
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     (ids,) = put_chunks(objects, reference, 1)
     gated = GatedObjectStore(objects)
     cache, local = cache_over(gated, "cache", warm=True, layers_per_request=2)
@@ -160,7 +161,7 @@ def test_layer_zero_is_served_while_the_later_layers_are_outstanding(objects, lo
 
 def test_a_cold_tier_fetches_a_small_chunk_in_one_get(objects, local_env, cache_over):
     """Nothing local predicts the size: the generous first range holds the whole (small) object."""
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     ids = put_chunks(objects, reference, 1, n_tokens=20)
     counting = CountingObjectStore(objects)
     cache, local = cache_over(counting, "cache")
@@ -175,7 +176,7 @@ def test_a_record_past_the_first_get_is_read_on(objects, local_env, cache_over, 
     from kvrag.store.remote import layout
 
     monkeypatch.setattr(layout, "FIRST_RANGE", 20)
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     (ids,) = put_chunks(objects, reference, 1)
     cache, local = cache_over(objects, "cache", layers_per_request=3)
     before = gets(objects)
@@ -191,7 +192,7 @@ def test_a_record_past_the_first_get_is_read_on(objects, local_env, cache_over, 
 @pytest.mark.parametrize(("codec", "variant"), [("fp16", ""), ("bf16", ""), ("int8", ""), ("int8", VARIANT)])
 @pytest.mark.parametrize("per_request", [1, 3])
 def test_ranged_reads_equal_a_whole_fetch(objects, local_env, cache_over, codec, variant, per_request):
-    reference = KVTable(local_env, MODEL, codec, variant=variant)
+    reference = LocalKVTable(local_env, MODEL, codec, variant=variant)
     ids = put_chunks(objects, reference, 3, codec, variant)
     ranged, ranged_local = cache_over(objects, "ranged", codec, variant, warm=not variant,
                                       layers_per_request=per_request)
@@ -202,8 +203,8 @@ def test_ranged_reads_equal_a_whole_fetch(objects, local_env, cache_over, codec,
             got = ranged.get_layer_raw(chunk_id, layer, ids[i])
             assert_same_layer(got, reference.get_layer_raw(chunk_id, layer))
             assert got.value == whole.get_layer_raw(chunk_id, layer, ids[i]).value
-        got = ranged.get_layers(chunk_ids, layer, ids)
-        assert [raw.value for raw in got] == [reference.get_layer_raw(c, layer).value for c in chunk_ids]
+        with ranged.layer_views(list(zip(chunk_ids, ids, strict=True)), layer) as got:
+            assert [raw.value for raw in got] == [reference.get_layer_raw(c, layer).value for c in chunk_ids]
     for chunk_id in chunk_ids:  # the local tier: byte for byte what a whole fetch keeps
         assert raw_bytes(ranged_local, chunk_id) == raw_bytes(whole_local, chunk_id) == raw_bytes(reference, chunk_id)
     assert ranged.counters.fills == whole.counters.fills == 3
@@ -212,7 +213,7 @@ def test_ranged_reads_equal_a_whole_fetch(objects, local_env, cache_over, codec,
 def test_missing_announces_and_the_first_read_starts_them_all(objects, local_env, cache_over):
     """The loader reads one chunk after another: the first read of one that `missing` found remote only starts
     the others' fetches, each from its first layer (its index, read by `missing`, is not read again)."""
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     ids = put_chunks(objects, reference, 3)
     counting = CountingObjectStore(objects)
     cache, local = cache_over(counting, "cache", layers_per_request=4)
@@ -230,7 +231,7 @@ def test_missing_announces_and_the_first_read_starts_them_all(objects, local_env
 
 
 def test_partly_fetched_chunks_stay_within_their_budget(objects, local_env, cache_over):
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     ids = put_chunks(objects, reference, 3)
     budget = max(object_size(reference, f"c{i}") for i in range(3)) + 1  # one chunk at a time
     gated = GatedObjectStore(objects)
@@ -253,7 +254,7 @@ def test_partly_fetched_chunks_stay_within_their_budget(objects, local_env, cach
 
 
 def test_a_corrupted_value_is_detected_and_never_served(objects, local_env, cache_over):
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     (ids,) = put_chunks(objects, reference, 1)
     writer = RemoteKVTable(objects, MODEL)
     start, end = writer._index("c0").layer_range(5)
@@ -279,10 +280,10 @@ def test_an_object_replaced_mid_read_is_read_anew_never_mixed(s3, objects, local
     """The object is replaced (the same chunk, stored uncompressed: other offsets, another ETag) after layer 0 was
     served: the held GETs fail their If-Match, the chunk is read again from the new object, and the local tier keeps
     the new object's bytes only."""
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     (ids,) = put_chunks(objects, reference, 1)
     with StoreEnv.open(tmp_path / "raw", create=True) as raw_env:
-        uncompressed = KVTable(raw_env, MODEL, compress=False)
+        uncompressed = LocalKVTable(raw_env, MODEL, compress=False)
         layers = kv_layers(0, N_TOKENS)
         uncompressed.put_chunk("c0", ids, layers)
         gated = GatedObjectStore(objects)
@@ -309,7 +310,7 @@ def test_an_object_replaced_mid_read_is_read_anew_never_mixed(s3, objects, local
 
 
 def test_other_token_ids_and_absent_layers_are_refused(objects, local_env, cache_over):
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     put_chunks(objects, reference, 1)
     cache, _ = cache_over(objects, "cache", layers_per_request=2)
     with pytest.raises(CorruptValue, match="token ids differ"):

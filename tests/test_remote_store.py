@@ -1,5 +1,5 @@
 """The KV store on object storage, against a real S3-compatible server: SeaweedFS (`weed mini`) on 127.0.0.1,
-started once for this module (store/remote/local_s3.py). The reference is the local LMDB KVTable fed the same chunks:
+started once for this module (bench/local_s3.py). The reference is a LocalKVTable (LMDB) fed the same chunks:
 the remote must hand out the same bytes. No part of the S3 API is mocked; request counts come from a counting
 wrapper around the real client."""
 
@@ -12,14 +12,16 @@ import numpy as np
 import obstore
 import pytest
 
+from kvrag.bench import local_s3 as s3_server
 from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, MissingChunk, encode_chunk
-from kvrag.store.remote import CachedKVTable, DamagedObject, ObjectStore, RemoteKVTable
-from kvrag.store.remote import local_s3 as s3_server
-from kvrag.store.remote.cached_kv import stored_bytes
+from kvrag.store.kv import LocalKVTable
+from kvrag.store.remote.cached_kv import CachedKVTable, stored_bytes
 from kvrag.store.remote.layout import HEAD_SIZE, pack_chunk
+from kvrag.store.remote.object_store import ObjectStore
+from kvrag.store.remote.remote_kv import DamagedObject, RemoteKVTable
+from kvrag.store.table import MissingChunk, encode_chunk
 from kvrag.tests.test_store_kv import layers_for, tokens_for
 
 MODEL = "model-a"
@@ -78,7 +80,7 @@ class CountingObjectStore:
         return counted
 
 
-def put_both(local: KVTable, remote: RemoteKVTable, chunk_id: str, seed: int, n_tokens: int = 13,
+def put_both(local: LocalKVTable, remote: RemoteKVTable, chunk_id: str, seed: int, n_tokens: int = 13,
              positions=None, layers=None):
     ids = tokens_for(seed, n_tokens)
     layers = layers or layers_for(seed, n_tokens, N_LAYERS)
@@ -103,7 +105,7 @@ def assert_same_layer(got, want) -> None:
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
 def test_round_trip_equals_the_local_table(objects, local_env, codec):
-    local, remote = KVTable(local_env, MODEL, codec), RemoteKVTable(objects, MODEL, codec)
+    local, remote = LocalKVTable(local_env, MODEL, codec), RemoteKVTable(objects, MODEL, codec)
     ids = put_both(local, remote, "c1", seed=1)
     assert remote.put_chunk("c1", ids, layers_for(1, 13, N_LAYERS)) is False  # already there
     assert remote.has("c1") and not remote.has("c2")
@@ -126,7 +128,7 @@ def test_round_trip_equals_the_local_table(objects, local_env, codec):
 def test_missing_over_many_ids_is_one_listing(objects, local_env):
     writer = RemoteKVTable(objects, MODEL)
     for i in (3, 17, 42):
-        put_both(KVTable(local_env, MODEL), writer, f"c{i:02d}", seed=i, n_tokens=4)
+        put_both(LocalKVTable(local_env, MODEL), writer, f"c{i:02d}", seed=i, n_tokens=4)
     counting = CountingObjectStore(objects)
     ids = [f"c{i:02d}" for i in range(70)]
     assert RemoteKVTable(counting, MODEL).missing(ids) == [c for c in ids if c not in ("c03", "c17", "c42")]
@@ -134,13 +136,13 @@ def test_missing_over_many_ids_is_one_listing(objects, local_env):
 
 
 def test_a_reduced_chunk_keeps_its_positions_in_a_folder_of_its_own(objects, local_env):
-    local = KVTable(local_env, MODEL, "int8", variant=VARIANT)
+    local = LocalKVTable(local_env, MODEL, "int8", variant=VARIANT)
     remote, full = RemoteKVTable(objects, MODEL, "int8", variant=VARIANT), RemoteKVTable(objects, MODEL, "int8")
     rng = np.random.default_rng(3)
     positions = [np.sort(rng.choice(16, size=6, replace=False)) for _ in range(N_LAYERS)]  # per layer, rising
     layers = [(k[:6], v[:6]) for k, v in layers_for(3, 16, N_LAYERS)]
     ids = put_both(local, remote, "c1", seed=3, n_tokens=16, positions=positions, layers=layers)
-    put_both(KVTable(local_env, MODEL, "int8"), full, "c1", seed=4, n_tokens=16)
+    put_both(LocalKVTable(local_env, MODEL, "int8"), full, "c1", seed=4, n_tokens=16)
     for layer in range(N_LAYERS):
         got = remote.get_layer_raw("c1", layer, expect_token_ids=ids)
         assert_same_layer(got, local.get_layer_raw("c1", layer))
@@ -150,7 +152,7 @@ def test_a_reduced_chunk_keeps_its_positions_in_a_folder_of_its_own(objects, loc
 
 
 def test_one_layer_is_one_ranged_request_once_the_index_is_known(objects, local_env):
-    local, counting = KVTable(local_env, MODEL), CountingObjectStore(objects)
+    local, counting = LocalKVTable(local_env, MODEL), CountingObjectStore(objects)
     put_both(local, RemoteKVTable(objects, MODEL), "c1", seed=5, n_tokens=40)
     remote = RemoteKVTable(counting, MODEL)
     assert_same_layer(remote.get_layer_raw("c1", 2), local.get_layer_raw("c1", 2))
@@ -164,7 +166,7 @@ def test_one_layer_is_one_ranged_request_once_the_index_is_known(objects, local_
 
 def test_the_store_counts_its_own_requests_as_a_wrapper_counts_them(objects, local_env):
     """ObjectStore.counts (what `kvrag bench remote` reports) against the wrapper's independent tally."""
-    local, counting = KVTable(local_env, MODEL), CountingObjectStore(objects)
+    local, counting = LocalKVTable(local_env, MODEL), CountingObjectStore(objects)
     put_both(local, RemoteKVTable(objects, MODEL), "c1", seed=7, n_tokens=30)
     before = objects.counts.snapshot()
     remote = RemoteKVTable(counting, MODEL)
@@ -178,23 +180,24 @@ def test_the_store_counts_its_own_requests_as_a_wrapper_counts_them(objects, loc
     assert after["bytes_out"] == before["bytes_out"]  # reads send nothing
 
 
-def test_get_layers_reads_one_layer_of_several_chunks(objects, local_env):
-    local, counting = KVTable(local_env, MODEL), CountingObjectStore(objects)
+def test_layer_views_reads_one_layer_of_several_chunks(objects, local_env):
+    local, counting = LocalKVTable(local_env, MODEL), CountingObjectStore(objects)
     writer = RemoteKVTable(objects, MODEL)
     chunk_ids = [f"c{i}" for i in range(6)]
     expect = [put_both(local, writer, c, seed=10 + i, n_tokens=8 + i) for i, c in enumerate(chunk_ids)]
     remote = RemoteKVTable(counting, MODEL)
-    got = remote.get_layers(chunk_ids, 1, expect)
-    for chunk_id, raw in zip(chunk_ids, got, strict=True):
-        assert_same_layer(raw, local.get_layer_raw(chunk_id, 1))
+    with remote.layer_views(list(zip(chunk_ids, expect, strict=True)), 1) as got:
+        for chunk_id, raw in zip(chunk_ids, got, strict=True):
+            assert_same_layer(raw, local.get_layer_raw(chunk_id, 1))
     assert counting.requests == {"fetch": 6, "get_range": 6}
     counting.requests.clear()
-    remote.get_layers(chunk_ids, 2, expect)
-    assert counting.requests == {"get_range": 6}
+    with remote.layer_views([*zip(chunk_ids, expect, strict=True), ("absent", None)], 2) as got:
+        assert isinstance(got[-1], MissingChunk)  # in its place, the others served
+    assert counting.requests == {"get_range": 6, "fetch": 1}
 
 
 def test_get_chunk_reads_a_chunk_whole_in_one_request(objects, local_env):
-    local, counting = KVTable(local_env, MODEL), CountingObjectStore(objects)
+    local, counting = LocalKVTable(local_env, MODEL), CountingObjectStore(objects)
     ids = put_both(local, RemoteKVTable(objects, MODEL), "c1", seed=6)
     chunk = RemoteKVTable(counting, MODEL).get_chunk("c1", ids)
     assert counting.requests == {"fetch": 1}
@@ -206,7 +209,7 @@ def test_get_chunk_reads_a_chunk_whole_in_one_request(objects, local_env):
 def test_an_object_replaced_after_its_index_was_read_is_read_anew(objects, local_env):
     counting = CountingObjectStore(objects)
     reader, repairer = RemoteKVTable(counting, MODEL), RemoteKVTable(objects, MODEL)
-    put_both(KVTable(local_env, MODEL), repairer, "c1", seed=7, n_tokens=10)
+    put_both(LocalKVTable(local_env, MODEL), repairer, "c1", seed=7, n_tokens=10)
     assert reader.has("c1")  # its index is now kept
     repairer.delete_chunk("c1")
     ids = tokens_for(8, 20)
@@ -230,7 +233,7 @@ def _flip(objects: ObjectStore, key: str, at: int) -> None:
 
 
 def test_a_corrupted_value_is_reported_and_never_served(objects, local_env):
-    local, writer = KVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
+    local, writer = LocalKVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
     ids = put_both(local, writer, "c1", seed=9)
     start, end = writer._index("c1").layer_range(2)
     _flip(objects, writer.key("c1"), (start + end) // 2)  # inside layer 2's payload
@@ -248,7 +251,7 @@ def test_a_corrupted_value_is_reported_and_never_served(objects, local_env):
 
 
 def test_a_corrupted_record_counts_as_missing(objects, local_env):
-    local, writer = KVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
+    local, writer = LocalKVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
     ids = put_both(local, writer, "c1", seed=11)
     _flip(objects, writer.key("c1"), HEAD_SIZE + 30)  # inside the record
     remote = RemoteKVTable(objects, MODEL)
@@ -263,7 +266,7 @@ def test_a_corrupted_record_counts_as_missing(objects, local_env):
 
 @pytest.mark.parametrize("keep", [0, 5, 200, -1])  # empty, inside the header, inside the values, one byte short
 def test_a_truncated_object_counts_as_missing(objects, local_env, keep):
-    local, writer = KVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
+    local, writer = LocalKVTable(local_env, MODEL), RemoteKVTable(objects, MODEL)
     ids = put_both(local, writer, "c1", seed=12)
     data = bytes(obstore.get(objects.client, writer.key("c1")).bytes())
     obstore.put(objects.client, writer.key("c1"), data[:keep])
@@ -288,7 +291,7 @@ def test_two_writers_of_one_chunk_leave_one_whole_object(s3, objects, local_env)
     writers' (they encode it differently, compressed and not). Which, and whether the other's create-only PUT is
     refused, is the server's race: SeaweedFS checks If-None-Match apart from the write, so under a true race both
     may land (the later whole object stays); a refused second PUT is tested on its own above."""
-    local = KVTable(local_env, MODEL)
+    local = LocalKVTable(local_env, MODEL)
     ids, layers = tokens_for(13, 30), layers_for(13, 30, N_LAYERS)
     local.put_chunk("c1", ids, layers)
     barrier, results = threading.Barrier(2), {}
@@ -317,9 +320,9 @@ def test_two_writers_of_one_chunk_leave_one_whole_object(s3, objects, local_env)
 # --- the read-through cache ------------------------------------------------------------------------
 
 
-def _filled_remote(objects: ObjectStore, local_env: StoreEnv, n: int) -> tuple[KVTable, list[list[int]]]:
+def _filled_remote(objects: ObjectStore, local_env: StoreEnv, n: int) -> tuple[LocalKVTable, list[list[int]]]:
     """n chunks in the remote, and the same chunks in a reference local table (not the cache's)."""
-    reference = KVTable(local_env, "reference")
+    reference = LocalKVTable(local_env, "reference")
     remote = RemoteKVTable(objects, MODEL)
     ids = []
     for i in range(n):
@@ -334,7 +337,7 @@ def test_a_miss_fills_the_local_tier_and_a_hit_makes_no_request(objects, local_e
     reference, ids = _filled_remote(objects, local_env, 3)
     counting = CountingObjectStore(objects)
     with StoreEnv.open(tmp_path / "cache", create=True) as cache_env:
-        local = KVTable(cache_env, MODEL)
+        local = LocalKVTable(cache_env, MODEL)
         cache = CachedKVTable(RemoteKVTable(counting, MODEL), local, max_bytes=1 << 30)
         assert_same_layer(cache.get_layer_raw("c1", 2, ids[1]), reference.get_layer_raw("c1", 2))
         assert counting.requests == {"fetch": 1} and local.has("c1") and not local.has("c0")
@@ -344,10 +347,10 @@ def test_a_miss_fills_the_local_tier_and_a_hit_makes_no_request(objects, local_e
             assert_same_layer(cache.get_layer_raw("c1", layer, ids[1]), reference.get_layer_raw("c1", layer))
         assert cache.has("c1") and cache.missing(["c1"]) == [] and cache.record("c1") == reference.record("c1")
         assert counting.requests == {}  # hits: the remote never asked
-        got = cache.get_layers(["c0", "c1", "c2"], 3, ids)
-        assert counting.requests == {"fetch": 2}  # the two misses, fetched whole
-        for i, raw in enumerate(got):
-            assert_same_layer(raw, reference.get_layer_raw(f"c{i}", 3))
+        with cache.layer_views(list(zip(["c0", "c1", "c2"], ids, strict=True)), 3) as got:
+            assert counting.requests == {"fetch": 2}  # the two misses, fetched whole
+            for i, raw in enumerate(got):
+                assert_same_layer(raw, reference.get_layer_raw(f"c{i}", 3))
         assert cache.counters.fills == 3 and cache.counters.evictions == 0
 
 
@@ -355,7 +358,7 @@ def test_eviction_keeps_the_local_bytes_under_the_bound(objects, local_env, tmp_
     reference, ids = _filled_remote(objects, local_env, 4)
     one = stored_bytes(reference.record("c0"))
     with StoreEnv.open(tmp_path / "cache", create=True) as cache_env:
-        local = KVTable(cache_env, MODEL)
+        local = LocalKVTable(cache_env, MODEL)
         cache = CachedKVTable(RemoteKVTable(objects, MODEL), local, max_bytes=2 * one + one // 2, policy="lru")
         for i in (0, 1, 0, 2):  # c0 read again after c1: c1 is the least recently used when c2 comes
             cache.get_layer_raw(f"c{i}", 0, ids[i])
@@ -372,10 +375,10 @@ def test_eviction_keeps_the_local_bytes_under_the_bound(objects, local_env, tmp_
 
 def test_writes_go_to_both_tiers(objects, local_env, tmp_path):
     ids, layers = tokens_for(40, 12), layers_for(40, 12, N_LAYERS)
-    reference = KVTable(local_env, MODEL)
+    reference = LocalKVTable(local_env, MODEL)
     reference.put_chunk("c1", ids, layers)
     with StoreEnv.open(tmp_path / "cache", create=True) as cache_env:
-        local = KVTable(cache_env, MODEL)
+        local = LocalKVTable(cache_env, MODEL)
         cache = CachedKVTable(RemoteKVTable(objects, MODEL), local, max_bytes=1 << 30)
         assert cache.put_chunk("c1", ids, layers) is True and cache.put_chunk("c1", ids, layers) is False
         assert local.record("c1") == reference.record("c1")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvrag.bench.cutoff import PROMPTS, Group, chat_prompts, choose
-from kvrag.corpus.retrieve import MIN_SCORE, Retriever, cut_hits
+from kvrag.config import MIN_SCORE
+from kvrag.corpus.retrieve import Retriever, cut_hits
 from kvrag.corpus.vector_index import VectorIndex
 from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord

@@ -1,15 +1,18 @@
-"""server/routing.py by hand: rendezvous homes, held chunks outweighing homes, the bounded-load cap, and the
-properties consistent hashing promises (a chunk set always to one replica; a replica leaving moves only its own)."""
+"""cluster/routing.py by hand: rendezvous homes, held chunks outweighing homes, the bounded-load caps (in flight and
+over the recent routings), and the properties consistent hashing promises (a chunk set always to one replica, while
+the load allows; a replica leaving moves only its own); a hot chunk set spreads within the bound in any arrival
+order."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import random
+from collections import Counter, deque
 
 import pytest
 
-from kvrag.server.routing import RoutingConfig, home, load_cap, rank, scores, weight
+from kvrag.cluster.routing import WINDOW, RoutingConfig, home, load_cap, rank, scores, weight
 
 REPLICAS = ["r0", "r1", "r2"]
 
@@ -66,6 +69,66 @@ def test_a_replica_at_the_cap_is_passed_over():
     load[owner] = 4  # cap = ceil(1.25 * 5 / 3) = 3
     order = rank([(chunk, 100)], REPLICAS, {owner: {chunk}}, load)
     assert order[-1] == owner and order[0] != owner
+
+
+def test_a_warm_replica_over_its_share_of_the_recent_routings_is_passed_over():
+    """The issue's case: 2 replicas, 2 clients, the warm one running the other client's request. In flight alone,
+    its cap is ceil(1.25 x (1 + 1) / 2) = 2, so it takes this one too (and every one after: 57 of 60). Over the last
+    32 routings, of which it took 21, its cap is ceil(1.25 x (32 + 1) / 2) = ceil(20.6) = 21: it is passed over."""
+    pair = ["r0", "r1"]
+    warm = home("hot", pair)
+    cold = next(r for r in pair if r != warm)
+    held, load = {warm: {"hot"}}, {warm: 1, cold: 0}
+    assert rank([("hot", 100)], pair, held, load)[0] == warm
+    assert rank([("hot", 100)], pair, held, load, recent={warm: 20, cold: 12})[0] == warm  # 20 < 21
+    assert rank([("hot", 100)], pair, held, load, recent={warm: 21, cold: 11}) == [cold, warm]
+    assert load_cap({warm: 21, cold: 11}, 2, 1.25) == 21
+
+
+def route_events(replicas: list[str], events: str, held: dict, config: RoutingConfig) -> list[str]:
+    """The ChunkRouter's bookkeeping (cluster/routers.py) over a sequence of events, every arrival the same hot chunk
+    set: `a` a request arrives and goes to rank's first, `d` the oldest in flight completes. The replicas in routing
+    order."""
+    in_flight: Counter[str] = Counter()
+    recent: deque[str] = deque(maxlen=config.window)
+    running: deque[str] = deque()
+    routed = []
+    for event in events:
+        if event == "d":
+            if running:
+                in_flight[running.popleft()] -= 1
+            continue
+        to = rank([("hot", 100)], replicas, held, in_flight, config, Counter(recent))[0]
+        in_flight[to] += 1
+        recent.append(to)
+        running.append(to)
+        routed.append(to)
+    return routed
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_hot_chunk_set_spreads_within_the_bound_in_any_arrival_order(n):
+    """Whatever the arrivals and completions (one at a time, each done before the next; all at once; any mix), with
+    the hot set held by one replica: of any WINDOW + 1 consecutive routings a replica takes at most
+    ceil(1.25 x (WINDOW + 1) / n), so every replica takes some."""
+    replicas = REPLICAS[:n]
+    config = RoutingConfig()
+    held = {home("hot", replicas): {"hot"}}
+    cap = math.ceil(config.balance * (WINDOW + 1) / n)
+    rng = random.Random(0)
+    orders = ["ad" * 100, "a" * 100, *("".join(rng.choice("aad") for _ in range(300)) for _ in range(50))]
+    for events in orders:
+        routed = route_events(replicas, events, held, config)
+        for start in range(len(routed) - WINDOW):
+            counts = Counter(routed[start:start + WINDOW + 1])
+            assert max(counts.values()) <= cap and len(counts) == n, (events, counts)
+
+
+def test_window_zero_bounds_in_flight_alone():
+    """window 0: the old rule. One at a time, nothing is ever in flight at a decision: the warm replica takes all."""
+    config = RoutingConfig(window=0)
+    held = {home("hot", REPLICAS): {"hot"}}
+    assert set(route_events(REPLICAS, "ad" * 40, held, config)) == {home("hot", REPLICAS)}
 
 
 @pytest.mark.parametrize("balance", [1.0, 1.25, 2.0])

@@ -305,7 +305,7 @@ def test_a_full_queue_is_a_429_with_retry_after(store_copy, tiny_llama_dir):
 def test_a_damaged_stored_value_is_recomputed_and_the_request_succeeds(store_copy, tiny_llama_dir):
     from kvrag import KVRag
     from kvrag.store.codec import HEADER_SIZE
-    from kvrag.store.kv import KVTable
+    from kvrag.store.kv import LocalKVTable
     from kvrag.store.maintenance import verify
 
     with KVRag(store_copy, model=str(tiny_llama_dir), host_cache="0") as rag, \
@@ -313,7 +313,7 @@ def test_a_damaged_stored_value_is_recomputed_and_the_request_succeeds(store_cop
         chunk = rag.retrieve("Everest", k=1)[0]["chunk_id"]
         body = {"model": MODEL, "prompt": "Everest?", "max_tokens": 12, "chunk_ids": [chunk]}
         first = http.post(srv.url + "/v1/completions", json=body).json()  # stores the chunk's KV if missing
-        table = KVTable(rag.env, rag.runtime.fingerprint, "fp16")
+        table = LocalKVTable(rag.env, rag.runtime.fingerprint, "fp16")
         key = table.key(chunk).layer(2).to_bytes()
         value = bytearray(rag.env.read(lambda txn: txn.get(key, db=rag.env.db("kv"))))
         value[HEADER_SIZE + 10] ^= 0x40

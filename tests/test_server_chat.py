@@ -138,6 +138,21 @@ def test_the_last_message_must_be_the_users(served):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages", reply.text
 
 
+def test_an_unknown_role_is_a_400_wherever_it_stands(served):
+    """Never rendered into the prompt under a role the model's template does not know: first, middle or last."""
+    _, server, client = served
+    critic = {"role": "critic", "content": "That was wrong."}
+    user, assistant = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    for messages in ([critic, user], [user, assistant, critic, user], [user, critic]):
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                           json={"model": MODEL, "max_tokens": 2, "messages": messages})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["type"] == "invalid_request_error", reply.text
+        assert error["param"] == f"messages.{messages.index(critic)}.role" and "'user'" in error["message"], reply.text
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[critic, user])
+
+
 def test_n_choices_each_sampled_with_their_own_seed(served):
     rag, _, client = served
     question, seed = "Who invented the Quarn loom?", 11

@@ -86,6 +86,37 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(served):
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_forced_call_cut_by_max_tokens_is_a_cut_call(served):
+    """As OpenAI returns one: finish_reason length and the call as far as it got (once its name is whole: the
+    arguments written so far), never its JSON as content; streamed the same. The reference is the whole call's
+    tokens (their logprobs' bytes): a greedy answer cut after m tokens is their first m."""
+    _, client = served
+    head = '{"name": "get_weather", "arguments": '
+
+    def call(max_tokens: int, **options):
+        return client.chat.completions.create(model=MODEL, max_tokens=max_tokens, tools=[WEATHER],
+                                              tool_choice="required", messages=[{"role": "user", "content": QUESTION}],
+                                              extra_body={"passages": PASSAGES, "mode": "full"}, **options)
+
+    whole = call(40, logprobs=True).choices[0]
+    tokens = whole.logprobs.content
+
+    def text_of(m: int) -> str:
+        return bytes(b for token in tokens[:m] for b in token.bytes).decode(errors="replace")
+
+    assert whole.finish_reason == "tool_calls" and text_of(len(tokens)) == head + whole.message.tool_calls[0].function.arguments + "}"
+    named = next(m for m in range(len(tokens)) if text_of(m).startswith(head))  # the first cut with a whole name
+    for m in sorted({1, named - 1, named, len(tokens) - 1}):
+        want = [("get_weather", text_of(m)[len(head):])] if m >= named else []
+        reply = call(m).choices[0]
+        assert reply.finish_reason == "length" and reply.message.content is None, (m, reply)
+        assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []] == want, m
+        deltas = [c.choices[0] for c in call(m, stream=True) if c.choices]
+        assert all(d.delta.content is None for d in deltas) and deltas[-1].finish_reason == "length"
+        streamed = [d.delta.tool_calls[0].function for d in deltas if d.delta.tool_calls]
+        assert [(f.name, f.arguments) for f in streamed] == want, m
+
+
 def test_what_cannot_be_served_is_a_400_naming_the_field(served):
     server, _ = served
     base = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}]}

@@ -64,6 +64,26 @@ def test_chat_logprobs_are_the_models(served, tiny_llama_dir):
         assert got.top_logprobs[0].logprob == pytest.approx(logprob, abs=1e-4)  # greedy: the best is the one taken
 
 
+def test_a_stop_string_keeps_the_logprobs_of_the_text_it_leaves(served):
+    """Cut by a stop string at a token's start, the answer's logprobs are those of the tokens before it."""
+    _, server = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    def ask(**options):
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=12, logprobs=True, messages=[{"role": "user", "content": QUESTION}],
+            extra_body={"passages": [{"title": t, "text": x} for t, x in PASSAGES], "mode": "full"}, **options)
+
+    whole = ask().choices[0].logprobs.content
+    pieces = [t.token for t in whole]
+    text = "".join(pieces)
+    at = next(i for i in range(2, len(pieces)) if pieces[i].strip() and "\ufffd" not in text[:text.find(pieces[i])]
+              and text.find(pieces[i]) == len("".join(pieces[:i])))  # the stop's first occurrence: token i's start
+    reply = ask(stop=pieces[at]).choices[0]
+    assert reply.finish_reason == "stop" and reply.message.content == "".join(pieces[:at]).strip()
+    assert [(t.token, t.logprob) for t in reply.logprobs.content] == [(t.token, t.logprob) for t in whole[:at]]
+
+
 def test_without_logprobs_there_are_none_and_what_cannot_be_served_is_a_400(served):
     _, server = served
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -50,7 +50,7 @@ def full_search(index: faiss.Index, query: np.ndarray, k: int, nprobe: int) -> t
     return scores[0], ids[0]
 
 
-@pytest.mark.parametrize(("nprobe", "stages", "k"), [(1, 1, 10), (8, 4, 10), (16, 3, 5), (16, [1, 2, 16], 10),
+@pytest.mark.parametrize(("nprobe", "stages", "k"), [(1, 1, 10), (8, 4, 10), (16, 3, 5), (16, 16, 10),
                                                      (32, 8, 20), (NLIST, 5, 10), (2, 2, 1000)])
 def test_last_stage_is_the_full_search(ivf_flat, data, nprobe, stages, k):
     for query in data[1]:
@@ -78,10 +78,9 @@ def test_every_stage_is_the_exact_topk_of_its_lists(ivf_flat, data):
             np.testing.assert_array_equal(stage.ids, rows[best])
             np.testing.assert_allclose(stage.scores, exact[best], rtol=0, atol=1e-5)
             if previous is not None:
-                assert stage.lists > previous.lists and stage.elapsed >= previous.elapsed
+                assert stage.lists > previous.lists
                 assert np.all(stage.scores >= previous.scores)  # the i-th best of a superset is no worse
-                assert stage.changed == (not np.array_equal(stage.ids, previous.ids))
-                changes += stage.changed
+                changes += not np.array_equal(stage.ids, previous.ids)
             previous = stage
     assert changes > 0  # the data does make later stages find better vectors
 
@@ -117,7 +116,7 @@ def test_non_ivf_index_gives_one_final_stage(data, factory):
     index = build(factory, vectors[:3000])
     scores, ids = index.search(queries[:1], 10)
     (stage,) = staged_search(index, queries[0], 10, 16, 4)
-    assert stage.final and stage.changed and stage.lists == 0
+    assert stage.final and stage.lists == 0
     np.testing.assert_array_equal(stage.ids, ids[0])
     np.testing.assert_array_equal(stage.scores, scores[0])
 
@@ -126,10 +125,6 @@ def test_stage_bounds():
     assert stage_bounds(128, 4) == [32, 64, 96, 128]
     assert stage_bounds(8, 3) == [3, 5, 8]
     assert stage_bounds(2, 5) == [1, 2]  # no more stages than lists
-    assert stage_bounds(16, [2, 4, 16]) == [2, 4, 16]
-    for bad in ([4, 2, 16], [2, 8], [0, 16], []):
-        with pytest.raises(ValueError):
-            stage_bounds(16, bad)
     with pytest.raises(ValueError):
         stage_bounds(16, 0)
 

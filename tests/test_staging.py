@@ -12,7 +12,7 @@ from kvrag.load.staged_loader import StagedLoader
 from kvrag.load.staging import LayerPlan, StagingArea
 from kvrag.store.codec import FLAG_K_PER_CHANNEL, read_header, stored_kv
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 HKV, HD, N_LAYERS = 3, 8, 2
 LENGTHS = (5, 9, 1, 7)
@@ -23,7 +23,7 @@ def table(tmp_path, request):
     """Chunks of random KV in one codec, compressed or not (int8's payload is as stored either way)."""
     codec, compress = request.param
     env = StoreEnv.open(tmp_path / "s", create=True)
-    table = KVTable(env, "m", codec, compress)
+    table = LocalKVTable(env, "m", codec, compress)
     rng = np.random.default_rng(len(codec) + compress)
     for n, length in enumerate(LENGTHS):
         layers = [(rng.standard_normal((length, HKV, HD)).astype(np.float32),
@@ -37,7 +37,7 @@ def _refs() -> list[ChunkRef]:
     return [ChunkRef(f"c{n}", list(range(n * 100, n * 100 + length))) for n, length in enumerate(LENGTHS)]
 
 
-def _plan(table: KVTable, refs: list[ChunkRef]) -> LayerPlan:
+def _plan(table: LocalKVTable, refs: list[ChunkRef]) -> LayerPlan:
     head = read_header(table.get_layer_raw(refs[0].chunk_id, 0).value)
     starts = tuple(np.cumsum([0, *LENGTHS]).tolist())
     return LayerPlan(table.codec, starts[-1], HKV, HD, starts,

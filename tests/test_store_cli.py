@@ -10,7 +10,7 @@ import pytest
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig
 from kvrag.store.codec import HEADER_SIZE
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.manifest import check_or_record
 from kvrag.tests.conftest import run_cli_in_process
 
@@ -34,7 +34,7 @@ def store(tmp_path):
         chunks.put_docs([(DocRecord("d", "d.txt", "", "h", tuple(DocChunk(r.chunk_id, 0, 1, 4) for r in records)),
                           records)])
         check_or_record(env, "model-a", "preamble", "fp16")
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         rng = np.random.default_rng(0)
         for i in range(3):
             table.put_chunk(cid(i), list(range(4)), [(rng.standard_normal((4, 3, 8), dtype=np.float32),) * 2] * 3)
@@ -51,13 +51,13 @@ def test_stats_json(monkeypatch, capsys, store):
     assert data["models"] == ["model-a"]
     assert err == ""  # with --json, the result is on stdout alone
     code, out, err = run(monkeypatch, capsys, "store", "stats", "--store", str(store))
-    assert (code, out) == (0, "") and "model-a" in err  # without, the table goes to stderr
+    assert (code, err) == (0, "") and "model-a" in out  # without, the table: the result, on stdout too
 
 
 def test_verify_fails_on_corruption_and_repair_fixes_it(monkeypatch, capsys, store):
     assert run(monkeypatch, capsys, "store", "verify", "--store", str(store))[0] == 0
     with StoreEnv.open(store) as env:
-        key = KVTable(env, "model-a", "fp16").key(cid(1)).layer(2).to_bytes()
+        key = LocalKVTable(env, "model-a", "fp16").key(cid(1)).layer(2).to_bytes()
         value = bytearray(env.read(lambda txn: txn.get(key, db=env.db("kv"))))
         value[HEADER_SIZE + 3] ^= 1
         env.write(lambda txn: txn.put(key, bytes(value), db=env.db("kv")))
@@ -76,12 +76,12 @@ def test_gc(monkeypatch, capsys, store):
     code, out, _ = run(monkeypatch, capsys, "store", "gc", "--store", str(store), "--model", "model-b", "--json")
     assert json.loads(out)["dropped_models"] == ["model-a"]
     with StoreEnv.open(store) as env:
-        assert KVTable(env, "model-a", "fp16").missing([cid(0), cid(1)]) == [cid(0), cid(1)]
+        assert LocalKVTable(env, "model-a", "fp16").missing([cid(0), cid(1)]) == [cid(0), cid(1)]
 
 
 def test_gc_without_an_index_refuses_to_drop_everything(monkeypatch, capsys, tmp_path):
     with StoreEnv.open(tmp_path / "s", create=True) as env:
-        KVTable(env, "model-a", "fp16").put_chunk(cid(0), [1], [(np.ones((1, 1, 2), np.float32),) * 2])
+        LocalKVTable(env, "model-a", "fp16").put_chunk(cid(0), [1], [(np.ones((1, 1, 2), np.float32),) * 2])
     code, _, err = run(monkeypatch, capsys, "store", "gc", "--store", str(tmp_path / "s"))
     assert code == 1 and "no chunks are indexed" in err and len(err.strip().splitlines()) == 1
 

@@ -15,8 +15,9 @@ import pytest
 
 import kvrag.store.env as envmod
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable, Shard
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
+from kvrag.store.table import Shard
 
 N_CHUNKS = 40
 
@@ -36,7 +37,7 @@ def _worker(path: str, mode: str, index: int, out, start) -> None:
     ids = [cid(i) for i in range(N_CHUNKS)]
     computed, written = [], []
     with StoreEnv.open(path) as env:
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         start.wait(timeout=30)  # both start together: a process that forks late must still find work to do
         while True:
             todo = table.missing(ids, shard=Shard(index, 2) if mode == "shards" else None)
@@ -76,7 +77,7 @@ def test_two_processes_share_a_store(tmp_path, monkeypatch, mode):
     with StoreEnv.open(path) as env:
         report = verify(env)
         assert report.ok and report.chunks == N_CHUNKS
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         for i in (0, 17, N_CHUNKS - 1):
             np.testing.assert_array_equal(table.get_layer(cid(i), 5).k, layers_for(i)[5][0].astype(np.float16))
 
@@ -87,10 +88,10 @@ import numpy as np
 import kvrag.store.env as envmod
 envmod.INITIAL_MAP_SIZE = 1 << 20  # the map grows while we kill it, too
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
 with StoreEnv.open(sys.argv[1], create=True) as env:
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     ids = [f"{i:032x}" for i in range(int(sys.argv[2]))]
     for chunk_id in table.missing(ids):
         table.claim([chunk_id])
@@ -119,7 +120,7 @@ def test_sigkill_mid_write_leaves_whole_chunks_and_resumes(tmp_path):
         with StoreEnv.open(path) as env:
             report = verify(env)
             assert report.ok, report.problems  # no chunk is half there
-            stored = {c for c, _ in KVTable(env, "model-a", "fp16").iter_chunks()}
+            stored = {c for c, _ in LocalKVTable(env, "model-a", "fp16").iter_chunks()}
             unprinted = stored - set(committed)  # killed between the commit and its print
             assert set(committed) <= stored and len(unprinted) <= 1
             committed += sorted(unprinted)

@@ -1,4 +1,4 @@
-"""KVTable: whole-chunk transactions, idempotent writes, checked reads, map growth, a full store, claims."""
+"""LocalKVTable: whole-chunk transactions, idempotent writes, checked reads, map growth, a full store, claims."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import kvrag.store.env as envmod
 from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
 from kvrag.store.env import StoreEnv
-from kvrag.store.keys import TAG_RECORD
-from kvrag.store.kv import KVTable, MissingChunk, Shard
+from kvrag.store.keys import TAG_RECORD, preamble_chunk_id
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import verify
+from kvrag.store.table import MissingChunk, Shard
 
 H, D = 3, 16
 
@@ -35,14 +36,14 @@ def env(tmp_path):
         yield env
 
 
-def chunk_keys(env: StoreEnv, table: KVTable, chunk_id: str) -> list[bytes]:
+def chunk_keys(env: StoreEnv, table: LocalKVTable, chunk_id: str) -> list[bytes]:
     prefix = table.key(chunk_id).prefix
     with env.reader() as txn:
         return [bytes(k) for k in txn.cursor(db=env.db("kv")).iternext(values=False) if bytes(k).startswith(prefix)]
 
 
 def test_put_then_get_every_layer(env):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     layers, ids = layers_for(1, 13), tokens_for(1, 13)
     assert table.put_chunk("c1", ids, layers) is True
     assert table.has("c1") and not table.has("c2")
@@ -58,7 +59,7 @@ def test_put_then_get_every_layer(env):
 
 
 def test_put_is_idempotent(env):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     assert table.put_chunk("c1", tokens_for(1, 5), layers_for(1, 5))
     before = env.read(lambda txn: txn.get(table.key("c1").layer(0).to_bytes(), db=env.db("kv")))
     assert table.put_chunk("c1", tokens_for(1, 5), layers_for(2, 5)) is False  # not rewritten
@@ -68,7 +69,7 @@ def test_put_is_idempotent(env):
 
 def test_other_tokens_under_the_same_id_are_refused(env):
     """A hash collision (same chunk id, other tokens) must never hand out the stored chunk's KV."""
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     table.put_chunk("c1", tokens_for(1, 6), layers_for(1, 6))
     with pytest.raises(CorruptValue, match="token ids"):
         table.get_layer("c1", 0, expect_token_ids=tokens_for(2, 6))
@@ -81,7 +82,7 @@ def test_other_tokens_under_the_same_id_are_refused(env):
 
 
 def test_models_and_codecs_do_not_mix(env):
-    a16, a8, b16 = KVTable(env, "model-a", "fp16"), KVTable(env, "model-a", "int8"), KVTable(env, "model-b", "fp16")
+    a16, a8, b16 = LocalKVTable(env, "model-a", "fp16"), LocalKVTable(env, "model-a", "int8"), LocalKVTable(env, "model-b", "fp16")
     a16.put_chunk("c1", tokens_for(1, 4), layers_for(1, 4))
     assert not a8.has("c1") and not b16.has("c1")
     a8.put_chunk("c1", tokens_for(1, 4), layers_for(1, 4))
@@ -91,11 +92,11 @@ def test_models_and_codecs_do_not_mix(env):
 
 
 def test_missing_iter_and_delete(env):
-    table = KVTable(env, "model-a", "bf16")
+    table = LocalKVTable(env, "model-a", "bf16")
     for i in range(5):
         table.put_chunk(f"c{i}", tokens_for(i, 3 + i), layers_for(i, 3 + i))
     assert table.missing(["c9", "c2", "c7", "c0"]) == ["c9", "c7"]
-    table.put_preamble("p" * 32, tokens_for(99, 8), layers_for(99, 8))
+    table.put_chunk(preamble_chunk_id("p" * 32), tokens_for(99, 8), layers_for(99, 8))
     assert [c for c, _ in table.iter_chunks()] == [f"c{i}" for i in range(5)]
     assert len(list(table.iter_chunks(include_preamble=True))) == 6
     assert table.delete_chunk("c3") == 5  # 4 layers + record
@@ -107,7 +108,7 @@ def test_iteration_spans_many_read_batches(env, monkeypatch):
     import kvrag.store.kv as kvmod
 
     monkeypatch.setattr(kvmod, "SCAN_BATCH", 3)
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     ids = [f"c{i:02d}" for i in range(10)]
     for i, c in enumerate(ids):
         table.put_chunk(c, tokens_for(i, 2), layers_for(i, 2, n_layers=2))
@@ -116,17 +117,17 @@ def test_iteration_spans_many_read_batches(env, monkeypatch):
 
 
 def test_preamble_is_stored_once(env):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     ids = tokens_for(7, 20)
-    assert table.put_preamble("ab" * 16, ids, layers_for(7, 20))
-    assert not table.put_preamble("ab" * 16, ids, layers_for(7, 20))
-    assert table.has_preamble("ab" * 16) and not table.has_preamble("cd" * 16)
-    k, _ = table.get_preamble_layer("ab" * 16, 3, expect_token_ids=ids)
+    assert table.put_chunk(preamble_chunk_id("ab" * 16), ids, layers_for(7, 20))
+    assert not table.put_chunk(preamble_chunk_id("ab" * 16), ids, layers_for(7, 20))
+    assert table.has(preamble_chunk_id("ab" * 16)) and not table.has(preamble_chunk_id("cd" * 16))
+    k, _ = table.get_layer(preamble_chunk_id("ab" * 16), 3, expect_token_ids=ids)
     assert k.shape == (20, H, D)
 
 
 def test_keyformer_subsets_keep_their_positions(env):
-    table = KVTable(env, "model-a", "int8")
+    table = LocalKVTable(env, "model-a", "int8")
     full = layers_for(3, 10)
     keep = [np.array([0, 2, 5, 9]), np.array([1, 2, 3, 4, 8])]  # one subset per layer
     table.put_chunk("c1", tokens_for(3, 10), [(k[p], v[p]) for (k, v), p in zip(full[:2], keep, strict=True)],
@@ -157,7 +158,7 @@ class _FailingTxn:
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
 def test_a_failure_mid_put_leaves_nothing_of_the_chunk(env, monkeypatch, exc):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     table.put_chunk("c0", tokens_for(0, 4), layers_for(0, 4))
     real_write, log = env.write, []
     monkeypatch.setattr(env, "write", lambda fn: real_write(lambda txn: fn(_FailingTxn(txn, 3, log, exc))))
@@ -176,7 +177,7 @@ def test_a_failure_mid_put_leaves_nothing_of_the_chunk(env, monkeypatch, exc):
 def test_the_map_grows_by_itself(tmp_path, monkeypatch):
     monkeypatch.setattr(envmod, "INITIAL_MAP_SIZE", 256 << 10)
     with StoreEnv.open(tmp_path / "s", create=True) as env:
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         for i in range(12):  # ~200 KiB each, incompressible noise
             table.put_chunk(f"c{i}", tokens_for(i, 64), layers_for(i, 64, heads=3, dim=64))
         assert env.env.info()["map_size"] >= 2 << 20
@@ -187,7 +188,7 @@ def test_the_map_grows_by_itself(tmp_path, monkeypatch):
 def test_a_full_store_fails_clearly_and_keeps_what_it_had(tmp_path, monkeypatch):
     monkeypatch.setattr(envmod, "INITIAL_MAP_SIZE", 256 << 10)
     with StoreEnv.open(tmp_path / "s", create=True, max_map_size=1 << 20) as env:
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         stored = []
         with pytest.raises(KvragError, match="full.*nothing stored was lost"):
             for i in range(20):
@@ -200,11 +201,11 @@ def test_a_full_store_fails_clearly_and_keeps_what_it_had(tmp_path, monkeypatch)
             np.testing.assert_array_equal(table.get_layer(c, 3).v, layers_for(i, 64, heads=3, dim=64)[3][1].astype(np.float16))
         assert verify(env).ok
     with StoreEnv.open(tmp_path / "s") as env:  # and it reopens
-        assert KVTable(env, "model-a", "fp16").missing(stored) == []
+        assert LocalKVTable(env, "model-a", "fp16").missing(stored) == []
 
 
 def test_bad_layer_lists_are_refused(env):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     with pytest.raises(ValueError):
         table.put_chunk("c1", tokens_for(1, 5), layers_for(1, 4))  # 4 KV tokens, 5 token ids
     with pytest.raises(ValueError):
@@ -215,7 +216,7 @@ def test_bad_layer_lists_are_refused(env):
 
 
 def test_claims(env, monkeypatch):
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     table.put_chunk("done", tokens_for(0, 2), layers_for(0, 2))
     assert table.claim(["done", "a", "b"], owner="host-x:1") == ["a", "b"]  # another machine's claim
     assert table.claim(["a", "b", "c"]) == ["c"]  # it binds us until it expires
@@ -232,7 +233,7 @@ def test_a_dead_process_claim_is_free_at_once(env):
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    table = KVTable(env, "model-a", "fp16")
+    table = LocalKVTable(env, "model-a", "fp16")
     assert table.claim(["a"], owner=f"{socket.gethostname()}:{int(dead.stdout)}") == ["a"]
     assert table.claim(["a"]) == ["a"]  # e.g. a precompute killed with -9, run again
     raw = env.read(lambda txn: txn.get(table.key("a").claim_key(), db=env.db("kv")))
@@ -260,9 +261,9 @@ import kvrag.store.env as envmod
 envmod.INITIAL_MAP_SIZE = 1 << 20
 from kvrag.errors import KvragError
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 
-table = KVTable(StoreEnv.open(sys.argv[1], create=True), "model-a", "fp16")
+table = LocalKVTable(StoreEnv.open(sys.argv[1], create=True), "model-a", "fp16")
 stored = 0
 try:
     for i in range(100):
@@ -287,6 +288,6 @@ def test_a_full_disk_fails_clearly_and_keeps_what_it_had(tmp_path):
     stored, message = done.stdout.strip().split("\n")
     assert int(stored) >= 3 and "is the disk full?" in message and "nothing stored was lost" in message
     with StoreEnv.open(tmp_path / "s") as env:
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         assert table.missing([f"c{i}" for i in range(int(stored) + 1)]) == [f"c{stored}"]
         assert verify(env).ok

@@ -9,7 +9,8 @@ from kvrag.errors import KvragError
 from kvrag.store.chunks import ChunkRecord, ChunkTable, DocChunk, DocRecord, IndexConfig
 from kvrag.store.codec import HEADER_SIZE, CorruptValue
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.keys import preamble_chunk_id
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.maintenance import gc, stats, verify
 from kvrag.store.manifest import check_or_record, preamble_hash, read_manifests
 
@@ -36,12 +37,12 @@ def cid(i: int) -> str:
     return f"{i:032x}"  # hex, like the indexer's blake2b ids
 
 
-def fill(env: StoreEnv, model: str = "model-a", codec: str = "fp16", n: int = 4, first: int = 0) -> KVTable:
-    table = KVTable(env, model, codec)
+def fill(env: StoreEnv, model: str = "model-a", codec: str = "fp16", n: int = 4, first: int = 0) -> LocalKVTable:
+    table = LocalKVTable(env, model, codec)
     check_or_record(env, model, PREAMBLE, codec)
     for i in range(first, first + n):
         table.put_chunk(cid(i), tokens_for(i, 5 + i), layers_for(i, 5 + i))
-    table.put_preamble(preamble_hash(PREAMBLE), tokens_for(99, 9), layers_for(99, 9))
+    table.put_chunk(preamble_chunk_id(preamble_hash(PREAMBLE)), tokens_for(99, 9), layers_for(99, 9))
     return table
 
 
@@ -69,7 +70,7 @@ def test_stats(env):
     a16, a8 = by["model-a", "fp16"], by["model-a", "int8"]
     assert (a16.chunks, a16.tokens, a16.preamble_tokens) == (3, 5 + 6 + 7, 9)
     assert (a8.chunks, a8.tokens) == (2, 11)
-    t = KVTable(env, "model-a", "fp16")
+    t = LocalKVTable(env, "model-a", "fp16")
     sizes = [sum(len(kv_get(env, t.key(cid(i)).layer(layer).to_bytes())) for i in range(3)) for layer in range(4)]
     assert a16.layer_bytes == tuple(sizes) and a16.bytes == sum(sizes)
     assert a8.bytes_per_token < a16.bytes_per_token
@@ -122,7 +123,7 @@ def test_a_flipped_byte_on_disk_is_caught(tmp_path):
         at = data.find(value, at + 1)
     (path / "data.mdb").write_bytes(bytes(data))
     with StoreEnv.open(path) as env:
-        table = KVTable(env, "model-a", "fp16")
+        table = LocalKVTable(env, "model-a", "fp16")
         with pytest.raises(CorruptValue, match="checksum"):
             table.get_layer(cid(1), 2)
         table.get_layer(cid(1), 1)  # its neighbours are fine
@@ -142,7 +143,7 @@ def test_gc_drops_kv_of_chunks_no_longer_indexed(env):
     a = fill(env, n=5)
     b = fill(env, "model-b", "int8", n=3)
     _index(env, [0, 2, 4])
-    dead = KVTable(env, "model-a", "fp16")
+    dead = LocalKVTable(env, "model-a", "fp16")
     dead.claim([cid(7)], owner="somehost:1")  # another host's live claim stays
     env.write(lambda txn: txn.put(a.key(cid(8)).claim_key(), b'{"owner": "x:1", "expires": 0}', db=env.db("kv")))
     dry = gc(env, ChunkTable(env).ids(), dry_run=True)
@@ -152,7 +153,7 @@ def test_gc_drops_kv_of_chunks_no_longer_indexed(env):
     assert report.dropped_chunks == 3 and report.dropped_bytes > 0
     assert a.missing([cid(i) for i in range(5)]) == [cid(1), cid(3)]
     assert b.missing([cid(i) for i in range(3)]) == [cid(1)]
-    assert a.has_preamble(preamble_hash(PREAMBLE))
+    assert a.has(preamble_chunk_id(preamble_hash(PREAMBLE)))
     assert kv_get(env, a.key(cid(7)).claim_key()) is not None
     assert kv_get(env, a.key(cid(8)).claim_key()) is None  # an expired claim goes
     assert verify(env).ok
@@ -183,9 +184,10 @@ def test_gc_by_model(env):
 
 def test_gc_drops_a_preamble_no_manifest_refers_to(env):
     table = fill(env, n=1)
-    table.put_preamble(preamble_hash("an old preamble"), tokens_for(5, 4), layers_for(5, 4))
+    table.put_chunk(preamble_chunk_id(preamble_hash("an old preamble")), tokens_for(5, 4), layers_for(5, 4))
     gc(env, None)
-    assert table.has_preamble(preamble_hash(PREAMBLE)) and not table.has_preamble(preamble_hash("an old preamble"))
+    assert table.has(preamble_chunk_id(preamble_hash(PREAMBLE)))
+    assert not table.has(preamble_chunk_id(preamble_hash("an old preamble")))
 
 
 def test_empty_store_reports_nothing(env):

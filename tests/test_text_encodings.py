@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kvrag.corpus.documents import Unreadable
-from kvrag.corpus.read_text import decode_bytes, read_markdown, read_text
+from kvrag.corpus.sources import read_markdown, read_text
+from kvrag.corpus.text_encoding import decode_bytes
 from kvrag.tests.conftest import run_cli_in_process
 
 # Invented text. The French one is the case: charset-normalizer alone reads it as cp1250 (à -> ŕ).

@@ -13,6 +13,12 @@ L, H, D, B = 3, 2, 4, 4
 LAYOUT = BlockLayout(L, H, D, "float32", B)
 
 
+def _fork(pool: BlockPool, table: BlockTable) -> BlockTable:
+    """A second table over the same blocks (no copy), as a tier shares identical blocks: writing either copies."""
+    pool.share(table.blocks)
+    return BlockTable(list(table.blocks), table.n_tokens, table.block_size)
+
+
 def kv(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for _ in range(L)]
@@ -29,7 +35,7 @@ def test_layout_bytes_of_default_model():
     smol = BlockLayout.for_codec(30, 3, 64, "fp16")
     assert smol.bytes_per_token == 23_040
     assert smol.bytes_per_block == 16 * 23_040
-    assert smol.blocks_in(4 << 30) == (4 << 30) // (16 * 23_040)
+    assert BlockPool.for_budget(smol, 4 << 30, None).num_blocks == (4 << 30) // (16 * 23_040)
     assert smol.blocks_for(1) == 1 and smol.blocks_for(16) == 1 and smol.blocks_for(17) == 2
     assert BlockLayout.for_codec(30, 3, 64, "int8").dtype == "float16"
     with pytest.raises(KvragError):
@@ -95,19 +101,20 @@ def test_fork_copy_on_write():
     src = pool.allocate(6)  # 2 blocks
     layers = kv(6, 2)
     pool.write(src, layers)
-    fork = pool.fork(src)
+    fork = _fork(pool, src)
     assert fork.blocks == src.blocks and pool.allocator.refcount(src.blocks[0]) == 2
     assert pool.num_free == 4  # sharing costs nothing
     rows = torch.tensor([5])  # in block 1 only
-    k_new, v_new = torch.full((1, H, D), 7.0), torch.full((1, H, D), -7.0)
-    pool.write_rows(fork, 2, rows, k_new, v_new)
+    changed = [(k.clone(), v.clone()) for k, v in layers]
+    changed[2][0][5], changed[2][1][5] = 7.0, -7.0  # layer 2's K and V at row 5
+    pool.write(fork, changed, rows)
     assert fork.blocks[0] == src.blocks[0] and fork.blocks[1] != src.blocks[1]  # only the written block copied
     assert pool.num_free == 3
     assert torch.equal(pool.gather([src]), stacked(layers))  # the original never changes
     expect = stacked(layers).clone()
     expect[2, 0, 5], expect[2, 1, 5] = 7.0, -7.0
     assert torch.equal(pool.gather([fork]), expect)
-    pool.write_rows(fork, 2, rows, k_new * 2, v_new * 2)  # now private: written in place
+    pool.write(fork, [(k * 2, v * 2) for k, v in changed], rows)  # now private: written in place
     assert pool.num_free == 3
     pool.free(src)
     assert pool.allocator.refcount(fork.blocks[0]) == 1
@@ -120,7 +127,7 @@ def test_write_of_a_shared_block_copies_it_and_full_pool_refuses():
     pool = BlockPool(LAYOUT, 2)
     src = pool.allocate(8)
     pool.write(src, kv(8, 3))
-    fork = pool.fork(src)
+    fork = _fork(pool, src)
     with pytest.raises(OutOfBlocks):
         pool.write(fork, kv(8, 4))
     assert pool.free(src) == []  # the fork still holds both blocks
@@ -159,7 +166,7 @@ def test_copy_between_pools_and_budget():
 def test_bookkeeping_only_pool():
     pool = BlockPool(LAYOUT, 4, device=None)
     t = pool.allocate(9)
-    f = pool.fork(t)
+    f = _fork(pool, t)
     pool.make_private(f, [0])  # copy-on-write still accounts blocks
     assert pool.num_free == 0 and not pool.materialized
     with pytest.raises(RuntimeError, match="bookkeeping only"):
@@ -172,12 +179,11 @@ def test_bookkeeping_imports_without_torch():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import kvrag.store.tiers as t\n"
             "from kvrag.store.tiers import knowledge_tree, policies, cost_profile, reorder, config\n"
             "from kvrag.kvcache import allocator, prefix_cache\n"
-            "a = t.BlockAllocator(3); a.allocate(2); a.check()\n"
-            "tree = t.KnowledgeTree(); tree.add(tree.root, 'c', 5)\n"
-            "print(len(tree), t.order_priority(1, 2))")
+            "a = allocator.BlockAllocator(3); a.allocate(2); a.check()\n"
+            "tree = knowledge_tree.KnowledgeTree(); tree.add(tree.root, 'c', 5)\n"
+            "print(len(tree), reorder.order_priority(1, 2))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "0.5"]

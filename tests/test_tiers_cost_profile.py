@@ -1,4 +1,4 @@
-"""T(cached, new) profile: bilinear interpolation, edges, JSON cache, measuring through a callable."""
+"""T(cached, new) profile: bilinear interpolation, edges; the bench's JSON cache, measuring through a callable."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from kvrag.bench.cost_profile import load_or_measure, load_profile, measure, profile_path, save_profile
 from kvrag.errors import KvragError
-from kvrag.store.tiers.cost_profile import CostProfile, load_or_measure, measure, profile_path
+from kvrag.store.tiers.cost_profile import CostProfile
 
 
 def bilinear(a: float, b: float) -> float:
@@ -84,7 +85,7 @@ def test_unreadable_profile_is_a_user_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(KvragError, match="cannot read the cost profile"):
-        CostProfile.load(bad)
+        load_profile(bad)
     p = profile()
-    p.save(tmp_path / "ok.json")
-    assert CostProfile.load(tmp_path / "ok.json") == p
+    save_profile(p, tmp_path / "ok.json")
+    assert load_profile(tmp_path / "ok.json") == p

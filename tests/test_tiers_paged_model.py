@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrag.kvcache.allocator import BlockLayout
 from kvrag.model.cache import DecodeCache
 from kvrag.model.config import ModelConfig, RopeScaling
-from kvrag.model.generate import decode_step
+from kvrag.model.decode import decode_step
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.transformer import Transformer
-from kvrag.store.tiers import BlockLayout, TieredKVCache, as_layers
+from kvrag.store.tiers.cache import TieredKVCache
+from kvrag.store.tiers.lease import as_layers
 
 CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=48, intermediate_size=96, n_layers=3,
                   n_heads=6, n_kv_heads=2, head_dim=8, rms_eps=1e-5, rope_theta=10000.0,

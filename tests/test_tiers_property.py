@@ -10,8 +10,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvrag.store.tiers import BlockLayout, CacheStats, TieredKVCache
+from kvrag.kvcache.allocator import BlockLayout
+from kvrag.store.tiers.cache import TieredKVCache
 from kvrag.store.tiers.config import POLICIES
+from kvrag.store.tiers.lease import CacheStats
+from kvrag.tests.tier_invariants import check_invariants
 
 LAYOUT = BlockLayout(2, 1, 2, "float32", 4)
 BLOCK = LAYOUT.bytes_per_block
@@ -113,7 +116,7 @@ def run_stream(policy: str, gpu_blocks: int, host_blocks: int, slack: int, ops: 
             open_leases.append(lease)
             if not hold or len(open_leases) > 3:
                 cache.release(open_leases.pop(0))
-        cache.check()
+        check_invariants(cache)
         for tier, pool in cache.pools.items():
             assert pool.used_bytes <= pool.capacity_bytes <= budgets[tier]
         for lease in open_leases:  # nothing in use was evicted, and it still holds the right KV

@@ -14,7 +14,8 @@ from kvrag.bench.replay import (
     zipf_requests,
 )
 from kvrag.bench.tiers import render, shortfalls
-from kvrag.store.tiers import BlockLayout, CostProfile
+from kvrag.kvcache.allocator import BlockLayout
+from kvrag.store.tiers.cost_profile import CostProfile
 
 LAYOUT = BlockLayout(30, 3, 64)  # the default model: 23,040 B per token
 PROFILE = CostProfile((0, 3000), (64, 3200), ((0.2, 6.0), (0.4, 17.0)))
@@ -111,13 +112,14 @@ def test_kvrag_bench_tiers_replays_every_policy_and_size(monkeypatch, capsys, tm
     result per size x policy x (FIFO, reordered), the same as replaying its own workload by hand."""
     import json
 
+    from kvrag.bench.cost_profile import save_profile
     from kvrag.bench.tiers import profile_key
     from kvrag.model.prompt import PromptBuilder
     from kvrag.tests.conftest import run_cli_in_process
 
     data, profile = tmp_path / "m.json", tmp_path / "profile.json"
     data.write_text(json.dumps(invented_items))
-    CostProfile(PROFILE.cached, PROFILE.new, PROFILE.seconds, profile_key(smol, 1)).save(profile)
+    save_profile(CostProfile(PROFILE.cached, PROFILE.new, PROFILE.seconds, profile_key(smol, 1)), profile)
     code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "tiers", "--data", str(data),
                                         "--profile", str(profile), "--profile-layers", "1", "--requests", "60",
                                         "--warmup", "10", "-k", "2", "--sizes", "1MiB,64MiB",

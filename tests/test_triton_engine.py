@@ -16,12 +16,13 @@ from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.prefiller import Prefiller
 from kvrag.kernels import triton_attention
-from kvrag.model.generate import prefill
+from kvrag.model.prefill import prefill
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.plain import chunk_kv, layers_to_numpy
 from kvrag.store.chunks import chunk_id_for
 from kvrag.store.env import StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
+from kvrag.tests.tier_invariants import check_invariants
 
 QUESTION = "Who was the spouse of the performer?"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -50,7 +51,7 @@ def triton_on(model, monkeypatch, kernel: str):
 def stored(tmp_path, runtime, invented_items):
     env = StoreEnv.open(tmp_path / "store", create=True)
     engine = Prefiller.open(runtime, env)
-    table = KVTable(env, runtime.fingerprint, "fp16")
+    table = LocalKVTable(env, runtime.fingerprint, "fp16")
     chunks = []
     for ctx in invented_items[0]["ctxs"][:4]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:50]))
@@ -159,7 +160,7 @@ def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir
     runtime = Runtime.load(str(tiny_llama_dir), "float32", device="cuda")
     env = StoreEnv.open(tmp_path / "store", create=True)
     plain = Prefiller.open(runtime, env)
-    table, chunks = KVTable(env, runtime.fingerprint, "fp16"), []
+    table, chunks = LocalKVTable(env, runtime.fingerprint, "fp16"), []
     for ctx in invented_items[1]["ctxs"][:5]:
         ids = runtime.prompts.passage_ids("", " ".join(ctx["text"].split()[:40]))
         chunks.append((chunk_id_for(ids, runtime.local.tokenizer_fingerprint), ids))
@@ -181,5 +182,5 @@ def test_the_gpu_tier_swaps_out_once_and_serves_as_the_store_does(tiny_llama_dir
     assert second.chunk_tiers[0] == "store" and set(second.chunk_tiers[1:]) <= {"gpu", "host"}
     assert "gpu" in second.chunk_tiers and second.recomputed_chunk_tokens == reference.recomputed_chunk_tokens
     torch.testing.assert_close(second.logits, reference.logits, rtol=1e-3, atol=2e-3)
-    tiered.source.cache.check()
+    check_invariants(tiered.source.cache)
     env.close()

@@ -10,7 +10,7 @@ import time
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import INITIAL_MAP_SIZE, StoreEnv
-from kvrag.store.kv import KVTable
+from kvrag.store.kv import LocalKVTable
 from kvrag.tests.passages import OTHER_TASK
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
@@ -40,7 +40,7 @@ def test_the_engine_answers_while_the_store_writer_is_held_up(corpus, invented_i
         held.abort()
     engine.writes.drain()
     (record,) = ChunkTable(env).client_records()
-    assert KVTable(env, prefiller.runtime.fingerprint, "fp16").missing([record.chunk_id]) == []
+    assert LocalKVTable(env, prefiller.runtime.fingerprint, "fp16").missing([record.chunk_id]) == []
     engine.close()
 
 

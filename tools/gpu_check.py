@@ -1,7 +1,7 @@
 """Fill the folder the GPU check carries to a lent GPU machine (issue 47, docs/gpu.md, "The GPU check").
 
     here   python tools/gpu_check.py pack [--out .gpu-check]      (or `make gpu-check`; PyPI must be reachable)
-    there  bash tools/gpu_check.sh                                 (`device run`, carry [".gpu-check"], timeout_s 540)
+    there  bash tools/gpu_check.sh                                 (`device run`, carry [".gpu-check"], timeout_s 300)
 
 The folder holds, in at most 40 MiB (a call carries 64 MiB, the tree included):
 - wheels/: what kvrag, its bench and the cuda tests need on the GPU machine's Python (3.12) that its image lacks
@@ -179,7 +179,7 @@ def pack(args: argparse.Namespace) -> None:
         sys.exit("gpu_check: " + "; ".join(problems))
     n = sum(k.startswith("wheels/") for k in manifest["files"])
     print(f"gpu_check: {folder} ready: {n} wheels, {manifest['total_bytes'] / 2**20:.1f} MiB of "
-          f"{LIMIT >> 20}; run `bash tools/gpu_check.sh` there (device run, carry ['{folder.name}'], timeout_s 540)")
+          f"{LIMIT >> 20}; run `bash tools/gpu_check.sh` there (device run, carry ['{folder.name}'], timeout_s 300)")
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def _ranges(n: int, tune: range, report: range) -> dict[str, list[int]]:
 
 def sample_items(seed: int = 0) -> list[dict]:
     """The demo questions, each over every bundled document (title and text as `kvrag index` reads them)."""
-    from kvrag.corpus.read_text import read_markdown, read_text
+    from kvrag.corpus.sources import read_markdown, read_text
 
     docs = []
     for path in sorted((_CORPUS / "sample").iterdir()):

@@ -140,7 +140,7 @@ def _distinct_sentences(docs: list[list[str]]) -> list[list[str]]:
 
 
 def _bundled_docs() -> list[list[str]]:
-    from kvrag.corpus.read_text import read_text
+    from kvrag.corpus.sources import read_text
 
     docs = []
     for path in sorted(_CORPUS.iterdir()):

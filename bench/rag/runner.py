@@ -26,7 +26,7 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request
 from kvrag.errors import KvragError
-from kvrag.model.generate import SamplingConfig
+from kvrag.model.sampling import SamplingConfig
 from kvrag.store.keys import codec_id
 
 Progress = Callable[[str, str, int, int], None]  # (phase, label, done, total)

@@ -2,112 +2,11 @@
 
     object_store.py  ObjectStore: one bucket and prefix over obstore, configured from the AWS variables
     layout.py        one chunk = one object: header, KVRecord, every layer's value; its checks
-    remote_kv.py     RemoteKVTable: KVTable's surface over those objects, plus get_layers / get_chunk
-    cached_kv.py     CachedKVTable: the local LMDB KVTable as a size-bounded read-through tier in front of it
+    remote_kv.py     RemoteKVTable: the KVTable protocol (store/table.py) over those objects, plus get_chunk
+    cached_kv.py     CachedKVTable: the LocalKVTable as a size-bounded read-through tier in front of it
     ranged.py        a cold chunk fetched in layer order, a few layers per ranged GET, while its first layers are read
 
-The local mirror of a remote store (its corpus, a published snapshot, and its kv cache) is corpus/mirror.py: it
-syncs the corpus, which the store knows nothing of. `store_table` is what the engine and precompute call: a local
-store gives a plain KVTable, as ever. obstore is an optional dependency (the `s3` extra): only the remote path imports it.
+Which table a store gets is store/open.py's choice. The local mirror of a remote store (its corpus, a published
+snapshot, and its kv cache) is corpus/mirror.py: it syncs the corpus, which the store knows nothing of. obstore is an
+optional dependency (the `s3` extra): only these modules import it.
 """
-
-from __future__ import annotations
-
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from kvrag.errors import KvragError
-from kvrag.store.kv import KVTable
-from kvrag.store.tiers.config import parse_bytes
-
-if TYPE_CHECKING:
-    from kvrag.store.env import StoreEnv
-    from kvrag.store.remote.cached_kv import CachedKVTable
-    from kvrag.store.remote.remote_kv import RemoteKVTable
-
-DEFAULT_CACHE = "10GiB"  # the mirror's local kv cache, at most (KVRAG_REMOTE_CACHE, config.py)
-MARKER = "remote.json"  # in a mirror directory: {"url": "s3://bucket/prefix"}
-INSTALL_HINT = "--store s3://... needs obstore: pip install 'kvrag[s3]'"
-_LAZY = {"CachedKVTable": "cached_kv", "ObjectStore": "object_store", "DamagedObject": "remote_kv",
-         "RemoteKVTable": "remote_kv"}
-
-
-def is_remote(store: str | Path) -> bool:
-    """Whether a --store value names object storage rather than a local directory."""
-    return str(store).startswith("s3://")
-
-
-def remote_url(store_dir: str | Path) -> str | None:
-    """The URL of the remote store a directory mirrors; None for an ordinary local store."""
-    try:
-        return json.loads((Path(store_dir) / MARKER).read_text())["url"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise KvragError(f"{Path(store_dir) / MARKER} is damaged ({exc}); delete the mirror directory") from None
-
-
-@dataclass(frozen=True)
-class RemoteOptions:
-    """How to reach a store on object storage, resolved at the edge (config.py): the AWS variables that configure
-    the client, the mirror's directory (None: under kvrag's home) and the bound on its local kv cache."""
-
-    aws: Mapping[str, str] = field(default_factory=dict)
-    mirror_dir: str | None = None
-    cache_bytes: int = parse_bytes(DEFAULT_CACHE)
-
-    @classmethod
-    def of(cls, aws: Mapping[str, str], mirror_dir: str | None, cache: str) -> RemoteOptions:
-        return cls(dict(aws), mirror_dir, parse_bytes(cache, "KVRAG_REMOTE_CACHE"))
-
-
-def store_table(env: StoreEnv, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "",
-                remote: RemoteOptions | None = None) -> KVTable | CachedKVTable:
-    """The KV table of a store: its KVTable; for a mirror, the remote table (reached with `remote`) with that
-    KVTable as its cache, bounded to remote.cache_bytes."""
-    table = KVTable(env, model_fp, codec, compress, variant)
-    url = remote_url(env.path)
-    if url is None:
-        return table
-    require_obstore()
-    remote = remote or RemoteOptions()
-    return open_table(url, model_fp, codec, compress, variant, cache=table, cache_bytes=remote.cache_bytes,
-                      aws=remote.aws)
-
-
-def open_table(url: str, model_fp: str, codec: str = "fp16", compress: bool = True, variant: str = "", *,
-               cache: KVTable | None = None, cache_bytes: int = 0,
-               aws: Mapping[str, str] | None = None) -> RemoteKVTable | CachedKVTable:
-    """The table `ask` and `precompute` read and write for --store s3://...: the remote one, behind the local
-    `cache` table (same model, codec and variant) when one is given, bounded to `cache_bytes`; the client
-    configured from the `aws` variables."""
-    from kvrag.store.remote.cached_kv import CachedKVTable
-    from kvrag.store.remote.object_store import ObjectStore
-    from kvrag.store.remote.remote_kv import RemoteKVTable
-
-    remote = RemoteKVTable(ObjectStore.from_url(url, aws or {}), model_fp, codec, compress, variant)
-    remote.objects.check()  # wrong bucket or credentials: one clear line now, not at the first read
-    return remote if cache is None else CachedKVTable(remote, cache, cache_bytes)
-
-
-def require_obstore() -> None:
-    try:
-        import obstore  # noqa: F401
-    except ImportError:
-        raise KvragError(INSTALL_HINT) from None
-
-
-def __getattr__(name: str):
-    """The obstore-bound classes, imported on first use (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-
-
-__all__ = ["CachedKVTable", "DamagedObject", "ObjectStore", "RemoteKVTable", "is_remote", "store_table",
-           "open_table", "remote_url"]

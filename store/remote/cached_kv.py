@@ -1,4 +1,4 @@
-"""A read-through cache tier: the local LMDB KVTable in front of a RemoteKVTable, bounded in bytes.
+"""A read-through cache tier: the LocalKVTable (LMDB) in front of a RemoteKVTable, bounded in bytes.
 
 Reads try the local table first and make no request when it has the chunk. A miss fetches the chunk's layers in
 the order the loader reads them (ranged.py): ranged GETs of `layers_per_request` layers each, the first one holding
@@ -21,13 +21,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvrag.store.codec import DecodedKV
-from kvrag.store.kv import KVTable, Layers, MissingChunk, Positions, RawLayer, Shard, encode_chunk
+from kvrag.store.codec import CorruptValue
+from kvrag.store.kv import LocalKVTable
 from kvrag.store.record import KVRecord, TokenIds
 from kvrag.store.remote.ranged import RangedReader
 from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable
+from kvrag.store.table import KVTable, LayerRead, MissingChunk, RawLayer, Shard, read_or_error
 from kvrag.store.tiers.policies import AccessStats, Policy, make_policy
 
 LAYERS_PER_REQUEST = 4  # a cold chunk's layers per ranged GET (0: the chunk whole, in one GET)
@@ -40,13 +42,10 @@ class CacheCounters:
     fills: int = 0  # chunks fetched from the remote (every layer, whole or ranged)
     fetched_bytes: int = 0
     evictions: int = 0
-    not_kept: int = 0  # fetched chunks larger than the whole bound
 
 
-class CachedKVTable:
-    put_preamble, has_preamble, get_preamble_layer = KVTable.put_preamble, KVTable.has_preamble, KVTable.get_preamble_layer
-
-    def __init__(self, remote: RemoteKVTable, local: KVTable, max_bytes: int, policy: str | Policy = "pgdsf",
+class CachedKVTable(KVTable):
+    def __init__(self, remote: RemoteKVTable, local: LocalKVTable, max_bytes: int, policy: str | Policy = "pgdsf",
                  layers_per_request: int = LAYERS_PER_REQUEST, partial_bytes: int = PARTIAL_BYTES):
         if (remote.model_fp, remote.codec, remote.variant) != (local.model_fp, local.codec, local.variant):
             raise ValueError("the local and remote tables hold different models, codecs or variants")
@@ -90,30 +89,39 @@ class CachedKVTable:
         return self.local.record(chunk_id) or self.remote.record(chunk_id)
 
     def get_layer_raw(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None) -> RawLayer:
-        return self.get_layers([chunk_id], layer, [expect_token_ids])[0]
+        with self.layer_views([(chunk_id, expect_token_ids)], layer) as (raw,):
+            if isinstance(raw, RawLayer):
+                return raw
+            raise raw
 
-    def get_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None,
-                  dtype: type | None = None) -> DecodedKV:
-        return self.get_layer_raw(chunk_id, layer, expect_token_ids).decode(dtype)
-
-    def get_layers(self, chunk_ids: Sequence[str], layer: int,
-                   expect_token_ids: Sequence[TokenIds | None] | None = None) -> list[RawLayer]:
-        """One layer of several chunks: local ones read here, the others fetched (all at once) and kept."""
-        expect = list(expect_token_ids) if expect_token_ids is not None else [None] * len(chunk_ids)
-        found = [self._local_layer(chunk_id, layer, ids) for chunk_id, ids in zip(chunk_ids, expect, strict=True)]
+    @contextmanager
+    def layer_views(self, chunks: Sequence[tuple[str, TokenIds | None]], layer: int,
+                    records: dict[str, KVRecord] | None = None) -> Iterator[list[LayerRead]]:
+        """Local ones read here, the others fetched (all at once) and kept; read whole, not as views of the map
+        (an eviction may delete a chunk while the block runs)."""
+        chunks = list(chunks)
+        found = [read_or_error(self._local_layer, chunk_id, layer, ids) for chunk_id, ids in chunks]
         misses = [i for i, raw in enumerate(found) if raw is None]
+        if not self.layers_per_request:  # the chunks whole, one GET each, all in flight at once
+            fetched = self.remote.objects.map(lambda i: read_or_error(self._remote_layer, chunks[i][0], layer,
+                                                                      chunks[i][1]), misses)
+        else:
+            for i in misses:  # every fetch started before any is waited on
+                try:
+                    self.ranged.open(chunks[i][0], chunks[i][1], self.layers_per_request)
+                except (MissingChunk, CorruptValue):
+                    pass  # its read below answers the same
+            fetched = [read_or_error(self._remote_layer, chunks[i][0], layer, chunks[i][1]) for i in misses]
+        for i, raw in zip(misses, fetched, strict=True):
+            found[i] = raw
+        yield found
+
+    def _remote_layer(self, chunk_id: str, layer: int, ids: TokenIds | None) -> RawLayer:
+        """A layer not in the local tier: fetched (whole or ranged, module doc), the chunk kept."""
         if not self.layers_per_request:
-            fetched = self.remote.objects.map(lambda i: self._fill(chunk_ids[i], expect[i]), misses)
-            for i, chunk in zip(misses, fetched, strict=True):
-                found[i] = chunk.raw_layer(layer, self.codec)
-            return found
-        for i in misses:  # every fetch started before any is waited on
-            self.ranged.open(chunk_ids[i], expect[i], self.layers_per_request)
-        for i in misses:
-            found[i] = self.ranged.read(chunk_ids[i], layer, expect[i], self.layers_per_request, self.codec)
-            if found[i] is None:  # kept locally meanwhile
-                found[i] = self.local.get_layer_raw(chunk_ids[i], layer, expect[i])
-        return found
+            return self._fill(chunk_id, ids).raw_layer(layer, self.codec)
+        raw = self.ranged.read(chunk_id, layer, ids, self.layers_per_request, self.codec)
+        return raw if raw is not None else self.local.get_layer_raw(chunk_id, layer, ids)  # kept locally meanwhile
 
     def _local_layer(self, chunk_id: str, layer: int, ids: TokenIds | None) -> RawLayer | None:
         """The layer from the local tier; None when it is not there, or being fetched."""
@@ -131,13 +139,10 @@ class CachedKVTable:
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def put_chunk(self, chunk_id: str, token_ids: TokenIds, layers: Layers, positions: Positions = None) -> bool:
-        """Encode once, store in the remote (False when it was there) and keep locally."""
-        if self.remote.has(chunk_id):
-            return False
-        record, values = encode_chunk(token_ids, layers, positions, self.codec, self.compress)
+    def put_encoded(self, chunk_id: str, record: bytes, values: Sequence[bytes]) -> bool:
+        """Stored in the remote (False when it was there) and kept locally."""
         stored = self.remote.put_encoded(chunk_id, record, values)
-        self._admit(chunk_id, RemoteChunk(KVRecord.from_bytes(record), record, values), cost_s=0.0)
+        self._admit(chunk_id, RemoteChunk(KVRecord.from_bytes(record), record, list(values)), cost_s=0.0)
         return stored
 
     def delete_chunk(self, chunk_id: str) -> int:
@@ -157,12 +162,12 @@ class CachedKVTable:
                 self._untrack(chunk_id)
         self.remote.forget_all()
 
-    def claim(self, chunk_ids: Iterable[str], **kwargs) -> list[str]:
-        """Those missing remotely, claimed in the local store (processes on one host split them; see KVTable)."""
-        return self.local.claim(self.remote.missing(chunk_ids), **kwargs)
+    def claim(self, chunk_ids: Iterable[str], *, owner: str | None = None) -> list[str]:
+        """Those missing remotely, claimed in the local store (processes on one host split them; see LocalKVTable)."""
+        return self.local.claim(self.remote.missing(chunk_ids), owner=owner)
 
-    def release(self, chunk_ids: Iterable[str], **kwargs) -> None:
-        self.local.release(chunk_ids, **kwargs)
+    def release(self, chunk_ids: Iterable[str], *, owner: str | None = None) -> None:
+        self.local.release(chunk_ids, owner=owner)
 
     # --- the tier --------------------------------------------------------------------------------
 
@@ -187,7 +192,6 @@ class CachedKVTable:
         """Keep a chunk locally (unless it alone outgrows the bound), then evict others down to the bound."""
         with self._lock:
             if stored_bytes(chunk.record) > self.max_bytes:
-                self.counters.not_kept += 1
                 return
             self.local.put_encoded(chunk_id, chunk.record_bytes, chunk.values)
             self._track(chunk_id, chunk.record, cost_s)

@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 
 from kvrag.errors import KvragError
 from kvrag.store.codec import CorruptValue
-from kvrag.store.kv import MissingChunk, RawLayer
 from kvrag.store.record import TokenIds
 from kvrag.store.remote.layout import FIRST_MIN, ChunkIndex, SizeHint
 from kvrag.store.remote.object_store import ObjectChanged
-from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable, check_request
+from kvrag.store.remote.remote_kv import RemoteChunk, RemoteKVTable
+from kvrag.store.table import MissingChunk, RawLayer, check_request
 
 WAIT_S = 300.0  # a read waits this long at most (each request has its own, shorter, timeouts and retries)
 IN_FLIGHT = 8  # ranged GETs at once: the early layers of every chunk are not slowed by the late ones

@@ -2,9 +2,8 @@
 
     <prefix>/kv/<model_fp>/<codec>[/<variant>]/<chunk_id>
 
-`RemoteKVTable` has the surface of the local KVTable that `ask` and `precompute` use (has, missing, record,
-get_layer_raw, put_chunk, delete_chunk, claim, the preamble) and adds what a network wants: `get_layers`, one
-layer of several chunks as concurrent ranged GETs, and `get_chunk`, a chunk whole in one GET.
+`RemoteKVTable` implements the KVTable protocol (store/table.py) whole: `layer_views` reads one layer of several
+chunks as concurrent ranged GETs; beside it, `get_chunk` reads a chunk whole in one GET (the cache tier's fill).
 
 Reads: a chunk's index (header + record) comes from one ranged GET of its first INDEX_PROBE bytes and is kept
 (bounded); a layer is then one ranged GET, conditional on the index's ETag. Every value read is checked (length,
@@ -21,19 +20,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvrag.store.codec import CorruptValue, DecodedKV
+from kvrag.store.codec import CorruptValue
 from kvrag.store.keys import is_preamble_id, model_prefix
-from kvrag.store.kv import (
-    KVTable,
-    Layers,
-    MissingChunk,
-    Positions,
-    RawLayer,
-    Shard,
-    encode_chunk,
-)
 from kvrag.store.record import KVRecord, TokenIds
 from kvrag.store.remote.layout import (
     INDEX_PROBE,
@@ -44,6 +35,7 @@ from kvrag.store.remote.layout import (
     parse_index,
 )
 from kvrag.store.remote.object_store import ObjectChanged, ObjectStore
+from kvrag.store.table import KVTable, LayerRead, MissingChunk, RawLayer, Shard, check_request, read_or_error
 
 INDEX_CACHE = 4096  # chunk indexes kept (a record is ~2-3 KB for a 512-token chunk)
 LIST_ABOVE = 64  # `missing` over more ids than this lists the folder instead of reading each index
@@ -69,11 +61,7 @@ class RemoteChunk:
         return RawLayer(self.values[layer], codec, self.record.layer_shape(layer))
 
 
-class RemoteKVTable:
-    # the preamble's KV under its reserved chunk id, as the local table stores it (those methods only call
-    # put_chunk, has and get_layer, which this table has too)
-    put_preamble, has_preamble, get_preamble_layer = KVTable.put_preamble, KVTable.has_preamble, KVTable.get_preamble_layer
-
+class RemoteKVTable(KVTable):
     def __init__(self, objects: ObjectStore, model_fp: str, codec: str = "fp16", compress: bool = True,
                  variant: str = ""):
         model_prefix(model_fp, codec, variant)  # validates them as the local store does
@@ -138,16 +126,12 @@ class RemoteKVTable:
             return RawLayer(value, self.codec, index.record.layer_shape(layer))
         raise AssertionError("unreachable")
 
-    def get_layer(self, chunk_id: str, layer: int, expect_token_ids: TokenIds | None = None,
-                  dtype: type | None = None) -> DecodedKV:
-        return self.get_layer_raw(chunk_id, layer, expect_token_ids).decode(dtype)
-
-    def get_layers(self, chunk_ids: Sequence[str], layer: int,
-                   expect_token_ids: Sequence[TokenIds | None] | None = None) -> list[RawLayer]:
-        """One layer of several chunks: a ranged GET per chunk, all in flight at once (S3 reads one object, or
-        one byte range of it, per request)."""
-        expect = list(expect_token_ids) if expect_token_ids is not None else [None] * len(chunk_ids)
-        return self.objects.map(lambda i: self.get_layer_raw(chunk_ids[i], layer, expect[i]), range(len(chunk_ids)))
+    @contextmanager
+    def layer_views(self, chunks: Sequence[tuple[str, TokenIds | None]], layer: int,
+                    records: dict[str, KVRecord] | None = None) -> Iterator[list[LayerRead]]:
+        """A ranged GET per chunk, all in flight at once (S3 reads one object, or one byte range of it, per
+        request); the kept indexes stand for `records`."""
+        yield self.objects.map(lambda pair: read_or_error(self.get_layer_raw, pair[0], layer, pair[1]), chunks)
 
     def get_chunk(self, chunk_id: str, expect_token_ids: TokenIds | None = None) -> RemoteChunk:
         """The chunk whole, in one GET, every value checked."""
@@ -165,9 +149,6 @@ class RemoteKVTable:
             self.check_layer(chunk_id, layer, values[-1], index.record)
         return RemoteChunk(index.record, index.record_bytes, values)
 
-    def get_chunks(self, chunk_ids: Sequence[str]) -> list[RemoteChunk]:
-        return self.objects.map(self.get_chunk, chunk_ids)
-
     def chunk_ids(self, *, include_preamble: bool = False) -> list[str]:
         """The ids of every object in the folder (one LIST; sub-folders of variants left out)."""
         ids = (info.key[len(self.folder) + 1:] for info in self.objects.list(self.folder))
@@ -184,16 +165,9 @@ class RemoteKVTable:
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def put_chunk(self, chunk_id: str, token_ids: TokenIds, layers: Layers, positions: Positions = None) -> bool:
-        """Encode and store a chunk as one object; False when a healthy one was already there."""
-        if self.has(chunk_id):
-            return False  # skip the encoding and the upload too
-        record, values = encode_chunk(token_ids, layers, positions, self.codec, self.compress)
-        return self.put_encoded(chunk_id, record, values)
-
     def put_encoded(self, chunk_id: str, record: bytes, values: Sequence[bytes]) -> bool:
-        """Store a chunk already encoded (its record bytes and values): one PUT, replacing the object only when
-        it was found damaged; False when another writer's object was there first."""
+        """One PUT, replacing the object only when it was found damaged; False when another writer's object was
+        there first."""
         replace = chunk_id in self.damaged
         stored = self.objects.put(self.key(chunk_id), pack_chunk(record, values), create=not replace)
         self.forget(chunk_id)
@@ -208,12 +182,12 @@ class RemoteKVTable:
         self.forget(chunk_id)
         return int(existed)
 
-    def claim(self, chunk_ids: Iterable[str], **_) -> list[str]:
+    def claim(self, chunk_ids: Iterable[str], *, owner: str | None = None) -> list[str]:
         """Those still missing. Object storage has no locks: machines split work with --shard, and a chunk two
         of them compute is stored once (a create-only PUT)."""
         return self.missing(chunk_ids)
 
-    def release(self, chunk_ids: Iterable[str], **_) -> None:
+    def release(self, chunk_ids: Iterable[str], *, owner: str | None = None) -> None:
         """Nothing to release (see `claim`)."""
 
     # --- the index -------------------------------------------------------------------------------
@@ -287,13 +261,5 @@ class RemoteKVTable:
         variant = f", {self.variant}" if self.variant else ""
         return MissingChunk(f"no KV for chunk {chunk_id} in {self.objects.url} (model {self.model_fp}, "
                             f"codec {self.codec}{variant})")
-
-
-def check_request(chunk_id: str, record: KVRecord, layer: int, expect_token_ids: TokenIds | None) -> None:
-    """The stored chunk must be the one asked for (a chunk id is a hash) and have the layer."""
-    if expect_token_ids is not None and not record.matches(expect_token_ids):
-        raise CorruptValue(f"chunk {chunk_id}: stored token ids differ from the expected ones")
-    if not 0 <= layer < record.n_layers:
-        raise CorruptValue(f"chunk {chunk_id} has {record.n_layers} layers, layer {layer} asked")
 
 

@@ -73,16 +73,6 @@ class TieredKVCache:
 
     # --- looking up ------------------------------------------------------------------------------
 
-    def lookup(self, chunk_ids: Sequence[str]) -> tuple[list[Node], list[str]]:
-        """(matched path nodes, per-chunk tier "gpu" | "host" | "store"); changes nothing."""
-        with self._lock:
-            prefix = self.tree.match(chunk_ids)
-            tiers = [self._best_tier(n) for n in prefix]
-            for cid in chunk_ids[len(prefix):]:
-                base = self.tree.base(cid)
-                tiers.append(STORE if base is None else self._best_tier(base))
-            return prefix, tiers
-
     def peek(self, chunk_ids: Sequence[str], lengths: Sequence[int], suffix_tokens: int = 0) -> tuple[int, int]:
         """(cached tokens, tokens to compute) if this request ran now; changes nothing."""
         with self._lock:
@@ -239,28 +229,6 @@ class TieredKVCache:
 
     def capacity_bytes(self, tier: str = HOST) -> int:
         return self.pools[tier].capacity_bytes
-
-    def check(self) -> None:
-        """Assert every invariant (tests call this after each step)."""
-        with self._lock:
-            refs: dict[str, dict[int, int]] = {tier: {} for tier in self.tiers}
-            for node in self.tree.nodes():
-                assert node.tables, f"{node} is in no tier"
-                assert node.pins >= 0
-                if GPU in node.tables:
-                    assert node.parent.is_root or GPU in node.parent.tables, f"{node}: GPU node under a host node"
-                    assert not node.swapped_out or HOST in node.tables, f"{node}: swapped out but no host copy"
-                for tier, table in node.tables.items():
-                    assert not table.freed and node in self._members[tier]
-                    for b in table.blocks:
-                        refs[tier][b] = refs[tier].get(b, 0) + 1
-            for tier, pool in self.pools.items():
-                pool.allocator.check()
-                assert all(n.alive and tier in n.tables for n in self._members[tier])
-                for b, count in refs[tier].items():
-                    assert pool.allocator.refcount(b) == count, f"{tier} block {b}: {count} tables"
-                assert pool.allocator.num_used == len(refs[tier]), f"{tier}: a block is held by no table"
-                assert pool.capacity_bytes <= self.budgets[tier], f"{tier} pool is over its budget"
 
     def _best_tier(self, node: Node) -> str:
         return next(t for t in self.tiers if t in node.tables)

@@ -22,18 +22,15 @@ A rule is a name and modifiers, "keyformer", "h2o", "window" or e.g. "keyformer:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from kvrag.errors import KvragError
+from kvrag.model.step import attention_logits
+from kvrag.precompute.keyformer import RECENT_SHARE, gumbel_softmax
 
-# The kept budget's split: Keyformer keeps a recent window w and the rest by score; the paper finds w at 20-30 %
-# of the budget works best (Sec. 5.3, "recent window") and its code's default is 30 % (d-matrix-ai/keyformer-llm,
-# `--recent 30` of `--kv_cache`): recent_tokens = int(budget * 0.30), key_tokens = budget - recent_tokens.
-RECENT_SHARE = 0.3
 TAU_STEP = 0.01  # Keyformer's code: tau = tau_init + itr_count * tau_delta, tau_init 1, tau_delta 0.01
 
 
@@ -88,27 +85,6 @@ def _share(text: str) -> float | None:
     except ValueError:
         return None
     return value if 0 <= value <= 1 else None
-
-
-def gumbel_softmax(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
-    """softmax((logits + g) / tau) over the last dimension, g ~ Gumbel(0, 1) drawn per element as the paper's code
-    (torch's gumbel_softmax) does."""
-    noise = torch.rand(logits.shape, generator=generator, device=logits.device)
-    noise.log_().neg_().log_().neg_()  # -log(-log U) ~ Gumbel(0, 1): 3x faster on a CPU than -log(Exp(1))
-    return ((logits + noise) / tau).softmax(-1)
-
-
-def attention_logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                     exact: bool = True) -> torch.Tensor:
-    """Scaled logits [Hkv, g, R, S] in float32 of queries q [R, Hq, hd] over rotated keys k [S, Hkv, hd], -inf where a
-    key lies after its query. exact=False: the product in the keys' dtype, as Keyformer's code scores (a decode step
-    then skips a float32 copy of every key)."""
-    r, hq, hd = q.shape
-    h_kv = k.shape[1]
-    dtype = torch.float32 if exact else k.dtype
-    qf = q.to(dtype).view(r, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, R, hd]
-    logits = torch.matmul(qf, k.to(dtype).permute(1, 2, 0).unsqueeze(1)).float() * hd ** -0.5  # [Hkv, g, R, S]
-    return logits.masked_fill_(k_pos[None, :] > q_pos[:, None], -math.inf)
 
 
 class AttentionScore:

@@ -1,24 +1,25 @@
 """Ray Serve request routers for the engine replicas (`kvrag serve --ray-serve`), on Serve's own extension point.
 
-    ChunkRouter       server/routing.py's chunk-aware ranking: warm replicas first, homes by rendezvous hash,
-                      load bounded (the default)
+    ChunkRouter       cluster/routing.py's chunk-aware ranking: warm replicas first, homes by rendezvous hash,
+                      load bounded in flight and over the last routings (the default)
     RoundRobinRouter  each request to the next replica in turn: the baseline `kvrag bench cluster` compares against
 
 A request names its chunks in the handle call's `route_chunks` keyword ((chunk id, tokens) pairs, found by the
-front: server/ray_serve.py). Each replica reports the chunks its memory tiers hold through Serve's routing stats
-(`record_routing_stats`, every few seconds); the router counts the requests it has in flight on each replica itself,
-from Serve's routed and completed callbacks, so the load it bounds is never stale.
+front: cluster/serve.py). Each replica reports the chunks its memory tiers hold through Serve's routing stats
+(`record_routing_stats`, every few seconds); the router counts the requests it has in flight on each replica, and
+the replicas its last routings went to, itself, from Serve's routed and completed callbacks, so the load it bounds
+is never stale.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvrag.server.routing import BALANCE, HELD, RoutingConfig, rank
+from kvrag.cluster.routing import BALANCE, HELD, WINDOW, RoutingConfig, rank
 
 ROUTE_KWARG = "route_chunks"
 
@@ -28,9 +29,10 @@ def route_chunks(request: PendingRequest | None) -> Sequence[tuple[str, int]]:
 
 
 class ChunkRouter(RequestRouter):
-    def initialize_state(self, held: float = HELD, balance: float = BALANCE, **_) -> None:
-        self.config = RoutingConfig(held, balance)
+    def initialize_state(self, held: float = HELD, balance: float = BALANCE, window: int = WINDOW, **_) -> None:
+        self.config = RoutingConfig(held, balance, window)
         self.in_flight: Counter[str] = Counter()
+        self.recent: deque[str] = deque(maxlen=window)  # the replicas the last routings went to
         self._routed: dict[str, str] = {}  # Serve's internal request id -> the replica it went to
         self._held: dict[str, tuple[int, frozenset[str]]] = {}  # replica -> (its report's id, the chunks as a set)
 
@@ -38,11 +40,13 @@ class ChunkRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         held = {rid: self._held_set(r) for rid, r in by_id.items()}
-        order = rank(route_chunks(pending_request), sorted(by_id), held, self.in_flight, self.config)
+        order = rank(route_chunks(pending_request), sorted(by_id), held, self.in_flight, self.config,
+                     Counter(rid for rid in self.recent if rid in by_id))
         return [[by_id[rid]] for rid in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.in_flight[replica_id.unique_id] += 1
+        self.recent.append(replica_id.unique_id)
         self._routed[pending_request.metadata.internal_request_id] = replica_id.unique_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

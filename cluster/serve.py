@@ -2,21 +2,21 @@
 tiers hold its chunks. The OpenAI surface is `kvrag serve`'s own: every replica runs server/app.py in-process.
 
     client ──HTTP──> Serve's proxy ──> Front (1 replica, no model)
-                                         finds the request's chunks (request_chunks.py: retrieval done here, once,
-                                         and handed on as `chunk_ids`; or the stored passages in its prompt)
-                                       ──handle, route_chunks=...──> ChunkRouter (server/ray_routers.py) picks
+                                         checks the API key, finds the request's chunks under its tenant's salt
+                                         (cluster/route_key.py: retrieval done here, once, and handed on as
+                                         `chunk_ids`; or the stored passages in its prompt)
+                                       ──handle, route_chunks=...──> ChunkRouter (cluster/routers.py) picks
                                        ──> Engine replica i: KVRag + the app, its response streamed back
 
 The replicas share the store: a local one on one machine, or one on object storage (`--store s3://...`), each
 through its own mirror. A replica that dies before a response's first body bytes are out has its request sent to
 another (FAILOVER_TRIES in all); once a stream has begun, its client sees the stream end. `/metrics` is every
-replica's page with a `replica` label (server/federate.py).
+replica's page with a `replica` label (cluster/federate.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from contextlib import suppress
@@ -31,20 +31,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvrag.api import KVRag, KVRagConfig, KvragError
-from kvrag.request_chunks import RequestChunks
+from kvrag.cluster.asgi_call import HttpRequest, Start, call
+from kvrag.cluster.federate import MetricsBoard, federated_page
+from kvrag.cluster.route_key import RouteKeys
+from kvrag.cluster.routers import ROUTE_KWARG, ROUTERS
+from kvrag.cluster.routing import BALANCE, WINDOW
 from kvrag.server.app import ServerSettings, create_app
-from kvrag.server.asgi_call import HttpRequest, Start, call
-from kvrag.server.errors import error_body
-from kvrag.server.federate import MetricsBoard, federated_page
-from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest
-from kvrag.server.ray_routers import ROUTE_KWARG, ROUTERS
-from kvrag.server.routing import BALANCE
+from kvrag.server.errors import ApiError, error_body
 
 APP = "kvrag"
 BOARD = "kvrag-metrics-board"
 FAILOVER_TRIES = 3
 REPLICA_HEADER = "x-kvrag-replica"  # which replica answered: for operators and the tests
-GENERATE = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -52,8 +50,9 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 class ClusterSettings:
     replicas: int = 2
     address: str | None = None  # None or "local": a local Ray cluster started here; "auto", "ray://host:10001": join
-    router: str = "chunk"  # chunk | round-robin (server/ray_routers.py)
-    balance: float = BALANCE  # the chunk router's load cap: c x an even share (server/routing.py)
+    router: str = "chunk"  # chunk | round-robin (cluster/routers.py)
+    balance: float = BALANCE  # the chunk router's load caps: c x an even share (cluster/routing.py)
+    window: int = WINDOW  # the chunk router's recent routings, over which a replica's share is capped
     cpus: float = 1.0  # per replica
     gpus: float = 0.0  # per replica: 1 puts each on a device of its own
     stats_period_s: float = 2.0  # how often each replica reports its held chunks (and its metrics)
@@ -92,46 +91,26 @@ class EngineReplica:
 
 
 class Front:
-    """The ingress: finds each request's chunks and forwards it to the replica the router picks."""
+    """The ingress: checks each request's key, finds its chunks and forwards it to the replica the router picks."""
 
-    def __init__(self, engine, store: str, config: KVRagConfig):
+    def __init__(self, engine, store: str, config: KVRagConfig, api_key: str | None):
         self.engine = engine.options(stream=True)
-        self.keys = RequestChunks(store, config)
+        self.keys = RouteKeys(store, config, api_key)
         self.board = ray.get_actor(BOARD, namespace="serve")
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         if request.url.path == "/metrics":
             return Response(federated_page(await self.board.fresh.remote()), media_type=CONTENT_TYPE_LATEST)
-        chunks, body = await asyncio.to_thread(self.route, request.url.path, body)
+        try:
+            routed = await asyncio.to_thread(self.keys.route, request.url.path, request.headers.get("authorization"),
+                                             body)
+        except ApiError as exc:
+            return exc.response()
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
         forwarded = HttpRequest(request.method, request.url.path, request.url.query.encode(),
-                                [*headers, (b"content-length", str(len(body)).encode())], body)
-        return await self.forward(forwarded, chunks)
-
-    def route(self, path: str, body: bytes) -> tuple[tuple[tuple[str, int], ...], bytes]:
-        """The request's chunks, and its body with retrieved chunks named (so the replica does not retrieve again).
-        A body that does not parse routes by load alone: the replica answers it with the error."""
-        kind = GENERATE.get(path)
-        if kind is None:
-            return (), body
-        try:
-            data = json.loads(body)
-            req = kind.model_validate(data)
-            question = req.question()
-            history = req.history() if isinstance(req, ChatRequest) else []
-            tool = isinstance(req, ChatRequest) and req.messages[-1].role == "tool"
-            passages = None if req.passages is None else \
-                [("", p) if isinstance(p, str) else (p.title, p.text) for p in req.passages]
-            found = self.keys.find(question, history, k=req.k, relative_cutoff=req.relative_cutoff,
-                                   min_score=req.min_score, chunk_ids=req.chunk_ids, passages=passages,
-                                   rag=req.rag and not tool, salt=req.cache_salt or "")
-        except (ValueError, BadField, KvragError):  # pydantic's ValidationError is a ValueError
-            return (), body
-        if found.retrieved is not None:
-            data.update({"chunk_ids": list(found.retrieved)} if found.retrieved else {"rag": False})
-            body = json.dumps(data).encode()
-        return found.chunks, body
+                                [*headers, (b"content-length", str(len(routed.body)).encode())], routed.body)
+        return await self.forward(forwarded, routed.chunks)
 
     async def forward(self, request: HttpRequest, chunks) -> Response:
         """Send to the router's pick; on a replica lost before the first body bytes, to the next pick."""
@@ -159,7 +138,7 @@ async def _rest(stream, first: bytes):
 def application(store: str, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings):
     """The Serve application: the front over `cluster.replicas` engine replicas, routed by `cluster.router`."""
     router = RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
-                                 request_router_kwargs={"balance": cluster.balance},
+                                 request_router_kwargs={"balance": cluster.balance, "window": cluster.window},
                                  request_routing_stats_period_s=cluster.stats_period_s)
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=cluster.replicas, max_ongoing_requests=cluster.max_ongoing, request_router_config=router,
@@ -167,7 +146,7 @@ def application(store: str, config: KVRagConfig, settings: ServerSettings, clust
     front = serve.deployment(Front, name="Front").options(ray_actor_options={"num_cpus": 0},
                                                           max_ongoing_requests=10_000)
     config = _replica_config(config, cluster)
-    return front.bind(engine.bind(store, config, settings, cluster.held_limit), store, config)
+    return front.bind(engine.bind(store, config, settings, cluster.held_limit), store, config, settings.api_key)
 
 
 def _replica_config(config: KVRagConfig, cluster: ClusterSettings) -> KVRagConfig:

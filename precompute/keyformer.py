@@ -4,14 +4,15 @@ At precompute, the chunk's own queries (its tokens after the preamble, causally)
 
     keyformer  softmax((logits + gumbel) / tau), summed over the queries and query heads that see each key
     h2o        softmax(logits), the plain accumulated attention (Zhang et al., NeurIPS '23), no noise
-    window     the first SINKS tokens and the most recent ones (StreamingLLM's sinks + window), no attention
+    window     the first `sinks` tokens and the most recent ones (StreamingLLM's sinks + window), no attention
 
 and the chunk keeps a recent window plus its best-scoring tokens (`select`). A rule is one function of one
 layer's attention (`LayerView`) returning a score per (KV head, chunk key); a new rule is one function and one
 line in KEEP_RULES, which also names the settings that change its result (they go into the store variant).
 
 The scores come from the chunk's own forward: `ScoringKV` is the GrowingKV target precompute uses, scoring each
-layer as it attends, so the KV stored is bit-for-bit what a full precompute stores, subset aside.
+layer as it attends, so the KV stored is bit-for-bit what a full precompute stores, subset aside. Keyformer's score
+(`gumbel_softmax`) and its recent share are defined here once; engine/kv_budget.py's decode-time budget uses them.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ import numpy as np
 import torch
 import xxhash
 
-from kvrag.blend.kv_budget import RECENT_SHARE, attention_logits, gumbel_softmax
 from kvrag.config import KEEP_RULE
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV
-from kvrag.model.step import GrowingKV, Rows, run_layers
+from kvrag.model.step import GrowingKV, Rows, attention_logits, run_layers
 from kvrag.model.transformer import Transformer
-from kvrag.store.codec import DecodedKV
 
-TAU_PROMPT = 1.0  # the paper's tau_init, at the prompt (step 0)
-SINKS = 4  # the window baseline's first tokens (StreamingLLM's four attention sinks)
+# The kept budget's split: Keyformer keeps a recent window w and the rest by score; the paper finds w at 20-30 %
+# of the budget works best (Sec. 5.3, "recent window") and its code's default is 30 % (d-matrix-ai/keyformer-llm,
+# `--recent 30` of `--kv_cache`): recent_tokens = int(budget * 0.30), key_tokens = budget - recent_tokens.
+RECENT_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,16 @@ class KeepConfig:
     keep: float = 1.0  # share of the chunk's tokens kept; 1: the full chunk
     rule: str = KEEP_RULE
     recent: float = RECENT_SHARE  # share of the kept budget given to the most recent tokens
-    tau: float = TAU_PROMPT
+    tau: float = 1.0  # the paper's tau_init, at the prompt (step 0)
     seed: int = 0  # Gumbel noise: with the chunk id, it fixes the draw (a store is reproducible)
-    sinks: int = SINKS
+    sinks: int = 4  # the window baseline's first tokens (StreamingLLM's four attention sinks)
     per_layer: bool = False  # one position set per layer (scores summed over KV heads) instead of one per chunk
 
     def __post_init__(self) -> None:
         if not 0 < self.keep <= 1:  # NaN fails too
             raise KvragError(f"--keep must be in (0, 1], got {self.keep}")
-        check_rule(self.rule, "keep rule")
+        if self.rule not in KEEP_RULES:
+            raise KvragError(f"unknown keep rule {self.rule!r} (choose {', '.join(KEEP_RULES)})")
         if not 0 <= self.recent <= 1 or not self.tau > 0 or self.sinks < 0:
             raise KvragError(f"bad keep settings: recent {self.recent} (0..1), tau {self.tau} (> 0), "
                              f"sinks {self.sinks} (>= 0)")
@@ -67,6 +69,14 @@ class KeepConfig:
             return ""
         parts = [self.rule, f"keep={self.keep:g}"] + [f"{name}={_text(getattr(self, name))}" for name in KEEP_RULES[self.rule][1]]
         return ":".join(parts + (["per-layer"] if self.per_layer else []))
+
+
+def gumbel_softmax(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
+    """softmax((logits + g) / tau) over the last dimension, g ~ Gumbel(0, 1) drawn per element as the paper's code
+    (torch's gumbel_softmax) does."""
+    noise = torch.rand(logits.shape, generator=generator, device=logits.device)
+    noise.log_().neg_().log_().neg_()  # -log(-log U) ~ Gumbel(0, 1): 3x faster on a CPU than -log(Exp(1))
+    return ((logits + noise) / tau).softmax(-1)
 
 
 def _text(value: float | int) -> str:
@@ -121,12 +131,6 @@ KEEP_RULES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "h2o": (h2o, ("recent",)),
     "window": (window, ("sinks",)),
 }
-
-
-def check_rule(rule: str, what: str) -> None:
-    """KvragError unless `rule` names one of KEEP_RULES."""
-    if rule not in KEEP_RULES:
-        raise KvragError(f"unknown {what} {rule!r} (choose {', '.join(KEEP_RULES)})")
 
 
 class ScoringKV(GrowingKV):
@@ -189,16 +193,11 @@ def narrow(kv: LayerKV, kept: np.ndarray) -> LayerKV:
     return LayerKV([k[rows] for k in kv.k], [v[rows] for v in kv.v], kv.positions[rows])
 
 
-def kept_count(keep: float, n_tokens: int) -> int:
-    """round(keep * T) tokens, at least one."""
-    return max(1, min(n_tokens, round(keep * n_tokens)))
-
-
 def select(scores: torch.Tensor, keep: float, recent: float = RECENT_SHARE) -> torch.Tensor:
     """Kept token indices, ascending: the recent window (round(recent * budget) last tokens) and the rest of the
     budget by score among the earlier tokens. scores [T] -> [round(keep * T)]."""
     n = scores.shape[-1]
-    budget = kept_count(keep, n)
+    budget = max(1, min(n, round(keep * n)))
     n_recent = min(budget, round(recent * budget))
     top = scores[:n - n_recent].topk(budget - n_recent).indices
     kept = torch.cat([top.to(torch.long), torch.arange(n - n_recent, n, device=scores.device)])
@@ -220,16 +219,3 @@ def reduce_layers(layers: Sequence[tuple[np.ndarray, np.ndarray]],
     return [(np.ascontiguousarray(k[p]), np.ascontiguousarray(v[p]))
             for (k, v), p in zip(layers, per_layer, strict=True)]
 
-
-def kept_layers(stored: Sequence[DecodedKV], device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A reduced chunk's stored layers (KVTable.get_layer of each) as (k [T_kept, Hkv, hd] before rotary,
-    v [T_kept, Hkv, hd], positions [T_kept] token indices within the chunk, int64) per layer: what a loader needs
-    to rotate each kept key to (chunk start + position) and leave the dropped tokens' places as gaps."""
-    out = []
-    for layer, value in enumerate(stored):
-        if value.positions is None or value.positions.ndim != 1:
-            raise ValueError(f"layer {layer}: not a reduced chunk with one position per kept token")
-        k, v = (torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype) for x in value)
-        out.append((k, v, torch.from_numpy(value.positions.astype(np.int64)).to(device)))
-    return out

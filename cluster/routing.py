@@ -9,9 +9,12 @@ where a chunk's home is its rendezvous (highest-random-weight) hash over the rep
 most of the prompt wins; chunks nobody holds go to their home, so one chunk set always lands on one replica and
 warms it there, and a replica joining or leaving moves only the chunks whose home it was.
 
-Load is bounded as in consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a replica
-already running ceil(BALANCE x (in flight + 1) / replicas) requests is passed over for the next by score, so one
-hot chunk set spills to a second replica (which warms a copy) instead of queueing on its home.
+Load is bounded as in consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), on two
+counts: a replica is passed over for the next by score while it runs ceil(BALANCE x (in flight + 1) / replicas)
+requests, or while it took ceil(BALANCE x (recent + 1) / replicas) of the router's last `recent` (at most WINDOW)
+routings. In flight alone bounds nothing with few clients (2 clients: the cap is 2, so one warm replica took 57 of 60
+requests in `kvrag bench cluster`); the window bounds every replica's share whatever the arrival order, so one hot
+chunk set spills to a second replica (which warms a copy) instead of queueing on its home.
 """
 
 from __future__ import annotations
@@ -27,16 +30,19 @@ HELD = 2.0  # a token a replica holds in memory outweighs a token whose home it 
 # replicas (docs/performance.md) 1.0 lost a fifth of the hits; in bench/cluster_sim.py's open-loop queue at 90 %
 # utilisation 1.0 had the better p90 (--ray-balance sets it).
 BALANCE = 1.25
+WINDOW = 32  # the recent routings a replica's share is counted over: 16 each on 2 replicas, 4 each on 8
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     held: float = HELD
     balance: float = BALANCE
+    window: int = WINDOW  # 0: in flight alone bounds the load
 
     def __post_init__(self) -> None:
-        if self.held < 0 or self.balance < 1:
-            raise ValueError(f"held must be >= 0 and balance >= 1, got {self.held} and {self.balance}")
+        if self.held < 0 or self.balance < 1 or self.window < 0:
+            raise ValueError(f"held and window must be >= 0 and balance >= 1, got {self.held}, {self.window} and "
+                             f"{self.balance}")
 
 
 def weight(key: str, replica: str) -> int:
@@ -61,20 +67,24 @@ def scores(chunks: Sequence[tuple[str, int]], replicas: Sequence[str], held: Map
     return out
 
 
-def load_cap(load: Mapping[str, int], n_replicas: int, balance: float) -> int:
-    """The most requests in flight a replica may have and still be given one more."""
-    return math.ceil(balance * (sum(load.values()) + 1) / n_replicas)
+def load_cap(counts: Mapping[str, int], n_replicas: int, balance: float) -> int:
+    """The most of `counts` (requests in flight, or recent routings) a replica may have and still be given one
+    more: `balance` x an even share of them and the one to place."""
+    return math.ceil(balance * (sum(counts.values()) + 1) / n_replicas)
 
 
 def rank(chunks: Sequence[tuple[str, int]], replicas: Sequence[str], held: Mapping[str, Container[str]],
-         load: Mapping[str, int], config: RoutingConfig = RoutingConfig()) -> list[str]:
-    """The replicas in the order to try them: by score (ties: the less loaded, then the chunk set's own rendezvous
-    order), those under the load cap before those at or over it. A request with no chunks goes to the least loaded."""
+         load: Mapping[str, int], config: RoutingConfig = RoutingConfig(),
+         recent: Mapping[str, int] | None = None) -> list[str]:
+    """The replicas in the order to try them: by score (ties: the less loaded, the fewer recent routings, then the
+    chunk set's own rendezvous order), those under both caps (`load`: in flight; `recent`: of the last routings)
+    first, then those under the recent cap (one always is: the caps sum to more than the window), then the rest. A
+    request with no chunks goes to the least loaded."""
     if not replicas:
         return []
+    recent = recent or {}
     score = scores(chunks, replicas, held, config)
     key = "\0".join(chunk_id for chunk_id, _ in chunks)
-    order = sorted(replicas, key=lambda r: (-score[r], load.get(r, 0), -weight(key, r)))
-    cap = load_cap(load, len(replicas), config.balance)
-    under = [r for r in order if load.get(r, 0) < cap]
-    return under + [r for r in order if load.get(r, 0) >= cap]
+    cap, recent_cap = (load_cap(counts, len(replicas), config.balance) for counts in (load, recent))
+    return sorted(replicas, key=lambda r: (recent.get(r, 0) >= recent_cap, load.get(r, 0) >= cap, -score[r],
+                                           load.get(r, 0), recent.get(r, 0), -weight(key, r)))

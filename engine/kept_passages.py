@@ -1,16 +1,16 @@
 """New passages kept: the passage-like text of clients' prompts that the store lacks, stored at its second sighting.
 
-A plain prompt's text outside its stored spans is cut at line breaks; a segment of PASSAGE_TOKENS or more is a
-passage (a retrieved document an application pasted in), anything shorter a template's glue. Each passage the prompt
-had to compute is counted by its ids and its tenant's salt; one the prefix cache served (a conversation's history,
-a prompt sent again) is not: its KV is in the pool already, and counting it would store every chat turn. A one-off
-passage is never stored (one-off prompts would flood the store and push nothing useful in: LMCache's non-prefix hit
-rate decays for that reason); the second sighting stores it, its KV computed as precompute computes a chunk's, keyed
-by the salt, so the third is a hit. The tokens kept this
-way are bounded (`kept_passages`), those of earlier runs included; when a new passage does not fit, the least
-valuable kept ones make room, by RAGCache's PGDSF as the memory tiers rank chunks: clock + uses x seconds a token to
-compute, the clock rising to each evicted passage's value. A passage of an earlier run that this one has not used
-is worth the clock alone. The corpus is never pushed out. `kvrag store stats` counts kept passages,
+A plain prompt's text outside its stored spans is cut by prompt_reuse.Paragraphs (at line breaks and tags' brackets);
+a run of PASSAGE_TOKENS or more is a passage (a retrieved document an application pasted in), anything shorter a
+template's glue. Each passage the prompt had to compute is counted by its ids and its tenant's salt; one the prefix
+cache served (a conversation's history, a prompt sent again) is not: its KV is in the pool already, and counting it
+would store every chat turn. A one-off passage is never stored (one-off prompts would flood the store and push
+nothing useful in: LMCache's non-prefix hit rate decays for that reason); the second sighting stores it, its KV
+computed as precompute computes a chunk's, keyed by the salt, so the third is a hit. The tokens kept this way are
+bounded (`kept_passages`), those of earlier runs included; when a new passage does not fit, the least valuable kept
+ones make room, by RAGCache's PGDSF as the memory tiers rank chunks: clock + uses x seconds a token to compute, the
+clock rising to each evicted passage's value. A passage of an earlier run that this one has not used is worth the
+clock alone. The corpus is never pushed out. `kvrag store stats` counts kept passages,
 `kvrag store gc --client-passages` drops them.
 
 The write-back worker (engine/write_back.py) computes and stores a kept passage off the engine's thread, one LMDB
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrag.engine.prompt_reuse import PASSAGE_TOKENS, Piece, PromptSpans
+from kvrag.engine.prompt_reuse import Paragraphs, Piece, PromptSpans
 from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable, chunk_id_for
 from kvrag.store.tiers.policies import PGDSF, AccessStats
 
@@ -50,12 +50,13 @@ class KeeperStats:
 class PassageKeeper:
     """Counts and admits one engine's client passages (see the module doc); `bound_tokens` 0 keeps none."""
 
-    def __init__(self, spans: PromptSpans, tokenizer, tokenizer_fp: str, bound_tokens: int):
+    def __init__(self, spans: PromptSpans, tokenizer, tokenizer_fp: str, bound_tokens: int,
+                 paragraphs: Paragraphs | None = None):
         self.spans, self.tokenizer, self.tokenizer_fp = spans, tokenizer, tokenizer_fp
         self.bound_tokens = bound_tokens
+        self.paragraphs = paragraphs or Paragraphs(tokenizer)  # the engine's planner's: one rule, built once
         self.stats = KeeperStats()
         self._seen: OrderedDict[str, int] = OrderedDict()  # client chunk id: sightings
-        self._breaks: frozenset[int] | None = None  # token ids whose text holds a line break
         self._policy = PGDSF()
         self._value: dict[str, tuple[AccessStats, float]] = {}  # kept passages' use and priority (this process's)
         self._clock = 0.0  # PGDSF's: the priority of the last passage evicted
@@ -66,22 +67,13 @@ class PassageKeeper:
 
     def passages(self, plan_pieces: Sequence[Piece] | None, chunks, head: Sequence[int], tail: Sequence[int],
                  cached: int = 0) -> list[tuple[int, ...]]:
-        """The passage-like segments a prompt computed (PASSAGE_TOKENS of them at least): in its head past the `cached`
-        tokens the prefix cache served (a conversation's history, a prompt seen before: the pool has their KV),
-        between its stored spans, in its tail."""
+        """The passages a prompt computed (Paragraphs' runs, that much of them computed): in its head past the
+        `cached` tokens the prefix cache served (a conversation's history, a prompt seen before: the pool has their
+        KV), between its stored spans, in its tail."""
         regions = [(tuple(head), cached), (tuple(tail), 0)]
         if plan_pieces is not None:
             regions += [(tuple(c), 0) for (_, c), p in zip(chunks, plan_pieces, strict=True) if p.chunk_id is None]
-        breaks = self._break_ids()
-        out = []
-        for region, skip in regions:
-            start = 0
-            for i, token in enumerate([*region, -1]):
-                if token == -1 or token in breaks:
-                    if i - max(start, skip) >= PASSAGE_TOKENS:  # passage-long, and that much computed
-                        out.append(region[start:i])
-                    start = i + 1
-        return out
+        return [region[a:b] for region, skip in regions for a, b in self.paragraphs.runs(region, skip)]
 
     def sighted(self, passage: tuple[int, ...], salt: str) -> str | None:
         """Count a sighting; the passage's client chunk id when it is to be stored now (its second), else None."""
@@ -158,12 +150,3 @@ class PassageKeeper:
             stats.solo_cost = self._cost
         stats.record_access(self._tick)
         self._value[chunk_id] = (stats, self._policy.priority(stats, self._clock))
-
-    def _break_ids(self) -> frozenset[int]:
-        with self._lock:
-            if self._breaks is None:
-                rust = self.tokenizer.backend_tokenizer  # one batched call: per-id decodes take a second
-                vocab = range(rust.get_vocab_size(with_added_tokens=True))
-                texts = rust.decode_batch([[i] for i in vocab], skip_special_tokens=False)
-                self._breaks = frozenset(i for i, t in zip(vocab, texts, strict=True) if "\n" in t)
-            return self._breaks

@@ -1,21 +1,22 @@
-"""One request's run through the engine, as an asyncio handler sees it.
+"""One choice of a request (a request of n choices runs n sequences), as an asyncio handler reads it.
 
 The question is submitted off the event loop (retrieval embeds and searches); then the engine's thread wakes the
 loop after each token (`listener`), so no handler ever blocks a thread waiting for one, however many stream at
-once. Text comes out piece by piece, incomplete UTF-8 held back, and cut at the first stop string (OpenAI's
-`stop`), which the server matches itself: the engine stops on the model's own stop tokens.
+once. Text comes out piece by piece (`Generation.new_text`), cut at the first stop string (OpenAI's `stop`), which
+the server matches itself: the engine stops on the model's own stop tokens. Everything else a response says of the
+choice it reads from its `Generation` (api.py) too: the server knows nothing of the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import queue
+from bisect import bisect_left
 from collections.abc import AsyncIterator
 
 import anyio
 
-from kvrag.api import DONE, Generation, KVRag
+from kvrag.api import Generation, KVRag
 
 
 class GenerationFailed(Exception):
@@ -26,14 +27,14 @@ class GenerationFailed(Exception):
         self.status = status
 
 
-class Run:
+class Choice:
     def __init__(self, rag: KVRag, gen: Generation, ready: asyncio.Event, stops: tuple[str, ...], arrival: float):
         self.rag, self.gen, self._ready, self.arrival = rag, gen, ready, arrival
         self._stops = StopMatcher(stops)
         self.finish_reason: str | None = None  # OpenAI's: stop or length, once the text has all come
 
     @classmethod
-    async def start(cls, rag: KVRag, question: str, options: dict, stops: tuple[str, ...], arrival: float) -> Run:
+    async def start(cls, rag: KVRag, question: str, options: dict, stops: tuple[str, ...], arrival: float) -> Choice:
         """Submit the question (KVRag.submit's errors propagate: KvragError, QueueFull, PromptTooLong)."""
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
 
@@ -46,15 +47,10 @@ class Run:
         submit = functools.partial(rag.submit, question, listener=wake, **options)
         return cls(rag, await anyio.to_thread.run_sync(submit), ready, stops, arrival)
 
-    @property
-    def seq(self):
-        return self.gen.seq
-
     async def pieces(self) -> AsyncIterator[str]:
         """The answer's text as it is generated (no empty pieces). GenerationFailed if the engine ended it."""
-        detokenizer = Detokenizer(self.rag.runtime.tokenizer)
-        async for token in self._tokens():
-            piece, stopped = self._stops.push(detokenizer.push(token))
+        async for text in self._texts():
+            piece, stopped = self._stops.push(text)
             if piece:
                 yield piece
             if stopped:
@@ -66,96 +62,67 @@ class Run:
         self.finish_reason = self._engine_reason()
 
     async def text(self) -> str:
-        """The whole answer, stripped as KVRag.ask's `text` is."""
-        return "".join([piece async for piece in self.pieces()]).strip()
+        """The whole answer as generated (unstripped: a tool call is told from text by its first character)."""
+        return "".join([piece async for piece in self.pieces()])
 
     def close(self) -> bool:
         """Cancel the sequence if it has not finished (the client went away); True if it had to."""
-        if self.finish_reason is None and self.seq.finish_reason is None:  # set before the engine's last event
+        if self.finish_reason is None and self.gen.finish_reason is None:  # set before the engine's last event
             self.gen.cancel()
             return True
         return False
 
-    async def _tokens(self) -> AsyncIterator[int]:
-        events = self.seq.events
+    async def _texts(self) -> AsyncIterator[str]:
         while True:
-            self._ready.clear()  # before draining: a token put after the drain sets it again
-            while True:
-                try:
-                    token = events.get_nowait()
-                except queue.Empty:
-                    break
-                if token is DONE:
-                    return
-                yield token
+            self._ready.clear()  # before reading: a token put after the read sets it again
+            text, last = self.gen.new_text()
+            if text:
+                yield text
+            if last:
+                return
             await self._ready.wait()
 
     def _engine_reason(self) -> str:
-        reason = self.seq.finish_reason
+        reason = self.gen.finish_reason
         if reason in ("stop", "length"):
             return reason
         if reason == "error":
-            raise GenerationFailed(self.seq.error or "the request failed", 500)
+            raise GenerationFailed(self.gen.error, 500)
         raise GenerationFailed("the server is shutting down: the answer was cut off", 503)
-
-    def sources(self) -> list[dict]:
-        """The chunks the answer was given, each with where its KV came from (tier) once prefilled."""
-        tiers = self.seq.prefill_info.get("chunk_tiers", [])
-        return [{**source, "tier": tiers[i] if i < len(tiers) else None}
-                for i, source in enumerate(self.seq.request.sources)]
 
     def timings(self) -> dict:
         """Seconds, as `kvrag ask --json` reports them: retrieval, waiting for a prefill, submission to the first
         token (the engine's TTFT), first to last token. The server's own time is the client's total less these."""
-        times = {"retrieve": self.gen.retrieve_s, **self.seq.times()}
-        return {name: round(value, 4) for name, value in times.items()}
+        return {name: round(value, 4) for name, value in self.gen.times().items()}
 
     def logprobs(self, text: str) -> dict | None:
         """OpenAI's chat `logprobs` for the tokens of the returned `text` (a token cut by a stop string counts), or
         None where none were asked for."""
-        seq, tokenizer = self.seq, self.rag.runtime.tokenizer
-        if seq.request.logprobs is None:
+        gen, tokenizer = self.gen, self.rag.runtime.tokenizer
+        if gen.logprobs is None:
             return None
 
         def entry(token: int, logprob: float) -> dict:
             piece = tokenizer.decode([token])
             return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
-        whole = len(tokenizer.decode(seq.output, skip_special_tokens=True).strip()) <= len(text)
-        content = []
-        for i, (logprob, top) in enumerate(seq.logprobs):
-            if not whole and i and len(tokenizer.decode(seq.output[:i], skip_special_tokens=True).strip()) >= len(text):
-                break  # a stop string cut the text: the tokens after its end
-            content.append({**entry(seq.output[i], logprob), "top_logprobs": [entry(t, lp) for t, lp in top]})
-        return {"content": content}
+        ids, logprobs = gen.token_ids, gen.logprobs
+
+        def said(n: int) -> int:  # the length of the first n tokens' text: it grows with n
+            return len(tokenizer.decode(ids[:n], skip_special_tokens=True).strip())
+
+        kept = len(ids)  # a stop string cut the text: up to the token its end falls in (a bisection of few decodes)
+        if said(kept) > len(text):
+            kept = 1 + bisect_left(range(1, len(ids)), len(text), key=said)
+        return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                             for token, (logprob, top) in zip(ids[:kept], logprobs, strict=False)]}
 
     def usage(self) -> dict:
-        seq = self.seq
-        return {"prompt_tokens": seq.prompt_tokens, "completion_tokens": len(seq.output),
-                "total_tokens": seq.prompt_tokens + len(seq.output),
-                "prompt_tokens_details": {"cached_tokens": seq.reused_tokens,
-                                          "blended_cached_tokens": seq.blended_cached_tokens}}
-
-
-class Detokenizer:
-    """Token ids to text pieces in constant time a token: each new piece is the text of a few tokens before it
-    and the new ones, less the text of those few alone (as vLLM does), so a tokenizer that spells a word's
-    leading space from its context spells it as a whole decode would. Incomplete UTF-8 is held back."""
-
-    def __init__(self, tokenizer, context: int = 6):
-        self.tokenizer, self.context = tokenizer, context
-        self.ids: list[int] = []
-        self.start = 0  # the first token of the context decoded before the new ones
-        self.done = 0  # tokens whose text has been handed out
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.start:self.done], skip_special_tokens=True)
-        text = self.tokenizer.decode(self.ids[self.start:], skip_special_tokens=True)
-        if text.endswith("\ufffd") or len(text) <= len(before):  # a multi-byte character still incomplete
-            return ""
-        self.start, self.done = max(self.start, len(self.ids) - self.context), len(self.ids)
-        return text[len(before):]
+        prompt, completion = self.gen.prompt_counts, len(self.gen.token_ids)
+        return {"prompt_tokens": prompt["all"], "completion_tokens": completion,
+                "total_tokens": prompt["all"] + completion,
+                "prompt_tokens_details": {"cached_tokens": prompt["reused"],
+                                          "blended_cached_tokens": prompt["blended_cached"]}}
 
 
 class StopMatcher:

@@ -39,6 +39,7 @@ from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.engine.speculation import Speculator, Stage
+from kvrag.engine.stats import EngineStats, engine_stats
 from kvrag.errors import KvragError
 from kvrag.model.detokenize import Detokenizer
 from kvrag.model.runtime import Runtime
@@ -220,6 +221,10 @@ class KVRag:
     def retrieve(self, question: str, k: int = 5, relative_cutoff: float = 0.5, min_score: float = 0.0) -> list[dict]:
         """The chunks retrieval would give this question: chunk_id, doc_id, title, tokens, score."""
         return list(self.retrieval.search(question, k, relative_cutoff, min_score).sources)
+
+    def stats(self) -> EngineStats:
+        """The engine's counts now: queue, KV pool, write-back, kept passages, tier hit rates, speculation."""
+        return engine_stats(self.loop, self.engine, self.speculator)
 
     def held_chunks(self, limit: int = 4096) -> list[str]:
         """The chunks this engine's memory tiers hold, the most recently used first, at most `limit` (what a replica

@@ -126,8 +126,8 @@ class StagedLoader(LayerReader):
         thread-safe, so its launches stay in the thread that runs the model's), or cast."""
         if self.fused:
             return self._send(slot, staged, layer)
-        try:
-            return self._cast(staged, layer)
+        try:  # the slot goes back on return: a cast to the stored dtype itself must copy, not view it
+            return self._cast(staged, layer, copy=True)
         finally:
             self.area.release(slot)
 
@@ -160,11 +160,11 @@ class StagedLoader(LayerReader):
         k = torch.empty((self._starts[-1], *shape), dtype=self.dtype, device=self.device)  # [C, Hkv, hd]
         return k, torch.empty_like(k)
 
-    def _cast(self, staged: StagedLayer, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _cast(self, staged: StagedLayer, layer: int, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """A staged layer (on the host or the device) in the model's dtype, 16-bit values cast, int8 scaled, with
         the in-memory chunks copied in."""
         if self._plan.codec != "int8":
-            k, v = staged.k.to(self.dtype), staged.v.to(self.dtype)
+            k, v = staged.k.to(self.dtype, copy=copy), staged.v.to(self.dtype, copy=copy)
         else:
             if self._plan.k_per_channel:
                 k_scale = staged.k_scale[self._scale_chunk.long().to(staged.k.device)]  # [C, Hkv, hd]

@@ -115,8 +115,9 @@ class Server:
         return embedding_response(vectors, body.model, tokens, body.encoding_format)
 
     async def health(self) -> dict:
-        return {"status": "ok", "model": self.settings.model_name, "waiting": self.rag.loop.waiting(),
-                "running": self.rag.loop.running()}
+        stats = self.rag.stats()
+        return {"status": "ok", "model": self.settings.model_name, "waiting": stats.waiting,
+                "running": stats.running}
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)

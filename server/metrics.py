@@ -62,39 +62,35 @@ class _EngineState:
         self.rag = rag
 
     def collect(self):
-        loop, engine, cache = self.rag.loop, self.rag.engine, self.rag.engine.prefiller.source.cache
-        yield GaugeMetricFamily("kvrag_queue_length", "Requests waiting for a prefill", value=loop.waiting())
-        yield GaugeMetricFamily("kvrag_running_sequences", "Sequences prefilled and decoding", value=loop.running())
+        s = self.rag.stats()
+        yield GaugeMetricFamily("kvrag_queue_length", "Requests waiting for a prefill", value=s.waiting)
+        yield GaugeMetricFamily("kvrag_running_sequences", "Sequences prefilled and decoding", value=s.running)
         yield GaugeMetricFamily("kvrag_kv_pool_free_blocks", "Free blocks of the running sequences' KV pool",
-                                value=engine.free_blocks)
-        yield GaugeMetricFamily("kvrag_kv_pool_blocks", "Blocks of the running sequences' KV pool",
-                                value=engine.kv.pool.num_blocks)
+                                value=s.free_blocks)
+        yield GaugeMetricFamily("kvrag_kv_pool_blocks", "Blocks of the running sequences' KV pool", value=s.blocks)
         yield GaugeMetricFamily("kvrag_prefix_cache_blocks", "Pool blocks the prefix cache lists (held or evictable)",
-                                value=len(engine.kv.prefix))
+                                value=s.prefix_blocks)
         yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
-                                  "rows are referenced, not copied)", value=engine.kv.copied_rows)
+                                  "rows are referenced, not copied)", value=s.rows_copied)
         writes = CounterMetricFamily("kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, chunks "
                                      "computed on the fly): given, and done (in the order given)", labels=["state"])
-        writes.add_metric(["given"], engine.writes.given)
-        writes.add_metric(["done"], engine.writes.done)
+        writes.add_metric(["given"], s.writes_given)
+        writes.add_metric(["done"], s.writes_done)
         yield writes
-        keeper = engine.keeper.stats if engine.keeper is not None else None
         kept = CounterMetricFamily("kvrag_kept_passages", "Passages of clients' prompts kept in the store at their "
                                    "second sighting, and kept ones evicted to make room", labels=["event"])
-        kept.add_metric(["admitted"], keeper.admitted if keeper else 0)
-        kept.add_metric(["evicted"], keeper.evicted if keeper else 0)
+        kept.add_metric(["admitted"], s.kept_admitted)
+        kept.add_metric(["evicted"], s.kept_evicted)
         yield kept
         hits = GaugeMetricFamily("kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: prefix "
                                  "(reused exactly on a seen chunk sequence), memory (read from a tier)",
                                  labels=["kind"])
-        stats = cache.stats if cache is not None else None
-        hits.add_metric(["prefix"], stats.prefix_hit_rate if stats else 0.0)
-        hits.add_metric(["memory"], stats.memory_hit_rate if stats else 0.0)
+        hits.add_metric(["prefix"], s.prefix_hit_rate)
+        hits.add_metric(["memory"], s.memory_hit_rate)
         yield hits
         speculative = CounterMetricFamily("kvrag_speculative_prefills", "Prefills started on an early stage of a "
                                           "staged vector search (kvrag serve --speculate), and how they ended",
                                           labels=["outcome"])
-        counts = self.rag.speculator.counts if self.rag.speculator is not None else {}
         for outcome in ("started", "kept", "dropped"):
-            speculative.add_metric([outcome], counts.get(outcome, 0))
+            speculative.add_metric([outcome], s.speculative.get(outcome, 0))
         yield speculative

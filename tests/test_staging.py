@@ -123,3 +123,29 @@ def test_staging_threads_are_the_cores_a_gpu_leaves_spare(monkeypatch):
     assert staging.spare_cores("cpu") == 2  # torch's forward has the cores
     monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert staging.spare_cores("cuda") == 2
+
+
+def test_layers_kept_by_the_consumer_outlive_their_slot(tmp_path):
+    """A CPU load whose stored dtype is the model's (bf16 stored, bf16 model) hands out layers the reader must not
+    write over: the slot goes back at hand-over and the reader stages layer i+2 into it while layer i is still in
+    use, so each layer taken earlier still equals the codec's values after every later one is read."""
+    layers = 6
+    env = StoreEnv.open(tmp_path / "s", create=True)
+    table = LocalKVTable(env, "m", "bf16", False)
+    rng = np.random.default_rng(7)
+    for n, length in enumerate(LENGTHS):
+        table.put_chunk(f"c{n}", list(range(n * 100, n * 100 + length)),
+                        [(rng.standard_normal((length, HKV, HD)).astype(np.float32),
+                          rng.standard_normal((length, HKV, HD)).astype(np.float32)) for _ in range(layers)])
+    refs = _refs()
+    loader = open_loader(table, refs, range(layers), torch.bfloat16, torch.device("cpu"), decode="thread",
+                         area=StagingArea(slots=2))
+    assert isinstance(loader, StagedLoader)
+    loader.start()
+    taken = [loader.layer(layer) for layer in range(layers)]
+    loader.close()
+    for layer, (k, v) in enumerate(taken):
+        want = [stored_kv(*table.get_layer_raw(r.chunk_id, layer).body()) for r in refs]
+        assert torch.equal(k.float(), torch.from_numpy(np.concatenate([np.array(w.k, np.float32) for w in want])))
+        assert torch.equal(v.float(), torch.from_numpy(np.concatenate([np.array(w.v, np.float32) for w in want])))
+    env.close()

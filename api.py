@@ -1,26 +1,16 @@
-"""kvrag's Python API: open a store and a model once, then ask, stream, or submit many questions at once.
-
-    from kvrag import KVRag
-
-    with KVRag("my-store") as rag:
-        answer = rag.ask("Who founded the company?")          # retrieval, blending, greedy decoding
-        print(answer.text, [s["title"] for s in answer.sources])
-        for piece in rag.stream("And when?"):                 # text as it is generated
-            print(piece, end="")
-        jobs = [rag.submit(q) for q in questions]              # run together, decoded in one batch
-        answers = [job.result() for job in jobs]
-
-Every request goes through one resident engine (engine/): one model, the store's stored KV, the memory tiers and
-one paged KV pool shared by all of them. Methods may be called from any thread.
+"""kvrag's Python API (README, "Python API"): open a store and a model once, then ask, stream, or submit many
+questions at once. Every request goes through one resident engine (engine/): one model, the store's stored KV, the
+memory tiers and one paged KV pool shared by all of them. Methods may be called from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +29,6 @@ from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
 from kvrag.engine.sequence import Sequence as EngineSequence
 from kvrag.engine.speculation import Speculator, Stage
-from kvrag.engine.stats import EngineStats, engine_stats
 from kvrag.errors import KvragError
 from kvrag.model.detokenize import Detokenizer
 from kvrag.model.runtime import Runtime
@@ -57,18 +46,8 @@ __all__ = ["KV_RULE", "MIN_SCORE", "Generation", "KVRag", "KVRagConfig", "KvragE
 
 class KVRag:
     def __init__(self, store: str | Path, config: KVRagConfig | None = None, **options):
-        """Open the store (made by `kvrag index`) and load the model once. `config` (config.py's KVRagConfig): every
-        setting, resolved; else `options` (its field names: model, dtype, device, codec, kv_budget, host_cache,
-        gpu_cache, cache_policy, max_running, reorder_window, max_waiting, native, preload_retriever, tune_process,
-        speculate, keep, keep_rule, ...) over the environment over the defaults, resolved here once.
-
-        kv_budget: memory for the KV of the sequences being answered; host_cache / gpu_cache: memory tiers for hot
-        chunks' KV across questions ("0" turns them off). max_waiting: refuse a new request (QueueFull) while that
-        many wait (0: no bound). The retriever loads beside the model unless preload_retriever is False (then at the
-        first retrieval). tune_process: let kvrag set torch's threads and keep freed memory in the C allocator for
-        the whole process (faster prefills; what `kvrag ask` does). speculate: start a retrieved question's prefill
-        on an IVF index's early search stages (engine/speculation.py). keep, keep_rule: read the reduced chunks
-        `kvrag precompute --keep KEEP --keep-rule RULE` stored (Keyformer; 1: full chunks)."""
+        """Open the store (made by `kvrag index`) and load the model once. `config`: every setting, resolved; else
+        `options` (KVRagConfig's field names, config.py says what each does) over the environment over the defaults."""
         from kvrag.precompute.keyformer import KeepConfig
 
         self.config = config = config if config is not None else KVRagConfig.resolve(**options)
@@ -78,7 +57,6 @@ class KVRag:
         self.retrieval = Retrieval(self.env)
         self._grammars = None
         self._grammars_lock = threading.Lock()
-        self._model_load_s = 0.0
         preload = threading.Thread(target=self.retrieval.preload, daemon=True) if config.preload_retriever else None
         try:
             if preload is not None:
@@ -92,11 +70,10 @@ class KVRag:
             self.env.close()
             raise
         self.loop = EngineLoop(self.engine)
-        planner = self.engine.planner
+        spans = self.engine.planner.spans  # the store's passage index, built beside the first questions
         self.chunks = RequestChunks(self.env, config.retrieval, self.runtime.prompts,
-                                    self.runtime.local.tokenizer_fingerprint, self.retrieval, planner.spans,
-                                    planner.paragraphs)  # the engine's passage index and passage rule
-        spans = planner.spans  # the store's passage index, built beside the first questions
+                                    self.runtime.local.tokenizer_fingerprint, self.retrieval, spans,
+                                    self.engine.planner.paragraphs)  # the engine's passage index and rule
         if spans is not None:
             threading.Thread(target=spans.fill, name="kvrag-passage-index", daemon=True).start()
         self.speculator = Speculator(self.loop) if config.speculate else None
@@ -111,13 +88,12 @@ class KVRag:
         # the rule its blending check passed with; None: a model blending gets wrong, answered in full
         rule = blend_rule(self.runtime) if config.model_check else DEFAULT_SELECTION
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
-        return LLMEngine(prefiller, EngineConfig(parse_bytes(str(config.kv_budget), "kv_budget"), scheduler=scheduler,
-                                                 codec=config.codec, native=config.native,
-                                                 chat_cache_bytes=parse_bytes(str(config.chat_cache), "chat_cache"),
-                                                 kept_passages_bytes=parse_bytes(str(config.kept_passages),
-                                                                                 "kept_passages"),
-                                                 force_full=rule is None, selection=rule or DEFAULT_SELECTION,
-                                                 cuda_graphs=config.cuda_graphs))
+        sizes = ("kv_budget", "chat_cache", "kept_passages")
+        size = {name: parse_bytes(str(getattr(config, name)), name) for name in sizes}
+        return LLMEngine(prefiller, EngineConfig(size["kv_budget"], scheduler=scheduler, codec=config.codec,
+                                                 native=config.native, chat_cache_bytes=size["chat_cache"],
+                                                 kept_passages_bytes=size["kept_passages"], force_full=rule is None,
+                                                 selection=rule or DEFAULT_SELECTION, cuda_graphs=config.cuda_graphs))
 
     # ---- asking ---------------------------------------------------------------------------------
 
@@ -130,26 +106,24 @@ class KVRag:
                grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None,
                logit_bias: dict[int, float] | None = None, frequency_penalty: float = 0.0,
                presence_penalty: float = 0.0, salt: str = "") -> Generation:
-        """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids`
-        from the store, else the k best retrieved (dropping those under relative_cutoff x the best score, and those
-        under `min_score`, the cosine similarity below which a chunk is not about the question: docs/retrieval-cutoff.md).
+        """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids` from
+        the store, else, where the config's `retrieval` says so, the k best retrieved (dropping those under
+        relative_cutoff x the best score, and those under `min_score`, the cosine similarity below which a chunk is
+        not about the question: docs/retrieval-cutoff.md). With auto, a prompt that carries passages of its own (a
+        stored chunk's text, or a passage-like paragraph: engine/prompt_reuse.py) is not retrieved for; without
+        retrieval the prompt's stored passages are found and blended wherever they stand. `rag` False, `k` 0, or no
+        chunk passing the cutoffs: plain chat, with no passages and no RAG instruction.
         `selection`: blending's finer settings (check layer, deviation, attention weight); `ratio` overrides its
         ratio. `kv_tokens`: a decode-time KV budget (Keyformer): past it, the lowest-scoring tokens' KV is dropped
         (0: none); `kv_rule`: its score, keyformer, h2o or window (the most recent tokens). `logprobs`: keep each
-        generated token's log-probability and its `logprobs` most likely alternatives (`Generation.logprobs`;
-        None: none). `history`: a conversation's earlier turns as (role, text), system first (the prompt is the
-        model's chat template over them, the passages inside the last user turn); retrieval then searches for the
-        previous user turn and the question together. `rag` False, `k` 0, or no chunk passing the cutoffs: plain chat,
-        with no passages and no RAG instruction. `keep_turn`: keep this turn's KV, so that a follow-up whose history
-        ends with this answer reuses it (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON
-        schema, a tool call) the answer is decoded within. `last_role`: "tool" for a tool's result as the last
-        message (with rag False). `salt`: whose caches the request reads and adds to (a tenant; "" the shared one).
-        Where retrieval happens is the config's `retrieval`: with auto, a prompt that carries passages of its own (a
-        stored chunk's text, or a passage-like paragraph: engine/prompt_reuse.py) is not retrieved for; without
-        retrieval the prompt's stored passages are found and blended wherever they stand. `listener`: called with no
-        arguments from the
-        engine's thread after each token and at the end (to wake an event loop that reads `Generation.new_text`
-        without blocking)."""
+        generated token's log-probability and its `logprobs` most likely alternatives (None: none). `history`: a
+        conversation's earlier turns as (role, text), system first (the prompt is the model's chat template over
+        them, the passages inside the last user turn); retrieval searches for the previous user turn and the
+        question together. `keep_turn`: keep this turn's KV for a follow-up whose history ends with this answer
+        (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON schema, a tool call) the answer
+        is decoded within. `last_role`: "tool" for a tool's result as the last message (with rag False). `salt`:
+        whose caches the request reads and adds to (a tenant; "" the shared one). `listener`: called from the
+        engine's thread after each token and at the end (wakes an event loop that reads `Generation.new_text`)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -198,8 +172,7 @@ class KVRag:
 
     @property
     def grammars(self):
-        """The model's grammars for constrained decoding (model/constrain.Grammars: json_object, json_schema,
-        tool_call), built at first use (its token table takes a few tenths of a second)."""
+        """The model's grammars for constrained decoding (model/constrain.Grammars), built at first use."""
         with self._grammars_lock:  # not the retriever's: its load holds that one for seconds
             if self._grammars is None:
                 from kvrag.model.constrain import Grammars
@@ -224,17 +197,24 @@ class KVRag:
 
     def stats(self) -> EngineStats:
         """The engine's counts now: queue, KV pool, write-back, kept passages, tier hit rates, speculation."""
-        return engine_stats(self.loop, self.engine, self.speculator)
+        engine = self.engine
+        keeper = engine.keeper.stats if engine.keeper is not None else None
+        tiers = engine.prefiller.source.cache.stats if engine.prefiller.source.cache is not None else None
+        return EngineStats(
+            waiting=self.loop.waiting(), running=self.loop.running(), free_blocks=engine.free_blocks,
+            blocks=engine.kv.pool.num_blocks, prefix_blocks=len(engine.kv.prefix), rows_copied=engine.kv.copied_rows,
+            writes_given=engine.writes.given, writes_done=engine.writes.done,
+            kept_admitted=keeper.admitted if keeper else 0, kept_evicted=keeper.evicted if keeper else 0,
+            prefix_hit_rate=tiers.prefix_hit_rate if tiers else 0.0, memory_hit_rate=tiers.memory_hit_rate if tiers else 0.0,
+            speculative=dict(self.speculator.counts) if self.speculator is not None else {})
 
     def held_chunks(self, limit: int = 4096) -> list[str]:
         """The chunks this engine's memory tiers hold, the most recently used first, at most `limit` (what a replica
         reports to a router: cluster/routing.py)."""
         cache = self.engine.prefiller.source.cache
-        for _ in range(3):  # the engine's thread may change the tree while this one reads it: read again
-            try:
-                return [] if cache is None else cache.tree.held(limit)
-            except RuntimeError:
-                continue
+        for _ in range(3 if cache is not None else 0):  # the engine's thread may change the tree as this one reads it
+            with contextlib.suppress(RuntimeError):
+                return cache.tree.held(limit)
         return []
 
     # ---- life -------------------------------------------------------------------------------------
@@ -260,18 +240,34 @@ class KVRag:
             yield Stage(tuple(c for c, _ in found.chunks), partial(request, found), staged.final)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counts at one moment, as one value: what the server's /health and /metrics report, read without
+    the server reaching into the engine's parts (another thread may change a count a moment later)."""
+
+    waiting: int  # requests waiting for a prefill
+    running: int  # sequences prefilled and decoding
+    free_blocks: int  # of the running sequences' KV pool
+    blocks: int
+    prefix_blocks: int  # pool blocks the prefix cache lists (held or evictable)
+    rows_copied: int  # prompt rows copied into the pool (a prefix hit's rows are referenced, not copied)
+    writes_given: int  # write-back jobs given, and done in the order given
+    writes_done: int
+    kept_admitted: int  # client passages kept at their second sighting, and kept ones evicted
+    kept_evicted: int
+    prefix_hit_rate: float  # the memory tiers' hit rates over the chunks asked for
+    memory_hit_rate: float
+    speculative: dict[str, int] = field(default_factory=dict)  # started, kept, dropped
+
+
 class Generation:
     """One submitted question: iterate it for text pieces, or wait for the whole `result()`. Its tokens, how it
     ended, its prompt's costs and sources are read here as it runs: the one view of a request above the engine."""
 
     def __init__(self, rag: KVRag, seq: EngineSequence, retrieve_s: float):
-        self._rag, self._seq, self._retrieve_s = rag, seq, retrieve_s
+        self._rag, self._seq = rag, seq
+        self.retrieve_s = retrieve_s  # seconds retrieving before it was submitted (speculation: before its prefill)
         self._text = Detokenizer(rag.runtime.tokenizer)  # for its one reader: the text of the tokens read so far
-
-    @property
-    def retrieve_s(self) -> float:
-        """Seconds spent retrieving before the request was submitted (speculation: before its prefill began)."""
-        return self._retrieve_s
 
     def tokens(self) -> Iterator[int]:
         """Token ids as the engine produces them (one reader: the tokens are handed out once)."""
@@ -304,16 +300,12 @@ class Generation:
         """Stop generating; its memory goes back to the engine at its next step."""
         self._rag.loop.cancel(self._seq)
 
-    @property
-    def done(self) -> bool:
-        return self._seq.done.is_set()
-
     def result(self, timeout: float | None = None) -> Answer:
         """The whole answer, once generated. KvragError if it failed, TimeoutError after `timeout` seconds."""
         if not self._seq.done.wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         self._raise_if_failed()
-        return self._seq.answer(self._rag.runtime.tokenizer, self._retrieve_s)
+        return self._seq.answer(self._rag.runtime.tokenizer, self.retrieve_s)
 
     def _raise_if_failed(self) -> None:
         if self._seq.finish_reason == "error":
@@ -365,7 +357,7 @@ class Generation:
     def times(self) -> dict[str, float]:
         """Seconds: retrieval, waiting for a prefill (queued), submission to the first token (ttft), first to last
         token (decode) so far."""
-        return {"retrieve": self._retrieve_s, **self._seq.times()}
+        return {"retrieve": self.retrieve_s, **self._seq.times()}
 
     def stamps(self) -> tuple[float | None, float | None]:
         """When its first token came and when it ended, on time.perf_counter's clock (None before)."""

@@ -71,19 +71,19 @@ class KVRagConfig:
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (kvcache/prefix_cache.py); "0": none
     kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/kept_passages.py)
-    # where retrieval happens (RETRIEVAL, below): auto (ours, unless the prompt carries passages), server, client
-    retrieval: str = "auto"
+    retrieval: str = "auto"  # where retrieval happens: RETRIEVAL, below
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     cuda_graphs: bool = False  # the decode step replayed from CUDA graphs (Triton path on a GPU only)
     # options alone
     codec: str = "fp16"
-    kv_budget: str = "1GiB"
+    kv_budget: str = "1GiB"  # memory for the KV of the sequences being answered
     max_running: int = 32
-    max_waiting: int = 0
-    speculate: bool = False
-    keep: float = 1.0
+    max_waiting: int = 0  # refuse a new request (QueueFull) while this many wait (0: no bound)
+    speculate: bool = False  # start a retrieved question's prefill on an IVF index's early stages (engine/speculation.py)
+    keep: float = 1.0  # with keep_rule: read the reduced chunks `kvrag precompute --keep --keep-rule` stored (1: full)
     keep_rule: str = KEEP_RULE
-    preload_retriever: bool = True
+    preload_retriever: bool = True  # load the retriever beside the model (else at the first retrieval)
+    # let kvrag set torch's threads and keep freed memory in the C allocator for the whole process (faster prefills)
     tune_process: bool = False
     aws: Mapping[str, str] = field(default_factory=dict)  # the AWS_* variables: a store on object storage
 
@@ -93,8 +93,7 @@ class KVRagConfig:
         KvragError (one line) for an unknown option or a variable that does not parse."""
         environ = os.environ if environ is None else environ
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
+        if unknown := sorted(set(options) - set(known)):
             raise KvragError(f"unknown setting(s): {', '.join(unknown)}")
         values = {}
         for name, spec in known.items():

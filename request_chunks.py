@@ -118,11 +118,9 @@ class RequestChunks:
         if rag and k > 0:
             if self.mode == "auto":  # the prompt rendered and probed once: what decides is what the engine plans from
                 prompt = find_in_prompt(self.chat, self.spans, history, question, last_role, salt)
-                retrieve = not carries_passages(self.paragraphs, prompt, question, history)
-            else:
-                retrieve = self.mode == "server"
-            if retrieve:
-                if staged:
+            if self.mode == "server" or (prompt is not None
+                                         and not carries_passages(self.paragraphs, prompt, question, history)):
+                if staged:  # the search left to the caller
                     return Found(retrieved=True, prompt=prompt)
                 found = self.retrieval.search(search_text(question, history), k, relative_cutoff, min_score)
                 return found if found.chunks else Found(retrieved=True, prompt=prompt)

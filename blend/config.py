@@ -37,40 +37,33 @@ class BlendConfig:
     # selection score's total on its norm's scale (up to max_ratio): a prompt whose deviation is spread out gets more
     deviation_mass: float = 0.0
     max_ratio: float = 0.5
-    # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES). `chunks` (deviation x the
-    # question's reading of the row's chunk) on MuSiQue tune items 2-11 at 0.15: KL 0.143 of full reuse's against
-    # cacheblend's 0.219, at the same cost (docs/performance.md, issue 49)
+    # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES); `chunks` ranks by deviation x
+    # the question's reading of the row's chunk (docs/performance.md, issue 49)
     selection: str = DEFAULT_SELECTION
     # the layers a previewing rule's reading is taken over (0: all, as ProphetKV reads them; blend/preview.py): fewer
-    # keep more of the load overlapped with the blend (QCFuse's critical layers). MuSiQue tune items 2-9, ratio 0.15,
-    # KL / full reuse's: `query` 0.135 over all 30 layers, 0.267 over the first 8; `chunks-preview` 0.120 (30),
-    # 0.116 (8), 0.123 (4), 0.114 (2): too few items to tell those apart
+    # keep more of the load overlapped with the blend (QCFuse's critical layers; docs/performance.md)
     preview_layers: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise KvragError(f"--ratio must be between 0 and 1 (or auto), got {self.ratio}")
-        if self.check_layer < 0:
-            raise KvragError(f"--check-layer must be >= 0, got {self.check_layer}")
-        if self.deviation not in DEVIATIONS:
-            raise KvragError(f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}")
-        if self.selection not in selection.SELECTION_RULES:
-            raise KvragError(f"--selection must be one of {', '.join(selection.SELECTION_RULES)}, got {self.selection}")
-        if not 0.0 <= self.attention_weight < math.inf:
-            raise KvragError(f"--attention-weight must be a number >= 0, got {self.attention_weight}")
-        if self.chunk_start_rows < 0:
-            raise KvragError(f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}")
-        if self.preview_layers < 0:
-            raise KvragError(f"preview_layers must be >= 0 (0: every layer), got {self.preview_layers}")
-        if not 0.0 <= self.deviation_mass < 1.0:
-            raise KvragError(f"--deviation-mass must be in [0, 1), got {self.deviation_mass}")
+        for ok, message in (
+            (0.0 <= self.ratio <= 1.0, f"--ratio must be between 0 and 1 (or auto), got {self.ratio}"),
+            (self.check_layer >= 0, f"--check-layer must be >= 0, got {self.check_layer}"),
+            (self.deviation in DEVIATIONS, f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}"),
+            (self.selection in selection.SELECTION_RULES,
+             f"--selection must be one of {', '.join(selection.SELECTION_RULES)}, got {self.selection}"),
+            (0.0 <= self.attention_weight < math.inf,
+             f"--attention-weight must be a number >= 0, got {self.attention_weight}"),
+            (self.chunk_start_rows >= 0, f"--chunk-start-rows must be >= 0, got {self.chunk_start_rows}"),
+            (self.preview_layers >= 0, f"preview_layers must be >= 0 (0: every layer), got {self.preview_layers}"),
+            (0.0 <= self.deviation_mass < 1.0, f"--deviation-mass must be in [0, 1), got {self.deviation_mass}"),
+        ):
+            if not ok:
+                raise KvragError(message)
 
     def selection_schedule(self) -> dict[int, float]:
         """Layer -> share of chunk tokens kept after that layer's check."""
         if not self.gradual or self.ratio >= 1.0:
             return {self.check_layer: self.ratio}
-        # start wider and narrow down to `ratio` at the next layer. First 50 MuSiQue items, ratio 0.15, attention
-        # weight 4, bf16: mean first-token KL 0.0526 with no narrowing, 0.0442 from 1.5x, 0.0420 from 2x, 0.0349
-        # from 2x over two layers (2x, 1.5x, 1x), top-1 49/50 each; every wider row at a check layer costs a
-        # blended layer's row, so 1.5x over one layer saves about one blended layer (of 30) on the 2x-1.5x schedule
+        # start wider and narrow down to `ratio` at the next layer: every wider row at a check costs a blended layer's
+        # row, so 1.5x over one layer saves one blended layer against 2x-1.5x (docs/performance.md, "selection defaults")
         return {self.check_layer: min(1.0, self.ratio * WIDER_AT_CHECK), self.check_layer + 1: self.ratio}

@@ -117,13 +117,11 @@ class BlendKV:
             if pre.rotated:
                 k_rot[n_paged:n_pre] = pre.k[layer]
             else:
-                m.rotate_keys(pre.k[layer], self.positions[:n_pre], (self.rope[0][:n_pre], self.rope[1][:n_pre]),
-                              out=k_rot[:n_pre], layer=layer)
+                m.rotate_keys(pre.k[layer], *self.at(0, n_pre), out=k_rot[:n_pre], layer=layer)
             if loaded is not None:
-                n_loaded = loaded[0].shape[0]
-                k_rot[n_pre:n_pre + n_loaded] = loaded[0] if self.rotated_source else \
-                    m.rotate_keys(loaded[0], self.positions[n_pre:n_pre + n_loaded],
-                                  (self.rope[0][n_pre:n_pre + n_loaded], self.rope[1][n_pre:n_pre + n_loaded]), layer=layer)
+                end = n_pre + loaded[0].shape[0]
+                k_rot[n_pre:end] = loaded[0] if self.rotated_source else \
+                    m.rotate_keys(loaded[0], *self.at(n_pre, end), layer=layer)
             k_rot[n_pre + rows.index] = m.rotate_keys(new_k, rows.pos, rows.rope, layer=layer)
             self.k_rot = k_rot
             return
@@ -135,6 +133,10 @@ class BlendKV:
         if self.rest_kv is not None:  # views: the decoder only writes past n_total
             self.rest_kv.append((k_all[n_pre:], v_all[n_pre:]))
         self.k_rot = m.rotate_keys(k_all, self.positions, self.rope, out=self.cache.k[layer, :n_total], layer=layer)
+
+    def at(self, start: int, end: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Rows start..end-1's positions [n] and rotary cos/sin [n, 1, hd], as rotate_keys takes them."""
+        return self.positions[start:end], (self.rope[0][start:end], self.rope[1][start:end])
 
     def attend(self, layer: int, q: torch.Tensor, rows: Rows) -> torch.Tensor:
         if self.tap is not None:
@@ -227,12 +229,9 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     result = FusionResult(torch.empty(0), cache, torch.arange(loaded_rows, n_chunk, device=dev))
     # loaded keys already at their positions: only the preamble's and the computed rows' are rotated here
     rotated_source = loaded_rows > 0 and getattr(source, "rotated", False)
-    if keep_rest:
-        if rotated_source:
-            raise ValueError("keep_rest keeps keys before rotary: give a source that hands them out so")
-        result.rest_kv = []
-    if keep_rest and preamble.rotated:
-        raise ValueError("keep_rest keeps keys before rotary, which a rotated exact prefix does not hand out")
+    if keep_rest and (rotated_source or preamble.rotated):
+        raise ValueError("keep_rest keeps keys before rotary, which a rotated source or exact prefix does not hand out")
+    result.rest_kv = [] if keep_rest else None
     kv = BlendKV(model, cache, preamble, positions, rope, rotated_source, result.rest_kv)
     kv.tap = tap
     selector = Selector(model, config, n_chunk, chunk_starts, result.selected, forced, prior) \

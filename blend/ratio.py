@@ -5,14 +5,12 @@ resolved per prompt into the BlendConfig the prefill runs; reported as the share
 
 Quality: each prompt recomputes, past the floor r* (DEFAULT_RATIO), until the kept rows hold AUTO_MASS of its deviation
 score (`BlendConfig.deviation_mass`, decided at the first check). Cost: never past the largest share whose first token
-costs no more than r*'s would, or than a full prefill of TTFT_BUDGET_TOKENS tokens: long prompts keep r*'s speed,
-short ones may recompute more (budget_ratio). Cost is counted in rows computed, a row being one token through one
-layer: each layer also pays a fixed cost, but the blend and the full prefill it is held against pay the same one, so
-the cap depends on the prompt's length and the model's layers alone, never on the machine or on how busy it was when
-something was measured (docs/performance.md, `--ratio auto`).
-
-Earlier releases capped it by a load/compute profile measured once and kept in the store's `meta` database; a
-moment's load then decided a store's answers for ever. Such kept profiles are left where they are and never read.
+costs no more than r*'s would, or than a full prefill of TTFT_BUDGET_TOKENS tokens, nor past the share at which the
+blend costs what a full prefill of the prompt does. Cost is counted in rows computed, a row being one token through
+one layer: each layer's fixed cost is paid alike by the blend and the full prefill it is held against, so the caps
+depend on the prompt's length and the model's layers alone, never on the machine or its load (docs/performance.md,
+`--ratio auto`, where the constants below were measured). Profiles that earlier releases kept in a store's `meta`
+are never read.
 """
 
 from __future__ import annotations
@@ -26,16 +24,9 @@ QUALITY_FLOOR = DEFAULT_RATIO  # auto never recomputes less than r*
 AUTO = "auto"
 SUFFIX_GUESS = 40  # question-suffix tokens assumed for the cost cap before the question is tokenized
 AUTO_MASS = 0.75  # cross-passage tuning split, first 60 items: top-1 0.983, KL 0.031 (0.6: 0.95, 0.057)
-# a first token no dearer than a full prefill of this many tokens is not worth trading answers for: the former 0.5 s
-# budget over the machine it was tuned on, 0.5 s / (30 layers x 0.039 ms a row; SmolLM2 float32, idle) = 427 tokens
-TTFT_BUDGET_TOKENS = 430
-# a chunk row a blend loads (copied from the tier, its key rotated) against one it computes through a layer: SmolLM2
-# float32 on 370-token prompts here, full reuse took 0.21-0.32x full prefill's time for 0.14x its computed rows
-LOADED_ROW_COST = 0.15
-# a chunk row a blend recomputes against a row of a full prefill: scattered rows gathered and put back, the check
-# layers' selection. From issue 56's short sets (AMX, bf16): auto at 37-40 % recomputed took 1.10-1.18x full
-# prefill's time, 2.8 rows' worth each; here (AVX-512, float32, 370-token prompts) blend@0.4 took 0.46-0.57x, 0.9
-BLEND_ROW_COST = 2.5
+TTFT_BUDGET_TOKENS = 430  # a first token no dearer than a full prefill of this many is not worth trading answers for
+LOADED_ROW_COST = 0.15  # a chunk row a blend loads (copied, its key rotated), in rows computed through a layer
+BLEND_ROW_COST = 2.5  # a chunk row a blend recomputes (gathered, put back, ranked), against a full prefill's row
 
 
 @dataclass(frozen=True)
@@ -114,10 +105,8 @@ def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_t
     blended = n_layers - min(checked_layers, n_layers)
     if chunk_tokens == 0 or blended == 0:  # no chunk, or every layer computes every row whatever the share
         return 1.0
-
-    def rows(r: float) -> float:  # the layers to the check compute every row, the others r of the chunk's
-        return (n_layers - blended) * (chunk_tokens + suffix_tokens) + blended * (r * chunk_tokens + suffix_tokens)
-
-    # what a full prefill of TTFT_BUDGET_TOKENS computes beyond a blend that recomputes nothing, over a share's rows
-    allowed = (n_layers * TTFT_BUDGET_TOKENS - rows(0.0)) / (blended * chunk_tokens)
+    # a blend that recomputes nothing: the layers to the check compute every row, the others the suffix's
+    nothing = (n_layers - blended) * (chunk_tokens + suffix_tokens) + blended * suffix_tokens
+    # what a full prefill of TTFT_BUDGET_TOKENS computes beyond it, over a share's rows
+    allowed = (n_layers * TTFT_BUDGET_TOKENS - nothing) / (blended * chunk_tokens)
     return float(min(1.0, max(QUALITY_FLOOR, allowed)))  # r*'s own cost is always allowed

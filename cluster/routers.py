@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvrag.cluster.routing import BALANCE, HELD, WINDOW, RoutingConfig, rank
 
 ROUTE_KWARG = "route_chunks"
-
-
-def route_chunks(request: PendingRequest | None) -> Sequence[tuple[str, int]]:
-    return () if request is None else request.kwargs.get(ROUTE_KWARG, ()) or ()
 
 
 class ChunkRouter(RequestRouter):
@@ -40,7 +35,8 @@ class ChunkRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         held = {rid: self._held_set(r) for rid, r in by_id.items()}
-        order = rank(route_chunks(pending_request), sorted(by_id), held, self.in_flight, self.config,
+        chunks = () if pending_request is None else pending_request.kwargs.get(ROUTE_KWARG) or ()
+        order = rank(chunks, sorted(by_id), held, self.in_flight, self.config,
                      Counter(rid for rid in self.recent if rid in by_id))
         return [[by_id[rid]] for rid in order]
 

@@ -12,9 +12,9 @@ warms it there, and a replica joining or leaving moves only the chunks whose hom
 Load is bounded as in consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), on two
 counts: a replica is passed over for the next by score while it runs ceil(BALANCE x (in flight + 1) / replicas)
 requests, or while it took ceil(BALANCE x (recent + 1) / replicas) of the router's last `recent` (at most WINDOW)
-routings. In flight alone bounds nothing with few clients (2 clients: the cap is 2, so one warm replica took 57 of 60
-requests in `kvrag bench cluster`); the window bounds every replica's share whatever the arrival order, so one hot
-chunk set spills to a second replica (which warms a copy) instead of queueing on its home.
+routings. In flight alone bounds nothing with few clients (docs/cluster.md); the window bounds every replica's share
+whatever the arrival order, so one hot chunk set spills to a second replica (which warms a copy) instead of queueing
+on its home.
 """
 
 from __future__ import annotations

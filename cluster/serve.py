@@ -1,12 +1,7 @@
-"""`kvrag serve --ray-serve N`: N engine replicas behind Ray Serve, each request sent to the replica whose memory
-tiers hold its chunks. The OpenAI surface is `kvrag serve`'s own: every replica runs server/app.py in-process.
-
-    client ──HTTP──> Serve's proxy ──> Front (1 replica, no model)
-                                         checks the API key, finds the request's chunks under its tenant's salt
-                                         (cluster/route_key.py: retrieval done here, once, and handed on as
-                                         `chunk_ids`; or the stored passages in its prompt)
-                                       ──handle, route_chunks=...──> ChunkRouter (cluster/routers.py) picks
-                                       ──> Engine replica i: KVRag + the app, its response streamed back
+"""`kvrag serve --ray-serve N`: N engine replicas behind Ray Serve, each running `kvrag serve`'s app (server/app.py)
+in-process. A Front (no model) checks a request's key and finds its chunks (cluster/route_key.py), and the handle
+call carries them to the ChunkRouter (cluster/routers.py), which picks the replica whose tiers hold them; the
+replica's response streams back (docs/cluster.md draws it).
 
 The replicas share the store: a local one on one machine, or one on object storage (`--store s3://...`), each
 through its own mirror. A replica that dies before a response's first body bytes are out has its request sent to
@@ -145,13 +140,8 @@ def application(store: str, config: KVRagConfig, settings: ServerSettings, clust
         ray_actor_options={"num_cpus": cluster.cpus, "num_gpus": cluster.gpus})
     front = serve.deployment(Front, name="Front").options(ray_actor_options={"num_cpus": 0},
                                                           max_ongoing_requests=10_000)
-    config = _replica_config(config, cluster)
+    config = replace(config, threads=config.threads or max(1, int(cluster.cpus)))  # torch's: the CPUs Ray gives it
     return front.bind(engine.bind(store, config, settings, cluster.held_limit), store, config, settings.api_key)
-
-
-def _replica_config(config: KVRagConfig, cluster: ClusterSettings) -> KVRagConfig:
-    """Each replica's torch threads: the CPUs Ray gives it, unless the config names them."""
-    return replace(config, threads=config.threads or max(1, int(cluster.cpus)))
 
 
 class ClusterServer:

@@ -127,11 +127,6 @@ class Sequence:
         return self.output[len(self.output) - self.replay - 1] if self.replay else self.output[-1]
 
     @property
-    def queued_s(self) -> float:
-        """Seconds from arrival to the start of its first prefill (so far, while it waits)."""
-        return (self.prefill_started or time.perf_counter()) - self.arrival
-
-    @property
     def reused_tokens(self) -> int:
         """Prompt tokens whose KV was reused (stored, or in a memory tier) rather than computed: 0 until prefilled."""
         return self.prefill_info.get("reused_tokens", 0)
@@ -153,21 +148,21 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def times(self) -> dict[str, float]:
-        """Seconds: arrival to the first token, first to last token so far, waiting for a prefill ({} before the
-        first token, or an end without one)."""
+        """Seconds: arrival to the first token, first to last token so far, arrival to the first prefill (queued)
+        ({} before the first token, or an end without one)."""
         end = self.finished_at or self.first_token_at
         first = self.first_token_at or end
         if first is None:
             return {}
-        return {"ttft": first - self.arrival, "decode": end - first, "queued": self.queued_s}
+        return {"ttft": first - self.arrival, "decode": end - first,
+                "queued": (self.prefill_started or time.perf_counter()) - self.arrival}
 
     def answer(self, tokenizer, retrieve_s: float = 0.0) -> Answer:
         """The finished sequence as `kvrag ask --json`'s record: text, tokens, sources, costs and timings."""
         info, req = self.prefill_info, self.request
         text = tokenizer.decode(self.output, skip_special_tokens=True).strip()
         times = self.times()
-        decoding = times["decode"]
-        rate = (len(self.output) - 1) / decoding if len(self.output) > 1 and decoding else 0.0
+        rate = (len(self.output) - 1) / times["decode"] if len(self.output) > 1 and times["decode"] else 0.0
         timings = {**info.get("timings", {}), "retrieve": retrieve_s, **times, "decode_tokens_per_s": rate}
         ratio = req.ratio.report(info.get("ratio"), info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0))
         return Answer(req.question, text, list(self.output), req.mode, ratio, self.prompt_tokens,

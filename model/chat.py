@@ -17,13 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrag.errors import KvragError
-from kvrag.model.prompt import (
-    _SLOT,
-    PromptBuilder,
-    encode,
-    leading_specials,
-    rag_content,
-)
+from kvrag.model.prompt import _SLOT, PromptBuilder, encode, leading_specials, question_text, rag_content
 
 Turn = tuple[str, str]  # (role, text): system, user, assistant, or what the model's template knows
 _ANSWER = "\x00KVRAG_ANSWER\x00"  # stands for an earlier answer while the template is rendered
@@ -50,15 +44,15 @@ class ChatPrompts:
         """A plain chat prompt: the template over the history and the question (`role`'s: a tool's result too),
         ready for the answer."""
         if not self.has_template:  # the bare prompt, as the single-turn one: after the tokenizer's BOS
-            body = "\n\n".join([*(text for _, text in history), _question(question)])
+            body = "\n\n".join([*(text for _, text in history), question_text(question)])
             return encode(self.tokenizer, leading_specials(self.tokenizer) + body)
-        return encode(self.tokenizer, self._render([*history, (role, _question(question))], True))
+        return encode(self.tokenizer, self._render([*history, (role, question_text(question))], True))
 
     def after_answer(self, question: str, passages: bool, role: str = "user") -> tuple[list[int], list[int]]:
         """The ids after an answer's last token, as (head, tail): with new `passages`, the head runs to where they go
         and the tail is the usual suffix; else the head is empty and the tail is the question as the user wrote it,
         up to the next answer (the passages and the instruction stand in the earlier turns, as a chat has them)."""
-        content = rag_content(self.prompts.brk) if passages else _question(question)
+        content = rag_content(self.prompts.brk) if passages else question_text(question)
         text = self._render([("user", "?"), ("assistant", _ANSWER), (role, content)], True).split(_ANSWER, 1)[1]
         if passages:
             head, _ = text.split(_SLOT)
@@ -70,10 +64,3 @@ class ChatPrompts:
             raise KvragError("this model has no chat template: send one user message")
         messages = [{"role": role, "content": text} for role, text in turns]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-
-
-def _question(question: str) -> str:
-    question = question.strip()
-    if not question:
-        raise KvragError("the question is empty")
-    return question

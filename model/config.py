@@ -74,11 +74,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: sliding layers rotate by this theta (unscaled), full by rope_theta
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise KvragError(
-                f"model architecture '{self.architecture}' is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_architecture(self.architecture)
         if self.n_heads % self.n_kv_heads:
             raise KvragError(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads")
         if self.head_dim % 2 or self.rotary_dim % 2:
@@ -156,10 +152,7 @@ class ModelConfig:
             if text["model_type"] != "gemma3_text":
                 raise KvragError(f"gemma3 with a '{text['model_type']}' text model is not supported")
             return cls.from_hf(text)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise KvragError(
-                f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_architecture(arch)  # before any field is read: one line, not a KeyError
         rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         gemma: dict[str, Any] = {}
         if arch in GEMMA:
@@ -233,6 +226,11 @@ def _gemma(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, An
         rope_local_theta=local_theta,
     )
     return rope, fields_
+
+
+def _check_architecture(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise KvragError(f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 def _optional(x: Any) -> float | None:

@@ -182,8 +182,7 @@ def _functions(tools) -> dict[str, dict]:
         raise KvragError('tools must be a non-empty list of {"type": "function", "function": {"name": ...}}')
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
+        fn, name = _function(tool)
         if not isinstance(name, str) or not name:
             raise KvragError(f'tools[{i}] is not {{"type": "function", "function": {{"name": ...}}}}')
         params = fn.get("parameters") or NO_ARGUMENTS  # none, or {}: a call with no arguments
@@ -195,10 +194,15 @@ def _functions(tools) -> dict[str, dict]:
     return functions
 
 
+def _function(obj) -> tuple[dict | None, object]:
+    """The function object of {"type": "function", "function": {...}} (a tool or a tool_choice), and its name."""
+    fn = obj.get("function") if isinstance(obj, dict) and obj.get("type") == "function" else None
+    return fn, fn.get("name") if isinstance(fn, dict) else None
+
+
 def _chosen(choice) -> str:
     """The function a tool_choice object names."""
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    name = fn.get("name") if isinstance(fn, dict) else None
+    name = _function(choice)[1]
     if not isinstance(name, str):
         raise KvragError(f"tool_choice must be {CHOICE_FORMS} to force a call, not {str(choice)[:80]}")
     return name

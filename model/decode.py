@@ -24,6 +24,8 @@ def decode_step(model: Transformer, cache: DecodeCache, token: int, native: bool
     """
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")
+    if not model.cfg.plain:  # RowStep's arithmetic is a Llama-shaped layer's: other families step one op at a time
+        return decode_step_reference(model, cache, token)
     stepper = cache.stepper
     if stepper is None or stepper.model is not model or stepper.wants_native != native or cache.length > stepper.synced:
         cache.stepper = RowStep(model, cache, native)

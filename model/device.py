@@ -20,10 +20,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype attention runs in. bf16 on a CPU without AMX: float32. The CPU flash kernel then gains nothing
-    from bf16 (no AMX tiles to feed) and pays for converting every block: on this project's 2-core AVX512-BF16
-    machine, causal attention over 6.3k tokens took 343 ms a layer in bf16 and 324 ms in float32, a blend's
-    scattered rows 69-76 and 66 ms. The matmuls stay in bf16, where they are faster; inputs are cast per layer."""
+    """The dtype attention runs in. bf16 on a CPU without AMX: float32, as the CPU flash kernel then gains nothing
+    from bf16 (no AMX tiles to feed) and pays for converting every block. The matmuls stay in bf16."""
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_amx():
         return torch.float32
     return dtype
@@ -80,14 +78,9 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 
 @lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory in the process instead of handing it back to the kernel.
-
-    PyTorch's CPU allocator is plain malloc. By default glibc serves every block over a few MiB with its
-    own mmap and unmaps it on free, so each layer's new activation tensors fault in (and the kernel zeroes)
-    every page again: on a 6k-token prompt that made layer 0 take 350 ms instead of 120 ms. With no mmap
-    for large blocks and no trimming, freed blocks are reused at once. The cost is that the process keeps
-    its peak heap; a CLI run is short. No-op where the C library is not glibc.
-    """
+    """Ask glibc to keep freed memory in the process: by default it serves every block over a few MiB with its own
+    mmap and unmaps it on free, so each layer's new activations fault in (and are zeroed) again, page by page. The
+    process keeps its peak heap instead; a CLI run is short. No-op where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:

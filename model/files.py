@@ -198,15 +198,10 @@ def _source_id(gguf: Path) -> str:
 
 def converted_path(gguf: Path) -> Path | None:
     """The directory a GGUF file was converted into, by its pointer alone (no digest checked); None: not yet."""
-    if not gguf.is_file():
-        return None
-    try:
-        fingerprint = json.loads((kvrag_home() / "models" / f"gguf-{_source_id(gguf.absolute())}.json")
-                                 .read_text())["fingerprint"]
-    except (OSError, ValueError, KeyError):
-        return None
-    path = model_home(fingerprint)
-    return path if (path / RECORD_NAME).is_file() else None
+    fingerprint = _pointed(kvrag_home() / "models" / f"gguf-{_source_id(gguf.absolute())}.json") \
+        if gguf.is_file() else None
+    path = None if fingerprint is None else model_home(fingerprint)
+    return path if path is not None and (path / RECORD_NAME).is_file() else None
 
 
 def converted_models() -> list[dict]:
@@ -226,11 +221,16 @@ def converted_models() -> list[dict]:
 
 def _cached_conversion(models: Path, pointer: Path) -> LocalModel | None:
     """The converted model its pointer names if its record and every file digest check out, else None."""
+    fingerprint = _pointed(pointer)
+    return None if fingerprint is None else _checked_conversion(models / fingerprint)
+
+
+def _pointed(pointer: Path) -> str | None:
+    """The fingerprint a `gguf-<id>.json` pointer names; None: no readable pointer."""
     try:
-        fingerprint = json.loads(pointer.read_text())["fingerprint"]
+        return json.loads(pointer.read_text())["fingerprint"]
     except (OSError, ValueError, KeyError):
         return None
-    return _checked_conversion(models / fingerprint)
 
 
 def _converted_from(models: Path, pointer: Path, gguf_digest: str) -> LocalModel | None:

@@ -70,13 +70,8 @@ def _read(path: Path) -> dict[str, torch.Tensor] | None:
 
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header_end = 8 + int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-            meta = json.loads(data[8:header_end]).get("__metadata__", {})
-            body = memoryview(data)[header_end:]
-            try:
-                sound = meta.get(_DIGEST_KEY) == xxhash.xxh3_128(body).hexdigest()
-            finally:
-                body.release()  # the map closes only once no view of it is left
+            header_end, digest = _body_digest(data)
+            sound = json.loads(data[8:header_end]).get("__metadata__", {}).get(_DIGEST_KEY) == digest
     except FileNotFoundError:
         return None
     except (OSError, ValueError):  # unreadable, shorter than its header says, or no JSON there
@@ -102,16 +97,21 @@ def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(cpu, str(tmp), metadata={_DIGEST_KEY: _BLANK})
         with open(tmp, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
-            header_end = 8 + int.from_bytes(data[:8], "little")
+            header_end, digest = _body_digest(data)
             slot = data.find(_BLANK.encode(), 8, header_end)
-            body = memoryview(data)[header_end:]
-            try:
-                digest = xxhash.xxh3_128(body).hexdigest().encode()
-            finally:
-                body.release()
-            data[slot:slot + len(_BLANK)] = digest
+            data[slot:slot + len(_BLANK)] = digest.encode()
             data.flush()
         tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         print(f"kvrag: could not keep prepared weights at {path} ({exc.strerror or exc})", file=sys.stderr)
+
+
+def _body_digest(data: mmap.mmap) -> tuple[int, str]:
+    """Where a safetensors file's header ends, and the digest of the tensor bytes after it."""
+    header_end = 8 + int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    body = memoryview(data)[header_end:]
+    try:
+        return header_end, xxhash.xxh3_128(body).hexdigest()
+    finally:
+        body.release()  # the map closes only once no view of it is left

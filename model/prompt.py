@@ -48,6 +48,13 @@ def render_passage(title: str, text: str, brk: str = BREAKS[0]) -> str:
     return brk + (f"{title}\n" if title else "") + text
 
 
+def question_text(question: str) -> str:
+    """The question as a prompt holds it: stripped; KvragError for an empty one."""
+    if not question.strip():
+        raise KvragError("the question is empty")
+    return question.strip()
+
+
 def rag_content(brk: str) -> str:
     """The user message of a RAG turn, its passages and question as slots."""
     return INSTRUCTION + _SLOT + brk + CLOSING.format(question=_QSLOT)
@@ -73,10 +80,7 @@ class PromptTemplate:
         return cls(preamble=preamble, suffix_template=suffix)
 
     def suffix(self, question: str) -> str:
-        question = question.strip()
-        if not question:
-            raise KvragError("the question is empty")
-        return self.suffix_template.replace(_QSLOT, question)
+        return self.suffix_template.replace(_QSLOT, question_text(question))
 
     def full_text(self, passages: Sequence[str], question: str) -> str:
         """The whole prompt as one string (what a plain tokenizer call would see)."""

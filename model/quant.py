@@ -1,11 +1,10 @@
 """Weight-only quantized linear layers (`--weights int8|int4`): every layer's matrices and the LM head held as
 kernels/quant.py packs them, the embedding table and the norms kept as they are.
 
-A product runs quant.cpp's integer kernel: a decode step reads a quarter (int8) or a sixth (int4) of float32's
-bytes, and a prefill's many rows multiply through VNNI's 4-way integer dot products, which beat float32's matmul at
-every row count measured on a CPU without AMX. With AMX, a bf16 model's products of many rows (DENSE_ROWS) run AMX's
-bf16 matmul over the matrix dequantized for the call instead (docs/quantized.md). Where the kernel cannot run,
-`resolve_weights` keeps the model dense.
+A product runs quant.cpp's integer kernel (VNNI dot products over a quarter or a sixth of float32's bytes); with
+AMX, a bf16 model's products of many rows (DENSE_ROWS) run AMX's bf16 matmul over the matrix dequantized for the
+call instead (docs/quantized.md has the measurements). Where the kernel cannot run, `resolve_weights` keeps the
+model dense.
 """
 
 from __future__ import annotations
@@ -18,18 +17,16 @@ import torch.nn.functional as F
 from kvrag.errors import KvragError
 from kvrag.kernels import quant
 from kvrag.kernels.cpu import cpu_has_amx
+from kvrag.kernels.decode_step import MATRICES
 
 WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the kernel runs, else dense
-# int8 kept the dense model's greedy tokens at 0.967-1.000 of the answers' positions on SmolLM2, Gemma 3 270M and
-# Qwen2.5-0.5B; int4 fell to 0.900-0.934 on Gemma (docs/quantized.md): auto is int8, int4 is asked for by name
+# int8 kept the dense model's greedy tokens far better than int4 (docs/quantized.md): int4 is asked for by name
 DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
 # Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
-# matmul), below it through the integer kernel: they crossed between 64 and 128 rows on Qwen2.5-0.5B's MLP matrices
-# (idle, docs/quantized.md). Without AMX the integer kernel was faster at every row count measured.
+# matmul), below it through the integer kernel, where they crossed (docs/quantized.md)
 DENSE_ROWS = 128
 RECIPE = 1  # how quantize_layers and kernels/quant.py quantize: part of a prepared file's name (model/prepared.py)
-LAYER_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # model.transformer.LayerWeights' linear layers
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,7 @@ def quantize_layers(model, weights: str) -> None:
         return w.shape[0] % quant.TILE == 0 and w.shape[1] % quant.GROUP == 0
 
     for layer in model.layers:
-        for name in LAYER_MATRICES:
+        for name in MATRICES:  # LayerWeights' linear layers
             w = getattr(layer, name)
             if fits(w) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
                 setattr(layer, name, QuantWeight.of(w, bits))

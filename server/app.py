@@ -32,13 +32,11 @@ from kvrag.server.protocol import BadField, ChatRequest, CompletionRequest, Embe
 from kvrag.server.responses import (
     Ids,
     assistant_message,
-    chat_chunk,
-    chat_completion,
-    completion,
     embedding_response,
     sse,
     stream_chunk,
     usage_chunk,
+    whole_response,
 )
 
 
@@ -56,7 +54,7 @@ def create_app(rag: KVRag, settings: ServerSettings) -> FastAPI:
                   redoc_url=None)
     app.state.server = server
     install_handlers(app)
-    auth = [Depends(_key_check(settings.api_key))] if settings.api_key else []
+    auth = [Depends(server.check_key)] if settings.api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route("/models", server.models, methods=["GET"])
     v1.add_api_route("/models/{model_id}", server.model, methods=["GET"])
@@ -103,12 +101,9 @@ class Server:
             raise ApiError(404, f"the model '{body.model}' does not exist; this server embeds with "
                            f"'{self.rag.embedder_name}'", param="model", code="model_not_found")
         try:
-            texts = body.texts()
-            vectors, tokens = await asyncio.to_thread(self.rag.embed, texts)
-        except BadField as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        except KvragError as exc:
-            raise ApiError(400, str(exc)) from None
+            vectors, tokens = await asyncio.to_thread(self.rag.embed, body.texts())
+        except (BadField, KvragError) as exc:
+            raise _refusal(exc) from None
         if body.dimensions is not None and body.dimensions != vectors.shape[1]:
             raise ApiError(400, f"dimensions: {self.rag.embedder_name} gives {vectors.shape[1]}-dimensional vectors",
                            param="dimensions")
@@ -128,7 +123,7 @@ class Server:
         salt = tenant_salt(self.settings.api_key, request.headers.get("authorization"), body.cache_salt)
         body = body.model_copy(update={"cache_salt": salt})
         runs = await self._start(endpoint, body, time.perf_counter())
-        ids = Ids("chatcmpl" if endpoint == "chat" else "cmpl", body.model)
+        ids = Ids(endpoint, body.model)
         tools = endpoint == "chat" and body.calls_tools()
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -140,7 +135,7 @@ class Server:
         finally:
             for run in runs:
                 self._record(endpoint, run)
-        return chat_completion(ids, runs, texts, tools) if endpoint == "chat" else completion(ids, runs, texts)
+        return whole_response(ids, runs, texts, tools)
 
     async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Choice]:
         """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
@@ -161,14 +156,15 @@ class Server:
             for run in runs:
                 run.gen.cancel()
                 self.runs.discard(run)
-            raise _refusal(exc, self.metrics, endpoint, question_field, self.settings.retry_after_s) from None
+            if isinstance(exc, QueueFull):
+                self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise _refusal(exc, question_field, self.settings.retry_after_s) from None
 
     async def _events(self, endpoint: str, runs: list[Choice], ids: Ids, include_usage: bool, tools: bool = False):
         """The stream's server-sent events, the choices' pieces as they come (each chunk names its choice); a client
         that goes away cancels every choice (finally). With `tools` each choice's answer is held to its end: a call
         comes as one tool_calls delta, text as one content delta."""
-        first = [True] * len(runs)
-        held = [""] * len(runs)
+        first, held = [True] * len(runs), [""] * len(runs)
         try:
             async for index, piece in _merged(runs):
                 run = runs[index]
@@ -178,20 +174,19 @@ class Server:
                         delta, reason = assistant_message(held[index], reason, tools)
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [{"index": 0, **delta["tool_calls"][0]}]
-                        yield sse(chat_chunk(ids, delta, index=index, sources=run.gen.sources))
+                        yield sse(stream_chunk(ids, "", delta=delta, index=index, sources=run.gen.sources))
                     elif first[index]:  # an empty answer still says who speaks and from what
-                        yield sse(stream_chunk(endpoint, ids, "", first=True, index=index, sources=run.gen.sources))
-                    yield sse(stream_chunk(endpoint, ids, "", finish_reason=reason, index=index, timings=run.timings()))
+                        yield sse(stream_chunk(ids, "", first=True, index=index, sources=run.gen.sources))
+                    yield sse(stream_chunk(ids, "", finish_reason=reason, index=index, timings=run.timings()))
                     continue
                 if tools:
                     held[index] += piece
                     continue
                 extra = {"sources": run.gen.sources} if first[index] else {}
-                yield sse(stream_chunk(endpoint, ids, piece, first=first[index], index=index, **extra))
+                yield sse(stream_chunk(ids, piece, first=first[index], index=index, **extra))
                 first[index] = False
             if include_usage:
-                yield sse(usage_chunk(ids, "chat.completion.chunk" if endpoint == "chat" else "text_completion",
-                                      runs))
+                yield sse(usage_chunk(ids, runs))
         except GenerationFailed as exc:
             yield sse(error_body(exc.status, str(exc)))
         finally:
@@ -206,6 +201,10 @@ class Server:
 
     # ---- checks -----------------------------------------------------------------------------------
 
+    async def check_key(self, authorization: str | None = Header(None)) -> None:
+        """/v1's dependency: `Authorization: Bearer <key>`, one of the settings' comma-separated keys."""
+        check_key(self.settings.api_key, authorization)
+
     def _check_model(self, name: str) -> None:
         if name != self.settings.model_name:
             raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}'",
@@ -216,27 +215,20 @@ class Server:
 
 
 def _next_choice(options: dict, first: Choice, index: int) -> dict:
-    """Choice `index` of a request: the first choice's prompt (its chunks, retrieved once; plain chat where it had
-    none), its own seed."""
-    seed = options.get("seed")
-    return {**options, **_same_prompt(options, first), "seed": None if seed is None else seed + index}
+    """Choice `index` of a request: the first choice's prompt, its own seed. Given chunks or passages are given
+    again; retrieved ones become chunk_ids, and none at all plain chat (an empty chunk_ids would be a RAG prompt with
+    no passages)."""
+    seed, same = options.get("seed"), {}
+    if options.get("passages") is None and options.get("chunk_ids") is None:
+        same = {"rag": False} if first.gen.chunk_ids is None else {"chunk_ids": first.gen.chunk_ids}
+    return {**options, **same, "seed": None if seed is None else seed + index}
 
 
-def _same_prompt(options: dict, first: Choice) -> dict:
-    """The options that give a later choice the first's prompt: given chunks or passages are given again; retrieved
-    ones become chunk_ids, and none at all plain chat (an empty chunk_ids would be a RAG prompt with no passages)."""
-    if options.get("passages") is not None or options.get("chunk_ids") is not None:
-        return {}
-    chunk_ids = first.gen.chunk_ids
-    return {"rag": False} if chunk_ids is None else {"chunk_ids": chunk_ids}
-
-
-def _refusal(exc: BaseException, metrics: Metrics, endpoint: str, question_field: str, retry_after_s: int):
-    """A submission's refusal as the ApiError the client gets (any other exception as it is)."""
+def _refusal(exc: BaseException, question_field: str = "", retry_after_s: int = 1):
+    """A refusal as the ApiError the client gets (any other exception as it is)."""
     if isinstance(exc, BadField):
         return ApiError(400, str(exc), param=exc.param)
     if isinstance(exc, QueueFull):
-        metrics.requests.labels(endpoint, "rejected").inc()
         return ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, PromptTooLong):
         return ApiError(400, str(exc), param=question_field, code="context_length_exceeded")
@@ -287,12 +279,3 @@ async def _unless_gone(text: Awaitable, request: Request):
             task.cancel()
             raise ApiError(499, "the client closed the request")
     return task.result()
-
-
-def _key_check(api_key: str):
-    """A dependency that wants `Authorization: Bearer <key>`, one of api_key's comma-separated keys."""
-
-    async def check(authorization: str | None = Header(None)) -> None:
-        check_key(api_key, authorization)
-
-    return check

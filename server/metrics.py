@@ -72,25 +72,23 @@ class _EngineState:
                                 value=s.prefix_blocks)
         yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
                                   "rows are referenced, not copied)", value=s.rows_copied)
-        writes = CounterMetricFamily("kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, chunks "
-                                     "computed on the fly): given, and done (in the order given)", labels=["state"])
-        writes.add_metric(["given"], s.writes_given)
-        writes.add_metric(["done"], s.writes_done)
-        yield writes
-        kept = CounterMetricFamily("kvrag_kept_passages", "Passages of clients' prompts kept in the store at their "
-                                   "second sighting, and kept ones evicted to make room", labels=["event"])
-        kept.add_metric(["admitted"], s.kept_admitted)
-        kept.add_metric(["evicted"], s.kept_evicted)
-        yield kept
-        hits = GaugeMetricFamily("kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: prefix "
-                                 "(reused exactly on a seen chunk sequence), memory (read from a tier)",
-                                 labels=["kind"])
-        hits.add_metric(["prefix"], s.prefix_hit_rate)
-        hits.add_metric(["memory"], s.memory_hit_rate)
-        yield hits
-        speculative = CounterMetricFamily("kvrag_speculative_prefills", "Prefills started on an early stage of a "
-                                          "staged vector search (kvrag serve --speculate), and how they ended",
-                                          labels=["outcome"])
-        for outcome in ("started", "kept", "dropped"):
-            speculative.add_metric([outcome], s.speculative.get(outcome, 0))
-        yield speculative
+        yield _family(CounterMetricFamily, "kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, "
+                      "chunks computed on the fly): given, and done (in the order given)", "state",
+                      {"given": s.writes_given, "done": s.writes_done})
+        yield _family(CounterMetricFamily, "kvrag_kept_passages", "Passages of clients' prompts kept in the store at "
+                      "their second sighting, and kept ones evicted to make room", "event",
+                      {"admitted": s.kept_admitted, "evicted": s.kept_evicted})
+        yield _family(GaugeMetricFamily, "kvrag_tier_hit_rate", "Memory tiers' hit rates over the chunks asked for: "
+                      "prefix (reused exactly on a seen chunk sequence), memory (read from a tier)", "kind",
+                      {"prefix": s.prefix_hit_rate, "memory": s.memory_hit_rate})
+        yield _family(CounterMetricFamily, "kvrag_speculative_prefills", "Prefills started on an early stage of a "
+                      "staged vector search (kvrag serve --speculate), and how they ended", "outcome",
+                      {outcome: s.speculative.get(outcome, 0) for outcome in ("started", "kept", "dropped")})
+
+
+def _family(kind, name: str, documentation: str, label: str, values: dict[str, float]):
+    """A metric family of one label, a sample per value."""
+    family = kind(name, documentation, labels=[label])
+    for value, sample in values.items():
+        family.add_metric([value], sample)
+    return family

@@ -4,18 +4,8 @@ Known fields are checked strictly (a string where a number belongs is a 400, not
 does not know are ignored, as clients send many (`user`, `metadata`, ...), but none that changes the answer is:
 `logit_bias`, `frequency_penalty` and `presence_penalty` are served as OpenAI defines them; image, audio or file
 content parts (a text-only model), completions' `echo`, `suffix` and `best_of` > n, and chat's deprecated
-`functions` / `function_call` are each a 400 naming the field. kvrag's extra fields, which the `openai` client sends
-with `extra_body={...}`:
-
-    k, relative_cutoff      retrieval: the k best chunks, dropping those under relative_cutoff x the best score
-                            (k 0: no retrieval, plain chat)
-    min_score               retrieval: chunks under this cosine similarity are not about the question (default
-                            MIN_SCORE, docs/retrieval-cutoff.md); none left: plain chat
-    rag                     false: plain chat, no passages or RAG instruction (default true: retrieval decides)
-    chunk_ids               chunks of the store to answer from, instead of retrieval
-    passages                your own passages, [{"title": ..., "text": ...}] or plain strings, instead of both
-    mode                    blend (default), full, prefix or reuse
-    ratio                   the share of chunk tokens a blend recomputes, 0..1, or "auto" (default)
+`functions` / `function_call` are each a 400 naming the field. kvrag's extra fields (`_Generate`'s last ones, each
+with its meaning) are sent by the `openai` client with `extra_body={...}`.
 
 `POST /v1/embeddings` takes OpenAI's body (EmbeddingRequest): texts, embedded by the store's own embedder.
 Chat's `logprobs` / `top_logprobs` are served with whole answers; the legacy completions `logprobs` is a 400 naming
@@ -121,15 +111,16 @@ class _Generate(_Body):
     logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}, added to the logits
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    # kvrag's extra fields
+    # kvrag's extra fields. Retrieval: the k best chunks (0: none, plain chat), less those under relative_cutoff x the
+    # best score and under min_score, a cosine similarity that is not about the question (docs/retrieval-cutoff.md)
     k: int = Field(5, ge=0, le=1000)
-    rag: bool = True
     relative_cutoff: float = Field(0.5, ge=0, le=1)
     min_score: float = Field(MIN_SCORE, ge=0, le=1)
-    chunk_ids: list[str] | None = None
-    passages: list[Passage | str] | None = None
+    rag: bool = True  # false: plain chat, no passages or RAG instruction (true: retrieval decides)
+    chunk_ids: list[str] | None = None  # chunks of the store to answer from, instead of retrieval
+    passages: list[Passage | str] | None = None  # the client's own, {"title", "text"} or plain strings, instead of both
     mode: Literal["blend", "full", "prefix", "reuse"] = "blend"
-    ratio: float | Literal["auto"] = "auto"
+    ratio: float | Literal["auto"] = "auto"  # the share of chunk tokens a blend recomputes, 0..1, or "auto"
     kv_tokens: int = Field(0, ge=0)  # a decode-time KV budget (Keyformer), in tokens; 0: none
     kv_rule: Literal["keyformer", "h2o", "window"] = KV_RULE
     # vLLM's field: what this request's prompts leave cached (prefix blocks, kept passages) is seen by requests with
@@ -141,23 +132,21 @@ class _Generate(_Body):
         return tuple(s for s in stop if s)
 
     def options(self, default_max_tokens: int, grammars=None) -> dict:
-        """Keyword arguments for KVRag.submit (the question aside); `grammars` serves a chat's constrained answer. Unset sampling fields take kvrag's defaults:
-        greedy (temperature 0), which answers the same every time, unlike OpenAI's default of 1."""
+        """Keyword arguments for KVRag.submit (the question aside); `grammars` serves a chat's constrained answer.
+        Unset sampling fields take kvrag's defaults: greedy (temperature 0), which answers the same every time, unlike
+        OpenAI's default of 1."""
         self.refuse_unserved()
         try:
             ratio = RatioPolicy.parse(self.ratio, "ratio")
         except KvragError as exc:
             raise BadField("ratio", str(exc)) from None
-        passages = None
-        if self.passages is not None:
-            passages = [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
-        return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff,
-                "min_score": self.min_score, "chunk_ids": self.chunk_ids,
-                "passages": passages, "mode": self.mode, "ratio": ratio,
+        passages = None if self.passages is None else \
+            [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
+        return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff, "min_score": self.min_score,
+                "chunk_ids": self.chunk_ids, "passages": passages, "mode": self.mode, "ratio": ratio,
                 "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
-                "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens,
-                "kv_rule": self.kv_rule, "logprobs": self.top_alternatives(), "logit_bias": self.bias(),
-                "salt": self.cache_salt or "",
+                "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens, "kv_rule": self.kv_rule,
+                "logprobs": self.top_alternatives(), "logit_bias": self.bias(), "salt": self.cache_salt or "",
                 "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0}
 
     def top_alternatives(self) -> int | None:

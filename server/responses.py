@@ -18,41 +18,45 @@ from kvrag.server.choice import Choice
 
 
 class Ids:
-    """One response's id and creation time, the same on every chunk of a stream."""
+    """One response's id, creation time and endpoint (chat or completions), the same on every chunk of a stream."""
 
-    def __init__(self, prefix: str, model: str):
-        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
+    def __init__(self, endpoint: str, model: str):
+        self.chat, self.created, self.model = endpoint == "chat", int(time.time()), model
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-    def head(self, kind: str) -> dict:
+    def head(self, chunk: bool = False) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def chat_completion(ids: Ids, runs: list[Choice], texts: list[str], tools: bool = False) -> dict:
-    """`texts` as generated (unstripped); with `tools`, an answer that is a call comes back as tool_calls."""
+def whole_response(ids: Ids, runs: list[Choice], texts: list[str], tools: bool = False) -> dict:
+    """Either endpoint's whole answer, `texts` as generated (unstripped); with `tools`, a chat answer that is a call
+    comes back as tool_calls."""
     choices = []
     for i, (run, text) in enumerate(zip(runs, texts, strict=True)):
-        message, reason = assistant_message(text, run.finish_reason, tools)
-        choices.append({"index": i, "message": message, "logprobs": run.logprobs(text.strip()),
-                        "finish_reason": reason})
-    return {**ids.head("chat.completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].gen.sources,
+        if ids.chat:
+            message, reason = assistant_message(text, run.finish_reason, tools)
+            choices.append({"index": i, "message": message, "logprobs": run.logprobs(text.strip()),
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": text.strip(), "finish_reason": run.finish_reason, "logprobs": None})
+    return {**ids.head(), "choices": choices, "usage": usage(runs), "sources": runs[0].gen.sources,
             "timings": runs[0].timings()}
 
 
-def chat_chunk(ids: Ids, delta: dict, finish_reason: str | None = None, index: int = 0, **extra) -> dict:
-    return {**ids.head("chat.completion.chunk"),
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
-
-
-def completion(ids: Ids, runs: list[Choice], texts: list[str]) -> dict:
-    choices = [{"index": i, "text": text.strip(), "finish_reason": run.finish_reason, "logprobs": None}
-               for i, (run, text) in enumerate(zip(runs, texts, strict=True))]
-    return {**ids.head("text_completion"), "choices": choices, "usage": usage(runs), "sources": runs[0].gen.sources,
-            "timings": runs[0].timings()}
-
-
-def completion_chunk(ids: Ids, text: str, finish_reason: str | None = None, index: int = 0, **extra) -> dict:
-    return {**ids.head("text_completion"),
-            "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}], **extra}
+def stream_chunk(ids: Ids, piece: str, *, first: bool = False, finish_reason: str | None = None, index: int = 0,
+                 delta: dict | None = None, **extra) -> dict:
+    """A stream's chunk of either endpoint: the first says the role (chat), the last has no text but the reason; a
+    chat chunk may be given its whole `delta` instead."""
+    if not ids.chat:
+        choice = {"text": piece}
+    elif delta is not None:
+        choice = {"delta": delta}
+    else:
+        choice = {"delta": {} if finish_reason else {"role": "assistant", "content": piece} if first else
+                  {"content": piece}}
+    return {**ids.head(chunk=True), "choices": [{"index": index, **choice, "finish_reason": finish_reason,
+                                                  "logprobs": None}], **extra}
 
 
 def usage(runs: list[Choice]) -> dict:
@@ -63,9 +67,9 @@ def usage(runs: list[Choice]) -> dict:
             "total_tokens": first["prompt_tokens"] + completion_tokens}
 
 
-def usage_chunk(ids: Ids, kind: str, runs: list[Choice]) -> dict:
+def usage_chunk(ids: Ids, runs: list[Choice]) -> dict:
     """stream_options.include_usage's last chunk: no choices, the usage."""
-    return {**ids.head(kind), "choices": [], "usage": usage(runs)}
+    return {**ids.head(chunk=True), "choices": [], "usage": usage(runs)}
 
 
 # a call as model/constrain.tool_call's grammar writes it, up to its arguments: {"name": "<name>", "arguments": {...}}
@@ -95,15 +99,6 @@ def assistant_message(text: str, finish_reason: str, tools: bool) -> tuple[dict,
 def sse(payload: dict | str) -> str:
     """One server-sent event: `data: <json>` (or the closing `data: [DONE]`)."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-def stream_chunk(endpoint: str, ids: Ids, piece: str, *, first: bool = False, finish_reason: str | None = None,
-                 index: int = 0, **extra) -> dict:
-    """A stream's chunk of either endpoint: the first says the role (chat), the last has no text but the reason."""
-    if endpoint == "completions":
-        return completion_chunk(ids, piece, finish_reason, index, **extra)
-    delta = {} if finish_reason else {"role": "assistant", "content": piece} if first else {"content": piece}
-    return chat_chunk(ids, delta, finish_reason, index, **extra)
 
 
 def embedding_response(vectors: np.ndarray, model: str, tokens: int, encoding: str) -> dict:

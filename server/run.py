@@ -41,10 +41,6 @@ def bind(host: str, port: int) -> socket.socket:
 def listen(sock: socket.socket) -> str:
     """Start accepting connections (they queue until uvicorn serves them); returns the URL."""
     sock.listen(BACKLOG)
-    return url_of(sock)
-
-
-def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -94,7 +90,6 @@ class BackgroundServer:
         self.sock = bind(host, port)
         self.url = listen(self.sock)
         self.server = uvicorn_server(rag, settings, grace_s, log_level)
-        self.app = self.server.config.app
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="kvrag-server", daemon=True)
 

@@ -27,6 +27,9 @@ else from its default; nothing below this module reads the environment (home.py 
                                             0: skip the check, for tests and benchmarks that blend on purpose)
     cuda_graphs      KVRAG_CUDA_GRAPHS      False: on a GPU, replay the decode step from CUDA graphs (engine/decode_graphs.py;
                                             off until the GPU check has measured it: docs/gpu.md)
+    weights          KVRAG_WEIGHTS          auto: the layers' matrices dense, int8 or int4 (model/quant.py)
+    lead_in          KVRAG_LEAD_IN          None: 2,048 tokens of corpus text before each stored chunk of a model whose
+                                            layers slide, none for the others (precompute/lead_in.py; 0: none)
 
 The AWS_* variables (credentials, endpoint, region) are kept as they are for a store on object storage. The rest
 (kv_budget, max_running, max_waiting, codec, keep, ...) are options alone, with the defaults below.
@@ -74,6 +77,7 @@ class KVRagConfig:
     retrieval: str = "auto"  # where retrieval happens: RETRIEVAL, below
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     cuda_graphs: bool = False  # the decode step replayed from CUDA graphs (Triton path on a GPU only)
+    lead_in: int | None = None  # tokens of corpus text a stored chunk follows (None: the model's own, lead_in.py)
     # options alone
     codec: str = "fp16"
     kv_budget: str = "1GiB"  # memory for the KV of the sequences being answered
@@ -106,6 +110,8 @@ class KVRagConfig:
         config = cls(**values)
         if config.retrieval not in RETRIEVAL:
             raise KvragError(f"retrieval must be one of {', '.join(RETRIEVAL)}, got {config.retrieval!r}")
+        if config.lead_in is not None and config.lead_in < 0:
+            raise KvragError(f"the lead-in must be >= 0 tokens, got {config.lead_in}")
         if config.reorder_window < 0:
             raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
         return config
@@ -113,7 +119,7 @@ class KVRagConfig:
 
 ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
     "model dtype device kernels threads native weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
-    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check retrieval cuda_graphs").split()}
+    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check retrieval cuda_graphs lead_in").split()}
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages
 RETRIEVAL = ("auto", "server", "client")
@@ -123,7 +129,7 @@ def _parse(variable: str, text: str, default):
     """A variable's text as its setting's type (the default's; None defaults are text, or an int for threads)."""
     if isinstance(default, bool):
         return text.strip().lower() not in ("0", "false", "no", "off", "")
-    if isinstance(default, int) or variable in ("KVRAG_THREADS", "KVRAG_MAX_MAP_SIZE"):
+    if isinstance(default, int) or variable in ("KVRAG_THREADS", "KVRAG_MAX_MAP_SIZE", "KVRAG_LEAD_IN"):
         try:
             return int(text)
         except ValueError:

@@ -70,9 +70,10 @@ def bench_fidelity(
     """
     from kvrag.bench.fidelity import FidelitySpec, markdown, pareto_plot, run_sweep
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
-    from kvrag.bench.rag.items import build_items, read_dataset
+    from kvrag.bench.rag.items import build_items, read_dataset, split_passages
     from kvrag.cli.common import load_runtime
     from kvrag.engine.prefiller import Prefiller
+    from kvrag.precompute import lead_in
     from kvrag.store.env import StoreEnv
 
     if split not in ("tune", "report"):
@@ -90,7 +91,9 @@ def bench_fidelity(
 
     with StoreEnv.open(store.expanduser(), create=True) as env:
         runtime = load_runtime(model, dtype, device)
-        engine = Prefiller.open(runtime, env)
+        # a sliding-window model's chunks follow a lead-in drawn from the split's passages, as from a corpus
+        lead = lead_in.choose(split_passages(raw, indices, runtime), lead_in.tokens_for(runtime))
+        engine = Prefiller.open(runtime, env, lead_in=lead)
         report = run_sweep(engine, build_items(raw, indices, runtime), spec, records, on_item)
         if ruler and ruler_per_cell:
             from kvrag.bench.fidelity_ruler import run_ruler

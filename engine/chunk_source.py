@@ -28,10 +28,13 @@ from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
 from kvrag.precompute import keyformer
 from kvrag.precompute.keyformer import KeepConfig
-from kvrag.precompute.plain import chunk_kv, layers_to_numpy
+from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, tokens_for
+from kvrag.precompute.lead_in import find as find_lead_in
+from kvrag.precompute.plain import chunk_kv, keep_lead_in, layers_to_numpy
+from kvrag.store.chunks import ChunkTable
 from kvrag.store.codec import CorruptValue, stored_positions
 from kvrag.store.env import StoreEnv
-from kvrag.store.manifest import check_or_record
+from kvrag.store.manifest import check_or_record, preamble_hash
 from kvrag.store.open import RemoteOptions, store_table
 from kvrag.store.table import MissingChunk
 from kvrag.store.tiers.cost_profile import CostProfile
@@ -43,10 +46,12 @@ from kvrag.store.tiers.reorder import order_priority
 class ChunkSource:
     """Chunk KV for one model: `env` the store (None: every chunk is computed), `codec` its values, `cache` the
     memory tiers (None: none), `compress` how write-backs are stored, `keep` reduced (Keyformer) chunks instead of
-    full ones, `preamble` the preamble's KV (what a chunk computed now follows)."""
+    full ones, `preamble` the preamble's KV (what a chunk computed now follows, with the store's lead-in for a
+    sliding-window model; `lead_in` sets it instead of the store's, or for a source without a store)."""
 
     def __init__(self, runtime: Runtime, env: StoreEnv | None, preamble: LayerKV, codec: str = "fp16", cache=None,
-                 compress: bool = True, keep: KeepConfig | None = None, remote: RemoteOptions | None = None):
+                 compress: bool = True, keep: KeepConfig | None = None, remote: RemoteOptions | None = None,
+                 lead_in: LeadIn | None = None):
         self.runtime, self.model, self.preamble = runtime, runtime.model, preamble
         # reduced chunks (Keyformer, `precompute --keep`): blend, reuse and prefix read that variant of the store
         self.keep = keep if keep is not None and keep.reduced else None
@@ -57,17 +62,33 @@ class ChunkSource:
         self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
         self.env = env
         self.table = None
+        self.lead_in = None if self.keep is not None else lead_in  # reduced chunks follow the preamble alone
+        keeper = None  # stores the lead-in's KV once computed
         if env is not None:
-            check_or_record(env, runtime.fingerprint, runtime.prompts.template.preamble, codec,
-                            tokenizer_fp=runtime.local.tokenizer_fingerprint)
-            self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant if self.keep else "",
-                                     remote=remote)
+            keeper = self._open_table(env, codec, compress, remote)
+        # what a chunk computed here follows (precompute/lead_in.py)
+        self.prefix = ChunkPrefix(self.model, runtime.ids_tensor, preamble, self.lead_in, keeper)
         # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None); the
         # engine's thread computes them, its write-back worker (engine/write_back.py) stores them
         self._write_back: dict[str, tuple[Sequence[int], LayerKV, np.ndarray | None]] = {}
         self._repair: set[str] = set()  # chunks whose stored values were damaged
         self._evicted: set[str] = set()  # kept passages evicted: a computed copy is not stored again
         self._lock = threading.Lock()  # the three above
+
+    def _open_table(self, env: StoreEnv, codec: str, compress: bool, remote: RemoteOptions | None):
+        """The store's table of this model's chunks: the reduced variant, the lead-in's (found in the store or chosen
+        from its corpus, unless given), or the full chunks'. Returns what stores a lead-in's KV, or None."""
+        runtime, preamble_text = self.runtime, self.runtime.prompts.template.preamble
+        check_or_record(env, runtime.fingerprint, preamble_text, codec, tokenizer_fp=runtime.local.tokenizer_fingerprint)
+        full = store_table(env, runtime.fingerprint, codec, compress, remote=remote)
+        if self.keep is not None:
+            self.table = store_table(env, runtime.fingerprint, codec, compress, self.keep.variant, remote=remote)
+            return None
+        if self.lead_in is None:
+            self.lead_in = find_lead_in(full, preamble_hash(preamble_text), tokens_for(runtime), ChunkTable(env))
+        self.table = full if self.lead_in is None else \
+            store_table(env, runtime.fingerprint, codec, compress, self.lead_in.variant, remote=remote)
+        return keep_lead_in(full, preamble_text)
 
     def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
                    in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:
@@ -138,7 +159,7 @@ class ChunkSource:
         if done is not None:
             return done[1:]
         if self.keep is None:
-            kv, kept = chunk_kv(self.runtime, self.preamble, ids), None
+            kv, kept = chunk_kv(self.runtime, self.prefix.prefix_for(ids), ids), None
         else:
             full, kept = keyformer.reduce_chunk(self.model, self.preamble, self.runtime.ids_tensor(list(ids)),
                                                 self.keep, chunk_id)

@@ -28,6 +28,7 @@ from kvrag.model.prefill import ChunkedPrefill, LayerKV, extend
 from kvrag.model.runtime import Runtime
 from kvrag.model.sampling import stop_ids
 from kvrag.precompute.keyformer import KeepConfig
+from kvrag.precompute.lead_in import LeadIn
 from kvrag.store.env import StoreEnv
 from kvrag.store.open import RemoteOptions
 from kvrag.store.tiers.knowledge_tree import STORE
@@ -117,10 +118,11 @@ class Prefiller:
 
     @classmethod
     def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", cache=None, compress: bool = True,
-             keep: KeepConfig | None = None, remote: RemoteOptions | None = None) -> Prefiller:
+             keep: KeepConfig | None = None, remote: RemoteOptions | None = None,
+             lead_in: LeadIn | None = None) -> Prefiller:
         """A prefiller over the store `env` (None: none), through a chunk source of these settings."""
         preamble = preamble_kv(runtime)
-        source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote)
+        source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote, lead_in)
         return cls(runtime, source, preamble)
 
     def flush_write_back(self) -> int:
@@ -257,8 +259,10 @@ class Prefiller:
         follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
         after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
         (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
-        (at 1 every chunk token is recomputed, as a full prefill)."""
-        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1:
+        (at 1 every chunk token is recomputed, as a full prefill). A sliding-window model's chunks follow a lead-in
+        (precompute/lead_in.py): none is exact."""
+        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1 \
+                or self.source.lead_in is not None:
             return 0
         table = self.source.table
         return refs[0].n_rows if table is None or table.codec in ("fp16", "bf16") else 0

@@ -21,6 +21,7 @@ class Runtime:
     model: Transformer
     tokenizer: object
     prompts: PromptBuilder
+    lead_in: int | None = None  # tokens of corpus text a stored chunk follows (None: the model's own rule)
 
     @property
     def fingerprint(self) -> str:
@@ -29,13 +30,15 @@ class Runtime:
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
              tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
-             keep_freed: bool = True, native: bool = True, weights: str = "dense") -> Runtime:
+             keep_freed: bool = True, native: bool = True, weights: str = "dense", lead_in: int | None = None
+             ) -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
         default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
         threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
         (device.set_cpu_threads), as the CLI does. kernels: auto or torch (device.resolve_triton). native: kvrag's
         C++ CPU kernels where they serve (False: torch's ops). weights: the layers' matrices dense, int8 or int4, or
-        auto (model/quant.py's resolve_weights; the configuration's default, read at the edge)."""
+        auto (model/quant.py's resolve_weights; the configuration's default, read at the edge). lead_in: what stored
+        chunks follow (precompute/lead_in.py; None: the model's rule)."""
         if tune_process:
             set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)
@@ -46,14 +49,14 @@ class Runtime:
         net = load_weights(local, resolve_dtype(dtype, dev), dev, resolve_weights(weights, dev))
         net.triton = resolve_triton(kernels, dev)
         net.native = native
-        return cls(local, net, tokenizer, prompts)
+        return cls(local, net, tokenizer, prompts, lead_in)
 
     @classmethod
     def from_config(cls, config: KVRagConfig) -> Runtime:
         """The model of a resolved configuration (config.py)."""
         return cls.load(config.model, config.dtype, config.device, config.tune_process, config.kernels,
                         threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native,
-                        weights=config.weights)
+                        weights=config.weights, lead_in=config.lead_in)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)

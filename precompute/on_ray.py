@@ -35,9 +35,11 @@ import torch
 from kvrag.errors import KvragError
 from kvrag.model.device import keep_freed_memory
 from kvrag.model.files import resolve_model
+from kvrag.model.prefill import LayerKV
 from kvrag.model.prompt import PromptBuilder
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.keyformer import KeepConfig
+from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, lead_in_length
 from kvrag.precompute.plain import (
     PrecomputeInterrupted,
     PrecomputeSummary,
@@ -48,7 +50,7 @@ from kvrag.precompute.plain import (
     plan_run,
 )
 from kvrag.store.env import StoreEnv
-from kvrag.store.keys import preamble_chunk_id
+from kvrag.store.keys import lead_in_chunk_id, preamble_chunk_id
 from kvrag.store.kv import LocalKVTable
 from kvrag.store.manifest import preamble_hash
 from kvrag.store.open import RemoteOptions, open_table, remote_url
@@ -103,7 +105,8 @@ class PrefillWorker:
     """
 
     def __init__(self, model_path: str, dtype: str | None, keep: KeepConfig, dest: Destination,
-                 on_batch: Callable[[list[str]], None] | None = None):
+                 on_batch: Callable[[list[str]], None] | None = None, lead: LeadIn | None = None,
+                 variant: str | None = None):
         import ray
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
@@ -111,12 +114,16 @@ class PrefillWorker:
         keep_freed_memory()
         self.runtime = Runtime.load(model_path, dtype, "cpu")
         self.keep, self.dest, self.on_batch = keep, dest, on_batch
+        self.variant = keep.variant if variant is None else variant  # the table the chunks go to (RunPlan's)
         self._tables: dict[str, KVTable] = {}  # variant -> its table, opened at first use
         self._env: StoreEnv | None = None
         on_driver_node = dest.store_path is not None and ray.get_runtime_context().get_node_id() == dest.node_id
         self.writes = dest.url is not None or on_driver_node  # else the driver commits what this returns
         with torch.inference_mode():
             self.preamble = chunk_kv(self.runtime, None, self.runtime.prompts.preamble_ids)
+        self.lead_kv: LayerKV | None = None  # the lead-in's own KV, once computed (for store_lead_in)
+        self.prefix = ChunkPrefix(self.runtime.model, self.runtime.ids_tensor, self.preamble, lead,
+                                  lambda _, kv: setattr(self, "lead_kv", kv))
 
     def store_preamble(self, chunk_id: str) -> Prefilled:
         """The preamble as a chunk of the full variant (put where it is missing, as precompute() does)."""
@@ -125,19 +132,26 @@ class PrefillWorker:
             return Prefilled(chunk_id, len(ids), len(ids), 0.0, 0.0)
         return self._store(chunk_id, ids, layers_to_numpy(self.preamble, self.dest.codec), None, "", 0.0)
 
+    def store_lead_in(self, chunk_id: str) -> Prefilled:
+        """The lead-in as a chunk of the full variant, beside the preamble (precompute/lead_in.py)."""
+        with torch.inference_mode():
+            self.prefix.prefix_for(())  # computes it, handing its own KV to lead_kv
+        ids = self.prefix.lead_in.ids
+        return self._store(chunk_id, ids, layers_to_numpy(self.lead_kv, self.dest.codec), None, "", 0.0)
+
     def prefill(self, batch: list[tuple[str, tuple[int, ...]]]) -> list[Prefilled]:
         if self.on_batch:
             self.on_batch([chunk_id for chunk_id, _ in batch])
         out = []
         with torch.inference_mode():
             for chunk_id, token_ids in batch:
-                if self._present(chunk_id, self.keep.variant):  # a retried batch: PUT before this worker died
+                if self._present(chunk_id, self.variant):  # a retried batch: PUT before this worker died
                     out.append(Prefilled(chunk_id, len(token_ids), 0, 0.0, 0.0))
                     continue
                 t0 = time.perf_counter()
-                layers, kept = chunk_layers(self.runtime, self.preamble, chunk_id, token_ids, self.keep,
+                layers, kept = chunk_layers(self.runtime, self.prefix.prefix_for(token_ids), chunk_id, token_ids, self.keep,
                                             self.dest.codec)
-                out.append(self._store(chunk_id, token_ids, layers, kept, self.keep.variant,
+                out.append(self._store(chunk_id, token_ids, layers, kept, self.variant,
                                        time.perf_counter() - t0))
         return out
 
@@ -188,20 +202,26 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     local = resolve_model(model)  # once here: a first-use conversion is not raced by the workers
     prompts = PromptBuilder(local.load_tokenizer())
     keep = keep or KeepConfig()
-    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote)
+    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote,
+                   lead_in_length(local.config))
     url = remote_url(store.path)
     dest = Destination(codec, compress, local.fingerprint, url, dict((remote or RemoteOptions()).aws) if url else {})
     preamble_id = preamble_chunk_id(preamble_hash(prompts.template.preamble))
+    lead_id = lead_in_chunk_id(preamble_hash(prompts.template.preamble))
     need_preamble = not run.full.has(preamble_id)
-    if run.todo or need_preamble:
+    need_lead_in = run.lead is not None and not run.full.has(lead_id)
+    if run.todo or need_preamble or need_lead_in:
         with _connected(ray, address, workers):
             if url is None:  # workers on this node commit to the store themselves
                 dest = replace(dest, store_path=str(store.path), node_id=ray.get_runtime_context().get_node_id())
             actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
-            actors = [actor.remote(str(local.path), dtype, keep, dest, on_batch) for _ in range(workers)]
+            actors = [actor.remote(str(local.path), dtype, keep, dest, on_batch, run.lead, run.table.variant)
+                      for _ in range(workers)]
             try:
                 busy_from = time.perf_counter()
-                waited_s = _store_preamble(ray, actors[0], run.full, preamble_id) if need_preamble else 0.0
+                waited_s = _store_reserved(ray, actors[0].store_preamble, run.full, preamble_id) if need_preamble else 0.0
+                if need_lead_in:
+                    waited_s += _store_reserved(ray, actors[0].store_lead_in, run.full, lead_id)
                 if on_start:
                     on_start(len(run.todo))
                 waited_s += _run_batches(ray, actors, run, batch, on_progress)
@@ -234,10 +254,10 @@ def _connected(ray, address: str | None, workers: int) -> Iterator[None]:
         ray.shutdown()
 
 
-def _store_preamble(ray, actor, full: KVTable, chunk_id: str) -> float:
-    """Have the first actor store the preamble (the driver commits it for a local store); returns the seconds
-    spent waiting for it (the actor loading the model)."""
-    ref = actor.store_preamble.remote(chunk_id)
+def _store_reserved(ray, method, full: KVTable, chunk_id: str) -> float:
+    """Have the first actor store the preamble or the lead-in (`method`, the driver committing it for a local store);
+    returns the seconds spent waiting for it (the actor loading the model)."""
+    ref = method.remote(chunk_id)
     t0 = time.perf_counter()
     ray.wait([ref])
     waited_s = time.perf_counter() - t0

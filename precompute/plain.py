@@ -1,7 +1,8 @@
 """Precompute: every indexed chunk's KV, prefilled right after the preamble, kept in the store.
 
 A chunk is computed at positions P..P+n-1 (P = preamble length) attending to the preamble, exactly
-as it will stand first in a real prompt; only its own tokens' K (before rotary) and V are kept.
+as it will stand first in a real prompt; only its own tokens' K (before rotary) and V are kept. A model whose
+layers slide computes its chunks after the preamble and a lead-in of corpus text (precompute/lead_in.py).
 Work is claimed a few chunks at a time, so several processes (or `--shard i/N`) share a store, and
 each chunk is written whole in one transaction, so an interrupted run resumes where it stopped
 (Ctrl-C raises PrecomputeInterrupted, which counts the chunks the run stored).
@@ -25,11 +26,11 @@ import torch
 from kvrag.errors import KvragError
 from kvrag.model.prefill import LayerKV, extend
 from kvrag.model.runtime import Runtime
-from kvrag.precompute import keyformer
+from kvrag.precompute import keyformer, lead_in
 from kvrag.precompute.keyformer import KeepConfig
 from kvrag.store.chunks import ChunkTable
 from kvrag.store.env import StoreEnv
-from kvrag.store.keys import preamble_chunk_id
+from kvrag.store.keys import lead_in_chunk_id, preamble_chunk_id
 from kvrag.store.manifest import check_or_record, preamble_hash
 from kvrag.store.open import RemoteOptions, store_table
 from kvrag.store.table import KVTable, Shard
@@ -103,9 +104,17 @@ def preamble_kv(runtime: Runtime, kv_table: KVTable) -> LayerKV:
 
 
 def chunk_kv(runtime: Runtime, preamble: LayerKV | None, token_ids: list[int] | tuple[int, ...]) -> LayerKV:
-    """One chunk's KV as it stands right after the preamble (None: the preamble's own)."""
+    """One chunk's KV as it stands right after `preamble` (the preamble, or it and a lead-in; None: the preamble's
+    own)."""
     _, kv = extend(runtime.model, preamble, runtime.ids_tensor(list(token_ids)))
     return kv
+
+
+def keep_lead_in(table: KVTable, preamble_text: str) -> Callable[[lead_in.LeadIn, LayerKV], None]:
+    """Stores a lead-in's KV, once computed, under its reserved id in the full chunks' `table`."""
+    def keep(lead: lead_in.LeadIn, kv: LayerKV) -> None:
+        table.put_chunk(lead_in_chunk_id(preamble_hash(preamble_text)), lead.ids, layers_to_numpy(kv, table.codec))
+    return keep
 
 
 @dataclass
@@ -118,25 +127,29 @@ class RunPlan:
     table: KVTable
     todo: list[str]
     summary: PrecomputeSummary
+    lead: lead_in.LeadIn | None = None  # what the chunks follow after the preamble, for a sliding-window model
 
 
 def plan_run(store: StoreEnv, local, preamble_text: str, codec: str, compress: bool, keep: KeepConfig,
-             shard: Shard | None, limit: int | None, remote: RemoteOptions | None = None) -> RunPlan:
+             shard: Shard | None, limit: int | None, remote: RemoteOptions | None = None,
+             lead_in_tokens: int = 0) -> RunPlan:
     """The indexed chunks without KV for this model, codec and `keep` variant (the store's manifest checked or
     recorded first); shared by precompute and precompute_ray. `local`: the model's LocalModel; `remote`: how a
-    mirror's object store is reached."""
+    mirror's object store is reached; `lead_in_tokens`: the model's lead-in (precompute/lead_in.py; reduced chunks
+    have none)."""
     chunks = ChunkTable(store)
     ids = sorted(chunks.ids())
     if not ids:
         raise KvragError(f"the store at {store.path} has no indexed chunks; run `kvrag index` first")
     check_or_record(store, local.fingerprint, preamble_text, codec, tokenizer_fp=local.tokenizer_fingerprint)
     full = store_table(store, local.fingerprint, codec, compress, remote=remote)  # a mirror's: the object store
-    table = store_table(store, local.fingerprint, codec, compress, keep.variant, remote) if keep.reduced else full
+    lead = None if keep.reduced else lead_in.find(full, preamble_hash(preamble_text), lead_in_tokens, chunks)
+    variant = keep.variant if keep.reduced else (lead.variant if lead is not None else "")
+    table = store_table(store, local.fingerprint, codec, compress, variant, remote) if variant else full
     todo = table.missing(ids, shard)
     already = len(ids) - len(todo) if shard is None else sum(1 for c in ids if shard.owns(c)) - len(todo)
-    summary = PrecomputeSummary(local.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0,
-                                variant=keep.variant)
-    return RunPlan(chunks, full, table, todo if limit is None else todo[:limit], summary)
+    summary = PrecomputeSummary(local.fingerprint, codec, len(ids), already, 0, 0, 0, 0.0, 0.0, 0.0, variant=variant)
+    return RunPlan(chunks, full, table, todo if limit is None else todo[:limit], summary, lead)
 
 
 def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: int | None = None,
@@ -153,14 +166,16 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     start = time.perf_counter()
     keep = keep or KeepConfig()
     run = plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit,
-                   remote)
+                   remote, lead_in.tokens_for(runtime))
     if on_start:
         on_start(len(run.todo))
     summary, writer = run.summary, ChunkWriter(run.table)
     try:
         with torch.inference_mode(), writer:
             preamble = preamble_kv(runtime, run.full)
-            _compute_all(runtime, run, writer, on_progress, preamble, keep)
+            prefix = lead_in.ChunkPrefix(runtime.model, runtime.ids_tensor, preamble, run.lead,
+                                         keep_lead_in(run.full, runtime.prompts.template.preamble))
+            _compute_all(runtime, run, writer, on_progress, prefix, keep)
     except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
         raise PrecomputeInterrupted(writer.stored) from exc
     summary.writer_busy_s = writer.busy_s
@@ -168,9 +183,9 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     return summary
 
 
-def _compute_all(runtime: Runtime, run: RunPlan, writer: ChunkWriter, on_progress, preamble: LayerKV,
+def _compute_all(runtime: Runtime, run: RunPlan, writer: ChunkWriter, on_progress, prefix: lead_in.ChunkPrefix,
                  keep: KeepConfig) -> None:
-    """Each chunk of `run.todo` this process claims, computed after the preamble and queued to the writer."""
+    """Each chunk of `run.todo` this process claims, computed after its prefix and queued to the writer."""
     chunks, table, todo, summary = run.chunks, run.table, run.todo, run.summary
     for i in range(0, len(todo), CLAIM_BATCH):
         batch = todo[i:i + CLAIM_BATCH]
@@ -179,7 +194,8 @@ def _compute_all(runtime: Runtime, run: RunPlan, writer: ChunkWriter, on_progres
         try:
             for record in chunks.get_many(mine):
                 t0 = time.perf_counter()
-                layers, kept = chunk_layers(runtime, preamble, record.chunk_id, record.token_ids, keep, table.codec)
+                layers, kept = chunk_layers(runtime, prefix.prefix_for(record.token_ids), record.chunk_id,
+                                            record.token_ids, keep, table.codec)
                 t1 = time.perf_counter()
                 summary.kept_tokens += round(np.mean([len(k) for k, _ in layers]))
                 done = writer.submit(record.chunk_id, record.token_ids, layers, kept)

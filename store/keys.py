@@ -10,7 +10,8 @@ tag b"C" = claim, b"L" + u16 big-endian layer = one layer's KV, b"R" = the chunk
 byte, so no id can be a prefix of another; all layers of a chunk sit together, in layer order, followed
 by its record; all chunks of one (model, codec, variant) form one contiguous range.
 
-A variant is a reduced (Keyformer) form of the chunks, e.g. "keyformer:keep=0.5:...". It is a codec-like
+A variant is a reduced (Keyformer) form of the chunks, e.g. "keyformer:keep=0.5:...", or the full chunks of a
+sliding-window model computed after a lead-in, "lead:<hash>" (precompute/lead_in.py). It is a codec-like
 qualifier: full chunks (variant "") keep the original key bytes, and a variant sets the codec byte's high bit
 (VARIANT_BIT) and follows it, so stores written before variants existed read unchanged, a reader of full chunks
 never meets a reduced one (another key range), and one store holds both side by side, as it holds two codecs.
@@ -25,6 +26,8 @@ from kvrag.errors import KvragError
 CODEC_IDS = {"fp16": 1, "bf16": 2, "int8": 3}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 PREAMBLE_PREFIX = "~preamble:"  # reserved chunk ids; `~` never occurs in the indexer's hex ids
+LEAD_IN_SUFFIX = ":lead-in"
+LEAD_IN_VARIANT = "lead:"  # + the lead-in's hash: full chunks computed after a lead-in (precompute/lead_in.py)
 
 TAG_CLAIM, TAG_LAYER, TAG_RECORD = b"C", b"L", b"R"
 MAX_LAYERS = 1 << 16
@@ -62,6 +65,17 @@ def model_prefix(model_fp: str, codec: str | None = None, variant: str = "") -> 
 def preamble_chunk_id(preamble_hash: str) -> str:
     """The reserved chunk id under which a preamble's KV is stored."""
     return PREAMBLE_PREFIX + preamble_hash[:64]
+
+
+def lead_in_chunk_id(preamble_hash: str) -> str:
+    """The reserved chunk id of the lead-in a sliding-window model's chunks are computed after
+    (precompute/lead_in.py): beside the preamble's, kept and skipped as it is."""
+    return preamble_chunk_id(preamble_hash) + LEAD_IN_SUFFIX
+
+
+def is_reduced(variant: str) -> bool:
+    """Whether a variant's chunks keep a subset of their tokens (and carry their positions)."""
+    return bool(variant) and not variant.startswith(LEAD_IN_VARIANT)
 
 
 def is_preamble_id(chunk_id: str) -> bool:

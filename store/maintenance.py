@@ -18,6 +18,8 @@ from kvrag.store.keys import (
     after_prefix,
     chunk_of,
     is_preamble_id,
+    is_reduced,
+    lead_in_chunk_id,
     model_prefix,
     parse_key,
     preamble_chunk_id,
@@ -185,7 +187,7 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
             gone = True
         elif is_preamble_id(key.chunk_id):
             m = manifests.get(key.model_fp)
-            gone = m is not None and key.chunk_id != preamble_chunk_id(m.preamble_hash)
+            gone = m is not None and key.chunk_id not in (preamble_chunk_id(m.preamble_hash), lead_in_chunk_id(m.preamble_hash))
         else:
             gone = key.chunk_id in drop_ids or (indexed_ids is not None and key.chunk_id not in indexed_ids)
         if gone:
@@ -249,7 +251,7 @@ def _positions_reason(chunk: ChunkKey, positions, n_tokens: int) -> str | None:
     """A reduced variant's values must carry valid positions (a loader places rows by them); a full chunk's
     rows are its tokens in order, so positions there are only checked when present."""
     if positions is None:
-        return "reduced chunk value without token positions" if chunk.variant else None
+        return "reduced chunk value without token positions" if is_reduced(chunk.variant) else None
     return positions_problem(positions, n_tokens)
 
 

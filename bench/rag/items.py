@@ -123,6 +123,14 @@ def build_items(raw: list[dict], indices: Sequence[int], runtime, max_words: int
     return out
 
 
+def split_passages(raw: list[dict], indices: Sequence[int], runtime) -> list[Sequence[int]]:
+    """The token ids of every distinct passage of the items `indices`, in chunk id order (a corpus's sample, as
+    precompute/lead_in.py draws one)."""
+    chunks = dict(chunk for i in indices for chunk in passage_chunks(runtime.prompts, runtime.local.tokenizer_fingerprint,
+                                                                      raw[i].get("ctxs") or []))
+    return [chunks[c] for c in sorted(chunks)]
+
+
 def corpus_chunks(raw: list[dict], runtime, max_words: int | None = None) -> list[Chunk]:
     """Every distinct passage of MuSiQue-format items as a chunk (the pool a cache workload draws from)."""
     seen: dict[str, list[int]] = {}

@@ -1,0 +1,117 @@
+"""A sliding-window model's chunks are stored after a lead-in of corpus text (precompute/lead_in.py): the rule by hand,
+and a real precompute and `ask` on a tiny Gemma 3 (windows of 64) against chunks computed here after the same text."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kvrag.model.files import resolve_model
+from kvrag.precompute.lead_in import LEAD_IN_TOKENS, LeadIn, choose, lead_in_length
+from kvrag.store.keys import is_reduced, lead_in_chunk_id
+from tests.conftest import run_kvrag
+
+LEAD = 96  # tokens: the tiny corpus is five short documents, so most chunks lie outside a lead-in this long
+
+
+def test_only_a_model_whose_layers_slide_has_a_lead_in(tiny_family, smol):
+    gemma = resolve_model(str(tiny_family("gemma3_text"))).config
+    assert gemma.sliding_window == 64 and lead_in_length(gemma) == LEAD_IN_TOKENS
+    assert lead_in_length(resolve_model(str(tiny_family("mistral_window"))).config) == LEAD_IN_TOKENS
+    assert lead_in_length(smol.config) == 0
+
+
+def test_the_lead_in_is_the_tail_of_the_first_passages_that_reach_it():
+    passages = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert choose(passages, 4) == LeadIn((2, 3, 4, 5))  # 1-5 reach 4 tokens: their last 4
+    assert choose(passages, 100) == LeadIn(tuple(range(1, 10)))  # a smaller corpus: all of it
+    assert choose([], 4) is None
+
+
+def test_a_chunk_whose_start_or_end_is_in_the_lead_in_is_held():
+    lead = LeadIn(tuple(range(100)))
+    assert lead.holds(list(range(50, 80)))
+    assert lead.holds([500] * 5 + list(range(30)))  # its start cut off: its end is there
+    assert not lead.holds(list(range(90, 120)))  # 90-105 and 104-119 both run past it
+    assert not lead.holds(list(range(10, 20)))  # shorter than the probe: never held
+    assert not lead.holds([1, 2] * 8)  # "1,2" sits in "1,2,3" but not as the run 1,2,1,2
+    assert lead.variant.startswith("lead:") and not is_reduced(lead.variant) and is_reduced("keyformer:keep=0.5")
+
+
+@pytest.fixture(scope="module")
+def gemma_store(tiny_family, indexed_store, tmp_path_factory):
+    model = tiny_family("gemma3_text")
+    store = tmp_path_factory.mktemp("lead-in") / "store"
+    shutil.copytree(indexed_store, store)
+    run_kvrag("precompute", "--store", str(store), "--model", str(model), "--dtype", "float32", "--codec", "bf16",
+              env={"KVRAG_LEAD_IN": str(LEAD)})
+    return model, store
+
+
+def _open(model, store, lead: int = LEAD):
+    from kvrag.engine.prefiller import Prefiller
+    from kvrag.model.runtime import Runtime
+    from kvrag.store.env import StoreEnv
+
+    runtime = Runtime.load(str(model), "float32", "cpu", lead_in=lead)
+    env = StoreEnv.open(store)
+    return runtime, env, Prefiller.open(runtime, env, "bf16")
+
+
+def test_precompute_stores_each_chunk_after_the_lead_in_as_a_question_computes_it(gemma_store):
+    from kvrag.model.prefill import extend
+    from kvrag.store.chunks import ChunkTable
+    from kvrag.store.manifest import preamble_hash
+    from kvrag.store.open import store_table
+
+    model, store = gemma_store
+    runtime, env, prefiller = _open(model, store)
+    with env:
+        source = prefiller.source
+        lead = source.lead_in
+        assert lead is not None and len(lead.ids) == LEAD and source.table.variant == lead.variant
+        full_table = store_table(env, runtime.fingerprint, "bf16")
+        record = full_table.record(lead_in_chunk_id(preamble_hash(runtime.prompts.template.preamble)))
+        assert record is not None and tuple(int(t) for t in record.token_ids) == lead.ids
+        records = ChunkTable(env).get_many(sorted(ChunkTable(env).ids()))
+        held = [r for r in records if lead.holds(r.token_ids)]
+        after = [r for r in records if not lead.holds(r.token_ids)]
+        assert held and len(after) >= 3 and source.table.missing([r.chunk_id for r in records]) == []
+        with torch.inference_mode():
+            alone = lambda ids: extend(runtime.model, prefiller.preamble, runtime.ids_tensor(list(ids)))[1]  # noqa: E731
+            for r in after[:3] + held[:1]:
+                stored = source.table.get_layer(r.chunk_id, 3, expect_token_ids=r.token_ids)  # a global layer
+                computed = source.compute_chunk("again-" + r.chunk_id, r.token_ids)[0]  # the on-the-fly rule
+                own = alone(r.token_ids)
+                for got, want, plain in ((stored.k, computed.k[3], own.k[3]), (stored.v, computed.v[3], own.v[3])):
+                    got = torch.as_tensor(np.asarray(got, dtype=np.float32))
+                    err = (got - want).norm() / want.norm()
+                    assert err < 1e-2, (r.chunk_id, err)  # bf16 storage against float32
+                    moved = (plain - want).norm() / want.norm()
+                    assert (moved > 0.05) if r in after else (moved < 1e-6), (r.chunk_id, moved)
+
+
+def test_a_blend_over_lead_in_chunks_reuses_no_first_chunk_exactly_and_ratio_one_is_full_prefill(gemma_store):
+    from kvrag import KVRag
+
+    model, store = gemma_store
+    options = {"k": 3, "relative_cutoff": 0, "min_score": 0, "max_tokens": 6}
+    with KVRag(store, model=str(model), dtype="float32", host_cache="0", codec="bf16", lead_in=LEAD) as rag:
+        full = rag.ask("Which lake is the deepest?", mode="full", **options)
+        whole = rag.ask("Which lake is the deepest?", ratio=1.0, **options)
+        assert whole.computed_chunks == [] and whole.token_ids == full.token_ids
+        blended = rag.ask("Which lake is the deepest?", **options)
+        assert blended.computed_chunks == [] and 0 < blended.recomputed_chunk_tokens < blended.chunk_tokens
+
+
+def test_gc_keeps_the_lead_in_and_verify_finds_the_variant_whole(gemma_store, kvrag):
+    model, store = gemma_store
+    kvrag("store", "gc", "--store", str(store))
+    verify = kvrag("store", "verify", "--store", str(store))
+    assert "no problems" in verify.stdout, verify.stdout
+    runtime, env, prefiller = _open(model, store)
+    with env:
+        assert prefiller.source.lead_in is not None and len(prefiller.source.lead_in.ids) == LEAD

@@ -53,6 +53,8 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "dtype": str(compute_dtype).removeprefix("torch."),
         "weights": resolve_weights(config.weights, dev),  # the matrices' form (docs/quantized.md)
         "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
+        "layers": _layer_kinds(local.config),
+        "blend": _blend_rule(local.config, config.lead_in),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }
@@ -65,7 +67,45 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     c = local.config
     table.add_row("architecture", f"{c.architecture}: {c.n_layers} layers, {c.n_heads} query heads, "
                                   f"{c.n_kv_heads} KV heads, head dim {c.head_dim}, rope θ {c.rope_theta:g}")
+    layers, blend = payload["layers"], payload["blend"]
+    if layers["sliding"]:
+        table.add_row("layers", f"sliding (window {layers['window']}): {_spans(layers['sliding'])}; "
+                                f"global: {_spans(layers['global']) or 'none'}")
+    table.add_row("blend", blend["summary"])
     stdout_console().print(table)
+
+
+def _layer_kinds(cfg: ModelConfig) -> dict:
+    """Which layers attend over a sliding window and which over every earlier token."""
+    windows = [cfg.window(i) if cfg.layer_types else cfg.sliding_window for i in range(cfg.n_layers)]
+    return {"window": max((w for w in windows if w), default=None),
+            "sliding": [i for i, w in enumerate(windows) if w], "global": [i for i, w in enumerate(windows) if not w]}
+
+
+def _blend_rule(cfg: ModelConfig, lead_in: int | None) -> dict:
+    """What a blend does for this model's chunks (precompute/lead_in.py, blend/config.py)."""
+    from kvrag.blend.config import DEFAULT_RATIO
+    from kvrag.config import DEFAULT_SELECTION
+    from kvrag.precompute.lead_in import lead_in_length
+
+    tokens = lead_in_length(cfg) if lead_in is None else lead_in
+    rule = f"past layer 0 the `{DEFAULT_SELECTION}` rule recomputes {DEFAULT_RATIO:.0%} of the chunk rows, on sliding " \
+        "and global layers alike"
+    stored = f"chunks stored after a {tokens:,}-token lead-in of corpus text, none reused exactly" if tokens else \
+        "chunks stored after the preamble, the first reused exactly"
+    return {"lead_in": tokens, "exact_first_chunk": not tokens, "rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO,
+            "summary": f"{stored}; {rule}"}
+
+
+def _spans(layers: list[int]) -> str:
+    """0, 1, 2, 4 -> "0-2, 4"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _attention_path(cfg: ModelConfig, compute_dtype: torch.dtype, dev: torch.device, native: bool,

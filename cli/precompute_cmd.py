@@ -127,7 +127,8 @@ def _run(store_dir: Path, codec: str, limit, shard, compress: bool, keep, model,
 
             with progress:  # the workers load the model (on CPUs); --device does not apply
                 return precompute_ray(env, model, dtype, codec, keep, address, workers, on_progress=on_progress,
-                                      on_start=on_start, limit=limit, shard=shard, compress=compress, remote=remote)
+                                      on_start=on_start, limit=limit, shard=shard, compress=compress, remote=remote,
+                                      lead_in=config.lead_in)
         # Stored KV is the model's own, from its dense weights whatever form `ask` decodes with (as on Ray actors):
         # a store is not keyed by weights form, so every reader blends the same, most faithful values.
         runtime = load_runtime(model, dtype, device, weights="dense")

@@ -28,7 +28,7 @@ from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
 from kvrag.precompute import keyformer
 from kvrag.precompute.keyformer import KeepConfig
-from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, tokens_for
+from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, tokens_for, widest_window
 from kvrag.precompute.lead_in import find as find_lead_in
 from kvrag.precompute.plain import chunk_kv, keep_lead_in, layers_to_numpy
 from kvrag.store.chunks import ChunkTable
@@ -63,6 +63,9 @@ class ChunkSource:
         self.env = env
         self.table = None
         self.lead_in = None if self.keep is not None else lead_in  # reduced chunks follow the preamble alone
+        self.window = widest_window(self.model.cfg)  # a chunk starting within it reads the form after the preamble
+        self.near_table = None  # with a lead-in: the table of that form (the full chunks')
+        self._near_write_back: dict[str, tuple[Sequence[int], LayerKV, bool]] = {}  # computed now: ids, KV, damaged
         keeper = None  # stores the lead-in's KV once computed
         if env is not None:
             keeper = self._open_table(env, codec, compress, remote)
@@ -86,27 +89,61 @@ class ChunkSource:
             return None
         if self.lead_in is None:
             self.lead_in = find_lead_in(full, preamble_hash(preamble_text), tokens_for(runtime), ChunkTable(env))
-        self.table = full if self.lead_in is None else \
-            store_table(env, runtime.fingerprint, codec, compress, self.lead_in.variant, remote=remote)
+        if self.lead_in is None:
+            self.table = full
+        else:
+            self.table = store_table(env, runtime.fingerprint, codec, compress, self.lead_in.variant, remote=remote)
+            self.near_table = full
         return keep_lead_in(full, preamble_text)
 
-    def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
-                   in_memory: Sequence[LayerKV | None] = ()) -> tuple[list[ChunkRef], float]:
+    def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]], in_memory: Sequence[LayerKV | None] = (),
+                   start: int | None = None) -> tuple[list[ChunkRef], float]:
         """Refs for (chunk_id, token_ids); chunks missing from the store are computed now (and
-        written back later). `in_memory[i]`: chunk i's stored KV already in a memory tier.
+        written back later). `in_memory[i]`: chunk i's stored KV already in a memory tier. `start`: the prompt position
+        of the first chunk, where a lead-in's chunks are read (`near`: the form after the preamble).
         Returns the refs and the seconds spent computing missing chunks."""
         missing = set(self.table.missing([c for c, _ in chunks])) if self.table is not None else {c for c, _ in chunks}
-        start = time.perf_counter()
-        refs = []
+        begin = time.perf_counter()
+        refs, at = [], start
         for i, (chunk_id, ids) in enumerate(chunks):
-            if i < len(in_memory) and in_memory[i] is not None:
+            if at is not None and self.near(at):
+                kv, read = self._near_kv(chunk_id, ids)
+                refs.append(ChunkRef(chunk_id, ids, kv, read=read))
+            elif i < len(in_memory) and in_memory[i] is not None:
                 refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
             elif chunk_id in missing or self.computed(chunk_id):
                 kv, kept = self.compute_chunk(chunk_id, ids)
                 refs.append(ChunkRef(chunk_id, ids, kv, kept))
             else:
                 refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
-        return refs, time.perf_counter() - start
+            at = None if at is None else at + len(ids)
+        return refs, time.perf_counter() - begin
+
+    def near(self, position: int) -> bool:
+        """Whether a chunk starting at `position` of a prompt reads the form stored after the preamble alone, where
+        its chunks are stored after a lead-in too: it follows the preamble itself (that form is exact there), or its
+        first rows' windows reach the prompt's start, as that form's did (precompute/lead_in.py)."""
+        return self.lead_in is not None and (position == len(self.preamble) or position < self.window)
+
+    def _near_kv(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, bool]:
+        """A chunk's KV as computed right after the preamble, and whether the store had it: read whole, else computed
+        now (and stored, or its damaged value replaced, at the next write-back)."""
+        m = self.model
+        try:
+            if self.near_table is None:
+                raise MissingChunk(chunk_id)
+            layers = [self.near_table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(m.cfg.n_layers)]
+        except (MissingChunk, CorruptValue) as exc:
+            with self._lock:
+                done = self._near_write_back.get(chunk_id)
+            if done is None:
+                done = (ids, chunk_kv(self.runtime, self.preamble, ids), isinstance(exc, CorruptValue))
+                with self._lock:
+                    self._near_write_back[chunk_id] = done
+            return done[1], False
+        k = [torch.from_numpy(d.k).to(m.device, m.dtype) for d in layers]  # [n, Hkv, hd] each
+        v = [torch.from_numpy(d.v).to(m.device, m.dtype) for d in layers]
+        return LayerKV(k, v, torch.arange(len(ids))), True
 
     def piece_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
                    pieces: Sequence[Piece]) -> tuple[list[ChunkRef], list[str]]:
@@ -212,6 +249,17 @@ class ChunkSource:
             with self._lock:
                 self._write_back.pop(chunk_id, None)
                 self._repair.discard(chunk_id)
+        return written + self._store_near()
+
+    def _store_near(self) -> int:
+        """Store the chunks' forms after the preamble computed on the fly (a lead-in's store), replacing damaged ones."""
+        with self._lock:
+            todo, self._near_write_back = self._near_write_back, {}
+        written = 0
+        for chunk_id, (ids, kv, damaged) in todo.items() if self.near_table is not None else ():
+            if damaged:
+                self.near_table.delete_chunk(chunk_id)
+            written += bool(self.near_table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.near_table.codec)))
         return written
 
     def evict(self, chunk_id: str) -> None:

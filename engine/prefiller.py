@@ -202,7 +202,7 @@ class Prefiller:
             if mode == "reuse" or config.ratio == 0:  # the prompt's own text is computed all the same
                 mode, config = "blend", replace(config, ratio=0.0, deviation_mass=0.0)
         else:
-            refs, missing_s = source.chunk_refs(rest, memory)
+            refs, missing_s = source.chunk_refs(rest, memory, start=len(exact))
         if mode == "blend" and config.ratio == 0 and forced is None:
             mode = "reuse"  # ratio 0 is full KV reuse, by definition
         if mode == "prefix":
@@ -211,7 +211,7 @@ class Prefiller:
         n_chunk = layout.n_chunk
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
-        exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
+        exact_rows = self._exact_first_rows(refs, matched, blend_cfg, len(exact)) if framing is None else 0
         # a rule that ranks by the preview's reading reads every layer first (blend/preview.py)
         previewed = blend_cfg is not None and blend_cfg.selection in PREVIEW_RULES and loaded_rows > 0
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
@@ -236,8 +236,8 @@ class Prefiller:
         timings = {"prefill": elapsed, "compute": fused.compute_s, "load": loader.busy_s if loader else 0.0,
                    "load_wait": fused.wait_s, "compute_missing": missing_s}
         tiers = piece_tiers if piece_tiers is not None else \
-            ["tree"] * matched + [lease.tiers[matched + i] if memory[i] is not None else
-                                  STORE if ref.in_memory is None else "computed" for i, ref in enumerate(refs)]
+            ["tree"] * matched + [_tier(ref, memory[i], lease.tiers[matched + i] if lease else None)
+                                  for i, ref in enumerate(refs)]
         if lease is not None:  # cached after the answer (flush_write_back), out of the TTFT
             not_in_memory = [(ref.chunk_id, ref.token_ids) for ref, kv in zip(refs, memory, strict=True) if kv is None]
             source.keep_for_later(lease, rest, fused.rest_kv, not_in_memory, elapsed)
@@ -254,18 +254,27 @@ class Prefiller:
         return open_loader(self.source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
                            positions=rotated, inv_freq=self.model.inv_freq, fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
 
-    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
+    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None, start: int) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
         follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
         after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
         (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
-        (at 1 every chunk token is recomputed, as a full prefill). A sliding-window model's chunks follow a lead-in
-        (precompute/lead_in.py): none is exact."""
+        (at 1 every chunk token is recomputed, as a full prefill). Where chunks are stored after a lead-in too, the
+        first reads the form after the preamble only when it starts in the first window (ChunkSource.near)."""
         if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1 \
-                or self.source.lead_in is not None:
+                or (self.source.lead_in is not None and not self.source.near(start)):
             return 0
         table = self.source.table
         return refs[0].n_rows if table is None or table.codec in ("fp16", "bf16") else 0
+
+
+def _tier(ref: ChunkRef, memory: LayerKV | None, memory_tier: str | None) -> str:
+    """Where a chunk's KV came from: a memory tier, the store (through the loader, or read now), or computed now."""
+    if ref.read:
+        return STORE
+    if memory is not None and ref.in_memory is memory:
+        return memory_tier
+    return STORE if ref.in_memory is None else "computed"
 
 
 def _prompt_rows(chunks: Sequence[tuple[str, Sequence[int]]], pieces: Sequence[Piece]) -> torch.Tensor:

@@ -54,6 +54,7 @@ class ChunkRef:
     token_ids: Sequence[int]
     in_memory: LayerKV | None = None
     kept: np.ndarray | None = None
+    read: bool = False  # in_memory was read from the store now (not computed): a lead-in store's near chunk
 
     @property
     def n_rows(self) -> int:

@@ -9,9 +9,11 @@ computed once), a chunk's stored KV is what it would be somewhere inside a promp
 The lead-in is a sample of the store's own passages (chunks in id order, which is random since ids are hashes, until
 `lead_in_length` tokens, the last of them kept). It is chosen once per store and model and kept under a reserved id
 beside the preamble's, so every process computes chunks after the same text; those chunks form a store variant named
-by the lead-in's hash (store/keys.py), apart from chunks stored alone. A chunk whose text is part of the lead-in is
-computed after the preamble alone (a model that saw its own text just before copies it). A model whose layers all
-attend to every earlier token has no lead-in: its chunks follow the preamble, and the first one is an exact prefix.
+by the lead-in's hash (store/keys.py), beside the chunks stored after the preamble alone, which precompute stores
+too: a chunk that starts in a prompt's first window (the first chunk, or the first few short ones) reads the preamble
+in its windows, so it reads that form, and the first chunk stays an exact prefix (engine/chunk_source.py). A chunk
+whose text is part of the lead-in is computed after the preamble alone in both (a model that saw its own text just
+before copies it). A model whose layers all attend to every earlier token has no lead-in.
 """
 
 from __future__ import annotations
@@ -42,9 +44,20 @@ def tokens_for(runtime) -> int:
 
 def lead_in_length(cfg: ModelConfig) -> int:
     """How many tokens of lead-in a model's chunks are computed after: 0 where no layer slides."""
-    windows = [w for w in (cfg.window(i) if cfg.layer_types else cfg.sliding_window for i in range(cfg.n_layers))
-               if w is not None]
-    return max(LEAD_IN_TOKENS, max(windows)) if windows else 0
+    return max(LEAD_IN_TOKENS, widest_window(cfg)) if widest_window(cfg) else 0
+
+
+def widest_window(cfg: ModelConfig) -> int:
+    """The widest sliding window of a model's layers (0: none slides). A chunk that starts within it of a prompt's
+    start reads the preamble in its windows, as a chunk stored after the preamble alone did."""
+    windows = [cfg.window(i) if cfg.layer_types else cfg.sliding_window for i in range(cfg.n_layers)]
+    return max((w for w in windows if w), default=0)
+
+
+def passes(tokens: int, reduced: bool) -> list[int]:
+    """The lead-ins a precompute stores each chunk after: none (0: the preamble alone, the form a chunk in a prompt's
+    first window reads, and the only one of a model with no lead-in or of reduced chunks), then the lead-in."""
+    return [0, tokens] if tokens and not reduced else [0]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from kvrag.model.prefill import LayerKV
 from kvrag.model.prompt import PromptBuilder
 from kvrag.model.runtime import Runtime
 from kvrag.precompute.keyformer import KeepConfig
-from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, lead_in_length
+from kvrag.precompute.lead_in import ChunkPrefix, LeadIn, lead_in_length, passes
 from kvrag.precompute.plain import (
     PrecomputeInterrupted,
     PrecomputeSummary,
@@ -47,6 +47,7 @@ from kvrag.precompute.plain import (
     chunk_kv,
     chunk_layers,
     layers_to_numpy,
+    merged,
     plan_run,
 )
 from kvrag.store.env import StoreEnv
@@ -187,13 +188,15 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
                    on_start: Callable[[int], None] | None = None, limit: int | None = None,
                    shard: Shard | None = None, compress: bool = True,
                    on_batch: Callable[[list[str]], None] | None = None,
-                   remote: RemoteOptions | None = None) -> PrecomputeSummary:
+                   remote: RemoteOptions | None = None, lead_in: int | None = None) -> PrecomputeSummary:
     """precompute() with the forward passes, the encoding and (on object storage) the writes on `workers` Ray
     actors: the same chunks stored, the same summary, writer_busy_s being the driver's busy time.
 
     address: None or "local" starts a local cluster of `workers` CPUs (shut down at the end); "auto" or
     "ray://host:10001" connects to a running one, whose nodes must see the model directory at the same path.
     In a process already connected to Ray, that connection is used and left open. on_batch: see PrefillWorker.
+    lead_in: tokens of a sliding-window model's lead-in (precompute/lead_in.py; None: the model's rule), whose chunks
+    are a second pass.
     """
     start = time.perf_counter()
     ray = import_ray()
@@ -202,39 +205,57 @@ def precompute_ray(store: StoreEnv, model: str | None = None, dtype: str | None 
     local = resolve_model(model)  # once here: a first-use conversion is not raced by the workers
     prompts = PromptBuilder(local.load_tokenizer())
     keep = keep or KeepConfig()
-    run = plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote,
-                   lead_in_length(local.config))
+    tokens = lead_in_length(local.config) if lead_in is None else lead_in
+    plans = [plan_run(store, local, prompts.template.preamble, codec, compress, keep, shard, limit, remote, t)
+             for t in passes(tokens, keep.reduced)]
     url = remote_url(store.path)
     dest = Destination(codec, compress, local.fingerprint, url, dict((remote or RemoteOptions()).aws) if url else {})
-    preamble_id = preamble_chunk_id(preamble_hash(prompts.template.preamble))
-    lead_id = lead_in_chunk_id(preamble_hash(prompts.template.preamble))
-    need_preamble = not run.full.has(preamble_id)
-    need_lead_in = run.lead is not None and not run.full.has(lead_id)
-    if run.todo or need_preamble or need_lead_in:
+    preamble = preamble_hash(prompts.template.preamble)
+    n_todo = sum(len(run.todo) for run in plans)
+    if on_start:
+        on_start(n_todo)
+    if n_todo or any(_reserved(run, preamble) for run in plans):
         with _connected(ray, address, workers):
             if url is None:  # workers on this node commit to the store themselves
                 dest = replace(dest, store_path=str(store.path), node_id=ray.get_runtime_context().get_node_id())
-            actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
-            actors = [actor.remote(str(local.path), dtype, keep, dest, on_batch, run.lead, run.table.variant)
-                      for _ in range(workers)]
-            try:
-                busy_from = time.perf_counter()
-                waited_s = _store_reserved(ray, actors[0].store_preamble, run.full, preamble_id) if need_preamble else 0.0
-                if need_lead_in:
-                    waited_s += _store_reserved(ray, actors[0].store_lead_in, run.full, lead_id)
-                if on_start:
-                    on_start(len(run.todo))
-                waited_s += _run_batches(ray, actors, run, batch, on_progress)
-                run.summary.writer_busy_s = time.perf_counter() - busy_from - waited_s
-            except KeyboardInterrupt as exc:  # every chunk committed so far is whole: the count is final
-                raise PrecomputeInterrupted(run.summary.computed) from exc
-            finally:
-                for actor in actors:
-                    ray.kill(actor, no_restart=True)
-    elif on_start:
-        on_start(0)
-    run.summary.wall_s = time.perf_counter() - start
-    return run.summary
+            for i, run in enumerate(plans):
+                before = sum(len(p.todo) for p in plans[:i])  # chunks of the passes before: the bar goes on
+                step = None if on_progress is None else \
+                    (lambda c, t, _, b=before: on_progress(b + c, t, n_todo))  # noqa: E731
+                _ray_pass(ray, run, dest, local, dtype, keep, workers, batch, step, on_batch, preamble)
+    summary = merged([run.summary for run in plans])
+    summary.wall_s = time.perf_counter() - start
+    return summary
+
+
+def _reserved(run: RunPlan, preamble: str) -> list[tuple[str, str]]:
+    """The reserved chunks a pass stores first, missing from the store: (chunk id, the worker's method)."""
+    wanted = [(preamble_chunk_id(preamble), "store_preamble")]
+    if run.lead is not None:
+        wanted.append((lead_in_chunk_id(preamble), "store_lead_in"))
+    return [(chunk_id, method) for chunk_id, method in wanted if not run.full.has(chunk_id)]
+
+
+def _ray_pass(ray, run: RunPlan, dest: Destination, local, dtype: str | None, keep: KeepConfig, workers: int,
+              batch: int, on_progress, on_batch, preamble: str) -> None:
+    """One table's chunks on `workers` actors (the preamble's or the lead-in's form), the reserved chunks (the
+    preamble, the lead-in) stored first by the first actor."""
+    if not run.todo and not _reserved(run, preamble):
+        return
+    actor = ray.remote(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)(PrefillWorker)
+    actors = [actor.remote(str(local.path), dtype, keep, dest, on_batch, run.lead, run.table.variant)
+              for _ in range(workers)]
+    try:
+        busy_from, waited_s = time.perf_counter(), 0.0
+        for chunk_id, method in _reserved(run, preamble):
+            waited_s += _store_reserved(ray, getattr(actors[0], method), run.full, chunk_id)
+        waited_s += _run_batches(ray, actors, run, batch, on_progress)
+        run.summary.writer_busy_s = time.perf_counter() - busy_from - waited_s
+    except KeyboardInterrupt as exc:  # every chunk committed so far is whole: the count is final
+        raise PrecomputeInterrupted(run.summary.computed) from exc
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 @contextmanager

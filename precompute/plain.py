@@ -165,11 +165,25 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     """
     start = time.perf_counter()
     keep = keep or KeepConfig()
-    run = plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit,
-                   remote, lead_in.tokens_for(runtime))
+    plans = [plan_run(store, runtime.local, runtime.prompts.template.preamble, codec, compress, keep, shard, limit,
+                      remote, tokens) for tokens in lead_in.passes(lead_in.tokens_for(runtime), keep.reduced)]
+    n_todo = sum(len(run.todo) for run in plans)
     if on_start:
-        on_start(len(run.todo))
-    summary, writer = run.summary, ChunkWriter(run.table)
+        on_start(n_todo)
+    done: list[PrecomputeSummary] = []
+    for run in plans:
+        before = (sum(s.computed for s in done), sum(s.tokens for s in done))
+        step = None if on_progress is None else \
+            (lambda c, t, _, b=before: on_progress(b[0] + c, b[1] + t, n_todo))  # noqa: E731
+        done.append(_run_pass(runtime, run, keep, step))
+    summary = merged(done)
+    summary.wall_s = time.perf_counter() - start
+    return summary
+
+
+def _run_pass(runtime: Runtime, run: RunPlan, keep: KeepConfig, on_progress) -> PrecomputeSummary:
+    """One table's chunks: those after the preamble, or those after the lead-in."""
+    writer = ChunkWriter(run.table)
     try:
         with torch.inference_mode(), writer:
             preamble = preamble_kv(runtime, run.full)
@@ -178,9 +192,20 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
             _compute_all(runtime, run, writer, on_progress, prefix, keep)
     except KeyboardInterrupt as exc:  # the writer has finished what it started: count is final
         raise PrecomputeInterrupted(writer.stored) from exc
-    summary.writer_busy_s = writer.busy_s
-    summary.wall_s = time.perf_counter() - start
-    return summary
+    run.summary.writer_busy_s = writer.busy_s
+    return run.summary
+
+
+def merged(passes: list[PrecomputeSummary]) -> PrecomputeSummary:
+    """One summary of a run's passes (a sliding-window model's two forms of each chunk): their counts and times
+    added up, the last pass's variant."""
+    out = passes[0]
+    for more in passes[1:]:
+        for name in ("already_stored", "computed", "skipped_by_others", "tokens", "compute_s", "store_s",
+                     "writer_busy_s", "kept_tokens"):
+            setattr(out, name, getattr(out, name) + getattr(more, name))
+        out.variant = more.variant
+    return out
 
 
 def _compute_all(runtime: Runtime, run: RunPlan, writer: ChunkWriter, on_progress, prefix: lead_in.ChunkPrefix,

@@ -61,40 +61,63 @@ def _open(model, store, lead: int = LEAD):
     return runtime, env, Prefiller.open(runtime, env, "bf16")
 
 
-def test_precompute_stores_each_chunk_after_the_lead_in_as_a_question_computes_it(gemma_store):
+def test_precompute_stores_each_chunk_in_both_forms_as_a_question_computes_them(gemma_store):
     from kvrag.model.prefill import extend
     from kvrag.store.chunks import ChunkTable
     from kvrag.store.manifest import preamble_hash
-    from kvrag.store.open import store_table
 
     model, store = gemma_store
     runtime, env, prefiller = _open(model, store)
     with env:
         source = prefiller.source
-        lead = source.lead_in
-        assert lead is not None and len(lead.ids) == LEAD and source.table.variant == lead.variant
-        full_table = store_table(env, runtime.fingerprint, "bf16")
-        record = full_table.record(lead_in_chunk_id(preamble_hash(runtime.prompts.template.preamble)))
+        lead, far, near = source.lead_in, source.table, source.near_table
+        assert lead is not None and len(lead.ids) == LEAD and far.variant == lead.variant and near.variant == ""
+        record = near.record(lead_in_chunk_id(preamble_hash(runtime.prompts.template.preamble)))
         assert record is not None and tuple(int(t) for t in record.token_ids) == lead.ids
         records = ChunkTable(env).get_many(sorted(ChunkTable(env).ids()))
         held = [r for r in records if lead.holds(r.token_ids)]
         after = [r for r in records if not lead.holds(r.token_ids)]
-        assert held and len(after) >= 3 and source.table.missing([r.chunk_id for r in records]) == []
+        ids = [r.chunk_id for r in records]
+        assert held and len(after) >= 3 and far.missing(ids) == [] and near.missing(ids) == []
         with torch.inference_mode():
-            alone = lambda ids: extend(runtime.model, prefiller.preamble, runtime.ids_tensor(list(ids)))[1]  # noqa: E731
             for r in after[:3] + held[:1]:
-                stored = source.table.get_layer(r.chunk_id, 3, expect_token_ids=r.token_ids)  # a global layer
+                alone = extend(runtime.model, prefiller.preamble, runtime.ids_tensor(list(r.token_ids)))[1]
                 computed = source.compute_chunk("again-" + r.chunk_id, r.token_ids)[0]  # the on-the-fly rule
-                own = alone(r.token_ids)
-                for got, want, plain in ((stored.k, computed.k[3], own.k[3]), (stored.v, computed.v[3], own.v[3])):
-                    got = torch.as_tensor(np.asarray(got, dtype=np.float32))
-                    err = (got - want).norm() / want.norm()
-                    assert err < 1e-2, (r.chunk_id, err)  # bf16 storage against float32
-                    moved = (plain - want).norm() / want.norm()
-                    assert (moved > 0.05) if r in after else (moved < 1e-6), (r.chunk_id, moved)
+                for table, want in ((far, computed), (near, alone)):
+                    got = table.get_layer(r.chunk_id, 3, expect_token_ids=r.token_ids)  # a global layer
+                    for stored, ref in ((got.k, want.k[3]), (got.v, want.v[3])):
+                        err = (torch.as_tensor(np.asarray(stored, dtype=np.float32)) - ref).norm() / ref.norm()
+                        assert err < 1e-2, (r.chunk_id, err)  # bf16 storage against float32
+                moved = (alone.v[3] - computed.v[3]).norm() / computed.v[3].norm()
+                assert (moved > 0.05) if r in after else (moved < 1e-6), (r.chunk_id, moved)
 
 
-def test_a_blend_over_lead_in_chunks_reuses_no_first_chunk_exactly_and_ratio_one_is_full_prefill(gemma_store):
+def test_a_chunk_in_the_first_window_reads_the_form_after_the_preamble(gemma_store):
+    from kvrag.model.prefill import extend
+
+    model, store = gemma_store
+    runtime, env, prefiller = _open(model, store)
+    with env:
+        source, n_pre = prefiller.source, len(prefiller.preamble)
+        chunks = [(r.chunk_id, list(r.token_ids)) for r in _records(env) if not source.lead_in.holds(r.token_ids)][:3]
+        assert n_pre + len(chunks[0][1]) >= source.window == 64  # the second chunk starts past the first window
+        with torch.inference_mode():
+            refs, _ = source.chunk_refs(chunks, start=n_pre)
+            alone = extend(runtime.model, prefiller.preamble, runtime.ids_tensor(chunks[0][1]))[1]
+        assert refs[0].read and torch.allclose(refs[0].in_memory.v[3], alone.v[3], rtol=0.02, atol=0.02)
+        assert all(ref.in_memory is None for ref in refs[1:])  # the loader reads the lead-in's form
+        # the first chunk follows the preamble (65 tokens of SmolLM2's template): that form is exact there; elsewhere
+        # a chunk reads it where its first rows' windows reach the prompt's start
+        assert n_pre == 65 and source.near(63) and not source.near(64) and not source.near(n_pre + 1)
+
+
+def _records(env):
+    from kvrag.store.chunks import ChunkTable
+
+    return ChunkTable(env).get_many(sorted(ChunkTable(env).ids()))
+
+
+def test_a_blend_over_lead_in_chunks_reads_the_store_alone_and_ratio_one_is_full_prefill(gemma_store):
     from kvrag import KVRag
 
     model, store = gemma_store
@@ -105,6 +128,7 @@ def test_a_blend_over_lead_in_chunks_reuses_no_first_chunk_exactly_and_ratio_one
         assert whole.computed_chunks == [] and whole.token_ids == full.token_ids
         blended = rag.ask("Which lake is the deepest?", **options)
         assert blended.computed_chunks == [] and 0 < blended.recomputed_chunk_tokens < blended.chunk_tokens
+        assert {s["tier"] for s in blended.to_json()["sources"]} == {"store"}
 
 
 def test_gc_keeps_the_lead_in_and_verify_finds_the_variant_whole(gemma_store, kvrag):
@@ -115,3 +139,16 @@ def test_gc_keeps_the_lead_in_and_verify_finds_the_variant_whole(gemma_store, kv
     runtime, env, prefiller = _open(model, store)
     with env:
         assert prefiller.source.lead_in is not None and len(prefiller.source.lead_in.ids) == LEAD
+
+
+def test_model_info_says_which_layers_slide_and_what_the_blend_does(tiny_family, smol, kvrag):
+    import json
+
+    gemma = json.loads(kvrag("model", "info", "--model", str(tiny_family("gemma3_text")), "--json").stdout)
+    assert gemma["layers"] == {"window": 64, "sliding": [0, 2], "global": [1, 3]}
+    assert gemma["blend"]["lead_in"] == LEAD_IN_TOKENS and not gemma["blend"]["exact_first_chunk"]
+    plain = json.loads(kvrag("model", "info", "--model", str(smol.path), "--json").stdout)
+    assert plain["layers"]["sliding"] == [] and plain["blend"]["lead_in"] == 0 and plain["blend"]["exact_first_chunk"]
+    off = json.loads(kvrag("model", "info", "--model", str(tiny_family("gemma3_text")), "--json",
+                           env={"KVRAG_LEAD_IN": "0"}).stdout)
+    assert off["blend"]["lead_in"] == 0

@@ -3,6 +3,7 @@ and a real precompute and `ask` on a tiny Gemma 3 (windows of 64) against chunks
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -46,8 +47,11 @@ def gemma_store(tiny_family, indexed_store, tmp_path_factory):
     model = tiny_family("gemma3_text")
     store = tmp_path_factory.mktemp("lead-in") / "store"
     shutil.copytree(indexed_store, store)
-    run_kvrag("precompute", "--store", str(store), "--model", str(model), "--dtype", "float32", "--codec", "bf16",
-              env={"KVRAG_LEAD_IN": str(LEAD)})
+    out = run_kvrag("precompute", "--store", str(store), "--model", str(model), "--dtype", "float32", "--codec", "bf16",
+                    "--json", env={"KVRAG_LEAD_IN": str(LEAD)})
+    summary = json.loads(out.stdout)
+    # two passes: every chunk after the preamble, then after the lead-in
+    assert summary["computed"] == 2 * summary["indexed_chunks"] and summary["variant"].startswith("lead:")
     return model, store
 
 
@@ -142,8 +146,6 @@ def test_gc_keeps_the_lead_in_and_verify_finds_the_variant_whole(gemma_store, kv
 
 
 def test_model_info_says_which_layers_slide_and_what_the_blend_does(tiny_family, smol, kvrag):
-    import json
-
     gemma = json.loads(kvrag("model", "info", "--model", str(tiny_family("gemma3_text")), "--json").stdout)
     assert gemma["layers"] == {"window": 64, "sliding": [0, 2], "global": [1, 3]}
     assert gemma["blend"]["lead_in"] == LEAD_IN_TOKENS and not gemma["blend"]["exact_first_chunk"]

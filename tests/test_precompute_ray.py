@@ -213,3 +213,19 @@ def test_cli_without_ray_says_how_to_install(monkeypatch, capsys, store_copy):
     code, _, err = run_cli_in_process(monkeypatch, capsys, "precompute_cmd", "precompute", "--store", str(store_copy),
                                       "--ray", "local")
     assert code == 1 and err.count("\n") == 1 and "pip install 'kvrag[ray]'" in err
+
+
+def test_a_sliding_window_model_stores_both_forms_as_the_single_process_does(ray_cluster, indexed_store, tiny_family,
+                                                                              tmp_path):
+    """Two passes (after the preamble, after the lead-in) and the lead-in itself, byte for byte."""
+    model = tiny_family("gemma3_text")
+    single, on_ray_store = tmp_path / "single", tmp_path / "ray"
+    for store in (single, on_ray_store):
+        shutil.copytree(indexed_store, store)
+    with one_thread(), StoreEnv.open(single) as env:
+        precompute(env, Runtime.load(str(model), "float32", lead_in=96), "fp16")
+    progress = []
+    summary = _run(on_ray_store, model, lead_in=96, on_progress=lambda *args: progress.append(args))
+    assert (summary.indexed_chunks, summary.computed) == (5, 10) and summary.variant.startswith("lead:")
+    assert [done for done, _, _ in progress] == list(range(1, 11))
+    assert kv_entries(on_ray_store) == kv_entries(single)

@@ -132,7 +132,8 @@ def prepare(engine: Prefiller, items: list[BenchItem], methods: list[Method], co
         if on_progress:
             on_progress("setup", f"chunk KV of item {n + 1}/{len(items)}", n, len(items))
         with torch.inference_mode():
-            engine.source.chunk_refs(item.chunks)  # computes the missing ones and keeps them for write-back
+            # computes the missing ones and keeps them for write-back: the first in the form a prompt reads it in
+            engine.source.chunk_refs(item.chunks, start=len(engine.preamble))
         setup.chunks_computed += engine.flush_write_back()
     setup.precompute_s = time.perf_counter() - start
     if engine.source.table is not None:

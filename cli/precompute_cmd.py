@@ -84,10 +84,13 @@ def precompute_command(
     if as_json:
         print_json(summary.to_dict())
         return
+    from kvrag.store.keys import is_reduced
+
     s, table = summary, Table(title="precompute", show_header=False)
     rows = [("model", s.model_fp), ("codec", s.codec), ("variant", s.variant), ("indexed chunks", s.indexed_chunks),
             ("already stored", s.already_stored), ("computed now", f"{s.computed} ({s.tokens:,} tokens)"),
-            ("kept", s.variant and f"{s.kept_tokens:,} tokens"), ("left to other processes", s.skipped_by_others),
+            *([("forms per chunk", f"{s.forms}: after the preamble, and after the lead-in")] if s.forms > 1 else []),
+            ("kept", is_reduced(s.variant) and f"{s.kept_tokens:,} tokens"), ("left to other processes", s.skipped_by_others),
             ("throughput", f"{s.tokens_per_s:,.0f} tok/s"), ("store overhead", f"{s.store_overhead:.1%} of compute time"),
             ("time", f"{s.wall_s:.1f} s")]
     for name, value in rows:

@@ -257,6 +257,9 @@ class ChunkSource:
             todo, self._near_write_back = self._near_write_back, {}
         written = 0
         for chunk_id, (ids, kv, damaged) in todo.items() if self.near_table is not None else ():
+            with self._lock:
+                if chunk_id in self._evicted:
+                    continue
             if damaged:
                 self.near_table.delete_chunk(chunk_id)
             written += bool(self.near_table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.near_table.codec)))
@@ -266,8 +269,9 @@ class ChunkSource:
         """Drop a kept passage's KV (its record gone first); a copy a prompt computes meanwhile is not stored."""
         with self._lock:
             self._evicted.add(chunk_id)
-        if self.table is not None:
-            self.table.delete_chunk(chunk_id)
+        for table in (self.table, self.near_table):  # both forms of a lead-in's store
+            if table is not None:
+                table.delete_chunk(chunk_id)
 
     def exact_prefix(self, lease) -> LayerKV:
         """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""

@@ -211,7 +211,7 @@ class Prefiller:
         n_chunk = layout.n_chunk
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
-        exact_rows = self._exact_first_rows(refs, matched, blend_cfg, len(exact)) if framing is None else 0
+        exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
         # a rule that ranks by the preview's reading reads every layer first (blend/preview.py)
         previewed = blend_cfg is not None and blend_cfg.selection in PREVIEW_RULES and loaded_rows > 0
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
@@ -254,15 +254,14 @@ class Prefiller:
         return open_loader(self.source.table, refs, layers, self.model.dtype, self.model.device, area=self.staging,
                            positions=rotated, inv_freq=self.model.inv_freq, fused=self.model.triton, pause=self.decoder_pause, native=self.model.native).start()
 
-    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None, start: int) -> int:
+    def _exact_first_rows(self, refs: list[ChunkRef], matched: int, config: BlendConfig | None) -> int:
         """How many leading chunk rows a blend reuses exactly (see fusion's module doc): the first chunk's, when it
         follows the preamble itself (nothing matched in the knowledge tree), its KV is the one computed right
         after the preamble (from the store, a memory tier's copy of it, or computed now) in a 16-bit codec
         (int8's rounding is the kind of error the selection should see), and the ratio leaves rows to rank
-        (at 1 every chunk token is recomputed, as a full prefill). Where chunks are stored after a lead-in too, the
-        first reads the form after the preamble only when it starts in the first window (ChunkSource.near)."""
-        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1 \
-                or (self.source.lead_in is not None and not self.source.near(start)):
+        (at 1 every chunk token is recomputed, as a full prefill). A chunk right after the preamble reads that form
+        where a sliding-window model's chunks are stored after a lead-in too (ChunkSource.near)."""
+        if config is None or not config.exact_first_chunk or matched or not refs or not 0 < config.ratio < 1:
             return 0
         table = self.source.table
         return refs[0].n_rows if table is None or table.codec in ("fp16", "bf16") else 0

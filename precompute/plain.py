@@ -2,7 +2,8 @@
 
 A chunk is computed at positions P..P+n-1 (P = preamble length) attending to the preamble, exactly
 as it will stand first in a real prompt; only its own tokens' K (before rotary) and V are kept. A model whose
-layers slide computes its chunks after the preamble and a lead-in of corpus text (precompute/lead_in.py).
+layers slide stores each chunk a second time, computed after the preamble and a lead-in of corpus text
+(precompute/lead_in.py).
 Work is claimed a few chunks at a time, so several processes (or `--shard i/N`) share a store, and
 each chunk is written whole in one transaction, so an interrupted run resumes where it stopped
 (Ctrl-C raises PrecomputeInterrupted, which counts the chunks the run stored).
@@ -54,6 +55,7 @@ class PrecomputeSummary:
     writer_busy_s: float = 0.0  # encoding, compressing and committing, in the writer thread
     variant: str = ""  # the store variant written ("": full chunks)
     kept_tokens: int = 0  # tokens stored (averaged over layers), of `tokens` computed
+    forms: int = 1  # forms stored of each chunk: 2 for a sliding-window model (after the preamble, after the lead-in)
 
     @property
     def tokens_per_s(self) -> float:
@@ -205,6 +207,7 @@ def merged(passes: list[PrecomputeSummary]) -> PrecomputeSummary:
                      "writer_busy_s", "kept_tokens"):
             setattr(out, name, getattr(out, name) + getattr(more, name))
         out.variant = more.variant
+    out.forms = len(passes)
     return out
 
 

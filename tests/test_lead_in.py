@@ -52,6 +52,7 @@ def gemma_store(tiny_family, indexed_store, tmp_path_factory):
     summary = json.loads(out.stdout)
     # two passes: every chunk after the preamble, then after the lead-in
     assert summary["computed"] == 2 * summary["indexed_chunks"] and summary["variant"].startswith("lead:")
+    assert summary["forms"] == 2
     return model, store
 
 

@@ -97,8 +97,8 @@ def put_chunks(objects: ObjectStore, reference: LocalKVTable, n: int, codec: str
 def cache_over(tmp_path):
     """cache_over(objects, name, codec, variant, warm, **options): a cache tier over `objects` in a local store of
     its own; `warm`: a chunk of the same shape already local, from which the tier predicts how far a first GET
-    must reach. The stores close when the test ends."""
-    envs = []
+    must reach. The tiers, then the stores, close when the test ends."""
+    envs, caches = [], []
 
     def make(objects, name: str, codec: str = "fp16", variant: str = "", warm: bool = False,
              **options) -> tuple[CachedKVTable, LocalKVTable]:
@@ -107,9 +107,12 @@ def cache_over(tmp_path):
         if warm:
             local.put_chunk("warm", tokens_for(99, N_TOKENS), kv_layers(99, N_TOKENS))
         remote = RemoteKVTable(objects, MODEL, codec, variant=variant)
-        return CachedKVTable(remote, local, 1 << 30, **options), local
+        caches.append(CachedKVTable(remote, local, 1 << 30, **options))
+        return caches[-1], local
 
     yield make
+    for cache in caches:  # a chunk a read left completing in the background is written before its store closes
+        cache.close()
     for env in envs:
         env.close()
 

@@ -152,6 +152,10 @@ class CachedKVTable(KVTable):
         self.local.delete_chunk(chunk_id)
         return self.remote.delete_chunk(chunk_id)
 
+    def close(self) -> None:
+        """Stop the fetches in progress; a chunk being kept locally is written first (before its store closes)."""
+        self.ranged.close()
+
     def clear_local(self) -> None:
         """Delete every chunk kept locally (not the preamble) and forget what is known of the remote's objects:
         the next reads are cold, as in a fresh process on an empty mirror (a bench's cold start)."""

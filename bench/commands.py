@@ -6,7 +6,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import typer
@@ -167,6 +167,7 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
     load_start = _warn_if_busy(console)
     store_dir = store or (kvrag_home() / "bench-store" if dataset is not None else default_store_dir())
     with StoreEnv.open(store_dir, create=dataset is not None) as env:
+        from kvrag.bench.commands_parts import auto_verdict
         from kvrag.cli.common import load_runtime
         from kvrag.engine.prefiller import Prefiller
 
@@ -174,6 +175,8 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
         with console.status("loading the model"):
             runtime = load_runtime(*model_options)
             engine = Prefiller.open(runtime, env, config.codec, compress=compress)
+            verdict = auto_verdict(runtime)  # blend@auto runs what `kvrag ask` runs for this model
+            config = replace(config, auto_rule=verdict["rule"], auto_floor=verdict["ratio"])
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
@@ -190,7 +193,7 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
                           "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
                           "passage_words": passage_words, "top_k": k if questions else None,
-                          "load_average_start": load_start})
+                          "load_average_start": load_start, "auto": verdict})
     return report
 
 

@@ -28,6 +28,22 @@ from kvrag.errors import KvragError
 MUSIQUE_HELP = "MuSiQue-format JSON (default ../shared/data/musique_s.json)."
 
 
+def auto_verdict(runtime) -> dict:
+    """What `auto` runs for this model in `ask` and `serve`: its stored check's rule and floor ratio, or (no stored
+    check: it is not run here, it takes minutes on a large model) the default rule from r*. The report says which."""
+    from kvrag.blend.config import DEFAULT_RATIO
+    from kvrag.config import DEFAULT_SELECTION
+    from kvrag.engine.model_check import stored_report
+
+    report = stored_report(runtime)
+    if report is None or report.rule is None:
+        note = "no stored check for these settings" if report is None else "its check failed: ask runs full prefill"
+        return {"rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO, "verdict": None if report is None else
+                report.verdict(), "note": f"{note}; blend@auto ran the default rule from r*"}
+    return {"rule": report.rule, "ratio": report.ratio, "verdict": report.verdict(),
+            "note": "blend@auto ran the model's stored verdict, as `kvrag ask` does"}
+
+
 def positive_ints(text: str, what: str) -> list[int]:
     """Comma-separated positive whole numbers (an option like --batches 1,4,16), or one line naming the option."""
     try:

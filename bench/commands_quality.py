@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
-from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, stamped
+from kvrag.bench.commands_parts import MUSIQUE_HELP, auto_verdict, emit, stamped
 from kvrag.bench.typer_app import bench_app
 from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, stderr_console
 from kvrag.errors import KvragError
@@ -40,9 +41,23 @@ def _rules(text: str) -> tuple[str, ...]:
     return rules
 
 
+def _lengths(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise KvragError(f"--tokens takes two token counts LOW,HIGH, got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise KvragError(f"--tokens takes two token counts LOW,HIGH with 0 < LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
 @bench_app.command("fidelity")
 def bench_fidelity(
-    items: int = typer.Option(10, "--items", min=1, max=50, help="MuSiQue items of the split (about 6k tokens each)."),
+    items: int = typer.Option(10, "--items", min=1, max=1000, help="Items of the split: MuSiQue's (at most 50, about 6k "
+                              "tokens each) or generated ones (--set answerable: 200 or more for a report)."),
+    item_set: str = typer.Option("musique", "--set", help="musique (the split's own items) or answerable (generated "
+                                 "questions a model can answer, among the split's passages: bench/answers.py)."),
+    tokens: str = typer.Option("2000,8000", "--tokens", help="--set answerable: the prompts' length range in tokens."),
     split: str = typer.Option("report", "--split", help="tune (items 0-49) or report (50-99)."),
     offset: int = typer.Option(0, "--offset", min=0, max=49, help="Start this many items into the split."),
     rules: str = typer.Option("cacheblend,query,chunks,epic", "--rules", help="Selection rules to sweep."),
@@ -78,11 +93,15 @@ def bench_fidelity(
 
     if split not in ("tune", "report"):
         raise KvragError(f"--split must be tune or report, got {split!r}")
-    spec = FidelitySpec(_rules(rules), _floats(ratios, "--ratios"), max_tokens)
+    auto = "auto" in [r.strip() for r in ratios.split(",")]
+    fixed = ",".join(r for r in ratios.split(",") if r.strip() != "auto")
+    spec = FidelitySpec(_rules(rules), _floats(fixed, "--ratios") if fixed else (), max_tokens)
     lengths = tuple(int(x) for x in ruler_lengths.split(",") if x.strip()) if ruler else ()
+    if item_set not in ("musique", "answerable"):
+        raise KvragError(f"--set must be musique or answerable, got {item_set!r}")
     raw = read_dataset(dataset)
     indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][offset:offset + items]
-    if not indices:
+    if not indices and item_set == "musique":
         raise KvragError(f"--offset {offset} is past the {split} split's items")
     console = stderr_console()
 
@@ -91,10 +110,18 @@ def bench_fidelity(
 
     with StoreEnv.open(store.expanduser(), create=True) as env:
         runtime = load_runtime(model, dtype, device)
+        verdict = auto_verdict(runtime)
+        spec = replace(spec, auto=auto, auto_rule=verdict["rule"], auto_floor=verdict["ratio"]) if auto else spec
+        kinds = None
+        if item_set == "answerable":
+            from kvrag.bench.answers import answerable_items
+
+            raw = answerable_items(raw, split, offset + items, _lengths(tokens), lambda t: len(runtime.tokenizer(t, add_special_tokens=False)["input_ids"]))
+            indices, kinds = list(range(offset, offset + items)), dict(enumerate(raw))
         # a sliding-window model's chunks follow a lead-in drawn from the split's passages, as from a corpus
         lead = lead_in.choose(split_passages(raw, indices, runtime), lead_in.tokens_for(runtime))
         engine = Prefiller.open(runtime, env, lead_in=lead)
-        report = run_sweep(engine, build_items(raw, indices, runtime), spec, records, on_item)
+        report = run_sweep(engine, build_items(raw, indices, runtime), spec, records, on_item, kinds)
         if ruler and ruler_per_cell:
             from kvrag.bench.fidelity_ruler import run_ruler
 
@@ -102,7 +129,8 @@ def bench_fidelity(
             report["ruler"] = run_ruler(engine, runtime, spec, tuple(ruler.split(",")), lengths, ruler_per_cell,
                                         dataset, ruler_records, on_item)
     report = stamped({"model": runtime.local.name, "dtype": str(runtime.model.dtype).removeprefix("torch."),
-                      "split": split, **report})
+                      "split": split, "set": item_set, "load_average": load_average(),
+                      **({"auto": verdict} if auto else {}), **report})
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=1))

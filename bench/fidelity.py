@@ -21,10 +21,12 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvrag.bench.answers import markdown as answers_markdown
+from kvrag.bench.answers import summarize_answers
 from kvrag.bench.rag.methods import Method, blend_method
 from kvrag.bench.rag.metrics import mean_or_none, median_or_none
 from kvrag.bench.rag.runner import BenchRun, MethodRun, RunConfig, run_bench
-from kvrag.blend.config import DEFAULT_SELECTION
+from kvrag.blend.config import DEFAULT_RATIO, DEFAULT_SELECTION
 
 RULES = ("cacheblend", "query", "chunks", "epic")
 RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30)  # and 0: full reuse, the same for every rule
@@ -38,11 +40,15 @@ class FidelitySpec:
     ratios: tuple[float, ...] = RATIOS
     max_tokens: int = 32
     seed: int = 0
+    auto: bool = False  # also `auto` (blend@auto), run as the model's stored verdict makes `ask` run it
+    auto_rule: str | None = None
+    auto_floor: float = DEFAULT_RATIO
 
 
 def methods(spec: FidelitySpec) -> list[Method]:
     """Full prefill (the reference), full reuse (ratio 0), then every rule at every ratio."""
     out = [Method("full", "full"), Method("reuse", "reuse")]
+    out += [blend_method("auto")] if spec.auto else []
     return out + [blend_method(f"{r:g}", rule) for rule in spec.rules for r in spec.ratios if r > 0]
 
 
@@ -118,7 +124,8 @@ def run_items(engine, items, spec: FidelitySpec, records: Path | None = None, on
             on_item(n, len(items), item.index in have)
         if item.index in have:
             continue
-        config = RunConfig(max_tokens=spec.max_tokens, seed=spec.seed + item.index, warmup=not done)
+        config = RunConfig(max_tokens=spec.max_tokens, seed=spec.seed + item.index, warmup=not done,
+                           auto_rule=spec.auto_rule, auto_floor=spec.auto_floor)
         runs = run_bench(engine, [item], chosen, config).runs
         for r in runs:
             r.item = item.index
@@ -132,12 +139,17 @@ def run_items(engine, items, spec: FidelitySpec, records: Path | None = None, on
     return bench
 
 
-def run_sweep(engine, items, spec: FidelitySpec, records: Path | None = None, on_item=None) -> dict:
-    """The sweep on `items` (long prompts): the summary, the tolerance speed-ups and the raw runs."""
+def run_sweep(engine, items, spec: FidelitySpec, records: Path | None = None, on_item=None,
+              kinds: dict[int, str] | None = None) -> dict:
+    """The sweep on `items` (long prompts): the summary, the tolerance speed-ups and the raw runs; with `kinds` (item
+    index -> kind: a generated set the model can answer), the answers each method keeps (bench/answers.py)."""
     bench = run_items(engine, items, spec, records, on_item)
     summary = summarize(bench)
-    return {"spec": asdict(spec), "items": [it.index for it in items], "methods": summary,
-            "tolerances": tolerance_speedups(summary), "runs": [r.to_dict() for r in bench.runs]}
+    report = {"spec": asdict(spec), "items": [it.index for it in items], "methods": summary,
+              "tolerances": tolerance_speedups(summary), "runs": [r.to_dict() for r in bench.runs]}
+    if kinds is not None:
+        report["answers"] = summarize_answers(bench, kinds)
+    return report
 
 
 def pareto_plot(report: dict, out: Path) -> Path:
@@ -175,7 +187,10 @@ def markdown(report: dict) -> str:
     def f(x, fmt=".3f"):
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 | EM | F1 (full right) "
+    lines = []
+    if report.get("answers"):
+        lines += ["Answers (Wilson 95 % intervals):", "", answers_markdown(report["answers"]), "Diagnostics:", ""]
+    lines += ["| method | top-1 | KL | KL / reuse | identical | agreed | TTFT / full | F1 | EM | F1 (full right) "
              "| kept right |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in report["methods"].items():
         lines.append(f"| {name} | {f(m['top1_agreement'], '.2f')} | {f(m['mean_kl'], '.4f')} | {f(m['kl_vs_reuse'])} "

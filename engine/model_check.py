@@ -9,10 +9,11 @@ chunk's KV computed here, kept in memory and reused through the layer loader as 
 - `blend_ratio_1`: a blend that recomputes every chunk row must be a full prefill, up to rounding;
 - `reuse_at_own_position`: prefix caching (the first chunk's KV reused exactly where it was computed, through the
   loader and its rotation) must be a full prefill too, up to rounding;
-- `blend_default`: a blend at the default ratio must mostly keep full prefill's first token, and stay close to its
-  next-token distribution;
-- `blend_query`, only where `blend_default` fails: the same bounds for the `query` selection rule (ProphetKV: the rows
-  the question reads over a full-reuse preview), which the model then blends with.
+- `blend_answers`: on long prompts the model can answer, the cheapest ratio and rule at which the blend keeps full
+  prefill's answers (engine/answer_check.py): the model's `auto` starts from that ratio and blends by that rule;
+- only where the model answers too few of those prompts for its answers to judge: `blend_default`, a blend at the
+  default ratio must mostly keep full prefill's first token and stay close to its next-token distribution, and where
+  it fails `blend_query`, the same bounds for the `query` selection rule (ProphetKV).
 
 Bounds, and the figures they were chosen from: docs/model-check.md.
 """
@@ -30,13 +31,14 @@ import torch
 
 from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
 from kvrag.config import DEFAULT_SELECTION
+from kvrag.engine import answer_check
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 6  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 7  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds, each set between the rounding measured on correct models and the smallest broken figure seen
 # (docs/model-check.md). Ratio 1 and reuse at the chunk's own position differ from a full prefill by rounding alone:
@@ -54,6 +56,8 @@ KL_VS_REUSE_BOUND = 0.6
 KL_FLOOR = 0.005
 # the rules a blend may run, the cheapest first: the first whose check passes is the one the model blends with
 BLEND_RULES = {"blend_default": DEFAULT_SELECTION, "blend_query": "query"}
+ANSWERS = "blend_answers"  # the judge of a model that answers the long prompts (engine/answer_check.py)
+JUDGES = (*BLEND_RULES, ANSWERS)
 
 # (title, text) x 3 and a question: invented people, places and numbers
 PROMPTS: tuple[tuple[tuple[tuple[str, str], ...], str], ...] = (
@@ -100,12 +104,14 @@ class Check:
     """One check: its figures, the bound its main figure is held to, and whether it holds."""
 
     name: str
-    figures: dict[str, float]
+    figures: dict[str, object]
     bound: dict[str, float]
     passed: bool
 
     def failure(self) -> str:
         """The figure that broke its bound, as 'name figure > bound' (for one line on stderr)."""
+        if self.name == ANSWERS:
+            return f"{ANSWERS}: no ratio below full prefill's cost kept its answers ({self.figures.get('summary')})"
         for key, limit in self.bound.items():
             value, sign = self.figures[key], "<" if key == "top1_agreement" else ">"
             if (value < limit) if sign == "<" else (value > limit):
@@ -127,23 +133,46 @@ class CheckReport:
 
     @property
     def rule(self) -> str | None:
-        """The selection rule the model blends with: the first of BLEND_RULES whose check passed (None: none did,
-        or an exactness check failed, and the model is answered with full prefill)."""
-        if any(not c.passed for c in self.checks if c.name not in BLEND_RULES):
+        """The selection rule the model blends with: the answers check's choice, else (a model its answers cannot
+        judge) the first of BLEND_RULES whose check passed; None: none did, or an exactness check failed, and the
+        model is answered with full prefill."""
+        if any(not c.passed for c in self.checks if c.name not in JUDGES):
             return None
+        answers = next((c for c in self.checks if c.name == ANSWERS), None)
+        if answers is not None:
+            return answers.figures["rule"] if answers.passed else None
         return next((BLEND_RULES[c.name] for c in self.checks if c.name in BLEND_RULES and c.passed), None)
 
+    @property
+    def ratio(self) -> float | None:
+        """The ratio `auto` starts from for this model: the answers check's choice, else r* (None: full prefill)."""
+        if self.rule is None:
+            return None
+        answers = next((c for c in self.checks if c.name == ANSWERS), None)
+        return float(answers.figures["ratio"]) if answers is not None else DEFAULT_RATIO
+
+    @property
+    def judged_by(self) -> str | None:
+        """What chose the blend: 'answers' (long prompts), 'first_token' (short ones), None where no judge ran."""
+        names = {c.name for c in self.checks}
+        return "answers" if ANSWERS in names else "first_token" if names & set(BLEND_RULES) else None
+
     def failed(self) -> Check | None:
-        """The check that keeps the model from blending: an exactness check, else the default blend's (when no
-        rule passed)."""
-        exact = next((c for c in self.checks if c.name not in BLEND_RULES and not c.passed), None)
+        """The check that keeps the model from blending: an exactness check, else the blend's judge (when no rule
+        passed)."""
+        exact = next((c for c in self.checks if c.name not in JUDGES and not c.passed), None)
         if exact is not None or self.rule is not None:
             return exact
-        return next(c for c in self.checks if c.name in BLEND_RULES)
+        return next(c for c in self.checks if c.name in JUDGES)
+
+    def verdict(self) -> dict:
+        """What the report makes run: a blend (its rule, the ratio `auto` starts from, what judged it) or full."""
+        return {"passed": self.passed, "mode": "blend" if self.rule else "full", "rule": self.rule,
+                "ratio": self.ratio, "judged_by": self.judged_by}
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "model": self.model, "dtype": self.dtype, "passed": self.passed, "rule": self.rule,
-                "seconds": round(self.seconds, 3), "key": self.key,
+                "ratio": self.ratio, "judged_by": self.judged_by, "seconds": round(self.seconds, 3), "key": self.key,
                 "checks": [{"name": c.name, "passed": c.passed, **c.figures, "bound": c.bound} for c in self.checks]}
 
     @classmethod
@@ -158,14 +187,22 @@ def dtype_name(runtime: Runtime) -> str:
 
 
 def check_key(runtime: Runtime) -> dict[str, object]:
-    """Everything that changes the numbers the checks see: the model, its dtype, the device's type and the kernels."""
+    """Everything that changes the numbers the checks see: the model, its dtype, the device's type, the kernels and the
+    weights' form."""
     m = runtime.model
-    return {"version": CHECK_VERSION, "model": runtime.fingerprint, "dtype": dtype_name(runtime),
-            "device": m.device.type, "triton": bool(m.triton), "native": bool(m.native)}
+    return key_for(runtime.fingerprint, dtype_name(runtime), m.device.type, m.triton, m.native,
+                   getattr(m, "weights", "dense"))
 
 
-def check_model(runtime: Runtime) -> CheckReport:
-    """Run the checks on PROMPTS, and the prompt's start (a few seconds on SmolLM2: docs/model-check.md)."""
+def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: bool, weights: str) -> dict[str, object]:
+    """check_key's fields given one by one (`kvrag model info` reads the stored report without loading the model)."""
+    return {"version": CHECK_VERSION, "model": fingerprint, "dtype": dtype, "device": device, "triton": bool(triton),
+            "native": bool(native), "weights": weights}
+
+
+def check_model(runtime: Runtime, progress: answer_check.Progress | None = None) -> CheckReport:
+    """Run the exactness checks on PROMPTS and the prompt's start, then (where they hold) the blend's judge: the
+    answers on long prompts, or for a model too small to answer them the first-token checks (docs/model-check.md)."""
     start = time.perf_counter()
     prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
     runs = last_logits(runtime, prefiller)
@@ -174,14 +211,41 @@ def check_model(runtime: Runtime) -> CheckReport:
     exact = EXACT_BOUND["float32" if dtype == "float32" else "other"]
     checks = [_exact_check("blend_ratio_1", full, runs["blend_ratio_1"], exact),
               _exact_check("reuse_at_own_position", full, runs["prefix"], exact), _prompt_start(runtime)]
+    report = CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks)
+    # the answers' ladder only where the exact paths hold (minutes on a large model); else, and for a model too small
+    # to answer, the first-token checks (seconds) say how far the blend strays
+    result = answer_check.run_answers(runtime, prefiller, progress) if all(c.passed for c in checks) else None
+    if result is not None and result.judged:
+        checks.append(_answers_check(result))
+    else:
+        checks.extend(_first_token_checks(runtime, prefiller, runs))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _first_token_checks(runtime: Runtime, prefiller: Prefiller, runs: dict) -> list[Check]:
+    """The short prompts' first tokens at r*, the default rule and then `query` (only where the one before failed)."""
+    full, checks = runs["full"], []
     reuse_kl = sum(kl_divergence(f, r) for f, r in zip(full, runs["reuse"], strict=True)) / len(full)
-    for name, rule in BLEND_RULES.items():  # the next rule only where the one before it failed
+    for name, rule in BLEND_RULES.items():
         blended = runs["blend_default"] if rule == DEFAULT_SELECTION else \
             last_logits(runtime, prefiller, {name: ("blend", DEFAULT_RATIO, rule)})[name]
         checks.append(_blend_check(name, full, blended, reuse_kl))
         if checks[-1].passed:
             break
-    return CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks, time.perf_counter() - start)
+    return checks
+
+
+def _answers_check(result: answer_check.AnswerResult) -> Check:
+    """The answers judge as a check: its choice (rule, ratio) where a rung passed, every rung's figures."""
+    chosen, tried = result.choice, result.rungs
+    best = max(tried, key=lambda r: (r.kept - r.right, r.agreed - r.items), default=None)
+    summary = "no rung below the break-even" if best is None else \
+        f"best {best.rule}@{best.ratio:g} kept {best.kept} of {best.right}, agreed on {best.agreed} of {best.items}"
+    figures = {**result.figures(), "rule": chosen.rule if chosen else None, "ratio": chosen.ratio if chosen else None,
+               "summary": summary}
+    bound = {"kept_share": answer_check.KEPT_BOUND, "agreement": answer_check.AGREEMENT_BOUND}
+    return Check(ANSWERS, figures, bound, chosen is not None)
 
 
 def _blend_check(name: str, full: list[torch.Tensor], blended: list[torch.Tensor], reuse_kl: float) -> Check:
@@ -250,19 +314,27 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def report_path(runtime: Runtime) -> Path:
     """Where the model's report for this key lives: beside its cached files ($KVRAG_HOME/models/<fingerprint>/)."""
-    k = check_key(runtime)
-    tag = hashlib.blake2b(json.dumps(k, sort_keys=True).encode(), digest_size=6).hexdigest()
-    return model_home(runtime.fingerprint) / f"model-check-{k['dtype']}-{k['device']}-{tag}.json"
+    return path_for(check_key(runtime))
+
+
+def path_for(key: dict[str, object]) -> Path:
+    tag = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=6).hexdigest()
+    return model_home(str(key["model"])) / f"model-check-{key['dtype']}-{key['device']}-{tag}.json"
 
 
 def stored_report(runtime: Runtime) -> CheckReport | None:
     """The report stored for this model and key, or None (none, unreadable, or of another key)."""
+    return report_for(check_key(runtime))
+
+
+def report_for(key: dict[str, object]) -> CheckReport | None:
+    """The report stored under `key` (key_for), or None."""
     try:
-        data = json.loads(report_path(runtime).read_text())
+        data = json.loads(path_for(key).read_text())
         report = CheckReport.from_json(data)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return report if data.get("schema") == SCHEMA and report.key == check_key(runtime) else None
+    return report if data.get("schema") == SCHEMA and report.key == key else None
 
 
 def store_report(runtime: Runtime, report: CheckReport) -> Path:
@@ -276,10 +348,13 @@ def store_report(runtime: Runtime, report: CheckReport) -> Path:
 
 
 def cached_check(runtime: Runtime, run: bool = True) -> CheckReport | None:
-    """The stored report for this model and key; else (run) the checks, run now and stored; else None."""
+    """The stored report for this model and key; else (run) the checks, run now (a progress line on stderr) and
+    stored; else None."""
     report = stored_report(runtime)
     if report is None and run:
-        report = check_model(runtime)
+        report = check_model(runtime, answer_check.stderr_progress(runtime.local.name))
+        if sys.stderr.isatty():  # the progress line rewrote itself in place: end it
+            print(file=sys.stderr, flush=True)
         try:
             store_report(runtime, report)
         except OSError:  # a read-only KVRAG_HOME: the check holds for this process, and runs again next time
@@ -287,15 +362,16 @@ def cached_check(runtime: Runtime, run: bool = True) -> CheckReport | None:
     return report
 
 
-def blend_rule(runtime: Runtime) -> str | None:
-    """The first-use gate (api.KVRag): the selection rule the model blends with (its check run and stored now if it
-    never ran for this key), or None: one line on stderr says which check failed, and the caller answers in full."""
+def blend_verdict(runtime: Runtime) -> CheckReport:
+    """The first-use gate (api.KVRag): the model's report (its check run and stored now if it never ran for this key),
+    whose `rule` and `ratio` the model blends with; where `rule` is None one line on stderr says which check failed,
+    and the caller answers in full."""
     report = cached_check(runtime)
     failed = report.failed()
     if failed is not None:
         print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}): answering with full "
               "prefill; `kvrag model check` for details", file=sys.stderr, flush=True)
-    elif report.rule != DEFAULT_SELECTION:
-        print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule, the first its blending "
-              "check passed (`kvrag model check`)", file=sys.stderr, flush=True)
-    return report.rule
+    elif report.rule != DEFAULT_SELECTION or report.ratio != DEFAULT_RATIO:
+        print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule from ratio "
+              f"{report.ratio:g}, what its blending check chose (`kvrag model check`)", file=sys.stderr, flush=True)
+    return report

@@ -157,6 +157,13 @@ class Sequence:
         return {"ttft": first - self.arrival, "decode": end - first,
                 "queued": (self.prefill_started or time.perf_counter()) - self.arrival}
 
+    def ran(self) -> dict:
+        """What produced the answer: the mode that ran (a blend the model's check failed, or one `auto` found dearer
+        than a full prefill, runs `full`), the share of chunk rows it recomputed and the selection rule (a blend's)."""
+        info, req = self.prefill_info, self.request
+        ratio = req.ratio.report(info.get("ratio"), info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0))
+        return {"mode": req.mode, "ratio": ratio, "rule": req.blend.selection if req.mode == "blend" else None}
+
     def answer(self, tokenizer, retrieve_s: float = 0.0) -> Answer:
         """The finished sequence as `kvrag ask --json`'s record: text, tokens, sources, costs and timings."""
         info, req = self.prefill_info, self.request
@@ -164,11 +171,11 @@ class Sequence:
         times = self.times()
         rate = (len(self.output) - 1) / times["decode"] if len(self.output) > 1 and times["decode"] else 0.0
         timings = {**info.get("timings", {}), "retrieve": retrieve_s, **times, "decode_tokens_per_s": rate}
-        ratio = req.ratio.report(info.get("ratio"), info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0))
-        return Answer(req.question, text, list(self.output), req.mode, ratio, self.prompt_tokens,
+        ran = self.ran()
+        return Answer(req.question, text, list(self.output), req.mode, ran["ratio"], self.prompt_tokens,
                       info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0), info.get("bytes_loaded", 0),
                       timings, list(req.sources), info.get("chunk_tiers", []),
-                      "interrupted" if self.finish_reason == "cancelled" else self.finish_reason)
+                      "interrupted" if self.finish_reason == "cancelled" else self.finish_reason, ran["rule"])
 
     def __repr__(self) -> str:
         return f"Sequence({self.id}, {self.status.value}, length={self.length}, out={len(self.output)})"

@@ -46,9 +46,9 @@ class Runtime:
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
-        net = load_weights(local, resolve_dtype(dtype, dev), dev, resolve_weights(weights, dev))
-        net.triton = resolve_triton(kernels, dev)
-        net.native = native
+        form = resolve_weights(weights, dev)
+        net = load_weights(local, resolve_dtype(dtype, dev), dev, form)
+        net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
         return cls(local, net, tokenizer, prompts, lead_in)
 
     @classmethod

@@ -92,6 +92,7 @@ class Transformer:
         # (device.resolve_triton: on a GPU unless KVRAG_KERNELS=torch); on a CPU only in tests, under TRITON_INTERPRET
         self.triton = False
         self.native = True  # kvrag's C++ CPU kernels where they serve (config.py's native; Runtime.load sets it)
+        self.weights = "dense"  # the layer matrices' form: dense, int8 or int4 (Runtime.load sets it)
 
     # The native decode step (kernels/decode.cpp) computes a Llama-shaped layer and the Triton and row kernels plain
     # causal attention: a model with more (q/k norms, a partial rotary, sliding windows) runs torch's ops instead of

@@ -112,7 +112,7 @@ class Server:
     async def health(self) -> dict:
         stats = self.rag.stats()
         return {"status": "ok", "model": self.settings.model_name, "waiting": stats.waiting,
-                "running": stats.running}
+                "running": stats.running, "blend": self.rag.verdict}  # the model check's: what a blend request runs
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)

@@ -122,7 +122,8 @@ class Choice:
         return {"prompt_tokens": prompt["all"], "completion_tokens": completion,
                 "total_tokens": prompt["all"] + completion,
                 "prompt_tokens_details": {"cached_tokens": prompt["reused"],
-                                          "blended_cached_tokens": prompt["blended_cached"]}}
+                                          "blended_cached_tokens": prompt["blended_cached"]},
+                "kvrag": self.gen.ran}  # what produced the answer: mode, ratio, rule (a blend or a full prefill)
 
 
 class StopMatcher:

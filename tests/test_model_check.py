@@ -10,9 +10,12 @@ import types
 import pytest
 import torch
 
+from kvrag.blend.config import DEFAULT_RATIO
 from kvrag.config import DEFAULT_SELECTION
-from kvrag.engine import model_check
+from kvrag.engine import answer_check, model_check
+from kvrag.engine.answer_set import make_items
 from kvrag.engine.model_check import Check, CheckReport, cached_check, check_model, report_path
+from kvrag.engine.prefiller import Prefiller
 from kvrag.model import rotary
 from kvrag.model.runtime import Runtime
 from kvrag.tests.conftest import FAMILIES, run_cli_in_process
@@ -144,6 +147,30 @@ def test_kvrag_over_a_passing_model_blends(tiny_llama_dir, store_copy, tmp_path,
     assert cached_check(rag.runtime, run=False).passed  # stored at first use
 
 
+def test_a_stored_answers_verdict_is_what_runs_and_every_answer_says_so(tiny_llama_dir, store_copy, tmp_path,
+                                                                        monkeypatch):
+    """A verdict stored under the model's key (the answers chose `query` from 0.05): a blend at `auto` runs that rule
+    from that floor, an explicit ratio runs as asked, and each answer names its mode, ratio and rule."""
+    from kvrag import KVRag
+
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    runtime = Runtime.load(str(tiny_llama_dir), dtype="float32")
+    exact = [Check(name, {}, {}, True) for name in ("blend_ratio_1", "reuse_at_own_position", "prompt_start")]
+    answers = Check("blend_answers", {"rule": "query", "ratio": 0.05}, {}, True)
+    model_check.store_report(runtime, CheckReport(runtime.fingerprint, "float32", model_check.check_key(runtime),
+                                                  [*exact, answers]))
+    options = dict(model=str(tiny_llama_dir), dtype="float32", host_cache="0", preload_retriever=False)
+    with KVRag(store_copy, **options) as rag:
+        assert (rag.engine.config.selection, rag.engine.config.ratio) == ("query", 0.05)
+        assert rag.verdict == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers"}
+        auto = rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=2).to_json()
+        fixed = rag.ask(QUESTION, passages=PASSAGES, mode="blend", ratio=0.5, max_tokens=2).to_json()
+        full = rag.ask(QUESTION, passages=PASSAGES, mode="full", max_tokens=2).to_json()
+    assert (auto["mode"], auto["rule"]) == ("blend", "query") and auto["ratio"] >= 0.05
+    assert (fixed["mode"], fixed["rule"]) == ("blend", "query") and fixed["ratio"] == 0.5
+    assert (full["mode"], full["rule"], full["ratio"]) == ("full", None, None)
+
+
 def test_model_check_cli_json(tiny_llama_dir, kvrag):
     proc = kvrag("model", "check", "--model", str(tiny_llama_dir), "--dtype", "float32", "--json")
     report = json.loads(proc.stdout)
@@ -188,14 +215,34 @@ def test_the_rule_is_the_first_blend_check_that_passed_and_none_where_exactness_
     broken = _report(**{**exact, "reuse_at_own_position": False}, blend_default=True)
     assert broken.rule is None and broken.failed().name == "reuse_at_own_position"
     assert CheckReport.from_json(fallback.to_json()).rule == "query"
+    assert fallback.ratio == DEFAULT_RATIO and fallback.judged_by == "first_token"
+
+
+def test_the_answers_check_decides_the_rule_and_the_ratio():
+    """Hand-made: where the answers judged the blend, its choice is what runs (rule and the ratio auto starts from),
+    and a failed answers check means full prefill, whatever a first-token check would have said."""
+    exact = [Check(name, {}, {}, True) for name in ("blend_ratio_1", "reuse_at_own_position", "prompt_start")]
+    chosen = CheckReport("m", "bfloat16", {}, [*exact, Check("blend_answers", {"rule": "query", "ratio": 0.05}, {}, True)])
+    assert (chosen.rule, chosen.ratio, chosen.judged_by, chosen.passed) == ("query", 0.05, "answers", True)
+    assert chosen.verdict() == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers"}
+    again = CheckReport.from_json(json.loads(json.dumps(chosen.to_json())))
+    assert (again.rule, again.ratio) == ("query", 0.05)
+    lost = CheckReport("m", "bfloat16", {}, [*exact, Check("blend_answers", {"rule": None, "ratio": None,
+                                                                             "summary": "best chunks@0.05"}, {}, False)])
+    assert lost.rule is None and lost.ratio is None and lost.failed().name == "blend_answers"
+    assert lost.verdict()["mode"] == "full" and "no ratio" in lost.failed().failure()
 
 
 @pytest.mark.real_model
-def test_qwen25_fails_the_default_rule_and_blends_with_query(qwen05):
-    """Qwen2.5's default blend keeps too little of what reuse loses (issue 56); the check falls back to `query`, whose
-    KL it holds to the same bounds."""
-    report = check_model(Runtime.load(str(qwen05.path), dtype="float32"))
-    figures = _figures(report)
-    assert report.passed and report.rule == "query", figures
-    assert not {c.name: c.passed for c in report.checks}["blend_default"], figures
-    assert figures["blend_query"]["kl_vs_reuse"] < figures["blend_default"]["kl_vs_reuse"]
+def test_the_answers_judge_fails_a_blend_with_a_wrong_rotary(qwen05, broken_rotary):
+    """Qwen2.5-0.5B answers enough of the check's long prompts for its answers to judge; with loaded keys rotated by
+    the wrong convention no rung of the ladder keeps them (each stops at its first loss), so the model would be
+    answered with full prefill."""
+    runtime = Runtime.load(str(qwen05.path), dtype="float32", weights="dense")
+    torch.set_num_threads(2)  # a 0.5B model's 1,500-token prefills: a second core halves them
+    # shorter prompts than the check's own, of the kinds this model answers (a suite on two cores has no 3 minutes)
+    items = make_items(4, answer_check.SEED, tokens=(1500, 1800), kinds=("lookup", "comparison"))
+    result = answer_check.run_answers(runtime, Prefiller(runtime), rules=(DEFAULT_SELECTION,), items=items)
+    assert result.judged, result.figures()
+    assert result.choice is None and result.rungs, result.figures()
+    assert all(r.kept < answer_check.KEPT_BOUND * r.right or r.agreed < r.items for r in result.rungs), result.figures()

@@ -359,7 +359,21 @@ def test_metrics_count_what_the_requests_did(rag, server, client):
     assert metric(server, "kvrag_tier_hit_rate", kind="prefix") == pytest.approx(stats.prefix_hit_rate)
     assert stats.prefix_hit_rate > 0  # the warm references' prompts were asked again
     health = httpx.get(server.url + "/health", timeout=30).json()
-    assert health == {"status": "ok", "model": MODEL, "waiting": 0, "running": 0}
+    # the model's verdict: the suite skips the check, so blends run the default rule from r*
+    assert health == {"status": "ok", "model": MODEL, "waiting": 0, "running": 0, "blend": rag.verdict}
+    assert (rag.verdict["mode"], rag.verdict["rule"], rag.verdict["ratio"]) == ("blend", "chunks", 0.15)
+
+
+def test_usage_says_what_produced_the_answer(rag, client):
+    """usage.kvrag: the mode that ran, the share of chunk rows recomputed and the rule; a full prefill has neither."""
+    asked = {"passages": [{"title": "Skerry Point", "text": "The last keeper of Skerry Point was Margaret Ross."},
+                          {"title": "Ross", "text": "Margaret Ross kept the lamp for thirty years and kept goats."}]}
+    runs = {mode: client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": QUESTION}], extra_body={**asked, "mode": mode}).usage.model_extra["kvrag"]
+        for mode in ("blend", "full")}
+    assert runs["blend"]["mode"] == "blend" and runs["blend"]["rule"] == "chunks"
+    assert 0 < runs["blend"]["ratio"] <= 1  # of the chunk rows past the first (an exact prefix)
+    assert runs["full"] == {"mode": "full", "ratio": None, "rule": None}
 
 
 def test_each_app_has_its_own_registry(rag, server):

@@ -8,34 +8,11 @@ over the bag of words; against several gold answers the best one counts.
 from __future__ import annotations
 
 import math
-import re
 import statistics
-import string
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
-
-
-def normalize_answer(text: str) -> str:
-    """'The  Eiffel-Tower!' -> 'eiffeltower' (SQuAD: lower, no punctuation, no articles, single spaces)."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
-
-
-def f1_score(prediction: str, gold: str) -> float:
-    """Token F1 after normalisation. Both empty counts as a match (1.0), one empty as 0.0."""
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    same = sum((Counter(pred) & Counter(ref)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(ref)
-    return 2 * precision * recall / (precision + recall)
+# the model check scores answers as the bench does: one definition, in the engine
+from kvrag.engine.answer_set import f1_score, normalize_answer  # noqa: F401 (re-exported)
 
 
 def exact_match(prediction: str, gold: str) -> float:
@@ -102,3 +79,14 @@ def mean_or_none(values: Iterable[float | None]) -> float | None:
 def median_or_none(values: Iterable[float | None]) -> float | None:
     xs = [float(v) for v in values if v is not None]
     return statistics.median(xs) if xs else None
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> dict[str, float | int | None]:
+    """A share and its Wilson score interval (95 % at z 1.96): sound at small n and at 0 or 1, where the normal
+    approximation gives [1, 1] for 23 of 23."""
+    if n == 0:
+        return {"k": 0, "n": 0, "share": None, "low": None, "high": None}
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return {"k": successes, "n": n, "share": p, "low": max(0.0, centre - half), "high": min(1.0, centre + half)}

@@ -20,7 +20,7 @@ import torch
 from kvrag.bench.rag.items import BenchItem
 from kvrag.bench.rag.methods import Method
 from kvrag.bench.rag.metrics import best_em, best_f1, f1_score, kl_divergence, top1_agrees
-from kvrag.blend.config import ATTENTION_WEIGHT, DEFAULT_SELECTION, BlendConfig
+from kvrag.blend.config import ATTENTION_WEIGHT, DEFAULT_RATIO, DEFAULT_SELECTION, BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
@@ -50,6 +50,10 @@ class RunConfig:
     chunk_start_rows: int = 0  # see BlendConfig
     deviation_mass: float = 0.0
     selection: str = DEFAULT_SELECTION  # see BlendConfig
+    # what `auto` runs for this model, as `kvrag ask` and `serve` run it: its check's rule and the ratio it starts from
+    # (engine/model_check.py's stored verdict; None: the run's selection and r*)
+    auto_rule: str | None = None
+    auto_floor: float = DEFAULT_RATIO
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -62,7 +66,8 @@ class RunConfig:
         ratio = method.ratio if blended else 0.15  # auto: resolved later
         return BlendConfig(ratio, self.check_layer, self.deviation, self.gradual, self.attention_weight,
                            chunk_start_rows=self.chunk_start_rows, deviation_mass=self.deviation_mass,
-                           selection=(method.selection if method is not None else None) or self.selection)
+                           selection=(method.selection if method is not None else None)
+                           or (self.auto_rule if method is not None and method.auto else None) or self.selection)
 
 
 @dataclass
@@ -167,7 +172,7 @@ def run_bench(engine: Prefiller, items: list[BenchItem], methods: list[Method], 
     start = time.perf_counter()
     bench = BenchRun(methods, items)
     bench.setup = prepare(engine, items, methods, config, on_progress)
-    llm = LLMEngine(engine, EngineConfig(codec=config.codec))
+    llm = LLMEngine(engine, EngineConfig(codec=config.codec, ratio=config.auto_floor))
     if config.warmup:
         t0 = time.perf_counter()
         short = items[0].chunks[:WARMUP_CHUNKS]

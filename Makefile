@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-gpu bench-load gpu-bundle gpu-check test-cuda
+	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
 install: $(STAMP)
 
@@ -174,6 +174,18 @@ FIDELITY_ARGS ?= --items 20 --rules cacheblend,query,chunks,epic
 bench-fidelity: bench-data $(STAMP)
 	$(BIN)/kvrag bench fidelity --dataset $(BENCH_DATA) $(FIDELITY_ARGS) --records bench-fidelity.jsonl \
 	  --out bench-fidelity
+
+# Blending judged by its answers (docs/answers.md): ANSWER_ITEMS generated questions the model can answer (look-ups,
+# bridges, comparisons, aggregations over invented records among look-alikes), placed among the report split's MuSiQue
+# passages at ANSWER_TOKENS tokens; full prefill, full reuse, the former default and what `auto` runs for the model
+# (its stored check). Hours for a 1.5B model on 2 cores: each item's runs are recorded as it ends and a rerun resumes.
+ANSWER_ITEMS ?= 200
+ANSWER_TOKENS ?= 2000,8000
+ANSWER_OUT ?= bench-answers$(if $(MODEL),-$(MODEL))
+bench-answers: bench-data $(STAMP)
+	$(BIN)/kvrag bench fidelity --set answerable --split report --items $(ANSWER_ITEMS) --tokens $(ANSWER_TOKENS) \
+	  --rules chunks --ratios 0.15,auto --ruler '' --max-tokens 16 $(DEMO_MODEL) --dataset $(BENCH_DATA) \
+	  --store .kvrag/$(ANSWER_OUT)-store --records $(ANSWER_OUT).jsonl --out $(ANSWER_OUT)
 
 bench-remote: bench-data $(STAMP)
 	$(BIN)/kvrag bench remote --dataset $(BENCH_DATA) --items 10 $(REMOTE_ARGS)

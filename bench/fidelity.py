@@ -98,7 +98,8 @@ def tolerance_speedups(summary: dict[str, dict], tolerances=TOLERANCES) -> dict[
     rules = sorted({m["rule"] for m in summary.values() if m["mode"] == "blend"})
     out: dict[str, dict[str, dict | None]] = {}
     for rule in rules:
-        points = sorted((m["ratio"], name, m) for name, m in summary.items() if m["rule"] == rule and m["mode"] == "blend")
+        points = sorted((m["ratio"], name, m) for name, m in summary.items()
+                        if m["rule"] == rule and m["mode"] == "blend" and m["ratio"] is not None)  # auto: no one ratio
         out[rule] = {}
         for t in tolerances:
             hit = next((m | {"method": name} for _, name, m in points
@@ -164,7 +165,8 @@ def pareto_plot(report: dict, out: Path) -> Path:
     reuse = methods_.get("reuse", {})
     for rule in sorted({m["rule"] for m in methods_.values() if m["mode"] == "blend"}):
         pts = sorted((m["median_ttft_ratio_to_full"], m["kl_vs_reuse"], m["ratio"]) for m in methods_.values()
-                     if m["rule"] == rule and m["median_ttft_ratio_to_full"] is not None and m["kl_vs_reuse"] is not None)
+                     if m["rule"] == rule and m["ratio"] is not None and m["median_ttft_ratio_to_full"] is not None
+                     and m["kl_vs_reuse"] is not None)
         if reuse.get("median_ttft_ratio_to_full") is not None:
             pts = [(reuse["median_ttft_ratio_to_full"], 1.0, 0.0)] + pts
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=rule)

@@ -77,7 +77,8 @@ class Names:
 
 def person_text(p: dict, rng: random.Random) -> str:
     """A person's record: the fields a question may ask, among sentences it never asks about."""
-    facts = [f"{p['name']} ({p['born']}-{p['died']}) was a {p['job']} born in the town of {p['town']}.",
+    article = "an" if p["job"][0] in "aeiou" else "a"
+    facts = [f"{p['name']} ({p['born']}-{p['died']}) was {article} {p['job']} born in the town of {p['town']}.",
              f"{p['name']} kept a {p['pet']} named {p['pet_name']}, who appears in many of the family's letters.",
              f"In the evenings {p['name']} played the {p['instrument']} with friends from the neighbourhood.",
              f"A close friend, the writer Alma {p['friend']}, described {p['name']} as patient and exact.",
@@ -216,16 +217,14 @@ def make_items(n: int, seed: int, filler: Callable[[random.Random], Passage] | N
             facts = facts[::-1]
         target = rng.randint(*tokens)
         others, total = list(lookalikes), sum(count(t) + count(x) for t, x in [*facts, *lookalikes])
-        for _ in range(FILLER_TRIES):  # no passage twice in a prompt
-            if total >= target:
+        for _ in range(FILLER_TRIES):  # no passage twice in a prompt, and at least one to stand first
+            if total >= target and len(others) > len(lookalikes):
                 break
             title, text = filler(rng)
             if (title, text) not in others:
                 others.append((title, text))
                 total += count(title) + count(text)
-        first = next(j for j, (t, x) in enumerate(others) if (t, x) not in lookalikes) if len(others) > len(lookalikes) \
-            else 0
-        head = others.pop(first)  # a fact record never stands first
+        head = others.pop(len(lookalikes))  # a filler passage: a fact record never stands first
         rest = others + [None] * len(facts)
         rng.shuffle(rest)
         slots = iter(facts)

@@ -200,9 +200,10 @@ def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: boo
             "native": bool(native), "weights": weights}
 
 
-def check_model(runtime: Runtime, progress: answer_check.Progress | None = None) -> CheckReport:
+def check_model(runtime: Runtime, progress: answer_check.Progress | None = None, answers: bool = True) -> CheckReport:
     """Run the exactness checks on PROMPTS and the prompt's start, then (where they hold) the blend's judge: the
-    answers on long prompts, or for a model too small to answer them the first-token checks (docs/model-check.md)."""
+    answers on long prompts, or for a model too small to answer them the first-token checks (docs/model-check.md).
+    `answers` False: the first-token checks only (a random test model, which cannot answer)."""
     start = time.perf_counter()
     prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
     runs = last_logits(runtime, prefiller)
@@ -214,7 +215,8 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None)
     report = CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks)
     # the answers' ladder only where the exact paths hold (minutes on a large model); else, and for a model too small
     # to answer, the first-token checks (seconds) say how far the blend strays
-    result = answer_check.run_answers(runtime, prefiller, progress) if all(c.passed for c in checks) else None
+    judge = answers and all(c.passed for c in checks)
+    result = answer_check.run_answers(runtime, prefiller, progress) if judge else None
     if result is not None and result.judged:
         checks.append(_answers_check(result))
     else:

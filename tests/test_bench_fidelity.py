@@ -81,3 +81,46 @@ def test_bench_fidelity_refuses_bad_options_in_one_line(monkeypatch, capsys):
     assert code != 0 and "--rules takes names from cacheblend" in err and "Traceback" not in err
     code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "fidelity", "--ratios", "0.1,2")
     assert code != 0 and "--ratios takes ratios between 0 and 1" in err
+
+
+def test_answer_shares_by_hand():
+    """Three generated items; full prefill right on 0 and 1 (a whole sentence naming the value counts), the blend
+    right on 0 and 2: it keeps 1 of 2, turns 1 of 1 right, and agrees with full prefill on item 0 alone."""
+    from kvrag.bench.answers import summarize_answers
+    from kvrag.bench.rag.items import BenchItem
+
+    def run(item: int, method: str, answer: str) -> MethodRun:
+        return MethodRun(item, method, 0, None, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 10, 5, 0, 0, answer, [],
+                         ttft_ratio_to_full=1.0 if method == "full" else 0.25)
+    meta = {0: {"kind": "lookup", "wrong": ["Gindtrol"]}, 1: {"kind": "lookup", "wrong": ["Bile"]},
+            2: {"kind": "comparison", "wrong": ["Libaus Club"]}}
+    golds = {0: ["Tunvan"], 1: ["Himfaus"], 2: ["Lortson League", "Lortson"]}
+    bench = BenchRun([Method("full", "full"), Method("blend", "blend", 0.15)],
+                     [BenchItem(i, "q?", golds[i], [("c", [1])]) for i in golds])
+    bench.runs = [run(0, "full", "Tunvan"), run(1, "full", "Her dog was named Himfaus."), run(2, "full", "Libaus Club"),
+                  run(0, "blend", "The Tunvan."), run(1, "blend", "Bile"), run(2, "blend", "The Lortson League")]
+    summary = summarize_answers(bench, meta)
+    blend, full = summary["blend"], summary["full"]
+    assert (full["accuracy"]["k"], full["kept"]["k"], full["kept"]["n"], full["agreement"]["k"]) == (2, 2, 2, 3)
+    assert (blend["kept"]["k"], blend["kept"]["n"], blend["turned_right"]["k"], blend["turned_right"]["n"]) == (1, 2, 1, 1)
+    assert blend["agreement"]["k"] == 1 and blend["median_ttft_ratio_to_full"] == 0.25
+    assert blend["by_kind"]["lookup"]["kept"]["k"] == 1 and blend["by_kind"]["comparison"]["accuracy"]["k"] == 1
+
+
+def test_bench_fidelity_answerable_set_with_auto(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+    """--set answerable on the tiny model: generated items among MuSiQue passages of the split (a file of two items
+    here), full prefill agreeing with itself, and blend@auto run as the model's verdict says (none stored: r*)."""
+    data = tmp_path / "musique.json"
+    data.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": f"Passage {i} " * 30}
+                                                                            for i in range(6)]}] * 2))
+    args = ("bench", "fidelity", "--dataset", str(data), "--set", "answerable", "--split", "tune", "--items", "4",
+            "--tokens", "300,400", "--model", str(tiny_llama_dir), "--dtype", "float32", "--store",
+            str(tmp_path / "store"), "--rules", "chunks", "--ratios", "0.3,auto", "--max-tokens", "3", "--ruler", "")
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", *args, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    answers = report["answers"]
+    assert list(answers) == ["full", "reuse", "blend@auto", "chunks@0.3"]
+    assert answers["full"]["agreement"]["share"] == 1.0 and answers["full"]["items"] == 4
+    assert set(answers["full"]["by_kind"]) == {"lookup", "bridge", "comparison", "aggregation"}
+    assert report["set"] == "answerable" and report["auto"]["rule"] == "chunks" and report["auto"]["ratio"] == 0.15

@@ -78,14 +78,17 @@ def test_the_check_passes_on_the_tiny_llama_models(fixture, dtype, request):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_check_passes_on_every_family(name, tiny_family):
-    report = check_model(Runtime.load(str(tiny_family(name))))
-    assert report.passed, _figures(report)
+    """The exact paths and the first-token judge per family; the answers' ladder is the same code for every family
+    (the tiny llamas above and the real models run it) and a random model answers nothing, so it is left out here."""
+    report = check_model(Runtime.load(str(tiny_family(name))), answers=False)
+    assert report.passed and report.judged_by == "first_token", _figures(report)
 
 
 @pytest.mark.real_model
 def test_the_check_passes_on_smollm2(smol):
+    """SmolLM2-135M answers too few of the long prompts for its answers to judge: the first-token checks do."""
     report = check_model(Runtime.load(None))
-    assert report.passed, _figures(report)
+    assert report.passed and report.judged_by == "first_token", _figures(report)
     assert report.to_json()["schema"] == "kvrag.model-check/1"
 
 

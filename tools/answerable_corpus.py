@@ -8,8 +8,8 @@ right answers kept and the answer agreement, each with its Wilson 95 % interval,
     python tools/answerable_corpus.py write --items 30 --out /tmp/ans
     kvrag index /tmp/ans/corpus.jsonl --store /tmp/ans/store --model M && kvrag precompute --store /tmp/ans/store --model M
     kvrag ask --questions /tmp/ans/questions.jsonl --store /tmp/ans/store --model M -k 10 --relative-cutoff 0 \
-        --mode full --json > /tmp/ans/full.jsonl   # and --mode blend > /tmp/ans/blend.jsonl
-    python tools/answerable_corpus.py score /tmp/ans/questions.jsonl full=/tmp/ans/full.jsonl blend=/tmp/ans/blend.jsonl
+        --mode full --json > /tmp/ans/full.json   # and --mode blend > /tmp/ans/blend.json
+    python tools/answerable_corpus.py score /tmp/ans/questions.jsonl full=/tmp/ans/full.json blend=/tmp/ans/blend.json
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def score(questions: Path, runs: list[str]) -> None:
     answers = {}
     for run in runs:
         mode, path = run.split("=", 1)
-        answers[mode] = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        text = Path(path).read_text()  # `kvrag ask --json --questions` writes one JSON list
+        answers[mode] = json.loads(text) if text.lstrip().startswith("[") else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
     full = answers["full"]
     right_full = {i for i, a in enumerate(full) if is_right(a["answer"], asked[i]["answers"], asked[i]["wrong"])}
     print("| mode | ran | right | kept of full's right | agreement | TTFT ÷ full (median) |\n|---|---|---|---|---|---|")

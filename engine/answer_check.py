@@ -95,7 +95,8 @@ def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: Blend
 
 
 def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | None = None,
-                rules: tuple[str, ...] = RULES, items: list[dict] | None = None) -> AnswerResult:
+                rules: tuple[str, ...] = RULES, items: list[dict] | None = None,
+                ladder: tuple[float, ...] = LADDER) -> AnswerResult:
     """Full prefill's answers, then the ladder until a rung keeps them (or none below the break-even does). `items`:
     other prompts than the check's (MuSiQue-format, with `wrong`)."""
     progress = progress or _silent
@@ -117,7 +118,7 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
     cfg = runtime.model.cfg
     even = min(full_ratio(cfg.n_layers, BlendConfig().check_layer, sum(len(ids) for _, ids in chunks), SUFFIX_GUESS)
                for chunks, _, _ in prompts)
-    for ratio in (r for r in LADDER if r < even):
+    for ratio in (r for r in ladder if r < even):
         for rule in rules:
             rung = _rung(runtime, prefiller, prompts, full, right, Rung(rule, ratio), progress)
             result.rungs.append(rung)

@@ -245,7 +245,9 @@ def test_the_answers_judge_fails_a_blend_with_a_wrong_rotary(qwen05, broken_rota
     torch.set_num_threads(2)  # a 0.5B model's 1,500-token prefills: a second core halves them
     # shorter prompts than the check's own, of the kinds this model answers (a suite on two cores has no 3 minutes)
     items = make_items(4, answer_check.SEED, tokens=(1500, 1800), kinds=("lookup", "comparison"))
-    result = answer_check.run_answers(runtime, Prefiller(runtime), rules=(DEFAULT_SELECTION,), items=items)
+    # the cheapest rung and the most generous one: a wrong rotary loses the answers at both
+    result = answer_check.run_answers(runtime, Prefiller(runtime), rules=(DEFAULT_SELECTION,), items=items,
+                                      ladder=(0.05, 0.3))
     assert result.judged, result.figures()
     assert result.choice is None and result.rungs, result.figures()
     assert all(r.kept < answer_check.KEPT_BOUND * r.right or r.agreed < r.items for r in result.rungs), result.figures()

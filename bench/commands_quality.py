@@ -83,7 +83,7 @@ def bench_fidelity(
 
     Example: kvrag bench fidelity --items 10 --rules cacheblend,query --ratios 0.1,0.15 --records fid.jsonl --out fid
     """
-    from kvrag.bench.fidelity import FidelitySpec, markdown, pareto_plot, run_sweep
+    from kvrag.bench.fidelity import markdown, run_sweep
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
     from kvrag.bench.rag.items import build_items, read_dataset, split_passages
     from kvrag.cli.common import load_runtime
@@ -93,9 +93,7 @@ def bench_fidelity(
 
     if split not in ("tune", "report"):
         raise KvragError(f"--split must be tune or report, got {split!r}")
-    auto = "auto" in [r.strip() for r in ratios.split(",")]
-    fixed = ",".join(r for r in ratios.split(",") if r.strip() != "auto")
-    spec = FidelitySpec(_rules(rules), _floats(fixed, "--ratios") if fixed else (), max_tokens)
+    spec, auto = _spec(rules, ratios, max_tokens)
     lengths = tuple(int(x) for x in ruler_lengths.split(",") if x.strip()) if ruler else ()
     if item_set not in ("musique", "answerable"):
         raise KvragError(f"--set must be musique or answerable, got {item_set!r}")
@@ -114,10 +112,7 @@ def bench_fidelity(
         spec = replace(spec, auto=auto, auto_rule=verdict["rule"], auto_floor=verdict["ratio"]) if auto else spec
         kinds = None
         if item_set == "answerable":
-            from kvrag.bench.answers import answerable_items
-
-            raw = answerable_items(raw, split, offset + items, _lengths(tokens), lambda t: len(runtime.tokenizer(t, add_special_tokens=False)["input_ids"]))
-            indices, kinds = list(range(offset, offset + items)), dict(enumerate(raw))
+            raw, indices, kinds = _answerable(raw, split, offset, items, tokens, runtime)
         # a sliding-window model's chunks follow a lead-in drawn from the split's passages, as from a corpus
         lead = lead_in.choose(split_passages(raw, indices, runtime), lead_in.tokens_for(runtime))
         engine = Prefiller.open(runtime, env, lead_in=lead)
@@ -132,11 +127,36 @@ def bench_fidelity(
                       "split": split, "set": item_set, "load_average": load_average(),
                       **({"auto": verdict} if auto else {}), **report})
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=1))
-        (out / "report.md").write_text(markdown(report))
-        pareto_plot(report, out)
+        _write(report, out)
     emit(report, markdown, as_json)
+
+
+def _answerable(musique: list[dict], split: str, offset: int, items: int, tokens: str, runtime):
+    """--set answerable's items (generated among the split's MuSiQue passages), the indices run and each one's item."""
+    from kvrag.bench.answers import answerable_items
+    from kvrag.engine.answer_check import token_counter
+
+    raw = answerable_items(musique, split, offset + items, _lengths(tokens), token_counter(runtime))
+    return raw, list(range(offset, offset + items)), dict(enumerate(raw))
+
+
+def _spec(rules: str, ratios: str, max_tokens: int):
+    """The sweep's spec from --rules and --ratios, and whether `auto` is among the ratios."""
+    from kvrag.bench.fidelity import FidelitySpec
+
+    auto = "auto" in [r.strip() for r in ratios.split(",")]
+    fixed = ",".join(r for r in ratios.split(",") if r.strip() != "auto")
+    return FidelitySpec(_rules(rules), _floats(fixed, "--ratios") if fixed else (), max_tokens), auto
+
+
+def _write(report: dict, out: Path) -> None:
+    """report.json, report.md and the Pareto plot into `out`."""
+    from kvrag.bench.fidelity import markdown, pareto_plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report))
+    pareto_plot(report, out)
 
 
 @bench_app.command("weights")

@@ -79,10 +79,12 @@ def check_prompts(runtime: Runtime) -> list[dict]:
     names = Names(random.Random(SEED + 2))
     pool = [filler_note(names, notes_rng) for _ in range(NOTES_POOL)]
 
-    def count(text: str) -> int:
-        return len(runtime.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return make_items(PROMPTS, SEED, lambda r: r.choice(pool), TOKENS, token_counter(runtime))
 
-    return make_items(PROMPTS, SEED, lambda r: r.choice(pool), TOKENS, count)
+
+def token_counter(runtime: Runtime) -> Callable[[str], int]:
+    """A text's length in the model's own tokens (what a set's prompt lengths are counted in)."""
+    return lambda text: len(runtime.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: BlendConfig) -> str:

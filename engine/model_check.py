@@ -138,7 +138,7 @@ class CheckReport:
         model is answered with full prefill."""
         if any(not c.passed for c in self.checks if c.name not in JUDGES):
             return None
-        answers = next((c for c in self.checks if c.name == ANSWERS), None)
+        answers = self._answers()
         if answers is not None:
             return answers.figures["rule"] if answers.passed else None
         return next((BLEND_RULES[c.name] for c in self.checks if c.name in BLEND_RULES and c.passed), None)
@@ -148,14 +148,18 @@ class CheckReport:
         """The ratio `auto` starts from for this model: the answers check's choice, else r* (None: full prefill)."""
         if self.rule is None:
             return None
-        answers = next((c for c in self.checks if c.name == ANSWERS), None)
+        answers = self._answers()
         return float(answers.figures["ratio"]) if answers is not None else DEFAULT_RATIO
+
+    def _answers(self) -> Check | None:
+        return next((c for c in self.checks if c.name == ANSWERS), None)
 
     @property
     def judged_by(self) -> str | None:
         """What chose the blend: 'answers' (long prompts), 'first_token' (short ones), None where no judge ran."""
-        names = {c.name for c in self.checks}
-        return "answers" if ANSWERS in names else "first_token" if names & set(BLEND_RULES) else None
+        if self._answers() is not None:
+            return "answers"
+        return "first_token" if any(c.name in BLEND_RULES for c in self.checks) else None
 
     def failed(self) -> Check | None:
         """The check that keeps the model from blending: an exactness check, else the blend's judge (when no rule

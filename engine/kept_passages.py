@@ -122,6 +122,7 @@ class PassageKeeper:
                 held -= kept[chunk_id][1]
                 self._clock = max(self._clock, self._value.pop(chunk_id, (None, 0.0))[1])
                 victims.append(chunk_id)
+                self._seen[chunk_id] = 1  # seen once: its next sighting is a second one, which stores it again
             self.stats.evicted += len(victims)
         return victims
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 
@@ -23,6 +22,7 @@ from kvrag.engine.conversations import Conversations
 from kvrag.engine.kept_passages import PassageKeeper
 from kvrag.engine.kv_budget import parse_rule
 from kvrag.engine.kv_pool import SequenceKV
+from kvrag.engine.next_token import next_token
 from kvrag.engine.plans import Planner
 from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
 from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefiller
@@ -33,7 +33,6 @@ from kvrag.engine.write_back import WriteBack
 from kvrag.errors import KvragError
 from kvrag.kvcache.allocator import OutOfBlocks
 from kvrag.model.cache import DecodeCache
-from kvrag.model.sampling import choose
 
 
 class PromptTooLong(KvragError):
@@ -195,24 +194,44 @@ class LLMEngine:
             pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req),
                                          framing=framing)
         except Exception as exc:  # noqa: BLE001 - off the queue and not yet running: the loop's _fail_all misses it
-            if isinstance(exc, KvragError):
-                seq.error = str(exc)
-            else:
-                logging.getLogger("kvrag.engine").exception("a prefill failed; its request ends with the error")
-                seq.error = f"{type(exc).__name__}: {exc}"
-            self._finish(seq, "error")
-            return
+            return self._failed(seq, exc)
         self._prefilled(seq, pre, config)
 
     def _next_piece(self) -> None:
         seq, job = self.prefilling
-        pre = job.advance(self.config.prefill_chunk)
+        try:
+            pre = job.advance(self.config.prefill_chunk)
+        except Exception as exc:  # noqa: BLE001 - one request's fault ends that request alone
+            return self._failed(seq, exc)
         if pre is not None:
             self.prefilling = None
             self._prefilled(seq, pre, seq.request.blend)
 
+    def _failed(self, seq: Sequence, exc: Exception) -> None:
+        """End a sequence whose prefill or admission raised with the error, its pool blocks and cache references
+        given back: between the prefill and the running queue it is in no queue the loop's _fail_all sees."""
+        log = logging.getLogger("kvrag.engine")
+        if seq.is_finished:  # answered at its first token, then caching it failed: the answer stands
+            log.exception("caching a finished prompt failed; its blocks are given back")
+            self._release_hit(seq)
+            self.scheduler.finish(seq)
+            return
+        if isinstance(exc, KvragError):
+            seq.error = str(exc)
+        else:
+            log.exception("a prefill failed; its request ends with the error")
+            seq.error = f"{type(exc).__name__}: {exc}"
+        self._finish(seq, "error")
+
     def _prefilled(self, seq: Sequence, pre: Prefilled, config) -> None:
-        """The first token (unless a re-prefill after preemption), then the prompt's KV into the pool."""
+        """The first token (unless a re-prefill after preemption), then the prompt's KV into the pool; whatever
+        raises on the way ends this request with the error (_failed), never the engine."""
+        try:
+            self._start(seq, pre, config)
+        except Exception as exc:  # noqa: BLE001 - the grammar, the keeper, the tiers, the pool: one request's fault
+            self._failed(seq, exc)
+
+    def _start(self, seq: Sequence, pre: Prefilled, config) -> None:
         req = seq.request
         seq.prompt_rows = pre.prompt_tokens  # what the pool holds (the estimate counted unstored chunks whole)
         if not seq.preemptions:  # the first token first; prefilled again, it re-feeds what it had (seq.replay)
@@ -226,8 +245,10 @@ class LLMEngine:
             if req.keep_first_logits:
                 seq.first_logits = pre.logits
             hit, seq.hit = seq.hit, []  # kept past a finish at the first token, for the cache below
-            self._emit(seq, self._choose(seq, pre.logits))
-            seq.hit = hit
+            try:
+                self._emit(seq, self._choose(seq, pre.logits))
+            finally:
+                seq.hit = hit  # given back by whoever ends the sequence, a fault's _failed included
         self._admit(seq)
         self.prefiller.source.fill_cache()  # the memory tiers, between prefills, after the token
         self.writes.store_computed()  # chunks computed on the fly, repaired ones: on the write-back's thread
@@ -279,25 +300,7 @@ class LLMEngine:
         seq.length = int(rows.shape[-1])
 
     def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The next token from logits [V]; no stop token before the request's min_tokens."""
-        sampling = seq.request.sampling
-        raw = logits
-        if seq.constraint is not None:  # the grammar decides where the answer may end
-            logits = logits.clone()
-            seq.constraint.mask(logits)
-        elif len(seq.output) < sampling.min_tokens:
-            logits = logits.clone()
-            logits[list(self.prefiller.stop_ids)] = -math.inf
-        token = choose(logits, sampling, seq.generator, seq.output)  # with logit_bias and penalties; `raw` stays as is
-        if seq.request.forced:  # teacher forcing: the forced token goes on, the model's own choice is counted
-            forced = seq.request.forced[min(len(seq.output), len(seq.request.forced) - 1)]
-            seq.agreed += int(token == forced)
-            token = forced
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
-        if seq.request.logprobs is not None:  # the model's own distribution, before sampling's settings
-            seq.chosen = token_logprobs(raw, token, seq.request.logprobs)
-        return token
+        return next_token(seq, logits, self.prefiller.stop_ids)
 
     def _emit(self, seq: Sequence, token: int) -> None:
         """A sampled token: the end (a stop token), or one more, which may be the last allowed."""
@@ -328,8 +331,10 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         seq.finished_at = time.perf_counter()
-        seq.push(DONE)
-        seq.done.set()
+        try:
+            seq.push(DONE)
+        finally:
+            seq.done.set()  # whatever the listener does, a reader waiting on the end gets it
 
     def _admit(self, seq: Sequence) -> None:
         """A plain prompt's kept passages gain value for having been read; those seen for the second time go to the
@@ -358,8 +363,10 @@ class LLMEngine:
         except OutOfBlocks:
             return self._release_hit(seq)
         seq.hit = []
-        self.kv.prefix.insert(seq.plan.ids(), table.blocks, seq.request.salt, seq.exact_rows)
-        self.kv.free(table)
+        try:
+            self.kv.prefix.insert(seq.plan.ids(), table.blocks, seq.request.salt, seq.exact_rows)
+        finally:
+            self.kv.free(table)
 
     def _release_hit(self, seq: Sequence) -> None:
         """Give back the prefix cache's blocks a sequence matched but no table of its took."""
@@ -372,13 +379,6 @@ class LLMEngine:
         if seq.request.mode not in ("blend", "reuse"):
             return 0.0
         return self.prefiller.source.order_priority(seq.request.chunks)
-
-
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """logits [V]: the token's log-probability and the `top` most likely tokens' (most likely first)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-    values, ids = torch.topk(lp, top) if top else (lp[:0], lp[:0].long())
-    return float(lp[token]), [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def _observe(req: Request) -> str | None:

@@ -118,8 +118,13 @@ class Sequence:
     def push(self, event: int | None) -> None:
         """Hand a token (or DONE) to the reader, from the engine's thread."""
         self.events.put(event)
-        if self.listener is not None:
-            self.listener()
+        listener = self.listener
+        if listener is not None:
+            try:
+                listener()
+            except BaseException:
+                self.listener = None  # the request ends with this error (llm_engine's _failed): no second call
+                raise
 
     @property
     def feed_token(self) -> int:

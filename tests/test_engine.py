@@ -266,3 +266,50 @@ def test_the_engine_blends_with_the_rule_the_model_check_chose(runtime, requests
         while engine.has_work():
             engine.step()
         torch.testing.assert_close(seq.first_logits, expected[rule], rtol=1e-4, atol=2e-4)
+
+
+FAULTS = {  # each step between a prefill and the running queue, by what the engine calls there
+    "first token": lambda engine, seq: setattr(engine, "_choose", _raises),
+    "listener": lambda engine, seq: setattr(seq, "listener", _raises),
+    "passage keeper": lambda engine, seq: setattr(engine, "_admit", _raises),
+    "memory tiers": lambda engine, seq: setattr(engine.prefiller.source, "fill_cache", _raises),
+    "write-back": lambda engine, seq: setattr(engine.writes, "store_computed", _raises),
+    "prefix insert": lambda engine, seq: setattr(engine.kv.prefix, "insert", _raises),
+    "pool admission": lambda engine, seq: setattr(engine.kv, "admit", _raises),
+}
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("a fault")
+
+
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_a_fault_after_the_prefill_ends_that_request_and_frees_its_blocks(runtime, requests, alone, where):
+    """Whatever raises between a prefill and the running queue (the first token, its listener, the passage keeper,
+    the tiers, the write-back queue, the prefix cache, the pool) ends that request with the error, gives its blocks
+    back, and the next request answers as it does alone: the request used to be in no queue and wait forever."""
+    from kvrag.tests.passages import plain_request
+
+    engine = new_engine(runtime)
+    cached = engine.add(plain_request("Name a colour."))  # framed: its blocks go to the prefix cache
+    while engine.has_work():
+        engine.step()
+    held = engine.sequence_blocks  # the cached prompt's partial last block, which the cache cannot hand out
+    for request in (requests[0], plain_request("Name a colour, then a second one.")):
+        seq = engine.new_sequence(request)
+        FAULTS[where](engine, seq)
+        engine.scheduler.add(seq)
+        while engine.has_work():
+            engine.step()
+        for name in ("_choose", "_admit"):
+            engine.__dict__.pop(name, None)  # the engine's own methods again
+        for owner, name in ((engine.prefiller.source, "fill_cache"), (engine.writes, "store_computed"),
+                            (engine.kv.prefix, "insert"), (engine.kv, "admit")):
+            owner.__dict__.pop(name, None)
+        if seq.finish_reason != "error":  # this step is not on this request's path (a RAG prompt is not cached)
+            assert where in ("prefix insert", "passage keeper") and seq.finish_reason in ("stop", "length")
+            continue
+        assert seq.error == "RuntimeError: a fault" and seq.done.is_set() and seq.events.qsize() >= 1
+        assert engine.sequence_blocks == held, f"{where}: blocks left held"
+    assert cached.finish_reason in ("stop", "length")
+    assert run(engine, [requests[1]])[0] == alone[1]

@@ -94,3 +94,17 @@ def test_a_full_bound_evicts_the_least_valuable_passage_and_keeps_the_new_one(co
     hit = _run(engine, _request(f"Read this:\n{second}\nWho is named?", salt="alice"))
     assert [p.chunk_id for p in hit.plan.pieces if p.chunk_id] == [new_id]
     engine.close()
+
+
+def test_an_evicted_passage_is_kept_again_at_its_next_sighting(keeper):
+    """Eviction forgets a passage's sightings but one: sent again after it went, it is stored again (it used to stay
+    at two or more sightings for good, and admission happens at the second alone)."""
+    keeper, table = keeper
+    (a, a_id), (b, b_id) = _passages(7, 8)
+    assert keeper.sighted(a, "") is None and keeper.sighted(a, "") == a_id  # stored at its second sighting
+    keeper.recorded(table, a_id, a, "", seconds_per_token=1e-3)
+    keeper.recorded(table, b_id, b, "", seconds_per_token=2e-3)  # worth more: A goes first
+    assert keeper.make_room(100) == [a_id]
+    keeper.spans.remove(a_id)
+    assert keeper.sighted(a, "") == a_id  # computed again, its next sighting keeps it again
+    assert keeper.stats.admitted == 2

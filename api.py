@@ -148,7 +148,8 @@ class KVRag:
         def request(found: Found) -> Request:
             return Request(question, found.chunks, mode, blend, policy, sampling, found.sources, kv_tokens=kv_tokens,
                            kv_rule=kv_rule, logprobs=logprobs, history=history, rag=given or bool(found.chunks),
-                           keep_turn=keep_turn, grammar=grammar, last_role=last_role, salt=salt, prompt=found.prompt)
+                           keep_turn=keep_turn, grammar=grammar, last_role=last_role, salt=salt, prompt=found.prompt,
+                           store_chunks=not found.own)
 
         if staged and found.retrieved:  # the search left to its stages
             # each stage's request keeps the plain prompt the decision rendered (for a search that finds nothing)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvrag.config import MIN_SCORE, KVRagConfig
 from kvrag.corpus.mirror import local_store
+from kvrag.engine.kept_passages import client_chunk_id
 from kvrag.engine.prompt_reuse import Paragraphs, PromptFound, PromptSpans, carries_passages, find_in_prompt
 from kvrag.errors import KvragError
 from kvrag.model.chat import ChatPrompts
@@ -36,6 +37,7 @@ class Found:
     sources: tuple[dict, ...] = ()  # what an answer reports of them
     retrieved: bool = False  # retrieval was decided (`staged`: the search left to the caller)
     prompt: PromptFound | None = None  # a plain prompt rendered here: its ids and stored spans
+    own: bool = False  # the chunks are the request's own passages: computed for it, never written to the store
 
     @property
     def routed(self) -> tuple[tuple[str, int], ...]:
@@ -99,6 +101,15 @@ class RequestChunks:
         return cls(env, config.retrieval, PromptBuilder(local.load_tokenizer()), local.tokenizer_fingerprint,
                    Retrieval(env), PromptSpans(env))
 
+    def _own_chunks(self, passages: Sequence[tuple[int, ...]], salt: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """A request's own passages as chunks: a passage the corpus holds (the same ids) reads the corpus's stored
+        KV; any other gets its tenant's salted id (kept_passages.client_chunk_id), so a memory tier's copy made for
+        one tenant is never another's hit, and the engine never writes it to the store (Found.own)."""
+        table = ChunkTable(self.env)
+        corpus = [chunk_id_for(ids, self.tokenizer_fp) for ids in passages]
+        return tuple((c if table.get(c) is not None else client_chunk_id(ids, self.tokenizer_fp, salt), ids)
+                     for c, ids in zip(corpus, passages, strict=True))
+
     def find(self, question: str, history: Sequence[tuple[str, str]] = (), *, k: int = 5,
              relative_cutoff: float = 0.5, min_score: float = MIN_SCORE, chunk_ids: Sequence[str] | None = None,
              passages: Sequence[Passage] | None = None, rag: bool = True, salt: str = "", last_role: str = "user",
@@ -108,9 +119,9 @@ class RequestChunks:
         engine finds them). `staged`: where retrieval is decided, leave the search to the caller."""
         if passages is not None:
             found = [(title, tuple(self.prompts.passage_ids(title, text))) for title, text in passages]
-            chunks = tuple((chunk_id_for(ids, self.tokenizer_fp), ids) for _, ids in found)
+            chunks = self._own_chunks([ids for _, ids in found], salt)
             return Found(chunks, tuple({"chunk_id": c, "title": title, "tokens": len(ids)}
-                                       for (c, ids), (title, _) in zip(chunks, found, strict=True)))
+                                       for (c, ids), (title, _) in zip(chunks, found, strict=True)), own=True)
         if chunk_ids is not None:
             records = ChunkTable(self.env).get_many(list(chunk_ids))
             return Found(tuple((r.chunk_id, tuple(r.token_ids)) for r in records), tuple(map(_source, records)))

@@ -97,8 +97,8 @@ class ChunkSource:
         return keep_lead_in(full, preamble_text)
 
     def chunk_refs(self, chunks: Sequence[tuple[str, Sequence[int]]], in_memory: Sequence[LayerKV | None] = (),
-                   start: int | None = None) -> tuple[list[ChunkRef], float]:
-        """Refs for (chunk_id, token_ids); chunks missing from the store are computed now (and
+                   start: int | None = None, store: bool = True) -> tuple[list[ChunkRef], float]:
+        """Refs for (chunk_id, token_ids); chunks missing from the store are computed now (and, with `store`,
         written back later). `in_memory[i]`: chunk i's stored KV already in a memory tier. `start`: the prompt position
         of the first chunk, where a lead-in's chunks are read (`near`: the form after the preamble).
         Returns the refs and the seconds spent computing missing chunks."""
@@ -107,12 +107,12 @@ class ChunkSource:
         refs, at = [], start
         for i, (chunk_id, ids) in enumerate(chunks):
             if at is not None and self.near(at):
-                kv, read = self._near_kv(chunk_id, ids)
+                kv, read = self._near_kv(chunk_id, ids, store)
                 refs.append(ChunkRef(chunk_id, ids, kv, read=read))
             elif i < len(in_memory) and in_memory[i] is not None:
                 refs.append(ChunkRef(chunk_id, ids, in_memory[i]))
             elif chunk_id in missing or self.computed(chunk_id):
-                kv, kept = self.compute_chunk(chunk_id, ids)
+                kv, kept = self.compute_chunk(chunk_id, ids, store)
                 refs.append(ChunkRef(chunk_id, ids, kv, kept))
             else:
                 refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
@@ -125,9 +125,9 @@ class ChunkSource:
         first rows' windows reach the prompt's start, as that form's did (precompute/lead_in.py)."""
         return self.lead_in is not None and (position == len(self.preamble) or position < self.window)
 
-    def _near_kv(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, bool]:
+    def _near_kv(self, chunk_id: str, ids: Sequence[int], store: bool = True) -> tuple[LayerKV, bool]:
         """A chunk's KV as computed right after the preamble, and whether the store had it: read whole, else computed
-        now (and stored, or its damaged value replaced, at the next write-back)."""
+        now (and with `store`, stored, or its damaged value replaced, at the next write-back)."""
         m = self.model
         try:
             layers = self._read_layers(chunk_id, ids, self.near_table)
@@ -136,8 +136,9 @@ class ChunkSource:
                 done = self._near_write_back.get(chunk_id)
             if done is None:
                 done = (ids, chunk_kv(self.runtime, self.preamble, ids), isinstance(exc, CorruptValue))
-                with self._lock:
-                    self._near_write_back[chunk_id] = done
+                if store:
+                    with self._lock:
+                        self._near_write_back[chunk_id] = done
             return done[1], False
         k = [torch.from_numpy(d.k).to(m.device, m.dtype) for d in layers]  # [n, Hkv, hd] each
         v = [torch.from_numpy(d.v).to(m.device, m.dtype) for d in layers]
@@ -187,8 +188,9 @@ class ChunkSource:
             raise MissingChunk(chunk_id)
         return [table.get_layer(chunk_id, layer, expect_token_ids=ids) for layer in range(self.model.cfg.n_layers)]
 
-    def compute_chunk(self, chunk_id: str, ids: Sequence[int]) -> tuple[LayerKV, np.ndarray | None]:
-        """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps."""
+    def compute_chunk(self, chunk_id: str, ids: Sequence[int], store: bool = True) -> tuple[LayerKV, np.ndarray | None]:
+        """A chunk's KV computed now (reduced, when the engine reads reduced chunks) and the tokens it keeps; with
+        `store`, written to the store at the next write-back."""
         with self._lock:
             done = self._write_back.get(chunk_id)
         if done is not None:
@@ -199,8 +201,9 @@ class ChunkSource:
             full, kept = keyformer.reduce_chunk(self.model, self.preamble, self.runtime.ids_tensor(list(ids)),
                                                 self.keep, chunk_id)
             kv = keyformer.narrow(full, kept)
-        with self._lock:
-            self._write_back[chunk_id] = (ids, kv, kept)
+        if store:
+            with self._lock:
+                self._write_back[chunk_id] = (ids, kv, kept)
         return kv, kept
 
     def computed(self, chunk_id: str | None = None) -> bool:

@@ -192,7 +192,7 @@ class LLMEngine:
                 self._next_piece()
                 return
             pre = self.prefiller.prefill(chunks, req.question, req.mode, config, extra=0, observe=_observe(req),
-                                         framing=framing)
+                                         framing=framing, store=req.store_chunks)
         except Exception as exc:  # noqa: BLE001 - off the queue and not yet running: the loop's _fail_all misses it
             return self._failed(seq, exc)
         self._prefilled(seq, pre, config)

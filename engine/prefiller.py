@@ -131,10 +131,11 @@ class Prefiller:
 
     def prefill(self, chunks: Sequence[tuple[str, Sequence[int]]], question: str, mode: str = "blend",
                 config: BlendConfig | None = None, extra: int = 64, observe: str | None = None,
-                framing: Framing | None = None) -> Prefilled:
+                framing: Framing | None = None, store: bool = True) -> Prefilled:
         """Prefill preamble + chunks + suffix(question) by `mode` (with `framing`: its head + chunks + its tail);
         retries once per corrupt chunk. observe (a rule: keyformer, h2o, window): score the rows by the question's
-        attention (Prefilled.attention), for a decode-time budget."""
+        attention (Prefilled.attention), for a decode-time budget. `store` False: chunks the store lacks are computed
+        for this prompt alone, never written back (a request's own passages)."""
         if mode not in MODES:
             raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
         config = config or BlendConfig()
@@ -143,7 +144,7 @@ class Prefiller:
             try:
                 with torch.inference_mode():
                     tap = self._observer(chunks, observe, framing) if observe else None
-                    return self._prefill_once(chunks, suffix, mode, config, extra, tap, framing)
+                    return self._prefill_once(chunks, suffix, mode, config, extra, tap, framing, store)
             except CorruptChunk as exc:
                 # never use a damaged value: compute that chunk now and repair the store afterwards
                 ids = dict(chunks)[exc.chunk_id]
@@ -169,7 +170,7 @@ class Prefiller:
         return AttentionScore(rule, cfg.n_layers, cfg.n_kv_heads, start, self.model.device)
 
     def _prefill_once(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int,
-                      tap: AttentionScore | None = None, framing: Framing | None = None) -> Prefilled:
+                      tap: AttentionScore | None = None, framing: Framing | None = None, store: bool = True) -> Prefilled:
         start = time.perf_counter()
         if mode == "full":
             job = FullPrefill(self.runtime, chunks, suffix, extra, start, tap, framing)
@@ -180,14 +181,14 @@ class Prefiller:
         tiers = mode in ("blend", "reuse") and framing is None
         lease = self.source.acquire(chunks, len(suffix)) if tiers else None
         try:
-            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap, framing)
+            return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap, framing, store)
         except BaseException:
             self.source.release(lease)
             raise
 
     def _blend_after_prefix(self, chunks, suffix: list[int], mode: str, config: BlendConfig, extra: int, lease,
                             start: float, tap: AttentionScore | None = None,
-                            framing: Framing | None = None) -> Prefilled:
+                            framing: Framing | None = None, store: bool = True) -> Prefilled:
         matched = lease.matched if lease is not None else 0
         source = self.source
         exact = source.exact_prefix(lease) if framing is None else framing.head
@@ -202,7 +203,7 @@ class Prefiller:
             if mode == "reuse" or config.ratio == 0:  # the prompt's own text is computed all the same
                 mode, config = "blend", replace(config, ratio=0.0, deviation_mass=0.0)
         else:
-            refs, missing_s = source.chunk_refs(rest, memory, start=len(exact))
+            refs, missing_s = source.chunk_refs(rest, memory, start=len(exact), store=store)
         if mode == "blend" and config.ratio == 0 and forced is None:
             mode = "reuse"  # ratio 0 is full KV reuse, by definition
         if mode == "prefix":

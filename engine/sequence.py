@@ -62,6 +62,9 @@ class Request:
     # a plain prompt's ids and stored spans as request_chunks.py found them: planned from, not found again (None:
     # the engine renders and probes it)
     prompt: PromptFound | None = None
+    # False: the chunks are the request's own passages (salted ids): their KV is computed for it and may stay in the
+    # memory tiers, but is never written to the shared store, which only the corpus and kept passages fill
+    store_chunks: bool = True
 
 
 class Status(enum.Enum):

@@ -105,3 +105,30 @@ def test_own_passages_answer_from_them(rag):
     answer = rag.ask("Who invented the Quarn loom?", passages=[
         ("Quarn loom", "The Quarn loom was invented in 1791 by Beatrix Olufsen, a weaver from Trondheim.")])
     assert "Olufsen" in answer.text
+
+
+def test_own_passages_are_salted_per_key_and_never_written_to_the_store(rag):
+    """A request's own passages are computed for it under its key's salt: the store never grows by them (an
+    authenticated client could fill the disk), and another key sending the same passage is computed afresh rather
+    than served the first key's copy (whose timing would tell it the passage was sent). A passage the corpus holds
+    reads the corpus's stored KV."""
+    from kvrag.store.chunks import ChunkRecord, ChunkTable
+
+    passage = [("Quarn loom", "The Quarn loom was invented in 1791 by Beatrix Olufsen, a weaver from Trondheim.")]
+    env, engine = rag.chunks.env, rag.engine
+    kv = engine.prefiller.source.table
+    stored = sum(1 for _ in kv.iter_chunks())
+    first = rag.ask("Who invented the Quarn loom?", passages=passage, salt="tenant-a", max_tokens=2)
+    again = rag.ask("Who invented the Quarn loom?", passages=passage, salt="tenant-a", max_tokens=2)
+    other = rag.ask("Who invented the Quarn loom?", passages=passage, salt="tenant-b", max_tokens=2)
+    engine.writes.drain()
+    ids = [a.sources[0]["chunk_id"] for a in (first, again, other)]
+    assert ids[0] == ids[1] != ids[2]
+    assert [a.chunk_tiers[0] for a in (first, other)] == ["computed", "computed"]  # b never reads a's copy
+    assert sum(1 for _ in kv.iter_chunks()) == stored and set(kv.missing(ids)) == set(ids)
+
+    record: ChunkRecord = next(ChunkTable(env).iter())  # a corpus chunk, sent as a passage of one's own
+    ids = rag.runtime.prompts.passage_ids(record.title, record.text)
+    if tuple(ids) == tuple(record.token_ids):  # the corpus's chunks are tokenized as passages are
+        corpus = rag.ask("What is this about?", passages=[(record.title, record.text)], salt="tenant-a", max_tokens=2)
+        assert corpus.sources[0]["chunk_id"] == record.chunk_id and corpus.chunk_tiers[0] != "computed"

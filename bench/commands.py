@@ -83,7 +83,8 @@ def bench_command(
     codec: str = typer.Option("fp16", "--codec", help="Stored KV codec the loading methods read: fp16, bf16, int8."),
     compress: bool = typer.Option(True, "--compress/--no-compress",
                                   help="How the setup stores chunks that have no KV yet: zstd, or as they are."),
-    check_layer: int = typer.Option(1, "--check-layer", help="Blend: layers before it are computed in full."),
+    check_layer: int = typer.Option(None, "--check-layer", help="Blend: layers before it are computed in full "
+                                    "(default: the rule's own, blend/config.py)."),
     deviation: str = typer.Option("v", "--deviation", help="Blend: select tokens by deviation of k, v or kv."),
     gradual: bool = GRADUAL_OPTION,
     attention_weight: float = ATTENTION_WEIGHT_OPTION,

@@ -13,6 +13,10 @@ from kvrag.errors import KvragError
 # (CacheBlend's 15 %; blend/ratio.py)
 DEFAULT_RATIO = 0.15
 DEVIATIONS = ("k", "v", "kv")
+CHECK_LAYER = 1  # CacheBlend's: every row computed through layer 0, ranked at layer 1
+# `query` ranked at layer 0: the same answers as at 1 on the tune split's 38 items, 0.04x full prefill's TTFT sooner
+# (docs/answers.md, "Selecting at layer 0")
+PREVIEW_CHECK_LAYER = 0
 WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
 ATTENTION_WEIGHT = 4.0  # first 50 MuSiQue items, ratio 0.15: mean first-token KL 0.041 at 1, 0.037 at 2, 0.035 at 4
 
@@ -20,7 +24,10 @@ ATTENTION_WEIGHT = 4.0  # first 50 MuSiQue items, ratio 0.15: mean first-token K
 @dataclass(frozen=True)
 class BlendConfig:
     ratio: float = DEFAULT_RATIO  # share of chunk tokens recomputed from the check layer on
-    check_layer: int = 1  # layers before it are computed for every token
+    # layers before it are computed for every token; None: the rule's own (check_at): 1 for the rules that rank by
+    # what the check layer computes, 0 for those that rank by the preview's reading, which need nothing computed
+    # there (a layer-0 row's K/V does not depend on its context, so computing every row there buys nothing)
+    check_layer: int | None = None
     deviation: str = "v"  # what ||fresh - loaded|| is measured on
     gradual: bool = True  # select 1.5x the share at the check layer, `ratio` at the next (CacheBlend's gradual filtering)
     # rank by deviation x (1 + attention_weight x how much the suffix reads the token / the mean): a token's
@@ -47,7 +54,7 @@ class BlendConfig:
     def __post_init__(self) -> None:
         for ok, message in (
             (0.0 <= self.ratio <= 1.0, f"--ratio must be between 0 and 1 (or auto), got {self.ratio}"),
-            (self.check_layer >= 0, f"--check-layer must be >= 0, got {self.check_layer}"),
+            (self.check_layer is None or self.check_layer >= 0, f"--check-layer must be >= 0, got {self.check_layer}"),
             (self.deviation in DEVIATIONS, f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}"),
             (self.selection in selection.SELECTION_RULES,
              f"--selection must be one of {', '.join(selection.SELECTION_RULES)}, got {self.selection}"),
@@ -60,10 +67,18 @@ class BlendConfig:
             if not ok:
                 raise KvragError(message)
 
+    @property
+    def check_at(self) -> int:
+        """The first check layer: `check_layer`, or the rule's own (see the field)."""
+        if self.check_layer is not None:
+            return self.check_layer
+        return PREVIEW_CHECK_LAYER if self.selection in selection.PREVIEW_RULES else CHECK_LAYER
+
     def selection_schedule(self) -> dict[int, float]:
         """Layer -> share of chunk tokens kept after that layer's check."""
+        first = self.check_at
         if not self.gradual or self.ratio >= 1.0:
-            return {self.check_layer: self.ratio}
+            return {first: self.ratio}
         # start wider and narrow down to `ratio` at the next layer: every wider row at a check costs a blended layer's
         # row, so 1.5x over one layer saves one blended layer against 2x-1.5x (docs/performance.md, "selection defaults")
-        return {self.check_layer: min(1.0, self.ratio * WIDER_AT_CHECK), self.check_layer + 1: self.ratio}
+        return {first: min(1.0, self.ratio * WIDER_AT_CHECK), first + 1: self.ratio}

@@ -68,10 +68,10 @@ class RatioPolicy:
         would."""
         if not self.auto:
             return config
-        even = full_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens)
+        even = full_ratio(n_layers, config.check_at, chunk_tokens, suffix_tokens)
         if even < floor:
             return None
-        cap = min(even, budget_ratio(n_layers, config.check_layer, chunk_tokens, suffix_tokens, floor))
+        cap = min(even, budget_ratio(n_layers, config.check_at, chunk_tokens, suffix_tokens, floor))
         return replace(config, ratio=floor, deviation_mass=AUTO_MASS, max_ratio=max(cap, floor))
 
     def report(self, ratio: float | None, chunk_tokens: int, recomputed: int) -> float | None:

@@ -113,7 +113,8 @@ def ask_command(
     ratio: str = typer.Option("auto", "--ratio", help="Share of chunk tokens to recompute, or 'auto': from 0.15 up, "
                               "as much as the prompt's deviation asks within a first-token budget."),
     deviation: str = typer.Option("v", "--deviation", help="Select tokens by deviation of k, v or kv."),
-    check_layer: int = typer.Option(1, "--check-layer", help="Layers before it are computed in full."),
+    check_layer: int = typer.Option(None, "--check-layer", help="Layers before it are computed in full (default: the "
+                                    "rule's own: 1, or 0 for the rules that rank by the preview's reading)."),
     gradual: bool = typer.Option(True, "--gradual/--no-gradual",
                                  help="Gradual filtering: select 1.5x the share at the check layer, narrowing "
                                       "to --ratio at the next (default)."),

@@ -118,7 +118,7 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
     if not result.judged:
         return result
     cfg = runtime.model.cfg
-    even = min(full_ratio(cfg.n_layers, BlendConfig().check_layer, sum(len(ids) for _, ids in chunks), SUFFIX_GUESS)
+    even = min(full_ratio(cfg.n_layers, BlendConfig().check_at, sum(len(ids) for _, ids in chunks), SUFFIX_GUESS)
                for chunks, _, _ in prompts)
     for ratio in (r for r in ladder if r < even):
         for rule in rules:

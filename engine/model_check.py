@@ -38,7 +38,7 @@ from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 7  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 8  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds, each set between the rounding measured on correct models and the smallest broken figure seen
 # (docs/model-check.md). Ratio 1 and reuse at the chunk's own position differ from a full prefill by rounding alone:

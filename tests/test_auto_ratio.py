@@ -68,12 +68,12 @@ def test_resolve_caps_auto_and_leaves_a_fixed_ratio_alone():
     assert RatioPolicy(0.3).resolve(config, LAYERS, 1000, SUFFIX) is config
     auto = RatioPolicy.parse("auto").resolve(config, LAYERS, 1000, SUFFIX)
     assert auto.ratio == QUALITY_FLOOR and auto.deviation_mass == AUTO_MASS
-    assert auto.max_ratio == min(budget_ratio(LAYERS, config.check_layer, 1000, SUFFIX),
-                                 full_ratio(LAYERS, config.check_layer, 1000, SUFFIX))
+    assert auto.max_ratio == min(budget_ratio(LAYERS, config.check_at, 1000, SUFFIX),
+                                 full_ratio(LAYERS, config.check_at, 1000, SUFFIX))
     long = RatioPolicy.parse("auto").resolve(config, LAYERS, 6000, SUFFIX)  # the budget holds it at r*
     assert long.max_ratio == QUALITY_FLOOR
     short = RatioPolicy.parse("auto").resolve(config, LAYERS, 300, SUFFIX)  # the budget allows 1.0; a full prefill less
-    assert short.max_ratio == full_ratio(LAYERS, config.check_layer, 300, SUFFIX) < 1.0
+    assert short.max_ratio == full_ratio(LAYERS, config.check_at, 300, SUFFIX) < 1.0
 
 
 def test_a_blend_costs_what_its_rows_cost_by_hand(monkeypatch):

@@ -138,3 +138,14 @@ def test_preview_keeps_each_layer_once(tiny, layers):
             kept.layer(layer)
     assert source.reads == list(range(rt.model.cfg.n_layers)) and prior.shape == (len(CHUNK),)
     assert not kept.kept  # every copy handed over once
+
+
+def test_a_rule_that_ranks_by_the_preview_checks_at_layer_zero():
+    """The preview's rules need nothing the check layer computes, so they rank at layer 0 (a row's layer-0 K/V is
+    the same in any context); the others at CacheBlend's layer 1; an explicit check layer is kept either way."""
+    wide = 0.2 * 1.5  # gradual filtering's first share
+    assert BlendConfig(ratio=0.2, selection="query").selection_schedule() == {0: pytest.approx(wide), 1: 0.2}
+    assert BlendConfig(ratio=0.2, selection="chunks").selection_schedule() == {1: pytest.approx(wide), 2: 0.2}
+    assert BlendConfig(ratio=0.2, selection="query", check_layer=2).selection_schedule() == {
+        2: pytest.approx(wide), 3: 0.2}
+    assert BlendConfig(selection="query", gradual=False).check_at == 0

@@ -40,7 +40,7 @@ class RunConfig:
     seed: int = 0  # the interleaving order
     warmup: bool = True
     codec: str = "fp16"  # which stored KV the loaded methods read
-    check_layer: int = 1
+    check_layer: int | None = None  # the rule's own (BlendConfig.check_at)
     deviation: str = "v"
     gradual: bool = True
     # read each item's stored KV once before its runs, so every loaded method finds it in the page cache

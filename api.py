@@ -208,7 +208,7 @@ class KVRag:
         return EngineStats(
             waiting=self.loop.waiting(), running=self.loop.running(), free_blocks=engine.free_blocks,
             blocks=engine.kv.pool.num_blocks, prefix_blocks=len(engine.kv.prefix), rows_copied=engine.kv.copied_rows,
-            writes_given=engine.writes.given, writes_done=engine.writes.done,
+            writes_given=engine.writes.given, writes_done=engine.writes.done, writes_failed=engine.writes.failed,
             kept_admitted=keeper.admitted if keeper else 0, kept_evicted=keeper.evicted if keeper else 0,
             prefix_hit_rate=tiers.prefix_hit_rate if tiers else 0.0, memory_hit_rate=tiers.memory_hit_rate if tiers else 0.0,
             speculative=dict(self.speculator.counts) if self.speculator is not None else {})
@@ -256,8 +256,9 @@ class EngineStats:
     blocks: int
     prefix_blocks: int  # pool blocks the prefix cache lists (held or evictable)
     rows_copied: int  # prompt rows copied into the pool (a prefix hit's rows are referenced, not copied)
-    writes_given: int  # write-back jobs given, and done in the order given
+    writes_given: int  # write-back jobs given, those done, and those that failed (the log says why)
     writes_done: int
+    writes_failed: int
     kept_admitted: int  # client passages kept at their second sighting, and kept ones evicted
     kept_evicted: int
     prefix_hit_rate: float  # the memory tiers' hit rates over the chunks asked for

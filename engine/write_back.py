@@ -33,7 +33,8 @@ class WriteBack:
         self._thread: threading.Thread | None = None
         self._computed_queued = threading.Event()  # a "store what was computed" job is waiting: one is enough
         self._lock = threading.Lock()
-        self.given = self.done = 0  # jobs queued, and finished (in that order: done >= n means the first n are)
+        # jobs queued, those that did their work, and those that raised (done + failed >= n: the first n are over)
+        self.given = self.done = self.failed = 0
 
     def store_computed(self) -> None:
         """Store the chunks the engine computed on the fly (and repaired), off its thread."""
@@ -89,10 +90,11 @@ class WriteBack:
                     self.source.store_computed()
                 else:
                     self._keep(*job[1:])
+                self.done += 1
             except Exception:  # noqa: BLE001 - a failed write must not stop the next ones; what was stored stays
                 logging.getLogger("kvrag.engine").exception("a write-back job failed; the engine goes on")
+                self.failed += 1
             finally:
-                self.done += job is not None
                 self._jobs.task_done()
 
     def _keep(self, chunk_id: str, passage: tuple[int, ...], salt: str) -> None:

@@ -24,7 +24,9 @@ from kvrag.kvcache.allocator import BlockAllocator
 def block_keys(ids: Sequence[int], block_size: int, salt: str = "") -> list[str]:
     """One key per whole block of ids, each hashing the salt and every id up to its block's end (vLLM's chained
     block hashes): equal keys mean equal prefixes."""
-    digest = hashlib.blake2b(salt.encode(), digest_size=16, person=b"kvrag-prefix")
+    salted = salt.encode()
+    # the salt's length first: else a salt's last bytes and a prompt's first ids could pass for each other
+    digest = hashlib.blake2b(len(salted).to_bytes(4, "little") + salted, digest_size=16, person=b"kvrag-prefix")
     whole = len(ids) // block_size * block_size
     data = np.asarray(ids[:whole], dtype="<u4").tobytes()  # each id as 4 little-endian bytes, in one pass
     keys = []
@@ -106,16 +108,16 @@ class PrefixCache:
 
     def evict(self, n: int) -> int:
         """Give back up to `n` evictable blocks to the free list, least recently used first; how many it freed."""
-        freed = 0
         with self._lock:
-            for key, entry in list(self._entries.items()):
-                if freed >= n:
+            victims = []  # found in one pass that stops at the n-th (the index is not copied), then dropped
+            for key, entry in self._entries.items():
+                if len(victims) >= n:
                     break
                 if self.allocator.refcount(entry.block) == 1:
-                    del self._entries[key]
-                    self._drop(entry)
-                    freed += 1
-        return freed
+                    victims.append(key)
+            for key in victims:
+                self._drop(self._entries.pop(key))
+        return len(victims)
 
     def _trim(self) -> None:
         """Past max_blocks, drop the least recently used entries (their blocks free once no sequence holds them)."""

@@ -73,8 +73,8 @@ class _EngineState:
         yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
                                   "rows are referenced, not copied)", value=s.rows_copied)
         yield _family(CounterMetricFamily, "kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, "
-                      "chunks computed on the fly): given, and done (in the order given)", "state",
-                      {"given": s.writes_given, "done": s.writes_done})
+                      "chunks computed on the fly): given, done, and failed (the log says why)", "state",
+                      {"given": s.writes_given, "done": s.writes_done, "failed": s.writes_failed})
         yield _family(CounterMetricFamily, "kvrag_kept_passages", "Passages of clients' prompts kept in the store at "
                       "their second sighting, and kept ones evicted to make room", "event",
                       {"admitted": s.kept_admitted, "evicted": s.kept_evicted})

@@ -23,10 +23,20 @@ def test_keys_chain_every_id_before_them_and_the_salt():
     assert block_keys(ids[:8], B) == keys  # a prefix's keys are the prompt's first ones
     assert block_keys([99, *ids[1:]], B)[1] != keys[1]  # a different first id changes every later key
     assert block_keys(ids, B, salt="alice") != keys
-    # by hand: the salt, then each block's ids as 4 little-endian bytes, chained
-    digest = hashlib.blake2b(b"", digest_size=16, person=b"kvrag-prefix")
+    # by hand: the salt's length (4 little-endian bytes) and the salt, then each block's ids as 4 little-endian
+    # bytes, chained
+    digest = hashlib.blake2b(bytes(4), digest_size=16, person=b"kvrag-prefix")
     digest.update(bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
     assert keys[0] == digest.hexdigest()
+
+
+def test_a_salt_never_passes_for_a_prompts_first_ids():
+    """One tenant's salt "x" and prompt [A, B] against another's salt "x" + A's four bytes and prompt [B]: without
+    the salt's length in the hash the second's first block key was the first's second, a hit on rows of another
+    tenant's prompt at another position."""
+    a, b = 0x00636261, 7  # A's little-endian bytes spell "abc\0"
+    first = block_keys([a, b], 1, salt="x")
+    assert block_keys([b], 1, salt="xabc\0")[0] not in first
 
 
 def test_a_match_takes_a_reference_and_stops_at_the_first_missing_or_blended_block():

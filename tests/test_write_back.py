@@ -68,3 +68,22 @@ def test_the_map_grows_only_after_an_open_reader_closes(tmp_path):
     assert not writer.is_alive() and env.env.info()["map_size"] > INITIAL_MAP_SIZE
     assert env.read(lambda txn: txn.get(b"big3", db=db)) == big
     env.close()
+
+
+def test_a_failed_job_is_counted_as_failed_not_done(corpus, invented_items, monkeypatch):
+    """A write that raises (a full disk, a bad value) is logged and counted `failed`, and nothing is recorded for it:
+    /metrics used to count it `done`, as if its chunk had been stored."""
+    env, prefiller, _ = corpus
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    passage = " ".join(invented_items[4]["ctxs"][0]["text"].split()[:60])
+    _answer(engine, _request(_client_prompt([passage]), salt="bob"))
+
+    def full_disk(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(prefiller.source, "store_computed", full_disk)
+    _answer(engine, _request(_client_prompt([passage], OTHER_TASK), salt="bob"))  # its second sighting: a keep job
+    engine.writes.drain()
+    assert engine.writes.failed >= 1 and engine.writes.done + engine.writes.failed == engine.writes.given
+    assert ChunkTable(env).client_records() == []  # nothing recorded for the chunk that was not stored
+    engine.close()

@@ -46,7 +46,9 @@ class BlendConfig:
     max_ratio: float = 0.5
     # the rule that ranks chunk rows at a check (blend/selection.py's SELECTION_RULES); `chunks` ranks by deviation x
     # the question's reading of the row's chunk (docs/performance.md, issue 49)
-    selection: str = DEFAULT_SELECTION
+    # None: the default, which an engine replaces with its model's checked rule (engine/model_check.py); a rule
+    # named here is run as named
+    selection: str | None = None
     # the layers a previewing rule's reading is taken over (0: all, as ProphetKV reads them; blend/preview.py): fewer
     # keep more of the load overlapped with the blend (QCFuse's critical layers; docs/performance.md)
     preview_layers: int = 0
@@ -56,7 +58,7 @@ class BlendConfig:
             (0.0 <= self.ratio <= 1.0, f"--ratio must be between 0 and 1 (or auto), got {self.ratio}"),
             (self.check_layer is None or self.check_layer >= 0, f"--check-layer must be >= 0, got {self.check_layer}"),
             (self.deviation in DEVIATIONS, f"--deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation}"),
-            (self.selection in selection.SELECTION_RULES,
+            (self.selection is None or self.selection in selection.SELECTION_RULES,
              f"--selection must be one of {', '.join(selection.SELECTION_RULES)}, got {self.selection}"),
             (0.0 <= self.attention_weight < math.inf,
              f"--attention-weight must be a number >= 0, got {self.attention_weight}"),
@@ -72,7 +74,12 @@ class BlendConfig:
         """The first check layer: `check_layer`, or the rule's own (see the field)."""
         if self.check_layer is not None:
             return self.check_layer
-        return PREVIEW_CHECK_LAYER if self.selection in selection.PREVIEW_RULES else CHECK_LAYER
+        return PREVIEW_CHECK_LAYER if self.rule in selection.PREVIEW_RULES else CHECK_LAYER
+
+    @property
+    def rule(self) -> str:
+        """The selection rule this blend runs: the one named, else DEFAULT_SELECTION."""
+        return self.selection or DEFAULT_SELECTION
 
     def selection_schedule(self) -> dict[int, float]:
         """Layer -> share of chunk tokens kept after that layer's check."""

@@ -23,7 +23,7 @@ class RuleSettings(Protocol):
 
     deviation: str
     attention_weight: float
-    selection: str
+    rule: str
     chunk_start_rows: int
 
 
@@ -110,7 +110,7 @@ PREVIEW_RULES = frozenset({"query", "query-deviation", "chunks-preview"})  # rul
 
 def score(check: Check, config: RuleSettings) -> torch.Tensor:
     """The configured rule's score [R], with the chunk starts `config.chunk_start_rows` forces in set to inf."""
-    result = SELECTION_RULES[config.selection](check, config)
+    result = SELECTION_RULES[config.rule](check, config)
     if config.chunk_start_rows and check.chunk_starts is not None:
         forced = chunk_start_mask(check.rows, check.chunk_starts, config.chunk_start_rows)
         result = result.masked_fill(forced, math.inf)

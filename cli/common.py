@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvrag.config import DEFAULT_SELECTION, KEEP_RULE, KV_RULE
+from kvrag.config import KEEP_RULE, KV_RULE
 from kvrag.home import default_store_dir
 
 if TYPE_CHECKING:
@@ -55,9 +55,10 @@ KV_RULE_OPTION = typer.Option(KV_RULE, "--kv-rule",
 ATTENTION_WEIGHT_OPTION = typer.Option(None, "--attention-weight", min=0.0,
                                        help="Blend: rank tokens by deviation x (1 + W x how much the question "
                                             "reads them / the mean); default 4, 0 ranks by deviation alone.")
-SELECTION_OPTION = typer.Option(DEFAULT_SELECTION, "--selection",
-                                help="Blend: the rule that ranks tokens at a check layer: chunks (deviation within "
-                                     "the passages the question reads; the default), cacheblend (deviation x the "
+SELECTION_OPTION = typer.Option(None, "--selection",
+                                help="Blend: the rule that ranks tokens at a check layer (default: the one the "
+                                     "model's check chose): chunks (deviation within the passages the question "
+                                     "reads), cacheblend (deviation x the "
                                      "question's reading of the token), reading, query (ProphetKV: a preview of the "
                                      "question over the loaded KV), epic (each chunk's first tokens); "
                                      "blend/selection.py lists them all.")

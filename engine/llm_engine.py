@@ -101,7 +101,7 @@ class LLMEngine:
             raise KvragError(f"mode must be one of {', '.join(MODES)}, got {request.mode!r}")
         if self.config.force_full and request.mode != "full":
             request = replace(request, mode="full")
-        if request.blend.selection == DEFAULT_SELECTION != self.config.selection:
+        if request.blend.selection is None:  # the default: the model's checked rule (a named one runs as named)
             request = replace(request, blend=replace(request.blend, selection=self.config.selection))
         parse_rule(request.kv_rule)  # said at submission, not at its prefill
         plan = self.planner.plan(request.question, request.history, request.chunks, request.rag,

@@ -214,7 +214,7 @@ class Prefiller:
             n_chunk, config if mode == "blend" else None)
         exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
         # a rule that ranks by the preview's reading reads every layer first (blend/preview.py)
-        previewed = blend_cfg is not None and blend_cfg.selection in PREVIEW_RULES and loaded_rows > 0
+        previewed = blend_cfg is not None and blend_cfg.rule in PREVIEW_RULES and loaded_rows > 0
         first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
             and not previewed else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)

@@ -170,7 +170,7 @@ class Sequence:
         than a full prefill, runs `full`), the share of chunk rows it recomputed and the selection rule (a blend's)."""
         info, req = self.prefill_info, self.request
         ratio = req.ratio.report(info.get("ratio"), info.get("chunk_tokens", 0), info.get("recomputed_chunk_tokens", 0))
-        return {"mode": req.mode, "ratio": ratio, "rule": req.blend.selection if req.mode == "blend" else None}
+        return {"mode": req.mode, "ratio": ratio, "rule": req.blend.rule if req.mode == "blend" else None}
 
     def answer(self, tokenizer, retrieve_s: float = 0.0) -> Answer:
         """The finished sequence as `kvrag ask --json`'s record: text, tokens, sources, costs and timings."""

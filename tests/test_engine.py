@@ -247,8 +247,8 @@ def test_a_long_full_prefill_runs_in_pieces_while_others_decode(runtime, request
 
 def test_the_engine_blends_with_the_rule_the_model_check_chose(runtime, requests):
     """EngineConfig.selection (the rule the model's check passed with, api.KVRag sets it): a blend asking for the
-    default rule runs that one, and gives the first token's logits the prefiller gives for it; one that names
-    another rule keeps it."""
+    default rule runs that one, and gives the first token's logits the prefiller gives for it; one that names a rule
+    keeps it, the default's own name included."""
     from dataclasses import replace
 
     blend = next(r for r in requests if r.mode == "blend" and len(r.chunks) == 3)
@@ -259,9 +259,12 @@ def test_the_engine_blends_with_the_rule_the_model_check_chose(runtime, requests
     engine = LLMEngine(prefiller, EngineConfig(4096 * block, 16, selection="query"))
     chunks = [(cid, list(ids)) for cid, ids in blend.chunks]
     expected = {rule: prefiller.prefill(chunks, blend.question, "blend", replace(blend.blend, selection=rule)).logits
-                for rule in ("query", "cacheblend")}
-    assert not torch.equal(expected["query"], expected["cacheblend"])  # the two rules pick other rows here
-    for rule, request in (("query", blend), ("cacheblend", replace(blend, blend=replace(blend.blend, selection="cacheblend")))):
+                for rule in ("query", "cacheblend", "chunks")}
+    assert not torch.equal(expected["query"], expected["cacheblend"])  # the rules pick other rows here
+    assert not torch.equal(expected["query"], expected["chunks"])
+    named = {rule: replace(blend, blend=replace(blend.blend, selection=rule)) for rule in ("cacheblend", "chunks")}
+    # "chunks" is the default rule's name: named, it runs as named (it used to be taken for the default)
+    for rule, request in (("query", blend), *named.items()):
         seq = engine.add(request)
         while engine.has_work():
             engine.step()

@@ -177,8 +177,9 @@ class Prefiller:
             return job.advance(job.job.ids.shape[0])  # the whole prompt in one piece
         if not chunks:  # nothing to load or blend (plain chat, or a follow-up over passages already in its context)
             mode = "reuse"
-        # the memory tiers' knowledge tree is rooted at the preamble: a conversation's head reads the store alone
-        tiers = mode in ("blend", "reuse") and framing is None
+        # the memory tiers' knowledge tree is rooted at the preamble: a conversation's head reads the store alone;
+        # its paths hold chunk rows as earlier blends left them, which a blend at ratio 1 (exact) must not read
+        tiers = mode in ("blend", "reuse") and framing is None and not (mode == "blend" and config.ratio >= 1.0)
         lease = self.source.acquire(chunks, len(suffix)) if tiers else None
         try:
             return self._blend_after_prefix(chunks, suffix, mode, config, extra, lease, start, tap, framing, store)

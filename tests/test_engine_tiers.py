@@ -98,3 +98,17 @@ def test_a_cache_too_small_for_anything_still_answers_right(setup, runtime):
         out = _ask(tiny, chunks, question)
         torch.testing.assert_close(out.logits, plain.prefill(chunks, question, "blend", QUESTION_FREE).logits)
     assert tiny.source.cache.used_bytes() == 0 and tiny.source.cache.stats.not_inserted > 0
+
+
+def test_ratio_one_never_reads_an_earlier_blends_path(setup):
+    """A blend at ratio 1 is full prefill by definition: after blends at 0.15 have cached their chunks' rows as they
+    stood (the knowledge tree), a ratio-1 prompt sharing its leading chunks still gives full prefill's logits. It used
+    to take the matched path's blended rows as its exact prefix."""
+    plain, tiered, chunks = setup
+    for question in (Q1, Q2):
+        _ask(tiered, chunks[:3], question)  # the tree now holds chunks 0-2's path as blended
+    prompt = [*chunks[:2], chunks[4]]
+    full = plain.prefill(prompt, Q1, "full").logits
+    whole = tiered.prefill(prompt, Q1, "blend", BlendConfig(ratio=1.0, attention_weight=0))
+    torch.testing.assert_close(whole.logits, full, rtol=1e-4, atol=1e-4)
+    assert whole.recomputed_chunk_tokens == sum(len(ids) for _, ids in prompt)

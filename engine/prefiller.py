@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvrag.blend.config import BlendConfig
+from kvrag.blend.config import CHECK_LAYER, BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.preview import preview
 from kvrag.blend.selection import PREVIEW_RULES
@@ -214,9 +214,14 @@ class Prefiller:
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
         exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
-        # a rule that ranks by the preview's reading reads every layer first (blend/preview.py)
+        # a rule that ranks by the preview's reading reads every layer first (blend/preview.py); not over a prompt's
+        # own text (`forced`), whose rows have no KV before the blend computes them: there it ranks at the check
+        # layer, as `reading` does
         previewed = blend_cfg is not None and blend_cfg.rule in PREVIEW_RULES and loaded_rows > 0
-        first_loaded_layer = min(config.selection_schedule()) if blend_cfg is not None and not exact_rows \
+        if previewed and forced is not None:
+            previewed, blend_cfg = False, replace(blend_cfg, check_layer=blend_cfg.check_layer
+                                                  if blend_cfg.check_layer is not None else CHECK_LAYER)
+        first_loaded_layer = min(blend_cfg.selection_schedule()) if blend_cfg is not None and not exact_rows \
             and not previewed else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
         loader = self._loader(refs, layers, layout.positions[:loaded_rows], rotate=lease is None) \

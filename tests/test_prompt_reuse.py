@@ -315,3 +315,20 @@ def test_a_prompt_answered_at_its_first_token_is_cached_all_the_same(corpus):
     assert first.head_reused == 0 and repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16
     assert engine.sequence_blocks == 0
     torch.testing.assert_close(repeat.first_logits, first.first_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_a_client_prompt_is_ranked_without_a_preview_of_text_that_has_no_kv(corpus):
+    """A client prompt's own text (separators, tags) has no loaded KV until the blend computes it: a preview over it
+    would read zero keys and values there. So the preview's rules rank such a prompt by the check layer's reading
+    instead (`query` then ranks as `reading` does), and both give the same first token's logits."""
+    from kvrag.blend.config import BlendConfig
+
+    env, prefiller, texts = corpus
+    question = _client_prompt([texts[1], texts[0]])
+    logits = {}
+    for rule in ("query", "reading"):
+        request = replace(_request(question), blend=BlendConfig(ratio=0.3, selection=rule))
+        seq = _run(LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20)), request)
+        assert seq.plan.pieces is not None and any(p.chunk_id is None for p in seq.plan.pieces)
+        logits[rule] = seq.first_logits
+    torch.testing.assert_close(logits["query"], logits["reading"], rtol=1e-5, atol=1e-5)

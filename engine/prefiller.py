@@ -214,13 +214,7 @@ class Prefiller:
         loaded_rows, blend_cfg = (refs[0].n_rows if refs else 0, None) if mode == "prefix" else (
             n_chunk, config if mode == "blend" else None)
         exact_rows = self._exact_first_rows(refs, matched, blend_cfg) if framing is None else 0
-        # a rule that ranks by the preview's reading reads every layer first (blend/preview.py); not over a prompt's
-        # own text (`forced`), whose rows have no KV before the blend computes them: there it ranks at the check
-        # layer, as `reading` does
-        previewed = blend_cfg is not None and blend_cfg.rule in PREVIEW_RULES and loaded_rows > 0
-        if previewed and forced is not None:
-            previewed, blend_cfg = False, replace(blend_cfg, check_layer=blend_cfg.check_layer
-                                                  if blend_cfg.check_layer is not None else CHECK_LAYER)
+        previewed, blend_cfg = _previewed(blend_cfg, loaded_rows, forced)
         first_loaded_layer = min(blend_cfg.selection_schedule()) if blend_cfg is not None and not exact_rows \
             and not previewed else 0
         layers = range(min(first_loaded_layer, self.model.cfg.n_layers), self.model.cfg.n_layers)
@@ -281,6 +275,16 @@ def _tier(ref: ChunkRef, memory: LayerKV | None, memory_tier: str | None) -> str
     if memory is not None and ref.in_memory is memory:
         return memory_tier
     return STORE if ref.in_memory is None else "computed"
+
+
+def _previewed(config: BlendConfig | None, loaded_rows: int, forced) -> tuple[bool, BlendConfig | None]:
+    """Whether a blend previews (a rule that ranks by the preview's reading reads every layer first: blend/preview.py),
+    and the settings it runs. Not over a prompt's own text (`forced`), whose rows have no KV before the blend computes
+    them: there the rule ranks at the check layer, as `reading` does."""
+    previewed = config is not None and config.rule in PREVIEW_RULES and loaded_rows > 0
+    if previewed and forced is not None:
+        return False, replace(config, check_layer=config.check_layer if config.check_layer is not None else CHECK_LAYER)
+    return previewed, config
 
 
 def _prompt_rows(chunks: Sequence[tuple[str, Sequence[int]]], pieces: Sequence[Piece]) -> torch.Tensor:

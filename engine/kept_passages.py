@@ -107,11 +107,17 @@ class PassageKeeper:
                 if chunk_id in kept:
                     self._access(chunk_id, kept[chunk_id][1])
 
-    def make_room(self, tokens: int) -> list[str]:
-        """Kept passages to evict, least valuable first, so that `tokens` more fit the bound (the store's, earlier
-        runs' included); the clock rises to the last one's priority."""
+    def make_room(self, tokens: int, salt: str = "") -> list[str]:
+        """Kept passages to evict, least valuable first, so that `tokens` more of tenant `salt`'s fit the bound (the
+        store's, earlier runs' included); the clock rises to the last one's priority. Only the passages of tenants
+        holding more than an equal share of the bound go (the newcomer's counted in): one tenant sending passages
+        after passages evicts its own, never the others' within their share."""
         kept = self.spans.kept_passages()
         held = sum(n for _, n in kept.values())
+        usage: dict[str, int] = {salt: tokens}
+        for owner, n in kept.values():
+            usage[owner] = usage.get(owner, 0) + n
+        share = self.bound_tokens / len(usage)
         victims = []
         with self._lock:
             order = sorted(kept, key=lambda c: (self._value[c][1], self._value[c][0].last_access)
@@ -119,7 +125,10 @@ class PassageKeeper:
             for chunk_id in order:
                 if held + tokens <= self.bound_tokens:
                     break
-                held -= kept[chunk_id][1]
+                owner, n = kept[chunk_id]
+                if usage[owner] <= share:
+                    continue  # within its share: kept
+                held, usage[owner] = held - n, usage[owner] - n
                 self._clock = max(self._clock, self._value.pop(chunk_id, (None, 0.0))[1])
                 victims.append(chunk_id)
                 self._seen[chunk_id] = 1  # seen once: its next sighting is a second one, which stores it again

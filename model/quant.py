@@ -94,12 +94,16 @@ def head_rows(w: torch.Tensor | QuantWeight, index: torch.Tensor) -> torch.Tenso
     return w.rows(index) if isinstance(w, QuantWeight) else w[index]
 
 
-def resolve_weights(weights: str, device: torch.device) -> str:
+def resolve_weights(weights: str, device: torch.device, native: bool = True) -> str:
     """The weights' form a setting (config.py's `weights`) gives on this device: dense, int8 or int4; KvragError
-    where a quantized form cannot run here."""
+    where a quantized form cannot run here. `native` False (KVRAG_NATIVE=0: kvrag's C++ kernels off) leaves the
+    integer kernels off too, so auto is dense."""
     if weights not in WEIGHTS:
         raise KvragError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    runs = device.type == "cpu" and quant.available()
+    if weights not in ("auto", "dense") and not native:
+        raise KvragError(f"--weights {weights} runs kvrag's native kernels, which KVRAG_NATIVE=0 turns off "
+                         "(use --weights dense)")
+    runs = device.type == "cpu" and native and quant.available()
     if weights == "auto":
         return DEFAULT_WEIGHTS if runs else "dense"
     if weights != "dense" and not runs:

@@ -46,7 +46,7 @@ class Runtime:
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
-        form = resolve_weights(weights, dev)
+        form = resolve_weights(weights, dev, native)
         net = load_weights(local, resolve_dtype(dtype, dev), dev, form)
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
         return cls(local, net, tokenizer, prompts, lead_in)

@@ -176,3 +176,14 @@ def test_model_info_says_the_weights_form(smol):
     shown = json.loads(run_kvrag("model", "info", "--weights", "int4", "--json").stdout)
     assert shown["weights"] == "int4"
     assert json.loads(run_kvrag("model", "info", "--json").stdout)["weights"] == "dense"  # the session's pin
+
+
+def test_native_off_turns_the_integer_kernels_off_too():
+    """KVRAG_NATIVE=0 turns kvrag's C++ kernels off: auto gives dense weights then, and a quantized form asked for
+    by name is one line (it used to leave the quant kernels running)."""
+    cpu = torch.device("cpu")
+    assert resolve_weights("auto", cpu, native=False) == "dense"
+    assert resolve_weights("dense", cpu, native=False) == "dense"
+    for form in ("int8", "int4"):
+        with pytest.raises(KvragError, match=f"--weights {form} runs kvrag's native kernels, which KVRAG_NATIVE=0"):
+            resolve_weights(form, cpu, native=False)

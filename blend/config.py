@@ -14,8 +14,8 @@ from kvrag.errors import KvragError
 DEFAULT_RATIO = 0.15
 DEVIATIONS = ("k", "v", "kv")
 CHECK_LAYER = 1  # CacheBlend's: every row computed through layer 0, ranked at layer 1
-# `query` ranked at layer 0: the same answers as at 1 on the tune split's 38 items, 0.04x full prefill's TTFT sooner
-# (docs/answers.md, "Selecting at layer 0")
+# `query` ranked at layer 0: the same answers as at 1 on the tune split's 40 items, 0.04x full prefill's TTFT sooner
+# (docs/answers.md, "Cheaper blends on the tune split")
 PREVIEW_CHECK_LAYER = 0
 WIDER_AT_CHECK = 1.5  # gradual filtering: the share kept at the check layer, as a multiple of the ratio
 ATTENTION_WEIGHT = 4.0  # first 50 MuSiQue items, ratio 0.15: mean first-token KL 0.041 at 1, 0.037 at 2, 0.035 at 4

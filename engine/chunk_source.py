@@ -61,6 +61,9 @@ class ChunkSource:
         self.cache = cache  # TieredKVCache or None: no memory tiers
         self._pending_cache: list = []  # (lease, rest chunks, per-layer rest KV, chunks not in memory, prefill s)
         self.env = env
+        # the store holds a dense model's KV (precompute runs dense; the store is not keyed by weights form): chunks an
+        # int8 or int4 engine computes are served from memory and never stored, so no dense reader takes them as exact
+        self.stores = runtime.model.weights == "dense"
         self.table = None
         self.lead_in = None if self.keep is not None else lead_in  # reduced chunks follow the preamble alone
         self.window = widest_window(self.model.cfg)  # a chunk starting within it reads the form after the preamble
@@ -69,6 +72,7 @@ class ChunkSource:
         keeper = None  # stores the lead-in's KV once computed
         if env is not None:
             keeper = self._open_table(env, codec, compress, remote)
+            keeper = keeper if self.stores else None  # (a lead-in computed here, likewise)
         # what a chunk computed here follows (precompute/lead_in.py)
         self.prefix = ChunkPrefix(self.model, runtime.ids_tensor, preamble, self.lead_in, keeper)
         # chunks computed on the fly, to store: (token ids, KV of the rows it holds, the kept tokens or None); the
@@ -243,7 +247,7 @@ class ChunkSource:
         for chunk_id, ids, kv, kept, repair in todo:
             with self._lock:
                 skip = chunk_id in self._evicted
-            if self.table is not None and not skip:
+            if self.table is not None and not skip and self.stores:
                 if repair:
                     self.table.delete_chunk(chunk_id)
                 written += bool(self.table.put_chunk(chunk_id, ids, layers_to_numpy(kv, self.table.codec), kept))
@@ -257,7 +261,7 @@ class ChunkSource:
         with self._lock:
             todo, self._near_write_back = self._near_write_back, {}
         written = 0
-        for chunk_id, (ids, kv, damaged) in todo.items() if self.near_table is not None else ():
+        for chunk_id, (ids, kv, damaged) in todo.items() if self.near_table is not None and self.stores else ():
             with self._lock:
                 if chunk_id in self._evicted:
                     continue

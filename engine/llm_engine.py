@@ -77,7 +77,7 @@ class LLMEngine:
         self.planner = Planner(prefiller.runtime, self.kv.prefix, self.kv.block_size, spans)
         self.conversations = Conversations(prefiller.runtime, self.kv, self.planner)
         self.keeper = None  # clients' new passages, stored at their second sighting (engine/kept_passages.py)
-        if spans is not None and source.table is not None:
+        if spans is not None and source.table is not None and source.stores:  # (none kept from int8/int4 KV)
             cfg, local = self.model.cfg, prefiller.runtime.local
             per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2  # fp16 K and V
             self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,

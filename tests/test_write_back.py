@@ -7,8 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
-from kvrag.store.chunks import ChunkTable
+from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.sequence import Request
+from kvrag.kernels import quant
+from kvrag.model.runtime import Runtime
+from kvrag.model.sampling import SamplingConfig
+from kvrag.store.chunks import ChunkTable, chunk_id_for
 from kvrag.store.env import INITIAL_MAP_SIZE, StoreEnv
 from kvrag.store.kv import LocalKVTable
 from kvrag.tests.passages import OTHER_TASK
@@ -87,3 +94,26 @@ def test_a_failed_job_is_counted_as_failed_not_done(corpus, invented_items, monk
     assert engine.writes.failed >= 1 and engine.writes.done + engine.writes.failed == engine.writes.given
     assert ChunkTable(env).client_records() == []  # nothing recorded for the chunk that was not stored
     engine.close()
+
+
+@pytest.mark.parametrize("weights", ["dense", "int8"])
+def test_only_a_dense_engine_stores_the_kv_it_computes(tmp_path, tiny_llama_hd64_dir, invented_items, weights):
+    """The store holds a dense model's KV (precompute runs dense, and keys carry no weights form), and a dense reader
+    takes a stored first chunk as exact: an int8 engine's on-the-fly chunks are served, never stored. The real int8
+    form runs where its kernel does; elsewhere the dense matrices carry int8's label, the one thing the rule reads."""
+    real = weights == "dense" or quant.available()
+    runtime = Runtime.load(str(tiny_llama_hd64_dir), "float32", weights=weights if real else "dense")
+    runtime.model.weights = weights
+    env = StoreEnv.open(tmp_path / "store", create=True)
+    prefiller = Prefiller.open(runtime, env)
+    ids = runtime.prompts.passage_ids("", " ".join(invented_items[2]["ctxs"][0]["text"].split()[:40]))
+    chunk_id = chunk_id_for(ids, runtime.local.tokenizer_fingerprint)
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20))
+    seq = _answer(engine, Request("Who is it about?", ((chunk_id, tuple(ids)),), sampling=SamplingConfig(max_tokens=2)))
+    engine.writes.drain()
+    assert seq.finish_reason in ("stop", "length")
+    stored = not LocalKVTable(env, runtime.fingerprint, "fp16").missing([chunk_id])
+    assert stored == (weights == "dense")
+    assert (engine.keeper is not None) == (weights == "dense")  # kept passages live in the store too
+    engine.close()
+    env.close()

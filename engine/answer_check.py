@@ -39,6 +39,7 @@ ANSWER_TOKENS = 16
 NOTES_POOL = 40  # the prompts' other passages, drawn from one pool (each one's KV computed once for every prompt)
 
 Progress = Callable[[str, int, int], None]
+EXACTNESS = "exactness on short prompts"  # the checks' first phase (engine/model_check.py), named in progress
 
 
 @dataclass
@@ -161,7 +162,9 @@ def stderr_progress(name: str) -> Progress:
     tty = sys.stderr.isatty()
 
     def show(what: str, done: int, total: int) -> None:
-        line = f"kvrag: checking how {name} blends on long prompts: {what} {done + 1}/{total}"
+        if not tty and what == EXACTNESS:  # seconds on most models: a log gets the long prompts' steps only
+            return
+        line = f"kvrag: checking how {name} blends (once per model and setup): {what} {done + 1}/{total}"
         print(("\r" + line + "\033[K") if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
 
     return show

@@ -210,7 +210,7 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None,
     `answers` False: the first-token checks only (a random test model, which cannot answer)."""
     start = time.perf_counter()
     prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
-    runs = last_logits(runtime, prefiller)
+    runs = last_logits(runtime, prefiller, EXACT_RUNS, progress)
     full = runs["full"]
     dtype = dtype_name(runtime)
     exact = EXACT_BOUND["float32" if dtype == "float32" else "other"]
@@ -231,6 +231,7 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None,
 
 def _first_token_checks(runtime: Runtime, prefiller: Prefiller, runs: dict) -> list[Check]:
     """The short prompts' first tokens at r*, the default rule and then `query` (only where the one before failed)."""
+    runs = {**runs, **last_logits(runtime, prefiller, FIRST_TOKEN_RUNS)}
     full, checks = runs["full"], []
     reuse_kl = sum(kl_divergence(f, r) for f, r in zip(full, runs["reuse"], strict=True)) / len(full)
     for name, rule in BLEND_RULES.items():
@@ -284,16 +285,20 @@ def _margin(logits: torch.Tensor) -> float:
 
 
 # what each check compares with a full prefill: (mode, ratio, selection rule)
-RUNS = {"full": ("full", DEFAULT_RATIO, DEFAULT_SELECTION), "blend_ratio_1": ("blend", 1.0, DEFAULT_SELECTION),
-        "prefix": ("prefix", DEFAULT_RATIO, DEFAULT_SELECTION), "blend_default": ("blend", DEFAULT_RATIO, DEFAULT_SELECTION),
-        "reuse": ("reuse", DEFAULT_RATIO, DEFAULT_SELECTION)}
+EXACT_RUNS = {"full": ("full", DEFAULT_RATIO, DEFAULT_SELECTION), "blend_ratio_1": ("blend", 1.0, DEFAULT_SELECTION),
+              "prefix": ("prefix", DEFAULT_RATIO, DEFAULT_SELECTION)}
+# the first-token checks' (only where the answers cannot judge: a small model, or exactness failed)
+FIRST_TOKEN_RUNS = {"blend_default": ("blend", DEFAULT_RATIO, DEFAULT_SELECTION),
+                    "reuse": ("reuse", DEFAULT_RATIO, DEFAULT_SELECTION)}
 
 
-def last_logits(runtime: Runtime, prefiller: Prefiller, runs: dict | None = None) -> dict[str, list[torch.Tensor]]:
-    """Per run of `runs` (RUNS), each prompt's last-position logits [V] (float32, on the CPU)."""
-    runs = RUNS if runs is None else runs
+def last_logits(runtime: Runtime, prefiller: Prefiller, runs: dict,
+                progress: answer_check.Progress | None = None) -> dict[str, list[torch.Tensor]]:
+    """Per run of `runs` (EXACT_RUNS' form), each prompt's last-position logits [V] (float32, on the CPU)."""
     out: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
     for p, (passages, question) in enumerate(PROMPTS):
+        if progress is not None:
+            progress(answer_check.EXACTNESS, p, len(PROMPTS))
         chunks = [(f"model-check-{p}-{i}", runtime.prompts.passage_ids(title, text))
                   for i, (title, text) in enumerate(passages)]
         for name, (mode, ratio, rule) in runs.items():

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
+	bench-serve bench-soak bench-soak-mixed bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
 install: $(STAMP)
 
@@ -136,6 +136,18 @@ SOAK_MINUTES ?= 30
 SOAK_RATE ?= 0.5
 bench-soak: bench-data $(STAMP)
 	$(BIN)/kvrag bench serve --work $(SERVE_WORK) --soak $(SOAK_MINUTES) --soak-rate $(SOAK_RATE) $(SERVE_ARGS)
+
+# Every kind of client against one server on the demo corpus for MIXED_MINUTES (issue 70: RAG, its own passages, chat,
+# JSON mode, tool calls, broken requests, dropped streams), then kill -9 as a write-back begins, `store verify` and a
+# restart (bench/serve_mixed.py): hangs, 5xx, RSS over the soak, what was stored and lost.
+MIXED_WORK ?= /tmp/kvrag-mixed-soak
+MIXED_MINUTES ?= 20
+bench-soak-mixed: $(STAMP)
+	rm -rf $(MIXED_WORK) && mkdir -p $(MIXED_WORK)
+	$(BIN)/kvrag index corpus/sample --store $(MIXED_WORK)/store $(DEMO_MODEL)
+	$(BIN)/kvrag precompute --store $(MIXED_WORK)/store $(DEMO_MODEL)
+	$(BIN)/kvrag bench serve --work $(MIXED_WORK) --store $(MIXED_WORK)/store --questions corpus/demo-questions.jsonl \
+	  --soak $(MIXED_MINUTES) --soak-rate $(SOAK_RATE) --mixed $(DEMO_MODEL)
 
 # How much search time dynamic speculative pipelining hides from TTFT, on a synthetic 1M x 384 IVF index
 # (built once into /tmp/kvrag-search-bench).

@@ -55,6 +55,8 @@ def bench_serve(
                                "one server (blend with tiers), its RSS and TTFT each window."),
     soak_rate: float = typer.Option(0.5, "--soak-rate", min=0.0, help="The soak's questions/s."),
     soak_window: float = typer.Option(60.0, "--soak-window", min=1.0, help="The soak's window, in seconds."),
+    mixed: bool = typer.Option(False, "--mixed", help="With --soak: every kind of client at once, then kill -9 and "
+                               "the store checked (bench/serve_mixed.py; WORK/mixed.json)."),
     chat: int = typer.Option(None, "--chat", min=1, help="Instead of the rates: N conversations of two turns, the "
                              "follow-up's TTFT over the first turn's (bench/serve_chat.py; WORK/chat.json)."),
     json_requests: int = typer.Option(0, "--json-requests", min=0, help="With --chat: this many JSON-mode requests "
@@ -79,7 +81,7 @@ def bench_serve(
                      log)
     if soak is not None:
         return _soak(work, dataset, split, store, questions, model, dtype, soak, soak_rate, soak_window, seed, zipf, k,
-                     max_tokens, as_json, log)
+                     max_tokens, as_json, log, mixed)
     cfg = ServeBenchConfig(  # the options checked before any build or load
         work=work, rates=tuple(sorted(_positive_floats(rates, "--rates"))),
         requests_per_rate=requests_per_rate, seconds_per_rate=seconds_per_rate, ttft_limit_s=ttft_limit,
@@ -94,12 +96,18 @@ def bench_serve(
 
 
 def _soak(work, dataset, split, store, questions, model, dtype, minutes, rate, window, seed, zipf, k, max_tokens,
-          as_json, log) -> None:
-    """`kvrag bench serve --soak`: its report on stdout and in WORK/soak.json."""
-    from kvrag.bench import serve_soak
+          as_json, log, mixed: bool) -> None:
+    """`kvrag bench serve --soak`: its report on stdout and in WORK/soak.json (--mixed: WORK/mixed.json)."""
+    from kvrag.bench import serve_mixed, serve_soak
 
     store_dir, texts = _serve_inputs(work, dataset, split, store, questions, model, dtype,
                                      lambda m: log.print(f"[dim]{m}[/dim]", soft_wrap=True))
+    if mixed:
+        cfg = serve_mixed.MixedConfig(work, store_dir, texts, minutes, rate, window, seed=seed, max_tokens=max_tokens,
+                                      model=model, dtype=dtype)
+        report = stamped(serve_mixed.run(cfg, lambda m: log.print(m, soft_wrap=True, highlight=False)))
+        (work / "mixed.json").write_text(json.dumps(report, indent=2, default=str))
+        return emit(report, serve_mixed.markdown, as_json)
     cfg = serve_soak.SoakConfig(work, store_dir, texts, minutes, rate, window, seed=seed, zipf=zipf, k=k,
                                 max_tokens=max_tokens, model=model, dtype=dtype)
     report = stamped(serve_soak.run(cfg, lambda m: log.print(m, soft_wrap=True, highlight=False)))

@@ -94,3 +94,32 @@ def test_bench_serve_soak_reads_the_servers_memory_each_window(monkeypatch, caps
     assert all(w["rss_mb"] > 50 for w in windows)  # a Python process with torch and a model loaded
     assert report["rss_end_over_start"] == windows[-1]["rss_mb"] / windows[1]["rss_mb"]
     assert json.loads((work / "soak.json").read_text())["windows"] == windows
+
+
+def test_bench_serve_mixed_soak_then_a_kill_loses_nothing_stored(monkeypatch, capsys, served_inputs, store_copy,
+                                                                  tiny_llama_dir):
+    """`--soak --mixed` at a toy size: every kind of client against one real server (the tiny model), each answered
+    or, for the broken request, refused in the API's format; then kill -9 as a write-back begins: `store verify`
+    passes, no corpus chunk is lost, no kept passage's record names missing KV, and the restarted server answers
+    every kind."""
+    from kvrag.bench.serve_mixed import KINDS
+
+    questions, work = served_inputs
+    code, out, err = run_cli_in_process(
+        monkeypatch, capsys, "bench", "bench", "serve", "--store", str(store_copy), "--questions", str(questions),
+        "--work", str(work), "--model", str(tiny_llama_dir), "--dtype", "float32", "--soak", "0.1",
+        "--soak-rate", "2", "--soak-window", "3", "--max-tokens", "4", "--mixed", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "kvrag.bench-serve-mixed/1"
+    assert report["hangs"] == 0 and report["server_errors"] == 0
+    got = {kind for w in report["windows"] for kind in w["kinds"]}
+    assert got == set(KINDS)
+    for w in report["windows"]:
+        for kind, outcomes in w["kinds"].items():
+            assert outcomes == {"4xx" if kind == "bad" else "ok": sum(outcomes.values())}, (kind, outcomes)
+    crash = report["crash"]
+    assert crash["statuses"] == [200, 200] and crash["verify_exit"] == 0
+    assert crash["corpus_lost"] == [] and crash["corpus_before"] > 0 and crash["records_without_kv"] == []
+    assert crash["kept_bytes"] <= crash["kept_bound"]
+    assert report["restart"] == {kind: "4xx" if kind == "bad" else "ok" for kind in KINDS}

@@ -16,7 +16,6 @@ answer one request of every kind.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import signal
 import subprocess
@@ -25,7 +24,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
@@ -33,9 +31,8 @@ from kvrag.bench.invented import invented_items
 from kvrag.bench.serve_load import workload
 from kvrag.bench.serve_mixed_store import snapshot
 from kvrag.bench.serve_server import ServerProcess
-from kvrag.bench.serve_soak import rss_mb
+from kvrag.bench.serve_soak import SoakConfig, rss_mb
 from kvrag.bench.serve_store import model_args
-from kvrag.errors import KvragError
 from kvrag.store.tiers.config import parse_bytes
 
 KINDS = ("rag", "passages", "chat", "json", "tool", "bad", "disconnect")
@@ -49,37 +46,16 @@ TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look 
 
 
 @dataclass(frozen=True)
-class MixedConfig:
-    work: Path
-    store: Path
-    questions: tuple[str, ...]
-    minutes: float
-    rate: float = 0.5
-    window_s: float = 60.0
-    warmup: int = 1
-    seed: int = 0
-    max_tokens: int = 16
+class MixedConfig(SoakConfig):  # (zipf and k unused: kinds come in turn, retrieval at the server's default)
     kept_passages: str = "24MiB"  # room for two or three passages (SmolLM2): the bound is reached within the soak
-    model: str | None = None
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.minutes <= 0 or self.rate <= 0 or self.window_s <= 0:
-            raise KvragError("--soak takes positive minutes, --soak-rate positive questions/s")
-        if not self.questions:
-            raise KvragError("the soak needs questions to send")
 
 
 def run(cfg: MixedConfig, log: Callable[[str], None]) -> dict:
-    windows = cfg.warmup + max(1, math.ceil(cfg.minutes * 60 / cfg.window_s))
     args = [*model_args(cfg.model, cfg.dtype), "--kept-passages", cfg.kept_passages]
     passages = _passages(cfg.seed)
-    server = ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-mixed.log").__enter__()
-    try:
-        samples = asyncio.run(_soak(cfg, server, passages, windows, log))
+    with ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-mixed.log") as server:  # killed by _crash
+        samples = asyncio.run(_soak(cfg, server, passages, cfg.windows, log))
         crash = asyncio.run(_crash(cfg, server, passages, log))
-    finally:
-        server.stop()
     with ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-mixed-restart.log") as again:
         restart = asyncio.run(_round(again.url, again.model_id(), cfg, passages, random.Random(cfg.seed)))
     settled = samples[cfg.warmup:]

@@ -49,9 +49,14 @@ class SoakConfig:
         if not self.questions:
             raise KvragError("the soak needs questions to send")
 
+    @property
+    def windows(self) -> int:
+        """Windows to run, warm-up included."""
+        return self.warmup + max(1, math.ceil(self.minutes * 60 / self.window_s))
+
 
 def run(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
-    windows = cfg.warmup + max(1, math.ceil(cfg.minutes * 60 / cfg.window_s))
+    windows = cfg.windows
     with ServerProcess(cfg.store, model_args(cfg.model, cfg.dtype), cfg.work / "logs" / "serve-soak.log") as server:
         samples = asyncio.run(_soak(cfg, server, windows, log))
     settled = samples[cfg.warmup:]

@@ -278,6 +278,11 @@ class ChunkSource:
             if table is not None:
                 table.delete_chunk(chunk_id)
 
+    def evicted_elsewhere(self, chunk_id: str) -> None:
+        """A kept passage another process evicted (its record and KV gone there): a copy computed here is not stored."""
+        with self._lock:
+            self._evicted.add(chunk_id)
+
     def exact_prefix(self, lease) -> LayerKV:
         """The preamble, followed by the chunks on the lease's matched path (their KV as it stood)."""
         if lease is None or not lease.matched:

@@ -120,6 +120,8 @@ class PassageKeeper:
         share = self.bound_tokens / len(usage)
         victims = []
         with self._lock:
+            for gone in self._value.keys() - kept.keys():  # evicted by another process (the store's log said so)
+                del self._value[gone]
             order = sorted(kept, key=lambda c: (self._value[c][1], self._value[c][0].last_access)
                            if c in self._value else (0.0, -1))  # an earlier run's, unused since: the clock alone
             for chunk_id in order:

@@ -73,7 +73,7 @@ class LLMEngine:
                                     config.scheduler.max_running)
         self.scheduler = Scheduler(self.kv, config.scheduler, self._order_priority)
         source = prefiller.source  # plain prompts' stored passages: full chunks only (not Keyformer's reduced ones)
-        spans = PromptSpans(source.env) if config.prompt_spans and source.keep is None else None
+        spans = PromptSpans(source.env, source.evicted_elsewhere) if config.prompt_spans and source.keep is None else None
         self.planner = Planner(prefiller.runtime, self.kv.prefix, self.kv.block_size, spans)
         self.conversations = Conversations(prefiller.runtime, self.kv, self.planner)
         self.keeper = None  # clients' new passages, stored at their second sighting (engine/kept_passages.py)

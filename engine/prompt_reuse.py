@@ -17,7 +17,7 @@ shares with earlier prompts (a system prompt, a conversation's head).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrag.model.chat import ChatPrompts
@@ -26,6 +26,7 @@ from kvrag.store.env import StoreEnv
 from kvrag.store.passage_index import PassageIndex, Span
 
 PROMPT_TIER = "prompt"  # a piece of the prompt's own text: computed, never loaded
+FIND_ENTRIES = 4  # change-log entries a prompt's probe indexes at most (store/chunk_log.py: 512 chunks each)
 PASSAGE_TOKENS = 48  # a run of a prompt's ids this long between breaks is a passage (Paragraphs)
 _BREAK = frozenset("\n<>")  # a token holding one of these ends a run: a line break, a tag's bracket
 
@@ -49,56 +50,66 @@ class Split:
 
 
 class PromptSpans:
-    """The store's passage index, filled from its chunk table at first use (and by `add` as passages are kept)."""
+    """The store's passage index: filled from its chunk table at first use, then kept up to date from the table's
+    change log (store/chunk_log.py), whichever process changed it, and by `add`/`remove` as this one keeps passages."""
 
-    def __init__(self, env: StoreEnv | None):
+    def __init__(self, env: StoreEnv | None, evicted_elsewhere: Callable[[str], None] | None = None):
         self.env, self.index = env, PassageIndex()
+        self.evicted_elsewhere = evicted_elsewhere  # told of a kept passage another process evicted (its KV gone)
         self.kept: dict[str, tuple[str, int]] = {}  # the clients' kept passages in the store: chunk id: (salt, tokens)
-        self._indexed = -1  # the chunk table's count when it was last indexed
+        self._seen = -1  # the change log's entry read last (-1: the table not indexed yet)
         self._lock = threading.Lock()
         self._closed = False
 
     def find(self, ids: Sequence[int], salt: str = "") -> list[Span]:
-        """The stored spans of a prompt's ids that a request of this salt may reuse."""
-        self.fill()
+        """The stored spans of a prompt's ids that a request of this salt may reuse (the log's news read first, a
+        few entries a prompt: another process's big write is indexed over the next prompts, not in one stall)."""
+        self.fill(FIND_ENTRIES)
         return self.index.find(ids, salt)
 
     def add(self, chunk_id: str, ids: Sequence[int], salt: str = "") -> None:
         """Index a passage kept from a client's prompts (under its salt), its record just written."""
         with self._lock:
-            if self._indexed < 0:  # the table not indexed yet: its first fill indexes the record with the rest
+            if self._seen < 0:  # the table not indexed yet: its first fill indexes the record with the rest
                 return
-            if not self.index.knows(chunk_id, salt):
-                self.kept[chunk_id] = (salt, len(ids))
-                self.index.add(chunk_id, ids, salt)
-                self._indexed += 1  # the record this adds to the table: no need to read the table again for it
+            self._add(chunk_id, ids, salt, kept=True)
 
     def remove(self, chunk_id: str) -> None:
         """Forget a kept passage before its record goes (engine/kept_passages.py evicts it): no plan finds it again."""
         with self._lock:
-            if chunk_id in self.kept:
-                salt, _ = self.kept.pop(chunk_id)
-                self.index.remove(chunk_id, salt)
-                self._indexed -= 1  # the record that goes with it
+            self._remove(chunk_id)
 
     def kept_passages(self) -> dict[str, tuple[str, int]]:
         """A copy of `kept` (any thread)."""
         with self._lock:
             return dict(self.kept)
 
-    def fill(self) -> None:
-        """Index the store's chunks (KVRag starts it beside the model's load), and later the ones indexed since: a
-        prompt looks at the chunk table's count (an LMDB stat) and indexes again only when it has grown."""
+    def fill(self, limit: int | None = None) -> None:
+        """Index what the store's chunk table gained or lost since the last look (all of it the first time: KVRag
+        starts that beside the model's load): at most `limit` log entries (None: all); a prompt reads the log's head
+        (one LMDB get) and nothing more when it has not moved."""
         if self.env is None:
             return
         with self._lock:
             if self._closed:
                 return
-            count = ChunkTable(self.env).count()
-            if count == self._indexed:
+            table = ChunkTable(self.env)
+            if self._seen >= 0 and table.log_head() == self._seen:
                 return
-            self.index.add_many(self._records())
-            self._indexed = count
+            changes, records = table.changes(self._seen, limit) if self._seen >= 0 else (None, {})
+            if changes is None:  # first use, or this process fell behind the log's trimmed start
+                head = table.log_head()  # before the read: a change made meanwhile is read again, to no effect
+                self.index.add_many(self._records())
+                self._seen = head
+                return
+            for change in changes:
+                for chunk_id in change.chunk_ids:
+                    record = records.get(chunk_id) if change.added else None
+                    if record is not None:
+                        self._add(chunk_id, record.token_ids, *_owner(record.doc_id))
+                    elif not change.added and self._remove(chunk_id) and self.evicted_elsewhere is not None:
+                        self.evicted_elsewhere(chunk_id)  # a copy a prompt here computes is not stored back
+                self._seen = change.number
 
     def close(self) -> None:
         """Stop indexing before the store closes: a fill under way stops at its next record, and none starts."""
@@ -106,18 +117,36 @@ class PromptSpans:
         with self._lock:  # waits out the fill under way, so that nothing reads the store once this returns
             pass
 
+    def _add(self, chunk_id: str, ids: Sequence[int], salt: str, kept: bool) -> None:
+        if not self.index.knows(chunk_id, salt):
+            if kept:
+                self.kept[chunk_id] = (salt, len(ids))
+            self.index.add(chunk_id, ids, salt)
+
+    def _remove(self, chunk_id: str) -> bool:
+        """Forget a chunk (a corpus chunk `store gc` dropped, or a kept passage); whether it was a kept passage."""
+        salt, tokens = self.kept.pop(chunk_id, ("", 0))
+        self.index.remove(chunk_id, salt)
+        return tokens > 0
+
     def _records(self):
         """(chunk id, ids, salt) of the store's chunks not indexed yet: a passage kept from a client's prompts carries
         its salt."""
         for r in list(ChunkTable(self.env).iter()):  # read first: a long read transaction would hold up a map resize
             if self._closed:
                 return
-            client = r.doc_id.startswith(CLIENT_DOC)
-            salt = r.doc_id[len(CLIENT_DOC):] if client else ""
+            salt, kept = _owner(r.doc_id)
             if not self.index.knows(r.chunk_id, salt):
-                if client:
+                if kept:
                     self.kept[r.chunk_id] = (salt, len(r.token_ids))
                 yield r.chunk_id, r.token_ids, salt
+
+
+def _owner(doc_id: str) -> tuple[str, bool]:
+    """The salt a chunk is found under (a kept passage's tenant's, "" for the corpus), and whether it is a kept
+    passage."""
+    kept = doc_id.startswith(CLIENT_DOC)
+    return (doc_id[len(CLIENT_DOC):] if kept else ""), kept
 
 
 def split(ids: Sequence[int], spans: Sequence[Span], index: PassageIndex) -> Split | None:

@@ -102,12 +102,16 @@ class WriteBack:
         with torch.inference_mode():
             self.source.compute_chunk(chunk_id, passage)
         cost = (time.perf_counter() - start) / len(passage)
-        self.keeper.spans.fill()  # the store's kept passages known before any is chosen to go
         table = ChunkTable(self.source.env)
-        for victim in self.keeper.make_room(len(passage), salt):
-            self.keeper.spans.remove(victim)  # no new plan finds it
-            table.delete_records([victim])  # a record never names KV that is gone
-            self.source.evict(victim)
+        self._make_room(table, len(passage), salt)
         self.source.store_computed(only=chunk_id)
         if not self.source.table.missing([chunk_id]):  # stored (or there from before): its record may follow
             self.keeper.recorded(table, chunk_id, passage, salt, cost)
+            self._make_room(table, 0, salt)  # another process kept passages meanwhile: the bound is the store's
+
+    def _make_room(self, table: ChunkTable, tokens: int, salt: str) -> None:
+        self.keeper.spans.fill()  # the store's kept passages known (every process's) before any is chosen to go
+        for victim in self.keeper.make_room(tokens, salt):
+            self.keeper.spans.remove(victim)  # no new plan finds it
+            table.delete_records([victim])  # a record never names KV that is gone (the log tells other processes)
+            self.source.evict(victim)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import lmdb
 
 from kvrag.errors import KvragError
+from kvrag.store import chunk_log
 from kvrag.store.env import StoreEnv
 
 _CHUNK_MAGIC = b"KC\x01"
@@ -197,6 +198,28 @@ class ChunkTable:
     def count(self) -> int:
         return self.env.read(lambda txn: txn.stat(self._chunks)["entries"])
 
+    def log_head(self) -> int:
+        """The chunk log's last entry (store/chunk_log.py): it moves whenever a chunk is added or deleted."""
+        return self.env.read(lambda txn: chunk_log.head(txn, self._meta))
+
+    def changes(self, after: int, limit: int | None = None) -> tuple[list[chunk_log.Change] | None, dict]:
+        """The log's entries after `after` (at most `limit`; None: trimmed, read the whole table) and, read in the same
+        snapshot, the records of the chunks they added that are still stored (chunk id: ChunkRecord)."""
+        def read(txn: lmdb.Transaction):
+            changes = chunk_log.since(txn, self._meta, after, limit)
+            records = {}
+            for change in changes or ():
+                for chunk_id in change.chunk_ids if change.added else ():
+                    raw = txn.get(bytes.fromhex(chunk_id), db=self._chunks)
+                    if raw is not None:
+                        records[chunk_id] = ChunkRecord.from_bytes(chunk_id, bytes(raw))
+            return changes, records
+
+        return self.env.read(read)
+
+    def trim_log(self, keep: int = chunk_log.KEEP_ENTRIES) -> int:
+        return self.env.write(lambda txn: chunk_log.trim(txn, self._meta, keep))
+
     # -- documents --------------------------------------------------------------------------------
     def docs(self) -> dict[str, DocRecord]:
         with self.env.reader() as txn:
@@ -210,20 +233,28 @@ class ChunkTable:
         """
 
         def put(txn: lmdb.Transaction) -> int:
-            added = 0
+            added = []
             for doc, chunks in items:
                 for chunk in chunks:
-                    added += txn.put(bytes.fromhex(chunk.chunk_id), chunk.to_bytes(),
-                                     db=self._chunks, overwrite=False)
+                    key = bytes.fromhex(chunk.chunk_id)
+                    if txn.put(key, chunk.to_bytes(), db=self._chunks, overwrite=False):
+                        added.append(key)
                 txn.put(_doc_key(doc.doc_id), doc.to_bytes(), db=self._docs)
-            return added
+            chunk_log.record(txn, self._meta, chunk_log.ADDED, added)
+            return len(added)
 
         return self.env.write(put)
 
     def put_records(self, records: Iterable[ChunkRecord]) -> int:
         """Chunks that belong to no document (passages kept from clients' prompts); one already stored is left."""
         items = [(bytes.fromhex(r.chunk_id), r.to_bytes()) for r in records]  # a list: `write` may run again
-        return self.env.write(lambda txn: sum(txn.put(k, v, db=self._chunks, overwrite=False) for k, v in items))
+
+        def put(txn: lmdb.Transaction) -> int:
+            added = [k for k, v in items if txn.put(k, v, db=self._chunks, overwrite=False)]
+            chunk_log.record(txn, self._meta, chunk_log.ADDED, added)
+            return len(added)
+
+        return self.env.write(put)
 
     def remove_docs(self, doc_ids: Iterable[str], owners: dict[str, list[DocRecord]]) -> None:
         """Delete document records, and re-point chunks whose owning document went or changed.
@@ -258,7 +289,12 @@ class ChunkTable:
 
     def delete_records(self, chunk_ids: Iterable[str]) -> None:
         keys = [bytes.fromhex(c) for c in chunk_ids]  # a list: `write` may run the transaction again
-        self.env.write(lambda txn: [txn.delete(key, db=self._chunks) for key in keys])
+
+        def delete(txn: lmdb.Transaction) -> None:
+            gone = [key for key in keys if txn.delete(key, db=self._chunks)]
+            chunk_log.record(txn, self._meta, chunk_log.DELETED, gone)
+
+        self.env.write(delete)
 
     def delete_unreferenced(self, live: set[str]) -> list[str]:
         """Delete every chunk no live document lists (crash leftovers included), clients' kept passages aside; returns

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from kvrag.store import chunk_log
 from kvrag.store.codec import CorruptValue, decode
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (
@@ -211,6 +212,7 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
             if indexed_ids is not None:  # what is left belongs to the current index
                 for fp in set(manifests) - set(models):
                     set_chunking(txn, env, fp, config)
+            chunk_log.trim(txn, env.db("meta"))  # the chunk table's log: its newest entries kept
 
         env.write(fix_manifests)
     return GcReport(len(drop), nbytes, tuple(models), kept, dry_run)

@@ -3,6 +3,7 @@ JSON) goes to stdout; stderr holds progress, warnings and errors alone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,7 +117,8 @@ def gc_command(
 
     with _open(store) as env:
         table = ChunkTable(env)
-        dropped = frozenset(r.chunk_id for r in table.client_records()) if client_passages else frozenset()
+        clients = table.client_records() if client_passages else []
+        dropped = frozenset(r.chunk_id for r in clients)
         indexed = table.ids() - dropped
         if not indexed:
             if model is None and drop_model is None and not dropped:
@@ -127,11 +129,19 @@ def gc_command(
 
         if dropped and not dry_run:  # records first: a record never names KV that is gone
             table.delete_records(dropped)
-        report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run, drop_ids=dropped)
+        report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run, drop_ids=dropped,
+                    drop_lead_in=_holds_any(clients) if clients else None)
     if json_out:
         print_json(asdict(report))
     else:
         _print_gc(stdout_console(), report)
+
+
+def _holds_any(records) -> Callable[[tuple[int, ...]], bool]:
+    """Whether a lead-in's token ids hold any of these passages (one chosen, by an earlier release, from clients')."""
+    from kvrag.precompute.lead_in import LeadIn
+
+    return lambda ids: any(LeadIn(ids).holds(r.token_ids) for r in records)
 
 
 def _stats_json(result: StoreStats) -> dict:
@@ -184,3 +194,6 @@ def _print_gc(out: Console, report: GcReport) -> None:
     models = f"; {verb} model(s) {', '.join(report.dropped_models)}" if report.dropped_models else ""
     out.print(f"{verb} {report.dropped_chunks:,} chunk(s), {_mib(report.dropped_bytes)}{models}; "
               f"kept {report.kept_chunks:,}")
+    if report.dropped_lead_ins:
+        out.print(f"{verb} {report.dropped_lead_ins} lead-in(s) holding a client's passage, with the chunks computed "
+                  "after them: the next `kvrag precompute` chooses one from the corpus and computes them again")

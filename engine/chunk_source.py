@@ -148,19 +148,26 @@ class ChunkSource:
         v = [torch.from_numpy(d.v).to(m.device, m.dtype) for d in layers]
         return LayerKV(k, v, torch.arange(len(ids))), True
 
-    def piece_refs(self, chunks: Sequence[tuple[str, Sequence[int]]],
-                   pieces: Sequence[Piece]) -> tuple[list[ChunkRef], list[str]]:
+    def piece_refs(self, chunks: Sequence[tuple[str, Sequence[int]]], pieces: Sequence[Piece],
+                   start: int | None = None) -> tuple[list[ChunkRef], list[str]]:
         """Refs for a plain prompt's pieces (engine/prompt_reuse.py), and where each one's KV came from: a whole
         stored chunk is read by the loader, part of one is read now and cut to its rows, and prompt text gets zeros
-        (the blend computes it at every layer)."""
+        (the blend computes it at every layer). `start`: the prompt position of the first piece, where a lead-in's
+        chunks are read (a piece in the first window reads the form after the preamble, as chunk_refs does)."""
         m = self.model
-        refs, tiers = [], []
+        refs, tiers, at = [], [], start
         for (name, ids), piece in zip(chunks, pieces, strict=True):
             if piece.chunk_id is None:
                 zeros = torch.zeros(len(ids), m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
                 kv = LayerKV([zeros] * m.cfg.n_layers, [zeros] * m.cfg.n_layers, torch.arange(len(ids)))
                 refs.append(ChunkRef(name, ids, kv))
                 tiers.append(PROMPT_TIER)
+            elif at is not None and self.near(at):
+                whole, read = self._near_kv(piece.chunk_id, piece.stored)
+                rows = slice(piece.offset, piece.offset + len(ids))
+                refs.append(ChunkRef(name, ids, LayerKV([k[rows] for k in whole.k], [v[rows] for v in whole.v],
+                                                        torch.arange(len(ids))), read=read))
+                tiers.append(STORE_TIER if read else "computed")
             elif name == piece.chunk_id and self.table is not None and not self.table.missing([name]):
                 refs.append(ChunkRef(name, ids))
                 tiers.append(STORE_TIER)
@@ -168,6 +175,7 @@ class ChunkSource:
                 kv, tier = self._stored_rows(piece, len(ids))
                 refs.append(ChunkRef(name, ids, kv))
                 tiers.append(tier)
+            at = None if at is None else at + len(ids)
         return refs, tiers
 
     def _stored_rows(self, piece: Piece, n: int) -> tuple[LayerKV, str]:

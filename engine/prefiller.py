@@ -198,7 +198,7 @@ class Prefiller:
         forced, piece_tiers = None, None
         if framing is not None and framing.pieces is not None:
             t0 = time.perf_counter()
-            refs, piece_tiers = source.piece_refs(rest, framing.pieces)
+            refs, piece_tiers = source.piece_refs(rest, framing.pieces, start=len(exact))
             missing_s = time.perf_counter() - t0
             forced = _prompt_rows(rest, framing.pieces).to(self.model.device)
             if mode == "reuse" or config.ratio == 0:  # the prompt's own text is computed all the same

@@ -18,7 +18,6 @@ before copies it). A model whose layers all attend to every earlier token has no
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +25,8 @@ import torch
 
 from kvrag.model.config import ModelConfig
 from kvrag.model.prefill import LayerKV, extend
-from kvrag.store.chunks import ChunkTable
-from kvrag.store.keys import LEAD_IN_VARIANT, lead_in_chunk_id
+from kvrag.store.chunks import CLIENT_DOC, ChunkTable
+from kvrag.store.keys import lead_in_chunk_id, lead_in_variant
 from kvrag.store.record import token_id_bytes
 from kvrag.store.table import KVTable
 
@@ -67,7 +66,7 @@ class LeadIn:
     @property
     def variant(self) -> str:
         """The store variant of the chunks computed after this lead-in (store/keys.py)."""
-        return LEAD_IN_VARIANT + hashlib.blake2b(token_id_bytes(self.ids), digest_size=8).hexdigest()
+        return lead_in_variant(token_id_bytes(self.ids))
 
     def holds(self, chunk_ids: Sequence[int]) -> bool:
         """Whether a chunk's text is part of the lead-in (its first or last PROBE tokens are)."""
@@ -92,11 +91,14 @@ def choose(passages: Iterable[Sequence[int]], n: int) -> LeadIn | None:
 
 
 def corpus_passages(chunks: ChunkTable) -> Iterator[Sequence[int]]:
-    """A store's passages in chunk id order: a random sample of its corpus, since ids are hashes."""
+    """A store's corpus passages in chunk id order: a random sample of it, since ids are hashes. Never a passage kept
+    from a client's prompts: every chunk's KV would carry one tenant's text, and `gc --client-passages` could not
+    take it out."""
     order = sorted(chunks.ids())
     for start in range(0, len(order), 64):
         for record in chunks.get_many(order[start:start + 64]):
-            yield record.token_ids
+            if not record.doc_id.startswith(CLIENT_DOC):
+                yield record.token_ids
 
 
 def find(table: KVTable, preamble_hash: str, n: int, chunks: ChunkTable | None) -> LeadIn | None:

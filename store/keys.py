@@ -19,6 +19,7 @@ never meets a reduced one (another key range), and one store holds both side by 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from kvrag.errors import KvragError
@@ -71,6 +72,11 @@ def lead_in_chunk_id(preamble_hash: str) -> str:
     """The reserved chunk id of the lead-in a sliding-window model's chunks are computed after
     (precompute/lead_in.py): beside the preamble's, kept and skipped as it is."""
     return preamble_chunk_id(preamble_hash) + LEAD_IN_SUFFIX
+
+
+def lead_in_variant(token_bytes: bytes) -> str:
+    """The variant of the chunks computed after a lead-in (its token ids as a record stores them)."""
+    return LEAD_IN_VARIANT + hashlib.blake2b(token_bytes, digest_size=8).hexdigest()
 
 
 def is_reduced(variant: str) -> bool:

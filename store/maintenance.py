@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import lmdb
@@ -12,6 +12,8 @@ from kvrag.store import chunk_log
 from kvrag.store.codec import CorruptValue, decode
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (
+    LEAD_IN_SUFFIX,
+    LEAD_IN_VARIANT,
     TAG_CLAIM,
     ChunkKey,
     ClaimKey,
@@ -21,6 +23,7 @@ from kvrag.store.keys import (
     is_preamble_id,
     is_reduced,
     lead_in_chunk_id,
+    lead_in_variant,
     model_prefix,
     parse_key,
     preamble_chunk_id,
@@ -36,6 +39,7 @@ from kvrag.store.manifest import (
 from kvrag.store.record import KVRecord
 from kvrag.store.table import positions_problem
 
+STALE_LEAD_IN = "computed after a lead-in the model no longer has (`kvrag store gc` drops it)"
 DELETE_BATCH = 64  # chunks per write transaction in gc/repair: bounded transactions, steady progress
 
 
@@ -104,6 +108,7 @@ class GcReport:
     dropped_models: tuple[str, ...]
     kept_chunks: int
     dry_run: bool = False
+    dropped_lead_ins: int = 0  # lead-ins condemned (holding a client's passage), their chunks among dropped_chunks
 
 
 def stats(env: StoreEnv) -> StoreStats:
@@ -149,6 +154,8 @@ def verify(env: StoreEnv, *, repair: bool = False) -> VerifyReport:
     With `repair`, every chunk with a problem is deleted whole, so the next precompute redoes it.
     """
     ensure_schema(env)
+    manifests = read_manifests(env)
+    lead_ins = current_lead_ins(env, manifests)
     problems: list[Problem] = []
     chunks = values = nbytes = 0
     bad_chunks: list[bytes] = []  # prefixes of chunks to delete whole
@@ -159,6 +166,8 @@ def verify(env: StoreEnv, *, repair: bool = False) -> VerifyReport:
             stray.extend(malformed)
             continue
         found = _check_chunk(chunk, entries)
+        if stale_variant(chunk, lead_ins, manifests):
+            found.append(Problem(chunk.model_fp, chunk.codec, chunk.chunk_id, None, STALE_LEAD_IN, chunk.variant))
         if found:
             problems.extend(found)
             bad_chunks.append(chunk.prefix)
@@ -172,25 +181,34 @@ def verify(env: StoreEnv, *, repair: bool = False) -> VerifyReport:
 
 
 def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | None = None,
-       drop_model: str | None = None, dry_run: bool = False, drop_ids: frozenset[str] = frozenset()) -> GcReport:
+       drop_model: str | None = None, dry_run: bool = False, drop_ids: frozenset[str] = frozenset(),
+       drop_lead_in: Callable[[tuple[int, ...]], bool] | None = None) -> GcReport:
     """Drop KV of chunks not in `indexed_ids` (None: skip that test) or in `drop_ids`, of models other than
-    `keep_model`, of `drop_model`, and preambles no manifest refers to. Claims of dropped chunks go too.
+    `keep_model`, of `drop_model`, preambles no manifest refers to, and chunks computed after a lead-in that is no
+    longer the model's (a stale variant), or after one `drop_lead_in` (its token ids) condemns, with that lead-in.
+    Claims of dropped chunks go too.
     """
     ensure_schema(env)
     manifests = read_manifests(env)
+    lead_ins = current_lead_ins(env, manifests)
+    doomed_leads = {group for group, record in lead_ins.items()
+                    if drop_lead_in is not None and drop_lead_in(tuple(int(t) for t in record.token_ids))}
 
     def doomed_model(fp: str) -> bool:
         return (keep_model is not None and fp != keep_model) or fp == drop_model
 
     drop, kept, nbytes = [], 0, 0
     for key, raw in scan_records(env, b""):
+        group = (key.model_fp, key.codec)
         if doomed_model(key.model_fp):
             gone = True
         elif is_preamble_id(key.chunk_id):
             m = manifests.get(key.model_fp)
             gone = m is not None and key.chunk_id not in (preamble_chunk_id(m.preamble_hash), lead_in_chunk_id(m.preamble_hash))
+            gone |= group in doomed_leads and key.chunk_id.endswith(LEAD_IN_SUFFIX)
         else:
             gone = key.chunk_id in drop_ids or (indexed_ids is not None and key.chunk_id not in indexed_ids)
+            gone |= stale_variant(key, lead_ins, manifests, doomed_leads)
         if gone:
             drop.append(key.prefix)
             try:
@@ -215,7 +233,33 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
             chunk_log.trim(txn, env.db("meta"))  # the chunk table's log: its newest entries kept
 
         env.write(fix_manifests)
-    return GcReport(len(drop), nbytes, tuple(models), kept, dry_run)
+    return GcReport(len(drop), nbytes, tuple(models), kept, dry_run, len(doomed_leads))
+
+
+def current_lead_ins(env: StoreEnv, manifests: dict) -> dict[tuple[str, str], KVRecord]:
+    """The record of each (model, codec)'s current lead-in (precompute/lead_in.py: the one its manifest's preamble
+    names), whose token ids name the variant its chunks are stored in."""
+    found = {}
+    for fp, m in manifests.items():
+        wanted = lead_in_chunk_id(m.preamble_hash)
+        for key, raw in scan_records(env, model_prefix(fp)):
+            if key.chunk_id == wanted and not key.variant:
+                try:
+                    found[(fp, key.codec)] = KVRecord.from_bytes(raw)
+                except CorruptValue:
+                    pass  # verify reports it; its chunks are judged by no lead-in
+    return found
+
+
+def stale_variant(key: ChunkKey, lead_ins: dict[tuple[str, str], KVRecord], manifests: dict,
+                  doomed=frozenset()) -> bool:
+    """Whether a chunk was computed after a lead-in its model no longer has (a changed or dropped one): no reader
+    reads it again. A model with no manifest is not judged."""
+    if not key.variant.startswith(LEAD_IN_VARIANT) or key.model_fp not in manifests:
+        return False
+    group = (key.model_fp, key.codec)
+    lead = lead_ins.get(group)
+    return group in doomed or lead is None or lead_in_variant(lead.token_bytes) != key.variant
 
 
 def _check_chunk(chunk: ChunkKey, entries: dict) -> list[Problem]:

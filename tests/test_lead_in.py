@@ -155,3 +155,88 @@ def test_model_info_says_which_layers_slide_and_what_the_blend_does(tiny_family,
     off = json.loads(kvrag("model", "info", "--model", str(tiny_family("gemma3_text")), "--json",
                            env={"KVRAG_LEAD_IN": "0"}).stdout)
     assert off["blend"]["lead_in"] == 0
+
+
+def test_a_plain_prompt_s_passage_in_the_first_window_reads_the_form_after_the_preamble(gemma_store):
+    """A client's prompt carrying stored chunks (engine/prompt_reuse.py's pieces) reads the forms as retrieval does:
+    a piece whose rows' windows reach the prompt's start, whole or in part, the form after the preamble; later ones
+    the lead-in's, through the loader."""
+    from kvrag.engine.prompt_reuse import Piece
+    from kvrag.model.prefill import extend
+
+    model, store = gemma_store
+    runtime, env, prefiller = _open(model, store)
+    with env:
+        source, n_pre = prefiller.source, len(prefiller.preamble)
+        records = [r for r in _records(env) if not source.lead_in.holds(r.token_ids)][:2]
+        first, second = (list(r.token_ids) for r in records)
+        part = first[5:]
+        chunks = [(f"{records[0].chunk_id}[5:]", part), (records[1].chunk_id, second)]
+        pieces = [Piece(records[0].chunk_id, 5, tuple(first)), Piece(records[1].chunk_id, 0, tuple(second))]
+        with torch.inference_mode():
+            refs, tiers = source.piece_refs(chunks, pieces, start=n_pre)
+            alone = extend(runtime.model, prefiller.preamble, runtime.ids_tensor(first))[1]
+        assert source.near(n_pre) and not source.near(n_pre + len(part))
+        assert refs[0].read and tiers == ["store", "store"]
+        torch.testing.assert_close(refs[0].in_memory.v[3], alone.v[3][5:], rtol=0.02, atol=0.02)
+        assert refs[1].in_memory is None  # the loader reads the lead-in's form
+
+
+def test_the_lead_in_is_never_a_client_s_passage(tmp_path):
+    """Chunk ids sort a client's kept passage first; the lead-in is still the corpus's."""
+    from kvrag.precompute.lead_in import corpus_passages
+    from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable
+    from kvrag.store.env import StoreEnv
+
+    with StoreEnv.open(tmp_path / "store", create=True) as env:
+        table = ChunkTable(env)
+        table.put_records([ChunkRecord("00" * 16, CLIENT_DOC + "bob", "", "secret", 0, 6, (7, 7, 7)),
+                           ChunkRecord("ff" * 16, "doc", "", "corpus", 0, 6, (1, 2, 3))])
+        assert list(corpus_passages(table)) == [(1, 2, 3)]
+        assert choose(corpus_passages(table), 2) == LeadIn((2, 3))
+
+
+def _copy(gemma_store, tmp_path):
+    model, store = gemma_store
+    shutil.copytree(store, tmp_path / "store")
+    return model, tmp_path / "store"
+
+
+def test_a_lead_in_holding_a_client_s_passage_goes_at_gc_with_its_chunks(gemma_store, tmp_path, kvrag):
+    """A store whose lead-in an earlier release chose from a tenant's kept passage: `gc --client-passages` drops the
+    passage, the lead-in and every chunk computed after it (they carry the tenant's text); the forms after the
+    preamble stay."""
+    from kvrag.store.chunks import CLIENT_DOC, ChunkRecord, ChunkTable
+
+    model, store = _copy(gemma_store, tmp_path)
+    runtime, env, prefiller = _open(model, store)
+    with env:
+        lead = prefiller.source.lead_in
+        ChunkTable(env).put_records([ChunkRecord("ab" * 16, CLIENT_DOC + "bob", "", "t", 0, 1, lead.ids[10:40])])
+    before = json.loads(kvrag("store", "stats", "--store", str(store), "--json").stdout)["groups"]
+    out = json.loads(kvrag("store", "gc", "--store", str(store), "--client-passages", "--json").stdout)
+    after = json.loads(kvrag("store", "stats", "--store", str(store), "--json").stdout)["groups"]
+    assert out["dropped_lead_ins"] == 1
+    variants = [g for g in before if g["variant"].startswith("lead:")]
+    assert len(variants) == 1 and out["dropped_chunks"] == variants[0]["chunks"] + 1  # + the lead-in's record
+    assert [g["variant"] for g in after] == [""] and after[0]["chunks"] == before[0]["chunks"]
+    assert "no problems" in kvrag("store", "verify", "--store", str(store)).stdout
+
+
+def test_chunks_after_a_lead_in_the_model_no_longer_has_fail_verify_and_go_at_gc(gemma_store, tmp_path, kvrag):
+    from kvrag.store.kv import LocalKVTable
+    from kvrag.store.manifest import preamble_hash
+
+    model, store = _copy(gemma_store, tmp_path)
+    runtime, env, prefiller = _open(model, store)
+    with env:  # the lead-in's record lost (or replaced by another): its variant is read by no one
+        LocalKVTable(env, runtime.fingerprint, "bf16").delete_chunk(
+            lead_in_chunk_id(preamble_hash(runtime.prompts.template.preamble)))
+    verify = kvrag("store", "verify", "--store", str(store), "--json", check=False)
+    problems = json.loads(verify.stdout)["problems"]
+    assert verify.returncode != 0 and problems and all("lead-in the model no longer has" in p["reason"]
+                                                       and p["variant"].startswith("lead:") for p in problems)
+    kvrag("store", "gc", "--store", str(store))
+    assert "no problems" in kvrag("store", "verify", "--store", str(store)).stdout
+    groups = json.loads(kvrag("store", "stats", "--store", str(store), "--json").stdout)["groups"]
+    assert [g["variant"] for g in groups] == [""]

@@ -194,7 +194,7 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
                           "model_fingerprint": runtime.fingerprint,
                           "dtype": str(runtime.model.dtype).replace("torch.", ""), "device": str(runtime.model.device),
                           "passage_words": passage_words, "top_k": k if questions else None,
-                          "load_average_start": load_start, "auto": verdict})
+                          "load_average_start": load_start, "auto": verdict, "chunk_forms": engine.source.forms()})
     return report
 
 

@@ -117,6 +117,7 @@ def bench_fidelity(
         lead = lead_in.choose(split_passages(raw, indices, runtime), lead_in.tokens_for(runtime))
         engine = Prefiller.open(runtime, env, lead_in=lead)
         report = run_sweep(engine, build_items(raw, indices, runtime), spec, records, on_item, kinds)
+        report["chunk_forms"] = engine.source.forms()
         if ruler and ruler_per_cell:
             from kvrag.bench.fidelity_ruler import run_ruler
 

@@ -204,6 +204,11 @@ def markdown(report: dict) -> str:
         for t, hit in per_t.items():
             lines.append(f"| {rule} | {t} | " + ("not reached | - | - |" if hit is None else
                          f"{hit['ratio']:g} | {f(hit['median_ttft_ratio_to_full'])} | {f(hit['speedup'], '.2f')}x |"))
+    forms = report.get("chunk_forms")
+    if forms:
+        read = ", ".join(f"{n} {form.replace('_', ' ')}" for form, n in forms["read"].items())
+        lines += ["", f"Chunks stored {' and '.join(f.replace('_', ' ') for f in forms['stored'])}"
+                  + (f" ({forms['lead_in_tokens']} tokens)" if forms["lead_in_tokens"] else "") + f"; read: {read}."]
     ruler = report.get("ruler")
     if ruler:
         lines += ["", f"RULER-style tasks: {ruler['full_right']} of {ruler['tasks']} answered right by full prefill",

@@ -68,6 +68,7 @@ class ChunkSource:
         self.lead_in = None if self.keep is not None else lead_in  # reduced chunks follow the preamble alone
         self.window = widest_window(self.model.cfg)  # a chunk starting within it reads the form after the preamble
         self.near_table = None  # with a lead-in: the table of that form (the full chunks')
+        self.form_reads = {"after_preamble": 0, "after_lead_in": 0}  # chunks read in each form (bench reports say)
         self._near_write_back: dict[str, tuple[Sequence[int], LayerKV, bool]] = {}  # computed now: ids, KV, damaged
         keeper = None  # stores the lead-in's KV once computed
         if env is not None:
@@ -110,6 +111,7 @@ class ChunkSource:
         begin = time.perf_counter()
         refs, at = [], start
         for i, (chunk_id, ids) in enumerate(chunks):
+            self._count_form(at)
             if at is not None and self.near(at):
                 kv, read = self._near_kv(chunk_id, ids, store)
                 refs.append(ChunkRef(chunk_id, ids, kv, read=read))
@@ -122,6 +124,16 @@ class ChunkSource:
                 refs.append(ChunkRef(chunk_id, ids, kept=self._stored_kept(chunk_id, ids)))
             at = None if at is None else at + len(ids)
         return refs, time.perf_counter() - begin
+
+    def forms(self) -> dict:
+        """The forms this source's chunks are stored and read in (a bench report says which its figures came from)."""
+        lead = 0 if self.lead_in is None else len(self.lead_in.ids)
+        stored = ["after_preamble", "after_lead_in"] if lead else ["after_preamble"]
+        return {"stored": stored, "lead_in_tokens": lead, "window": self.window, "read": dict(self.form_reads)}
+
+    def _count_form(self, position: int | None) -> None:
+        near = self.lead_in is None or (position is not None and self.near(position))
+        self.form_reads["after_preamble" if near else "after_lead_in"] += 1
 
     def near(self, position: int) -> bool:
         """Whether a chunk starting at `position` of a prompt reads the form stored after the preamble alone, where
@@ -162,7 +174,10 @@ class ChunkSource:
                 kv = LayerKV([zeros] * m.cfg.n_layers, [zeros] * m.cfg.n_layers, torch.arange(len(ids)))
                 refs.append(ChunkRef(name, ids, kv))
                 tiers.append(PROMPT_TIER)
-            elif at is not None and self.near(at):
+                at = None if at is None else at + len(ids)
+                continue
+            self._count_form(at)
+            if at is not None and self.near(at):
                 whole, read = self._near_kv(piece.chunk_id, piece.stored)
                 rows = slice(piece.offset, piece.offset + len(ids))
                 refs.append(ChunkRef(name, ids, LayerKV([k[rows] for k in whole.k], [v[rows] for v in whole.v],

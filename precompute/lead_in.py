@@ -81,7 +81,10 @@ def _joined(ids: Sequence[int]) -> str:
 
 
 def choose(passages: Iterable[Sequence[int]], n: int) -> LeadIn | None:
-    """The last n tokens of the first passages (token ids) that reach n (all of them, if fewer; None: none)."""
+    """The last n tokens of the first passages (token ids) that reach n (all of them, if fewer; None: none, or n 0: a
+    model whose layers all attend to every token has no lead-in)."""
+    if n <= 0:
+        return None
     ids: list[int] = []
     for passage in passages:
         ids.extend(int(t) for t in passage)

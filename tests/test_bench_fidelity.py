@@ -63,6 +63,9 @@ def test_bench_fidelity_sweeps_rules_and_resumes(monkeypatch, capsys, tmp_path, 
         assert methods[f"{rule}@0.3"]["median_ttft_ratio_to_full"] is not None
     assert set(report["tolerances"]) == {"cacheblend", "query", "chunks", "epic"}
     assert report["ruler"]["tasks"] == 1 and set(report["ruler"]["kept_right"]) == set(methods)
+    forms = report["chunk_forms"]  # a model with no sliding layer: one form, every chunk read in it
+    assert forms["stored"] == ["after_preamble"] and forms["lead_in_tokens"] == 0
+    assert forms["read"]["after_preamble"] > 0 and forms["read"]["after_lead_in"] == 0
     assert (tmp_path / "out" / "fidelity_pareto.png").stat().st_size > 0
     assert "| query@0.3 |" in (tmp_path / "out" / "report.md").read_text()
     # an interrupted sweep: drop the second item's runs, and the rerun runs that item alone

@@ -30,6 +30,7 @@ def test_the_lead_in_is_the_tail_of_the_first_passages_that_reach_it():
     assert choose(passages, 4) == LeadIn((2, 3, 4, 5))  # 1-5 reach 4 tokens: their last 4
     assert choose(passages, 100) == LeadIn(tuple(range(1, 10)))  # a smaller corpus: all of it
     assert choose([], 4) is None
+    assert choose(passages, 0) is None  # no lead-in (bench fidelity asked for one of 0 tokens and got a passage)
 
 
 def test_a_chunk_whose_start_or_end_is_in_the_lead_in_is_held():
@@ -111,6 +112,9 @@ def test_a_chunk_in_the_first_window_reads_the_form_after_the_preamble(gemma_sto
             alone = extend(runtime.model, prefiller.preamble, runtime.ids_tensor(chunks[0][1]))[1]
         assert refs[0].read and torch.allclose(refs[0].in_memory.v[3], alone.v[3], rtol=0.02, atol=0.02)
         assert all(ref.in_memory is None for ref in refs[1:])  # the loader reads the lead-in's form
+        forms = source.forms()  # what a bench report says of them
+        assert forms["stored"] == ["after_preamble", "after_lead_in"] and forms["lead_in_tokens"] == LEAD
+        assert forms["read"] == {"after_preamble": 1, "after_lead_in": 2}
         # the first chunk follows the preamble (65 tokens of SmolLM2's template): that form is exact there; elsewhere
         # a chunk reads it where its first rows' windows reach the prompt's start
         assert n_pre == 65 and source.near(63) and not source.near(64) and not source.near(n_pre + 1)

@@ -86,9 +86,10 @@ class KVRag:
         cache = build_cache(self.runtime, config.codec, config.host_cache, config.gpu_cache, config.cache_policy)
         prefiller = Prefiller.open(self.runtime, self.env, config.codec, cache=cache, keep=keep, remote=remote)
         # the rule and ratio its blending check chose; no rule: a model blending gets wrong, answered in full
-        report = blend_verdict(self.runtime) if config.model_check else None
+        report = blend_verdict(self.runtime, config.check_budget) if config.model_check else None
         self.verdict = report.verdict() if report is not None else {
-            "passed": None, "mode": "blend", "rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO, "judged_by": None}
+            "passed": None, "mode": "blend", "rule": DEFAULT_SELECTION, "ratio": DEFAULT_RATIO, "judged_by": None,
+            "deferred": False}
         rule, ratio = self.verdict["rule"], self.verdict["ratio"]
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
         sizes = ("kv_budget", "chat_cache", "kept_passages")

@@ -25,6 +25,8 @@ else from its default; nothing below this module reads the environment (home.py 
                                             valuable (PGDSF) evicted to make room (0: none kept)
     model_check      KVRAG_MODEL_CHECK      True: blend only a model that passed its blending check (docs/model-check.md;
                                             0: skip the check, for tests and benchmarks that blend on purpose)
+    check_budget     KVRAG_CHECK_BUDGET     300: seconds a model's first use may spend on its blending check's answers; a
+                                            slower check is put off (answered in full until `kvrag model check` runs it)
     cuda_graphs      KVRAG_CUDA_GRAPHS      False: on a GPU, replay the decode step from CUDA graphs (engine/decode_graphs.py;
                                             off until the GPU check has measured it: docs/gpu.md)
     weights          KVRAG_WEIGHTS          auto: the layers' matrices dense, int8 or int4 (model/quant.py)
@@ -76,6 +78,7 @@ class KVRagConfig:
     kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/kept_passages.py)
     retrieval: str = "auto"  # where retrieval happens: RETRIEVAL, below
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
+    check_budget: int = 300  # seconds a first use may spend on the check's answers (engine/answer_check.py)
     cuda_graphs: bool = False  # the decode step replayed from CUDA graphs (Triton path on a GPU only)
     lead_in: int | None = None  # tokens of corpus text a stored chunk follows (None: the model's own, lead_in.py)
     # options alone
@@ -112,6 +115,8 @@ class KVRagConfig:
             raise KvragError(f"retrieval must be one of {', '.join(RETRIEVAL)}, got {config.retrieval!r}")
         if config.lead_in is not None and config.lead_in < 0:
             raise KvragError(f"the lead-in must be >= 0 tokens, got {config.lead_in}")
+        if config.check_budget < 0:
+            raise KvragError(f"the check's budget must be >= 0 seconds, got {config.check_budget}")
         if config.reorder_window < 0:
             raise KvragError(f"the reorder window must be >= 0, got {config.reorder_window}")
         return config
@@ -119,7 +124,7 @@ class KVRagConfig:
 
 ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
     "model dtype device kernels threads native weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
-    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check retrieval cuda_graphs lead_in").split()}
+    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check check_budget retrieval cuda_graphs lead_in").split()}
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages
 RETRIEVAL = ("auto", "server", "client")

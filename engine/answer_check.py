@@ -12,12 +12,14 @@ judged by answers: the first-token checks on short prompts judge it (engine/mode
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import SUFFIX_GUESS, RatioPolicy, full_ratio
@@ -36,6 +38,9 @@ KEPT_BOUND = 0.95  # share of full prefill's right answers the blend keeps (at l
 AGREEMENT_BOUND = 0.8  # share of prompts whose normalized answer is full prefill's (at least): one of 6 may differ
 MIN_RIGHT = 3  # full prefill right on fewer prompts: the answers cannot judge the blend
 ANSWER_TOKENS = 16
+# what the ladder's blends cost, as a share of the full prefills' (an estimate's upper side: 2.2 for the 1.5B model's
+# passing ladder in bf16, 0.97 for the 0.5B's failing one in float32; docs/model-check.md)
+LADDER_SHARE = 2.0
 NOTES_POOL = 40  # the prompts' other passages, drawn from one pool (each one's KV computed once for every prompt)
 
 Progress = Callable[[str, int, int], None]
@@ -52,6 +57,7 @@ class Rung:
     agreed: int = 0
     passed: bool = False
     seconds: float = 0.0
+    finished: bool = False  # passed, or stopped at a loss past its bounds (else: under way when the check stopped)
 
 
 @dataclass
@@ -72,6 +78,62 @@ class AnswerResult:
     def figures(self) -> dict:
         return {"prompts": self.prompts, "full_right": self.full_right, "full_s": round(self.full_s, 3),
                 "rungs": [asdict(r) for r in self.rungs]}
+
+
+class Deferred(Exception):  # noqa: N818 - a verdict put off, not an error
+    """The answers check would take longer than its budget (a first use on a slow CPU): what it did is journaled."""
+
+    def __init__(self, remaining_s: float):
+        super().__init__(f"about {remaining_s / 60:.0f} min left")
+        self.remaining_s = remaining_s
+
+
+@dataclass
+class Journal:
+    """What a check has done, saved after every prompt (atomically, beside its report): a check interrupted, or put
+    off at a first use, resumes from it. `path` None: kept in memory only."""
+
+    path: Path | None
+    key: dict
+    exact: list[dict] = field(default_factory=list)  # the exactness checks' results (engine/model_check.py)
+    full: list[str] = field(default_factory=list)  # full prefill's answers, prompt by prompt
+    right: list[bool] = field(default_factory=list)
+    full_s: list[float] = field(default_factory=list)  # seconds of each full prefill's answer
+    rungs: list[Rung] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path | None, key: dict) -> Journal:
+        """The journal at `path` if it is this key's, else a fresh one."""
+        try:
+            data = json.loads(path.read_text()) if path is not None else {}
+        except (OSError, ValueError):
+            data = {}
+        if data.get("key") != key:
+            return cls(path, key)
+        rungs = [Rung(**r) for r in data.get("rungs", [])]
+        return cls(path, key, data.get("exact", []), data["full"], data["right"], data["full_s"], rungs)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp-{time.monotonic_ns()}")
+            tmp.write_text(json.dumps({**asdict(self), "path": None}, indent=1))
+            tmp.replace(self.path)
+        except OSError:  # a read-only KVRAG_HOME: the check holds for this process alone
+            pass
+
+    def drop(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+    def remaining_s(self, prompts: int) -> float:
+        """The seconds the answers check has left, from its full prefills so far (0 before the first)."""
+        if not self.full_s:
+            return 0.0
+        each = sum(self.full_s) / len(self.full_s)
+        return each * (prompts - len(self.full)) + each * prompts * LADDER_SHARE - sum(r.seconds for r in self.rungs)
 
 
 def check_prompts(runtime: Runtime) -> list[dict]:
@@ -99,23 +161,22 @@ def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: Blend
 
 def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | None = None,
                 rules: tuple[str, ...] = RULES, items: list[dict] | None = None,
-                ladder: tuple[float, ...] = LADDER) -> AnswerResult:
+                ladder: tuple[float, ...] = LADDER, journal: Journal | None = None,
+                budget_s: float | None = None) -> AnswerResult:
     """Full prefill's answers, then the ladder until a rung keeps them (or none below the break-even does). `items`:
-    other prompts than the check's (MuSiQue-format, with `wrong`)."""
+    other prompts than the check's (MuSiQue-format, with `wrong`). `journal`: resume from it, and save to it after
+    every prompt. `budget_s`: raise Deferred (the journal saved) once the first full prefill says the rest would take
+    longer."""
     progress = progress or _silent
+    journal = journal or Journal(None, {})
     items = check_prompts(runtime) if items is None else items
     tokenizer = runtime.local.tokenizer_fingerprint  # a passage shared by prompts is one chunk: its KV computed once
     prompts = [([(chunk_id_for(ids, tokenizer), ids) for ids in
                  (runtime.prompts.passage_ids(c["title"], c["text"]) for c in it["ctxs"])],
                 it["question"], (it["answers"], it["wrong"])) for it in items]
-    start, full, right = time.perf_counter(), [], []
-    for n, (chunks, question, golds) in enumerate(prompts):
-        if sum(right) + len(prompts) - n < MIN_RIGHT:  # too few right to judge, whatever the rest answer
-            break
-        progress("full prefill", n, len(prompts))
-        full.append(answer(prefiller, chunks, question, "full", BlendConfig()))
-        right.append(is_right(full[-1], *golds))
-    result = AnswerResult(len(prompts), sum(right), (time.perf_counter() - start) / len(full))
+    _full_answers(prefiller, prompts, journal, progress, budget_s)
+    result = AnswerResult(len(prompts), sum(journal.right), sum(journal.full_s) / max(1, len(journal.full_s)),
+                          journal.rungs)
     if not result.judged:
         return result
     cfg = runtime.model.cfg
@@ -123,21 +184,44 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
                for chunks, _, _ in prompts)
     for ratio in (r for r in ladder if r < even):
         for rule in rules:
-            rung = _rung(runtime, prefiller, prompts, full, right, Rung(rule, ratio), progress)
-            result.rungs.append(rung)
+            rung = next((r for r in journal.rungs if (r.rule, r.ratio) == (rule, ratio)), None)
+            if rung is None:
+                journal.rungs.append(rung := Rung(rule, ratio))
+            if not rung.finished:
+                _rung(runtime, prefiller, prompts, journal, rung, progress)
             if rung.passed:
                 return result
     return result
 
 
-def _rung(runtime: Runtime, prefiller: Prefiller, prompts, full: list[str], right: list[bool], rung: Rung,
-          progress: Progress) -> Rung:
-    """One rung over the prompts, stopped once it has lost more than its bounds allow."""
-    start, n_layers = time.perf_counter(), runtime.model.cfg.n_layers
+def _full_answers(prefiller: Prefiller, prompts, journal: Journal, progress: Progress,
+                  budget_s: float | None) -> None:
+    """Full prefill's answer to each prompt the journal lacks, stopping where too few are right to judge, or (a
+    budget) where the first says the check would take longer than it allows."""
+    for n in range(len(journal.full), len(prompts)):
+        if budget_s is not None and journal.remaining_s(len(prompts)) > budget_s:
+            raise Deferred(journal.remaining_s(len(prompts)))
+        if sum(journal.right) + len(prompts) - n < MIN_RIGHT:  # too few right to judge, whatever the rest answer
+            return
+        chunks, question, golds = prompts[n]
+        progress("full prefill", n, len(prompts))
+        start = time.perf_counter()
+        journal.full.append(answer(prefiller, chunks, question, "full", BlendConfig()))
+        journal.full_s.append(time.perf_counter() - start)
+        journal.right.append(is_right(journal.full[-1], *golds))
+        journal.save()
+
+
+def _rung(runtime: Runtime, prefiller: Prefiller, prompts, journal: Journal, rung: Rung, progress: Progress) -> None:
+    """One rung over the prompts (from where the journal left it), stopped once it has lost more than its bounds
+    allow."""
+    n_layers, full, right = runtime.model.cfg.n_layers, journal.full, journal.right
     may_lose = math.floor((1 - KEPT_BOUND) * sum(right) + 1e-9)
     may_differ = math.floor((1 - AGREEMENT_BOUND) * len(prompts) + 1e-9)
-    for n, (chunks, question, golds) in enumerate(prompts):
+    for n in range(rung.items, len(prompts)):
+        chunks, question, golds = prompts[n]
         progress(f"blend {rung.rule}@{rung.ratio:g}", n, len(prompts))
+        start = time.perf_counter()
         config = RatioPolicy(None).resolve(BlendConfig(selection=rung.rule), n_layers,
                                           sum(len(ids) for _, ids in chunks), SUFFIX_GUESS, rung.ratio)
         got = full[n] if config is None else answer(prefiller, chunks, question, "blend", config)
@@ -145,12 +229,13 @@ def _rung(runtime: Runtime, prefiller: Prefiller, prompts, full: list[str], righ
         rung.right += right[n]
         rung.kept += right[n] and is_right(got, *golds)
         rung.agreed += same_answer(got, full[n])
-        if rung.right - rung.kept > may_lose or rung.items - rung.agreed > may_differ:
-            break
-    else:
-        rung.passed = True
-    rung.seconds = time.perf_counter() - start
-    return rung
+        rung.seconds += time.perf_counter() - start
+        rung.finished = rung.right - rung.kept > may_lose or rung.items - rung.agreed > may_differ
+        rung.passed = not rung.finished and rung.items == len(prompts)
+        rung.finished |= rung.passed
+        journal.save()
+        if rung.finished:
+            return
 
 
 def _silent(what: str, done: int, total: int) -> None:

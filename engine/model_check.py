@@ -24,7 +24,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from kvrag.blend.config import DEFAULT_RATIO, BlendConfig
 from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine import answer_check
+from kvrag.engine.check_prompts import PROMPTS
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
@@ -59,46 +60,6 @@ BLEND_RULES = {"blend_default": DEFAULT_SELECTION, "blend_query": "query"}
 ANSWERS = "blend_answers"  # the judge of a model that answers the long prompts (engine/answer_check.py)
 JUDGES = (*BLEND_RULES, ANSWERS)
 
-# (title, text) x 3 and a question: invented people, places and numbers
-PROMPTS: tuple[tuple[tuple[tuple[str, str], ...], str], ...] = (
-    ((("Varnholt Bridge", "The Varnholt Bridge over the river Esk was finished in 1893 by the engineer Odile "
-       "Marrant. It has eleven stone arches and carried trams until 1961, when the town of Brelle closed its line."),
-      ("Odile Marrant", "Odile Marrant was born in Quessac in 1851. Before the bridge she built the Quessac "
-       "waterworks, and after it she taught at the mining school in Dunmore until her death in 1920."),
-      ("Brelle trams", "Brelle's trams ran green cars on two lines. The Esk line crossed the Varnholt Bridge; the "
-       "hill line climbed to the old market. Both were replaced by buses painted yellow.")),
-     "In which town was the engineer of the Varnholt Bridge born?"),
-    ((("Pellin Island", "Pellin Island lies forty kilometres off the coast of Marrow Bay. Its only village, "
-       "Tessaly, keeps a lighthouse whose lamp has been lit by the Orrin family since 1874."),
-      ("The Orrin family", "The Orrins came to Pellin from the mainland town of Caddow. Their eldest, Jory Orrin, "
-       "kept the lamp for fifty-two years and wrote a book on seabirds called The Grey Wing."),
-      ("The Grey Wing", "The Grey Wing describes thirty-one kinds of seabird seen from the Tessaly lighthouse. It was "
-       "printed in 1911 in an edition of four hundred copies.")),
-     "What is the name of the book written by the lighthouse keeper of Pellin Island?"),
-    ((("Kestrel Motors", "Kestrel Motors was founded in 1934 in the city of Oldwick by the brothers Amos and Luther "
-       "Penhale. Its first car, the Kestrel Six, had a blue enamel badge and a top speed of 110 km/h."),
-      ("Luther Penhale", "Luther Penhale left Kestrel Motors in 1940 to build gliders. He later moved to the village "
-       "of Ambry, where he grew apples and kept bees until 1977."),
-      ("Oldwick", "Oldwick is a river port with a cathedral, a canal and a museum of cars. Its museum holds the last "
-       "Kestrel Six ever built, painted red, and the workbench of the Penhale brothers.")),
-     "Where did the co-founder of Kestrel Motors who built gliders later live?"),
-    ((("Lake Sorrow", "Lake Sorrow is a mountain lake at 2,140 metres in the Vell range. It is fed by the Tamsin "
-       "glacier and drains into the river Ould, which reaches the sea at the port of Haverlow."),
-      ("Tamsin glacier", "The Tamsin glacier is named after Tamsin Greave, a surveyor who mapped the Vell range in "
-       "1888. It has lost about a third of its length since her survey."),
-      ("Haverlow", "Haverlow exports timber and slate. Its harbour wall, the Long Mole, is 900 metres long, and a "
-       "statue of a fisherman named Caleb Voss stands at its end.")),
-     "Which port does the river fed by Lake Sorrow reach the sea at?"),
-    ((("The Quillon Prize", "The Quillon Prize is given every three years for a work of chamber music. It was first "
-       "awarded in 1952 to the composer Ines Calvary for her String Quartet in F."),
-      ("Ines Calvary", "Ines Calvary studied the cello in the city of Lorn and played with the Lorn Quartet for ten "
-       "years. She wrote four string quartets and one opera, The Salt Queen."),
-      ("The Salt Queen", "The Salt Queen is an opera in three acts set in a mining town. It was first staged in Lorn "
-       "in 1960 and has not been staged since 1974.")),
-     "What opera did the first winner of the Quillon Prize write?"),
-)
-
-
 @dataclass
 class Check:
     """One check: its figures, the bound its main figure is held to, and whether it holds."""
@@ -110,6 +71,8 @@ class Check:
 
     def failure(self) -> str:
         """The figure that broke its bound, as 'name figure > bound' (for one line on stderr)."""
+        if self.name == ANSWERS and "deferred_s" in self.figures:
+            return f"{ANSWERS} {self.figures['summary']}"
         if self.name == ANSWERS:
             return f"{ANSWERS}: no ratio below full prefill's cost kept its answers ({self.figures.get('summary')})"
         for key, limit in self.bound.items():
@@ -155,10 +118,16 @@ class CheckReport:
         return next((c for c in self.checks if c.name == ANSWERS), None)
 
     @property
+    def deferred(self) -> bool:
+        """The answers check was put off (a first use over its time budget): answered in full until it runs."""
+        answers = self._answers()
+        return answers is not None and "deferred_s" in answers.figures
+
+    @property
     def judged_by(self) -> str | None:
         """What chose the blend: 'answers' (long prompts), 'first_token' (short ones), None where no judge ran."""
         if self._answers() is not None:
-            return "answers"
+            return None if self.deferred else "answers"
         return "first_token" if any(c.name in BLEND_RULES for c in self.checks) else None
 
     def failed(self) -> Check | None:
@@ -172,7 +141,7 @@ class CheckReport:
     def verdict(self) -> dict:
         """What the report makes run: a blend (its rule, the ratio `auto` starts from, what judged it) or full."""
         return {"passed": self.passed, "mode": "blend" if self.rule else "full", "rule": self.rule,
-                "ratio": self.ratio, "judged_by": self.judged_by}
+                "ratio": self.ratio, "judged_by": self.judged_by, "deferred": self.deferred}
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "model": self.model, "dtype": self.dtype, "passed": self.passed, "rule": self.rule,
@@ -204,26 +173,41 @@ def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: boo
             "native": bool(native), "weights": weights}
 
 
-def check_model(runtime: Runtime, progress: answer_check.Progress | None = None, answers: bool = True) -> CheckReport:
+def check_model(runtime: Runtime, progress: answer_check.Progress | None = None, answers: bool = True,
+                journal: answer_check.Journal | None = None, budget_s: float | None = None) -> CheckReport:
     """Run the exactness checks on PROMPTS and the prompt's start, then (where they hold) the blend's judge: the
     answers on long prompts, or for a model too small to answer them the first-token checks (docs/model-check.md).
-    `answers` False: the first-token checks only (a random test model, which cannot answer)."""
+    `answers` False: the first-token checks only (a random test model, which cannot answer). `journal`: resume from
+    it, saving to it as the check goes; `budget_s`: put the answers check off (a `deferred` report, journaled) where
+    it would take longer."""
     start = time.perf_counter()
+    journal = journal or answer_check.Journal(None, check_key(runtime))
     prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
-    runs = last_logits(runtime, prefiller, EXACT_RUNS, progress)
-    full = runs["full"]
-    dtype = dtype_name(runtime)
-    exact = EXACT_BOUND["float32" if dtype == "float32" else "other"]
-    checks = [_exact_check("blend_ratio_1", full, runs["blend_ratio_1"], exact),
-              _exact_check("reuse_at_own_position", full, runs["prefix"], exact), _prompt_start(runtime)]
+    dtype, runs = dtype_name(runtime), None
+    if journal.exact:
+        checks = [Check(c["name"], c["figures"], c["bound"], c["passed"]) for c in journal.exact]
+    else:
+        runs = last_logits(runtime, prefiller, EXACT_RUNS, progress)
+        exact = EXACT_BOUND["float32" if dtype == "float32" else "other"]
+        checks = [_exact_check("blend_ratio_1", runs["full"], runs["blend_ratio_1"], exact),
+                  _exact_check("reuse_at_own_position", runs["full"], runs["prefix"], exact), _prompt_start(runtime)]
+        journal.exact = [asdict(c) for c in checks]
+        journal.save()
     report = CheckReport(runtime.fingerprint, dtype, check_key(runtime), checks)
     # the answers' ladder only where the exact paths hold (minutes on a large model); else, and for a model too small
     # to answer, the first-token checks (seconds) say how far the blend strays
     judge = answers and all(c.passed for c in checks)
-    result = answer_check.run_answers(runtime, prefiller, progress) if judge else None
+    try:
+        result = answer_check.run_answers(runtime, prefiller, progress, journal=journal, budget_s=budget_s) \
+            if judge else None
+    except answer_check.Deferred as put_off:
+        summary = f"put off: about {put_off.remaining_s / 60:.0f} min of checking left on this machine"
+        checks.append(Check(ANSWERS, {"deferred_s": round(put_off.remaining_s, 1), "summary": summary}, {}, False))
+        result = None
     if result is not None and result.judged:
         checks.append(_answers_check(result))
-    else:
+    elif not report.deferred:
+        runs = runs or last_logits(runtime, prefiller, {"full": EXACT_RUNS["full"]})
         checks.extend(_first_token_checks(runtime, prefiller, runs))
     report.seconds = time.perf_counter() - start
     return report
@@ -358,31 +342,51 @@ def store_report(runtime: Runtime, report: CheckReport) -> Path:
     return path
 
 
-def cached_check(runtime: Runtime, run: bool = True) -> CheckReport | None:
-    """The stored report for this model and key; else (run) the checks, run now (a progress line on stderr) and
-    stored; else None."""
-    report = stored_report(runtime)
-    if report is None and run:
-        report = check_model(runtime, answer_check.stderr_progress(runtime.local.name))
-        if sys.stderr.isatty():  # the progress line rewrote itself in place: end it
-            print(file=sys.stderr, flush=True)
+def journal_for(runtime: Runtime) -> answer_check.Journal:
+    """The check's journal for this model and key (beside its report): what an interrupted or put-off check did."""
+    return answer_check.Journal.load(report_path(runtime).with_suffix(".journal.json"), check_key(runtime))
+
+
+def run_check(runtime: Runtime, budget_s: float | None = None) -> CheckReport:
+    """The checks, resumed from their journal, a progress line on stderr; the report stored (and the journal dropped)
+    unless the answers check was put off (`budget_s`)."""
+    journal = journal_for(runtime)
+    report = check_model(runtime, answer_check.stderr_progress(runtime.local.name), journal=journal,
+                         budget_s=budget_s)
+    if sys.stderr.isatty():  # the progress line rewrote itself in place: end it
+        print(file=sys.stderr, flush=True)
+    if not report.deferred:
         try:
             store_report(runtime, report)
+            journal.drop()
         except OSError:  # a read-only KVRAG_HOME: the check holds for this process, and runs again next time
             pass
     return report
 
 
-def blend_verdict(runtime: Runtime) -> CheckReport:
-    """The first-use gate (api.KVRag): the model's report (its check run and stored now if it never ran for this key),
-    whose `rule` and `ratio` the model blends with; where `rule` is None one line on stderr says which check failed,
-    and the caller answers in full."""
-    report = cached_check(runtime)
+def cached_check(runtime: Runtime, run: bool = True, budget_s: float | None = None) -> CheckReport | None:
+    """The stored report for this model and key; else (run) the checks, run now (run_check) and stored; else None."""
+    report = stored_report(runtime)
+    if report is None and run:
+        report = run_check(runtime, budget_s)
+    return report
+
+
+def blend_verdict(runtime: Runtime, budget_s: float | None = None) -> CheckReport:
+    """The first-use gate (api.KVRag): the model's report (its check run and stored now if it never ran for this key;
+    put off where its answers check would take longer than `budget_s`), whose `rule` and `ratio` the model blends
+    with; where `rule` is None one line on stderr says why, and the caller answers in full."""
+    report = cached_check(runtime, budget_s=budget_s)
     failed = report.failed()
-    if failed is not None:
-        print(f"kvrag: {runtime.local.name} failed the blending check ({failed.failure()}): answering with full "
+    name = runtime.local.name
+    if report.deferred:
+        print(f"kvrag: {name} is not checked for blending yet: {failed.figures['summary']}, over the first use's "
+              f"{budget_s:.0f} s (KVRAG_CHECK_BUDGET): answering with full prefill; `kvrag model check` runs the check "
+              "once (it resumes where it stopped)", file=sys.stderr, flush=True)
+    elif failed is not None:
+        print(f"kvrag: {name} failed the blending check ({failed.failure()}): answering with full "
               "prefill; `kvrag model check` for details", file=sys.stderr, flush=True)
     elif report.rule != DEFAULT_SELECTION or report.ratio != DEFAULT_RATIO:
-        print(f"kvrag: {runtime.local.name} blends with the '{report.rule}' selection rule from ratio "
+        print(f"kvrag: {name} blends with the '{report.rule}' selection rule from ratio "
               f"{report.ratio:g}, what its blending check chose (`kvrag model check`)", file=sys.stderr, flush=True)
     return report

@@ -165,7 +165,8 @@ def test_a_stored_answers_verdict_is_what_runs_and_every_answer_says_so(tiny_lla
     options = dict(model=str(tiny_llama_dir), dtype="float32", host_cache="0", preload_retriever=False)
     with KVRag(store_copy, **options) as rag:
         assert (rag.engine.config.selection, rag.engine.config.ratio) == ("query", 0.05)
-        assert rag.verdict == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers"}
+        assert rag.verdict == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers",
+                               "deferred": False}
         auto = rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=2).to_json()
         fixed = rag.ask(QUESTION, passages=PASSAGES, mode="blend", ratio=0.5, max_tokens=2).to_json()
         full = rag.ask(QUESTION, passages=PASSAGES, mode="full", max_tokens=2).to_json()
@@ -227,7 +228,8 @@ def test_the_answers_check_decides_the_rule_and_the_ratio():
     exact = [Check(name, {}, {}, True) for name in ("blend_ratio_1", "reuse_at_own_position", "prompt_start")]
     chosen = CheckReport("m", "bfloat16", {}, [*exact, Check("blend_answers", {"rule": "query", "ratio": 0.05}, {}, True)])
     assert (chosen.rule, chosen.ratio, chosen.judged_by, chosen.passed) == ("query", 0.05, "answers", True)
-    assert chosen.verdict() == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers"}
+    assert chosen.verdict() == {"passed": True, "mode": "blend", "rule": "query", "ratio": 0.05, "judged_by": "answers",
+                               "deferred": False}
     again = CheckReport.from_json(json.loads(json.dumps(chosen.to_json())))
     assert (again.rule, again.ratio) == ("query", 0.05)
     lost = CheckReport("m", "bfloat16", {}, [*exact, Check("blend_answers", {"rule": None, "ratio": None,

@@ -93,7 +93,14 @@ def _stored_verdict(fingerprint: str, compute_dtype: torch.dtype, dev: torch.dev
     key = key_for(fingerprint, str(compute_dtype).removeprefix("torch."), dev.type, resolve_triton(config.kernels, dev),
                   config.native, weights)
     report = report_for(key)
-    return None if report is None else report.verdict()
+    if report is not None:
+        return report.verdict()
+    from kvrag.engine.answer_check import Journal
+    from kvrag.engine.model_check import path_for
+
+    journal = Journal.load(path_for(key).with_suffix(".journal.json"), key)  # a check interrupted or put off
+    return {"passed": None, "mode": "full", "rule": None, "ratio": None, "judged_by": None, "deferred": True,
+            "full_prefills_done": len(journal.full)} if journal.exact else None
 
 
 def _blend_rule(cfg: ModelConfig, lead_in: int | None, verdict: dict | None) -> dict:
@@ -108,6 +115,10 @@ def _blend_rule(cfg: ModelConfig, lead_in: int | None, verdict: dict | None) -> 
     if verdict is None:
         rule, ratio, what = DEFAULT_SELECTION, DEFAULT_RATIO, "not checked yet for these settings (at first use, or " \
             "`kvrag model check`)"
+    elif verdict.get("deferred"):
+        rule, ratio, what = None, None, "its blending check was put off or interrupted (" \
+            f"{verdict.get('full_prefills_done', 0)} long prompts done): answered with full prefill until `kvrag " \
+            "model check` finishes it"
     elif verdict["rule"] is None:
         rule, ratio, what = None, None, "its blending check failed: every request is answered with full prefill"
     else:

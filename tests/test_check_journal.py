@@ -12,6 +12,7 @@ from kvrag.engine import answer_check, model_check
 from kvrag.engine.answer_check import Journal
 from kvrag.engine.model_check import check_key, check_model, report_path
 from kvrag.model.runtime import Runtime
+from tests.conftest import run_kvrag
 from tests.test_model_check import PASSAGES, QUESTION
 
 pytestmark = pytest.mark.model_check
@@ -68,6 +69,10 @@ def test_a_first_use_over_the_budget_answers_in_full_and_says_so(tiny_llama_dir,
     assert blended.mode == "full" and blended.token_ids == full.token_ids
     assert not report_path(runtime).exists()  # put off, not failed: nothing stored as the model's verdict
     assert len(model_check.journal_for(runtime).full) == 1  # what the first use did is kept for the check
+    info = json.loads(run_kvrag("model", "info", "--model", str(tiny_llama_dir), "--dtype", "float32", "--json",
+                                env={"KVRAG_HOME": str(tmp_path), "KVRAG_MODEL_CHECK": "1"}).stdout)
+    assert info["blend"]["verdict"]["deferred"] and info["blend"]["rule"] is None
+    assert "put off or interrupted (1 long prompts done)" in info["blend"]["summary"]
     with KVRag(store_copy, **options) as rag:  # the default budget: the check resumes and finishes
         assert rag.ask(QUESTION, passages=PASSAGES, mode="blend", max_tokens=2).mode == "blend"
     assert report_path(runtime).exists() and model_check.journal_for(runtime).full == []

@@ -128,8 +128,8 @@ class ChunkSource:
     def forms(self) -> dict:
         """The forms this source's chunks are stored and read in (a bench report says which its figures came from)."""
         lead = 0 if self.lead_in is None else len(self.lead_in.ids)
-        stored = ["after_preamble", "after_lead_in"] if lead else ["after_preamble"]
-        return {"stored": stored, "lead_in_tokens": lead, "window": self.window, "read": dict(self.form_reads)}
+        return {"stored": ["after_preamble", "after_lead_in"][:2 if lead else 1], "lead_in_tokens": lead,
+                "window": self.window, "read": dict(self.form_reads)}
 
     def _count_form(self, position: int | None) -> None:
         near = self.lead_in is None or (position is not None and self.near(position))
@@ -169,15 +169,14 @@ class ChunkSource:
         m = self.model
         refs, tiers, at = [], [], start
         for (name, ids), piece in zip(chunks, pieces, strict=True):
+            if piece.chunk_id is not None:
+                self._count_form(at)
             if piece.chunk_id is None:
                 zeros = torch.zeros(len(ids), m.cfg.n_kv_heads, m.cfg.head_dim, dtype=m.dtype, device=m.device)
                 kv = LayerKV([zeros] * m.cfg.n_layers, [zeros] * m.cfg.n_layers, torch.arange(len(ids)))
                 refs.append(ChunkRef(name, ids, kv))
                 tiers.append(PROMPT_TIER)
-                at = None if at is None else at + len(ids)
-                continue
-            self._count_form(at)
-            if at is not None and self.near(at):
+            elif at is not None and self.near(at):
                 whole, read = self._near_kv(piece.chunk_id, piece.stored)
                 rows = slice(piece.offset, piece.offset + len(ids))
                 refs.append(ChunkRef(name, ids, LayerKV([k[rows] for k in whole.k], [v[rows] for v in whole.v],

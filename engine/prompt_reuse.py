@@ -87,16 +87,14 @@ class PromptSpans:
     def fill(self, limit: int | None = None) -> None:
         """Index what the store's chunk table gained or lost since the last look (all of it the first time: KVRag
         starts that beside the model's load): at most `limit` log entries (None: all); a prompt reads the log's head
-        (one LMDB get) and nothing more when it has not moved."""
+        (one LMDB read) and nothing more when it has not moved."""
         if self.env is None:
             return
         with self._lock:
             if self._closed:
                 return
             table = ChunkTable(self.env)
-            if self._seen >= 0 and table.log_head() == self._seen:
-                return
-            changes, records = table.changes(self._seen, limit) if self._seen >= 0 else (None, {})
+            changes, records = table.changes(self._seen, limit) if self._seen >= 0 else (None, {})  # []: no news
             if changes is None:  # first use, or this process fell behind the log's trimmed start
                 head = table.log_head()  # before the read: a change made meanwhile is read again, to no effect
                 self.index.add_many(self._records())
@@ -104,10 +102,10 @@ class PromptSpans:
                 return
             for change in changes:
                 for chunk_id in change.chunk_ids:
-                    record = records.get(chunk_id) if change.added else None
-                    if record is not None:
-                        self._add(chunk_id, record.token_ids, *_owner(record.doc_id))
-                    elif not change.added and self._remove(chunk_id) and self.evicted_elsewhere is not None:
+                    if change.added:
+                        if (record := records.get(chunk_id)) is not None:  # None: deleted again since
+                            self._add(chunk_id, record.token_ids, *_owner(record.doc_id))
+                    elif self._remove(chunk_id) and self.evicted_elsewhere is not None:
                         self.evicted_elsewhere(chunk_id)  # a copy a prompt here computes is not stored back
                 self._seen = change.number
 

@@ -12,6 +12,7 @@ from kvrag.store import chunk_log
 from kvrag.store.codec import CorruptValue, decode
 from kvrag.store.env import StoreEnv
 from kvrag.store.keys import (
+    CODEC_IDS,
     LEAD_IN_SUFFIX,
     LEAD_IN_VARIANT,
     TAG_CLAIM,
@@ -238,16 +239,17 @@ def gc(env: StoreEnv, indexed_ids: set[str] | None = None, *, keep_model: str | 
 
 def current_lead_ins(env: StoreEnv, manifests: dict) -> dict[tuple[str, str], KVRecord]:
     """The record of each (model, codec)'s current lead-in (precompute/lead_in.py: the one its manifest's preamble
-    names), whose token ids name the variant its chunks are stored in."""
+    names), whose token ids name the variant its chunks are stored in: one get per model and codec, no scan."""
+    keys = {(fp, codec): ChunkKey(fp, codec, lead_in_chunk_id(m.preamble_hash)).to_bytes()
+            for fp, m in manifests.items() for codec in CODEC_IDS}
+    raws = env.read(lambda txn: {group: txn.get(key, db=env.db("kv")) for group, key in keys.items()})
     found = {}
-    for fp, m in manifests.items():
-        wanted = lead_in_chunk_id(m.preamble_hash)
-        for key, raw in scan_records(env, model_prefix(fp)):
-            if key.chunk_id == wanted and not key.variant:
-                try:
-                    found[(fp, key.codec)] = KVRecord.from_bytes(raw)
-                except CorruptValue:
-                    pass  # verify reports it; its chunks are judged by no lead-in
+    for group, raw in raws.items():
+        try:
+            if raw is not None:
+                found[group] = KVRecord.from_bytes(bytes(raw))
+        except CorruptValue:
+            pass  # verify reports it; its chunks are judged by no lead-in
     return found
 
 

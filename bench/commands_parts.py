@@ -95,13 +95,15 @@ def bench_decode(
     from kvrag.bench import decode
     from kvrag.kernels.decode_step import step_serves
     from kvrag.model.files import resolve_model
+    from kvrag.model.names import default_weights
     from kvrag.model.prepared import load_weights
     from kvrag.model.quant import resolve_weights
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
-    forms = [resolve_weights(w.strip(), torch.device("cpu")) for w in weights.split(",") if w.strip()]
     local = resolve_model(model)
+    forms = [resolve_weights(w.strip(), torch.device("cpu"), default=default_weights(local.name))
+             for w in weights.split(",") if w.strip()]
     for form in forms:
         net = load_weights(local, torch.bfloat16, torch.device("cpu"), form)
         typer.echo(f"-- {local.name}, weights {form}: {decode.bytes_per_token(net, 0) / 1e6:.0f} MB a step, "

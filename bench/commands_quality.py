@@ -171,13 +171,19 @@ def bench_weights(
     forms: str = typer.Option("int8,int4", "--weights", help="Forms to score against the dense model: int8, int4, "
                               "float32 (dense in float32: how far the dtype alone moves the answers)."),
     out: Path = typer.Option(None, "--out", help="Append the markdown table to this file."),
+    answers: bool = typer.Option(False, "--answers", help="Judge each form by its free-running answers (as `ask "
+                                 "--mode full` gives them) against the dense model's and the gold ones."),
+    answerable: int = typer.Option(0, "--answerable", min=0, help="--answers: also N generated items the model can "
+                                   "answer (bench/answers.py), filled with the split's passages."),
+    tokens: str = typer.Option("1000,3000", "--tokens", help="--answerable: the prompts' length range in tokens."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
 ) -> None:
     """What int8 and int4 weights keep of the dense model: first-token KL, greedy token and answer agreement on
-    RAG prompts (docs/quantized.md).
+    RAG prompts, or (--answers) the free-running answers themselves (docs/quantized.md).
 
     Example: kvrag bench weights --model qwen2.5-coder-0.5b --items 10 --invented 10
+    Example: kvrag bench weights --answers --answerable 60 --items 20 --invented 20 --weights int8
     """
     import torch
 
@@ -193,15 +199,26 @@ def bench_weights(
     names = [f.strip() for f in forms.split(",") if f.strip()]
     if split not in ("tune", "report") or not names or any(n not in (*BITS, "float32") for n in names):
         raise KvragError(f"--split takes tune or report and --weights int8, int4, float32, got {split!r}, {forms!r}")
-    raw = read_dataset(dataset) if items else []
+    raw = read_dataset(dataset) if items or (answers and answerable) else []
     indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
     runtime = Runtime.load(model, dtype, tune_process=True, weights="dense")
     device = resolve_device(None)
     quantized = {n: load_weights(runtime.local, torch.float32, device) if n == "float32" else
                  load_weights(runtime.local, resolve_dtype(dtype, device), device, n) for n in names}
-    sets = {f"MuSiQue {split}": bench.rag_prompts(runtime, [raw[i] for i in indices], passages),
-            "invented": bench.rag_prompts(runtime, invented_items(invented, seed=2), passages)}
+    sets_items = {f"MuSiQue {split}": [raw[i] for i in indices], "invented": invented_items(invented, seed=2)}
+    sets = {} if answers else {where: bench.rag_prompts(runtime, its, passages) for where, its in sets_items.items()}
     console = stderr_console()
+    if answers:
+        cut = {w: [{**it, "ctxs": it["ctxs"][:passages or None]} for it in its] for w, its in sets_items.items()}
+        if answerable:  # whole: their fact passages stand anywhere in the prompt
+            from kvrag.bench.answers import answerable_items
+            from kvrag.engine.answer_check import token_counter
+
+            cut[f"answerable {split}"] = answerable_items(raw, split, answerable, _lengths(tokens),
+                                                          token_counter(runtime))
+        text = _answer_table(runtime, quantized, cut, console)
+        _emit_table(text, out)
+        return
     results = {}
     for where, prompts in sets.items():
         if prompts:
@@ -209,8 +226,30 @@ def bench_weights(
                                            lambda j, w=where, n=len(prompts): console.print(f"{w}: {j + 1}/{n}"))
     sizes = {"dense": bench.matrix_bytes(runtime.model), **{n: bench.matrix_bytes(m) for n, m in quantized.items()}}
     head = f"`kvrag {' '.join(sys.argv[1:])}` (dense matrices {sizes['dense'] / 1e6:.0f} MB, load {load_average()})"
-    text = head + "\n\n" + bench.table(runtime.local.name, sizes, results)
+    _emit_table(head + "\n\n" + bench.table(runtime.local.name, sizes, results), out)
+
+
+def _emit_table(text: str, out: Path | None) -> None:
     typer.echo(text)
     if out is not None:
         with out.open("a") as f:
             f.write(text + "\n\n")
+
+
+def _answer_table(runtime, quantized: dict, sets: dict[str, list[dict]], console) -> str:
+    """bench weights --answers: every form's answers beside the dense model's, a markdown table."""
+    from dataclasses import replace as with_model
+
+    from kvrag.bench import weights_answers as judged
+
+    for name, m in quantized.items():  # as Runtime.load marks the model it loads
+        m.triton, m.native, m.weights = runtime.model.triton, runtime.model.native, name
+    runtimes = {"dense": runtime, **{n: with_model(runtime, model=m) for n, m in quantized.items()}}
+    results = {}
+    for where, items in sets.items():
+        if items:
+            got = judged.answers_by_form(runtimes, items,
+                                         lambda j, w=where, n=len(items): console.print(f"{w}: {j + 1}/{n}"))
+            results[where] = judged.judge(items, got)
+    head = f"`kvrag {' '.join(sys.argv[1:])}` (load {load_average()})"
+    return head + "\n\n" + judged.table(runtime.local.name, results)

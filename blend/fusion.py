@@ -239,7 +239,7 @@ def fused_prefill(model: Transformer, preamble: LayerKV, rest_ids: torch.Tensor,
     # the rows (indices into rest) that go through attention and the MLP at the first layer
     index = torch.arange(loaded_rows if config is None else exact_rows, n_rest, device=dev)
     rows = Rows(model.embed(rest_ids[index]), positions[n_pre:][index], (rope[0][n_pre + index], rope[1][n_pre + index]),
-                index)
+                index, prompt=True)
     n_layers = model.cfg.n_layers if layers is None else min(layers, model.cfg.n_layers)
     for layer in range(n_layers):
         uses_loaded = loaded_rows > 0 and (selector is None or layer >= selector.first or exact_rows > 0)

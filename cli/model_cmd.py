@@ -38,12 +38,14 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     """
     from kvrag.model.device import resolve_device, resolve_dtype
     from kvrag.model.files import resolve_model
+    from kvrag.model.names import default_weights
     from kvrag.model.quant import resolve_weights
 
     config = settings(model=model, dtype=dtype, device=device, weights=weights)
     local = resolve_model(config.model)
     dev = resolve_device(config.device)
     compute_dtype = resolve_dtype(config.dtype, dev)
+    form = resolve_weights(config.weights, dev, config.native, default_weights(local.name))
     payload = {
         "name": local.name,
         "path": str(local.path),
@@ -51,11 +53,11 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "tokenizer_fingerprint": local.tokenizer_fingerprint,
         "device": str(dev),
         "dtype": str(compute_dtype).removeprefix("torch."),
-        "weights": resolve_weights(config.weights, dev, config.native),  # the matrices' form (docs/quantized.md)
+        "weights": form,  # the matrices' form (docs/quantized.md)
         "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
         "layers": _layer_kinds(local.config),
         "blend": _blend_rule(local.config, config.lead_in, _stored_verdict(local.fingerprint, compute_dtype, dev,
-                                                                           config, resolve_weights(config.weights, dev, config.native))),
+                                                                           config, form)),
         "config": {k: v for k, v in local.config.__dict__.items() if k != "rope_scaling"},
         "rope_scaling": local.config.rope_scaling.__dict__,
     }

@@ -39,7 +39,7 @@ def decode_step_reference(model: Transformer, cache: DecodeCache, token: int) ->
     if cache.length >= cache.capacity:
         raise KvragError("decode cache is full")
     n = cache.length
-    rows = Rows.at(model, torch.tensor([token]), torch.tensor([n + cache.offset]))
+    rows = Rows.at(model, torch.tensor([token]), torch.tensor([n + cache.offset]), prompt=False)
     logits = run_layers(model, rows, CacheKV(model, cache, rows.pos, cache.offset))
     cache.length = n + 1
     return logits[0]

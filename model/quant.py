@@ -19,8 +19,9 @@ from kvrag.kernels import quant
 from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.kernels.decode_step import MATRICES
 
-WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: DEFAULT_WEIGHTS where the kernel runs, else dense
-# int8 kept the dense model's greedy tokens far better than int4 (docs/quantized.md): int4 is asked for by name
+WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: the model's own default where the kernel runs, else dense
+# The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4
+# (docs/quantized.md), so int4 is asked for by name. Which models default to it: model/names.py's `weights`
 DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
 # Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
@@ -73,20 +74,44 @@ class QuantWeight:
         part = quant.dequantize(self.packed.tiles(tiles), self.dtype)  # [T * 16, K]
         return part[inverse * quant.TILE + index.reshape(-1) % quant.TILE].reshape(*index.shape, -1)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [R, K] @ W^T (+ bias) -> [R, N] in the model's dtype."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, K] @ W^T (+ bias) -> [R, N] in the model's dtype. `positions` [R]: the rows are a prompt's, at
+        those positions (None: decode rows, or rows no cache keeps)."""
         if not quant.available():  # no activation rounding, and slow: resolve_weights keeps such a model dense
             return F.linear(x, self.dense(x.dtype), bias)
-        if x.shape[0] > DENSE_ROWS and x.dtype == torch.bfloat16 and cpu_has_amx():  # a prefill: AMX's bf16 matmul
-            out = torch.matmul(x, quant.dequantize_t(self.packed, torch.get_num_threads()))  # [R, N]
-            return out if bias is None else out + bias
+        if x.dtype != torch.bfloat16 or not cpu_has_amx():
+            return self._integer(x, bias)
+        if positions is None:  # by the call's rows: AMX's bf16 matmul for many
+            return self._amx(x, bias) if x.shape[0] > DENSE_ROWS else self._integer(x, bias)
+        # A prompt row's arithmetic follows its position, not how many rows share the call, so that a prefix hit's
+        # tail computes as a fresh full prefill of the same prompt did: the first DENSE_ROWS through the integer
+        # kernel, the rest through AMX
+        wide = positions >= DENSE_ROWS  # [R]
+        if bool(wide.all()):
+            return self._amx(x, bias)
+        if not bool(wide.any()):
+            return self._integer(x, bias)
+        out = torch.empty(x.shape[0], self.shape[0], dtype=self.dtype, device=x.device)  # [R, N]
+        out[wide], out[~wide] = self._amx(x[wide], bias), self._integer(x[~wide], bias)
+        return out
+
+    def _amx(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [R, K] bf16 times the matrix dequantized for this call (AMX's bf16 matmul) -> [R, N]."""
+        out = torch.matmul(x, quant.dequantize_t(self.packed, torch.get_num_threads()))  # [R, N]
+        return out if bias is None else out + bias
+
+    def _integer(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [R, K] through the integer kernel (activations rounded per row and group) -> [R, N]."""
         out = quant.matmul(self.packed, x, torch.get_num_threads())  # [R, N] float32
         return (out if bias is None else out + bias.float()).to(self.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a dense or a quantized matrix: x [R, K] -> [R, N]."""
-    return w.linear(x, bias) if isinstance(w, QuantWeight) else F.linear(x, w, bias)
+def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a dense or a quantized matrix: x [R, K] -> [R, N]; `positions` [R] where they are a prompt's
+    rows (QuantWeight.linear)."""
+    return w.linear(x, bias, positions) if isinstance(w, QuantWeight) else F.linear(x, w, bias)
 
 
 def head_rows(w: torch.Tensor | QuantWeight, index: torch.Tensor) -> torch.Tensor:
@@ -94,9 +119,10 @@ def head_rows(w: torch.Tensor | QuantWeight, index: torch.Tensor) -> torch.Tenso
     return w.rows(index) if isinstance(w, QuantWeight) else w[index]
 
 
-def resolve_weights(weights: str, device: torch.device, native: bool = True) -> str:
+def resolve_weights(weights: str, device: torch.device, native: bool = True, default: str = DEFAULT_WEIGHTS) -> str:
     """The weights' form a setting (config.py's `weights`) gives on this device: dense, int8 or int4; KvragError
-    where a quantized form cannot run here. `native` False (KVRAG_NATIVE=0: kvrag's C++ kernels off) leaves the
+    where a quantized form cannot run here. `default`: what auto gives where the kernel runs (the model's own,
+    model/names.py's default_weights). `native` False (KVRAG_NATIVE=0: kvrag's C++ kernels off) leaves the
     integer kernels off too, so auto is dense."""
     if weights not in WEIGHTS:
         raise KvragError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -105,7 +131,7 @@ def resolve_weights(weights: str, device: torch.device, native: bool = True) -> 
                          "(use --weights dense)")
     runs = device.type == "cpu" and native and quant.available()
     if weights == "auto":
-        return DEFAULT_WEIGHTS if runs else "dense"
+        return default if runs else "dense"
     if weights != "dense" and not runs:
         raise KvragError(f"--weights {weights} runs on a CPU with AVX512-VNNI and kvrag's kernels built; "
                          f"this {device.type} has no such kernel (use --weights dense)")

@@ -9,6 +9,7 @@ import torch
 from kvrag.config import KVRagConfig
 from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
 from kvrag.model.files import LocalModel, resolve_model
+from kvrag.model.names import default_weights
 from kvrag.model.prepared import load_weights
 from kvrag.model.prompt import PromptBuilder, check_segmentation
 from kvrag.model.quant import resolve_weights
@@ -46,7 +47,7 @@ class Runtime:
         tokenizer = local.load_tokenizer()
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
-        form = resolve_weights(weights, dev, native)
+        form = resolve_weights(weights, dev, native, default_weights(local.name))
         net = load_weights(local, resolve_dtype(dtype, dev), dev, form)
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
         return cls(local, net, tokenizer, prompts, lead_in)

@@ -32,20 +32,26 @@ class Rows:
     pos: torch.Tensor  # [R] absolute positions
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin of `pos`, [R, 1, hd] each ([R, 2, hd]: Transformer.layer_rope)
     index: torch.Tensor | None = None  # [R] the rows' places among the target's computed rows (a blend narrows them)
+    prompt: bool = False  # a prompt's rows (a prefill), not decode rows: quantized products follow their positions
 
     @classmethod
     def at(cls, model: Transformer, ids: torch.Tensor, positions: torch.Tensor,
-           index: torch.Tensor | None = None) -> Rows:
+           index: torch.Tensor | None = None, prompt: bool = True) -> Rows:
         positions = positions.to(model.device)
-        return cls(model.embed(ids), positions, model.positions_cos_sin(positions), index)
+        return cls(model.embed(ids), positions, model.positions_cos_sin(positions), index, prompt)
 
     def take(self, which: torch.Tensor | slice) -> Rows:
         if isinstance(which, slice) and which.indices(len(self)) == (0, len(self), 1):
             # every row: the same tensors, so attention recognises the positions (read once a prompt: on a GPU
             # each read of them is a sync, kernels/attention.py)
-            return Rows(self.h, self.pos, self.rope, self.index)
+            return Rows(self.h, self.pos, self.rope, self.index, self.prompt)
         index = None if self.index is None else self.index[which]
-        return Rows(self.h[which], self.pos[which], (self.rope[0][which], self.rope[1][which]), index)
+        return Rows(self.h[which], self.pos[which], (self.rope[0][which], self.rope[1][which]), index, self.prompt)
+
+    @property
+    def prompt_positions(self) -> torch.Tensor | None:
+        """The positions a quantized product splits a prompt's rows by (model/quant.py), None for decode rows."""
+        return self.pos if self.prompt else None
 
     def __len__(self) -> int:
         return int(self.h.shape[0])
@@ -70,14 +76,14 @@ def layer_step(model: Transformer, layer: int, rows: Rows, kv: KVTarget, check: 
     last layer only the last row goes on (its logits are all a prefill reads) unless `all_rows`; every row's K/V
     is placed either way."""
     if check is None:
-        qkv = model.project(layer, rows.h, rows.pos, rows.rope)
+        qkv = model.project(layer, rows.h, rows.pos, rows.rope, rows.prompt)
         kv.place(layer, rows, qkv.k, qkv.v)
         q = qkv.q  # [R, Hq, hd]
     else:
         rows, q = check(layer, rows, kv)
     out = slice(None) if all_rows else model.rows_read_after(layer, len(rows))
     rows, q = rows.take(out), q[out]
-    rows.h = model.finish(layer, rows.h, kv.attend(layer, q, rows))
+    rows.h = model.finish(layer, rows.h, kv.attend(layer, q, rows), rows.prompt_positions)
     return rows
 
 

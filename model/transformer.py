@@ -220,14 +220,14 @@ class Transformer:
         return rope[0][:, v:v + 1], rope[1][:, v:v + 1]
 
     def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerQKV:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, prompt: bool = False) -> LayerQKV:
         """Attention-norm and q/k/v of rows h [T, D] at absolute `positions` [T].
 
         `rope` is `positions_cos_sin(positions)`, passed in when many layers share it.
         """
         c, w = self.cfg, self.layers[layer]
         x = self.rms_norm(h, w.attn_norm)
-        qkv = linear(x, w.wqkv, w.bqkv)  # [T, (Hq + 2*Hkv) * hd]
+        qkv = linear(x, w.wqkv, w.bqkv, positions if prompt else None)  # [T, (Hq + 2*Hkv) * hd]
         nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q = self._head_norm(w.q_norm, qkv[:, :nq].view(-1, c.n_heads, c.head_dim))  # [T, Hq, hd]
         k = self._head_norm(w.k_norm, qkv[:, nq:nq + nk].view(-1, c.n_kv_heads, c.head_dim))  # [T, Hkv, hd]
@@ -325,23 +325,26 @@ class Transformer:
         K and V at that layer are still computed: the decoder needs them, not the rows' outputs."""
         return slice(n_rows - 1, n_rows) if layer == self.cfg.n_layers - 1 else slice(0, n_rows)
 
-    def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]."""
+    def finish(self, layer: int, h: torch.Tensor, attn: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Output projection, residual, MLP, residual: rows h [R, D], attn [R, Hq*hd] -> [R, D]. `positions` [R]:
+        a prompt's rows at those positions (quant.linear), None for decode rows."""
         w = self.layers[layer]
-        out = linear(attn, w.wo)  # [R, D]
+        out = linear(attn, w.wo, None, positions)  # [R, D]
         h = h + (out if w.post_attn_norm is None else self.rms_norm(out, w.post_attn_norm))
         if h.shape[0] <= MLP_ROWS:
-            return self._mlp_residual(w, h)
+            return self._mlp_residual(w, h, positions)
         out = torch.empty_like(h)  # [R, D]
         for start in range(0, h.shape[0], MLP_ROWS):  # rows are independent: the same numbers as one call
-            out[start:start + MLP_ROWS] = self._mlp_residual(w, h[start:start + MLP_ROWS])
+            part = slice(start, start + MLP_ROWS)
+            out[part] = self._mlp_residual(w, h[part], None if positions is None else positions[part])
         return out
 
-    def _mlp_residual(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _mlp_residual(self, w: LayerWeights, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """h + MLP(norm(h)) for rows h [R, D] (Gemma: gelu-tanh, and the output normed too)."""
-        gate, up = linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up).chunk(2, dim=-1)  # [R, I] each
+        gate, up = linear(self.rms_norm(h, w.mlp_norm), w.w_gate_up, None, positions).chunk(2, dim=-1)  # [R, I]
         act = F.gelu(gate, approximate="tanh") if self.is_gemma else F.silu(gate)  # [R, I]
-        out = linear(act * up, w.w_down)  # [R, D]
+        out = linear(act * up, w.w_down, None, positions)  # [R, D]
         return h + (out if w.post_mlp_norm is None else self.rms_norm(out, w.post_mlp_norm))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # KVRag's first-use blending check (engine/model_check.py) off for the session, so no test pays for it or has its
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
-# The models' matrices dense for the session, whatever `auto` picks on this CPU (model/quant.py): the tests hold the
-# forward, the blend and the engine to dense references (transformers' logits, a full prefill); the quantized
-# forms have their own tests (tests/test_quant_*.py), which ask for them by name
-os.environ["KVRAG_WEIGHTS"] = "dense"
+# The weights are not pinned: every test runs the form `auto` gives its model on this CPU (model/names.py's
+# default_weights: dense for SmolLM2 and the tiny models, int8 for the Qwen models where VNNI is), and the engine's
+# tests run int8 too where it can run (WEIGHT_FORMS), each against its own reference
+os.environ.pop("KVRAG_WEIGHTS", None)
 XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 # the user's KVRAG_HOME, before the session's own replaces it: models pulled for the tests (`make test` pulls
 # Qwen2.5-Coder-0.5B there) are read from it, never pulled or converted by a test
@@ -53,6 +53,14 @@ if not torch.cuda.is_available():
     # (triton decides when a kernel is decorated, so before any kvrag.kernels.triton_* module is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+def _weight_forms() -> list[str]:
+    """dense, and int8 where its kernel runs here (the default form of the models whose answers it keeps)."""
+    from kvrag.kernels import quant
+
+    return ["dense", "int8"] if quant.available() else ["dense"]
+
+
+WEIGHT_FORMS = _weight_forms()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MUSIQUE_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
 

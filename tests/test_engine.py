@@ -20,15 +20,18 @@ from kvrag.engine.sequence import Request, Status
 from kvrag.kernels import decode_step as native_decode
 from kvrag.model.runtime import Runtime
 from kvrag.model.sampling import SamplingConfig
+from kvrag.tests.conftest import WEIGHT_FORMS
 from kvrag.tests.reference_answer import answer_question
 
 pytestmark = pytest.mark.real_model
 MODES = ("blend", "full", "reuse", "prefix", "blend")
 
 
-@pytest.fixture(scope="module")
-def runtime(smol) -> Runtime:
-    return Runtime.load()
+@pytest.fixture(scope="module", params=WEIGHT_FORMS)
+def runtime(smol, request) -> Runtime:
+    """The real default model, dense (its default) and int8 where the kernel runs (the Qwen models' default):
+    each form's engine held to the same form's one-at-a-time and one-question answers."""
+    return Runtime.load(weights=request.param)
 
 
 @pytest.fixture(scope="module")

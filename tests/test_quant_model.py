@@ -13,6 +13,7 @@ from kvrag.kernels import quant
 from kvrag.model import quant as quant_model
 from kvrag.model.decode import decode_step
 from kvrag.model.files import resolve_model
+from kvrag.model.names import KNOWN_MODELS, default_weights
 from kvrag.model.prefill import extend, prefill
 from kvrag.model.prepared import load_weights, prepared_path
 from kvrag.model.quant import DEFAULT_WEIGHTS, QuantWeight, quantize_layers, resolve_weights
@@ -103,15 +104,35 @@ def test_native_step_over_packed_matrices_gives_the_torch_steps_numbers(tiny_lla
 
 @needs_kernel
 def test_a_bf16_prefill_on_amx_multiplies_by_the_dequantized_matrices(tiny_qwen2_dir, monkeypatch):
-    """Past DENSE_ROWS rows a bf16 model on an AMX CPU multiplies by each matrix dequantized for the call: the
-    numbers of a dense model holding the dequantized weights (the same bf16 values, other matmul calls)."""
+    """A bf16 prompt's rows at positions past DENSE_ROWS (here 0: all of them) on an AMX CPU multiply by each matrix
+    dequantized for the call: the numbers of a dense model holding the dequantized weights (the same bf16 values,
+    other matmul calls)."""
     monkeypatch.setattr(quant_model, "cpu_has_amx", lambda: True)
-    monkeypatch.setattr(quant_model, "DENSE_ROWS", 8)
+    monkeypatch.setattr(quant_model, "DENSE_ROWS", 0)
     packed = _load(tiny_qwen2_dir, torch.bfloat16, "int8")
     rounded = _rounded(tiny_qwen2_dir, torch.bfloat16, packed)
     ids = _ids(24, 6)
     got, want = extend(packed, None, ids, all_logits=True)[0], extend(rounded, None, ids, all_logits=True)[0]
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_prompt_rows_product_is_the_same_whatever_rows_share_the_call(amx, monkeypatch):
+    """A prefix hit computes only the prompt's tail: each of its rows must come out as in a fresh full prefill of
+    the whole prompt, so a quantized product's path (integer kernel or AMX's bf16 matmul) follows the row's position,
+    never how many rows share the call (issue 70; before, a 10-row tail took the integer kernel where the 200-row
+    prefill had taken AMX)."""
+    monkeypatch.setattr(quant_model, "cpu_has_amx", lambda: amx)
+    g = torch.Generator().manual_seed(3)
+    w = QuantWeight.of(torch.randn(64, 128, generator=g).to(torch.bfloat16), 8)
+    x, pos = torch.randn(200, 128, generator=g).to(torch.bfloat16), torch.arange(200)
+    whole = w.linear(x, None, pos)  # [200, 64]
+    for cut in (1, 100, 127, 128, 129, 190, 199):
+        assert torch.equal(w.linear(x[cut:], None, pos[cut:]), whole[cut:]), cut  # the tail after a hit
+        assert torch.equal(w.linear(x[:cut], None, pos[:cut]), whole[:cut]), cut  # the head, cached earlier
+    # decode rows (no positions) still choose by the call's rows: the integer kernel for a few
+    assert torch.equal(w.linear(x[190:], None), quant_model.QuantWeight._integer(w, x[190:], None))
 
 
 @needs_kernel
@@ -175,7 +196,21 @@ def test_model_info_says_the_weights_form(smol):
 
     shown = json.loads(run_kvrag("model", "info", "--weights", "int4", "--json").stdout)
     assert shown["weights"] == "int4"
-    assert json.loads(run_kvrag("model", "info", "--json").stdout)["weights"] == "dense"  # the session's pin
+    # auto: SmolLM2's own form, dense (int8 lost a quarter of its answers to dense's: docs/quantized.md)
+    assert json.loads(run_kvrag("model", "info", "--json").stdout)["weights"] == "dense"
+
+
+def test_auto_gives_each_model_the_form_its_answers_were_measured_in():
+    """int8 is a model's default only where it kept that model's free-running answers; a model not measured stays
+    dense; auto gives the model's default only where the kernel runs."""
+    assert default_weights("SmolLM2-135M-Instruct") == "dense"
+    assert default_weights("Qwen2.5-Coder-1.5B-Instruct") == "int8"
+    assert default_weights("someone-elses-finetune") == "dense"
+    assert all(k.weights in ("dense", DEFAULT_WEIGHTS) for k in KNOWN_MODELS.values())
+    cpu = torch.device("cpu")
+    assert resolve_weights("auto", cpu, default="dense") == "dense"
+    assert resolve_weights("auto", cpu, default="int8") == ("int8" if quant.available() else "dense")
+    assert resolve_weights("auto", torch.device("cuda"), default="int8") == "dense"
 
 
 def test_native_off_turns_the_integer_kernels_off_too():

@@ -17,20 +17,10 @@ from collections.abc import Callable
 
 from kvrag.bench.rag.metrics import wilson
 from kvrag.blend.config import BlendConfig
-from kvrag.engine.answer_check import answer
+from kvrag.engine.answer_check import answer, item_chunks
 from kvrag.engine.answer_set import answer_line, f1_score, is_right, same_answer
 from kvrag.engine.prefiller import Prefiller
 from kvrag.model.runtime import Runtime
-from kvrag.store.chunks import chunk_id_for
-
-
-def prompt_parts(runtime: Runtime, item: dict):
-    """An item's chunks (id, token ids) and question, as `ask` would prefill them."""
-    ctxs = item["ctxs"]
-    tokenizer = runtime.local.tokenizer_fingerprint
-    chunks = [(chunk_id_for(ids, tokenizer), ids)
-              for ids in (runtime.prompts.passage_ids(c.get("title") or "", c["text"]) for c in ctxs)]
-    return chunks, item["question"]
 
 
 def answers_by_form(runtimes: dict[str, Runtime], items: list[dict],
@@ -40,8 +30,8 @@ def answers_by_form(runtimes: dict[str, Runtime], items: list[dict],
     out: dict[str, list[str]] = {name: [] for name in runtimes}
     for j, item in enumerate(items):
         for name, prefiller in prefillers.items():
-            chunks, question = prompt_parts(prefiller.runtime, item)
-            out[name].append(answer(prefiller, chunks, question, "full", BlendConfig()))
+            chunks = item_chunks(prefiller.runtime, item)
+            out[name].append(answer(prefiller, chunks, item["question"], "full", BlendConfig()))
         if on_item is not None:
             on_item(j)
     return out

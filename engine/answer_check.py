@@ -150,6 +150,14 @@ def token_counter(runtime: Runtime) -> Callable[[str], int]:
     return lambda text: len(runtime.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def item_chunks(runtime: Runtime, item: dict) -> list[tuple[str, list[int]]]:
+    """An item's passages as the chunks `ask` prefills: (chunk id, token ids) each. A passage shared by prompts is
+    one chunk, its KV computed once."""
+    tokenizer = runtime.local.tokenizer_fingerprint
+    return [(chunk_id_for(ids, tokenizer), ids)
+            for ids in (runtime.prompts.passage_ids(c.get("title") or "", c["text"]) for c in item["ctxs"])]
+
+
 def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: BlendConfig) -> str:
     """The greedy answer (ANSWER_TOKENS at most) of one prefill."""
     runtime = prefiller.runtime
@@ -170,10 +178,7 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
     progress = progress or _silent
     journal = journal or Journal(None, {})
     items = check_prompts(runtime) if items is None else items
-    tokenizer = runtime.local.tokenizer_fingerprint  # a passage shared by prompts is one chunk: its KV computed once
-    prompts = [([(chunk_id_for(ids, tokenizer), ids) for ids in
-                 (runtime.prompts.passage_ids(c["title"], c["text"]) for c in it["ctxs"])],
-                it["question"], (it["answers"], it["wrong"])) for it in items]
+    prompts = [(item_chunks(runtime, it), it["question"], (it["answers"], it["wrong"])) for it in items]
     _full_answers(prefiller, prompts, journal, progress, budget_s)
     result = AnswerResult(len(prompts), sum(journal.right), sum(journal.full_s) / max(1, len(journal.full_s)),
                           journal.rungs)

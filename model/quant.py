@@ -24,8 +24,9 @@ WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: the model's own default whe
 # (docs/quantized.md), so int4 is asked for by name. Which models default to it: model/names.py's `weights`
 DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
-# Above this many rows a bf16 model on an AMX CPU multiplies by the matrix dequantized for the call (AMX's bf16
-# matmul), below it through the integer kernel, where they crossed (docs/quantized.md)
+# On an AMX CPU a bf16 model's prompt rows at positions from this one on (and decode calls of more rows) multiply by
+# the matrix dequantized for the call (AMX's bf16 matmul), the rest through the integer kernel: where the two
+# crossed (docs/quantized.md)
 DENSE_ROWS = 128
 RECIPE = 1  # how quantize_layers and kernels/quant.py quantize: part of a prepared file's name (model/prepared.py)
 

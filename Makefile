@@ -6,6 +6,9 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# no Python started here puts the working directory first on sys.path: this folder is the `kvrag` package, and its
+# kernels/ would hide the `kernels` package that transformers 5 imports (`python -m pytest` from here did)
+export PYTHONSAFEPATH := 1
 
 .PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \

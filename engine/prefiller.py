@@ -115,6 +115,8 @@ class Prefiller:
         device = self.model.device.type
         self.staging = StagingArea(pinned=device == "cuda", threads=spare_cores(device))
         self.stop_ids = stop_ids(runtime.tokenizer)  # once: get_vocab() is slow, keep it out of TTFT
+        self.store_settings: tuple | None = None  # open()'s store, codec, compress, keep, remote, lead-in
+        self._storing: Prefiller | None = None  # storing()'s dense twin, once made
 
     @classmethod
     def open(cls, runtime: Runtime, env: StoreEnv | None, codec: str = "fp16", cache=None, compress: bool = True,
@@ -123,7 +125,21 @@ class Prefiller:
         """A prefiller over the store `env` (None: none), through a chunk source of these settings."""
         preamble = preamble_kv(runtime)
         source = ChunkSource(runtime, env, preamble, codec, cache, compress, keep, remote, lead_in)
-        return cls(runtime, source, preamble)
+        prefiller = cls(runtime, source, preamble)
+        prefiller.store_settings = (env, codec, compress, keep, remote, source.lead_in)
+        return prefiller
+
+    def storing(self) -> Prefiller:
+        """What stores the chunk KV this prefiller reads: itself where its model is dense, else (once) the same model
+        with dense weights over the same store and settings, as `kvrag precompute` stores a dense model's KV whatever
+        form questions decode with (ChunkSource stores nothing an int8 or int4 model computes)."""
+        if self.source.stores or self.store_settings is None:
+            return self
+        if self._storing is None:
+            env, codec, compress, keep, remote, lead_in = self.store_settings
+            self._storing = Prefiller.open(self.runtime.with_weights("dense"), env, codec, None, compress, keep,
+                                           remote, lead_in)
+        return self._storing
 
     def flush_write_back(self) -> int:
         """Between questions: store the chunks computed on the fly and fill the memory tiers (ChunkSource)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,6 +58,15 @@ class Runtime:
         return cls.load(config.model, config.dtype, config.device, config.tune_process, config.kernels,
                         threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native,
                         weights=config.weights, lead_in=config.lead_in)
+
+    def with_weights(self, form: str) -> Runtime:
+        """This model with its layers' matrices in `form` (dense, int8, int4), on the same dtype, device and kernels:
+        itself where it has them."""
+        if self.model.weights == form:
+            return self
+        net = load_weights(self.local, self.model.dtype, self.model.device, form)
+        net.triton, net.native, net.weights = self.model.triton, self.model.native, form
+        return replace(self, model=net)
 
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from kvrag.bench.fidelity import agreed_prefix, summarize, tolerance_speedups
 from kvrag.bench.rag.methods import Method
 from kvrag.bench.rag.runner import BenchRun, MethodRun
-from kvrag.tests.conftest import run_cli_in_process
+from kvrag.engine.prefiller import preamble_kv
+from kvrag.model.runtime import Runtime
+from kvrag.precompute.plain import chunk_kv
+from kvrag.store.env import StoreEnv
+from kvrag.store.open import store_table
+from kvrag.tests.conftest import WEIGHT_FORMS, run_cli_in_process
 
 
 def test_agreed_prefix_and_tolerance_by_hand():
@@ -127,3 +134,34 @@ def test_bench_fidelity_answerable_set_with_auto(monkeypatch, capsys, tmp_path, 
     assert answers["full"]["agreement"]["share"] == 1.0 and answers["full"]["items"] == 4
     assert set(answers["full"]["by_kind"]) == {"lookup", "bridge", "comparison", "aggregation"}
     assert report["set"] == "answerable" and report["auto"]["rule"] == "chunks" and report["auto"]["ratio"] == 0.15
+
+
+@pytest.mark.skipif("int8" not in WEIGHT_FORMS, reason="int8 weights need AVX512-VNNI (kernels/quant.py)")
+def test_a_quantized_model_benches_over_the_dense_models_stored_kv(monkeypatch, capsys, tmp_path, tiny_llama_dir):
+    """With int8 weights (the default of the Qwen models on a VNNI CPU) the bench's chunks are stored as `kvrag
+    precompute` stores them, from the dense weights, and every timed run reads them: before, an int8 engine stored
+    nothing, so each method computed every chunk inside its timed run, with int8 weights `ask` never reads."""
+    monkeypatch.setenv("KVRAG_WEIGHTS", "int8")
+    data = tmp_path / "musique.json"
+    data.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": f"Passage {i} " * 30}
+                                                                            for i in range(6)]}] * 2))
+    store = tmp_path / "store"
+    args = ("bench", "fidelity", "--dataset", str(data), "--set", "answerable", "--split", "tune", "--items", "2",
+            "--tokens", "300,400", "--model", str(tiny_llama_dir), "--dtype", "float32", "--store", str(store),
+            "--rules", "chunks", "--ratios", "0.3", "--max-tokens", "2", "--ruler", "")
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", *args, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["chunk_forms"]["read"]["after_preamble"] > 0
+    dense = Runtime.load(str(tiny_llama_dir), "float32", weights="dense")
+    int8 = dense.with_weights("int8")
+    with StoreEnv.open(store) as env:
+        stored = list(store_table(env, dense.fingerprint).iter_chunks())
+        assert len(stored) >= 4  # every passage of both prompts (the fact records and the filler)
+        chunk_id, record = stored[-1]
+        ids = list(record.token_ids)
+        k, v = store_table(env, dense.fingerprint).get_layer(chunk_id, 1, dtype=np.float32)
+    for runtime, close in ((dense, True), (int8, False)):  # the dense model's KV, within fp16's rounding
+        want = chunk_kv(runtime, preamble_kv(runtime), ids)
+        err_k = (torch.from_numpy(k) - want.k[1].float()).abs().max().item()
+        assert (err_k < 2e-3) == close, (runtime.model.weights, err_k)

@@ -49,11 +49,23 @@ def summarize_answers(bench: BenchRun, meta: dict[int, dict]) -> dict[str, dict]
         right = {r.item for r in runs if is_right(r.answer, *golds[r.item])}
         ratios = [r.ttft_ratio_to_full for r in runs if r.ttft_ratio_to_full is not None]
         out[m.name] = {"items": len(runs), **_shares(runs, right, full_right, full),
-                       "by_kind": {k: _shares([r for r in runs if kinds.get(r.item) == k], right, full_right, full)
+                       "by_kind": {k: {**_shares([r for r in runs if kinds.get(r.item) == k], right, full_right, full),
+                                       "chance": _chance([meta[r.item] for r in runs if kinds.get(r.item) == k])}
                                    for k in KINDS if any(kinds.get(r.item) == k for r in runs)},
                        "median_ttft_ratio_to_full": statistics.median(ratios) if ratios else None,
                        "median_ttft_s": statistics.median(r.ttft_s for r in runs) if runs else None}
     return out
+
+
+def _chance(items: list[dict]) -> float:
+    """The share a guess gets right: one of each item's candidates (its gold and its `wrong` values) at random."""
+    return statistics.mean(1 / (1 + len(it.get("wrong", ()))) for it in items)
+
+
+def cannot_answer(summary: dict[str, dict]) -> dict[str, tuple[dict, float]]:
+    """The kinds full prefill answers no better than a guess among their candidates: kind -> (accuracy, chance)."""
+    kinds = summary.get("full", {}).get("by_kind", {})
+    return {k: (m["accuracy"], m["chance"]) for k, m in kinds.items() if m["accuracy"]["share"] <= m["chance"]}
 
 
 def _shares(runs, right: set[int], full_right: set[int], full: dict) -> dict:
@@ -86,4 +98,8 @@ def markdown(summary: dict[str, dict], kinds: Sequence[str] = KINDS) -> str:
         cells = [f"{_ci(m['by_kind'][k]['accuracy'])} / {_ci(m['by_kind'][k]['kept'])}" if k in m["by_kind"] else "-"
                  for k in present]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    guessed = cannot_answer(summary)
+    if guessed:  # what the model cannot answer measures nothing about a blend
+        lines += ["", "Full prefill answers no better than a guess among the candidates: " + ", ".join(
+            f"{k} ({_ci(acc)}, a guess {chance:.2f})" for k, (acc, chance) in guessed.items()) + "."]
     return "\n".join(lines) + "\n"

@@ -159,12 +159,18 @@ def item_chunks(runtime: Runtime, item: dict) -> list[tuple[str, list[int]]]:
 
 
 def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: BlendConfig) -> str:
-    """The greedy answer (ANSWER_TOKENS at most) of one prefill."""
+    """The greedy answer (ANSWER_TOKENS at most) of one prefill, up to the end of its first line: the judge reads
+    that line alone (answer_set.answer_line), so the tokens after it are not decoded."""
     runtime = prefiller.runtime
     pre = prefiller.prefill(chunks, question, mode, config, extra=ANSWER_TOKENS)
-    ids = list(generate(runtime.model, pre.cache, pre.logits, SamplingConfig(max_tokens=ANSWER_TOKENS),
-                        prefiller.stop_ids))
-    return runtime.tokenizer.decode(ids, skip_special_tokens=True)
+    ids, text = [], ""
+    for token in generate(runtime.model, pre.cache, pre.logits, SamplingConfig(max_tokens=ANSWER_TOKENS),
+                          prefiller.stop_ids):
+        ids.append(token)
+        text = runtime.tokenizer.decode(ids, skip_special_tokens=True)
+        if "\n" in text.lstrip():  # a line with text in it has ended
+            break
+    return text
 
 
 def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | None = None,

@@ -96,7 +96,7 @@ def test_bench_fidelity_refuses_bad_options_in_one_line(monkeypatch, capsys):
 def test_answer_shares_by_hand():
     """Three generated items; full prefill right on 0 and 1 (a whole sentence naming the value counts), the blend
     right on 0 and 2: it keeps 1 of 2, turns 1 of 1 right, and agrees with full prefill on item 0 alone."""
-    from kvrag.bench.answers import summarize_answers
+    from kvrag.bench.answers import cannot_answer, markdown, summarize_answers
     from kvrag.bench.rag.items import BenchItem
 
     def run(item: int, method: str, answer: str) -> MethodRun:
@@ -115,6 +115,10 @@ def test_answer_shares_by_hand():
     assert (blend["kept"]["k"], blend["kept"]["n"], blend["turned_right"]["k"], blend["turned_right"]["n"]) == (1, 2, 1, 1)
     assert blend["agreement"]["k"] == 1 and blend["median_ttft_ratio_to_full"] == 0.25
     assert blend["by_kind"]["lookup"]["kept"]["k"] == 1 and blend["by_kind"]["comparison"]["accuracy"]["k"] == 1
+    # a guess between two candidates is right half the time: full prefill, wrong on the one comparison, is no better
+    assert full["by_kind"]["lookup"]["chance"] == 0.5 and cannot_answer(summary) == {
+        "comparison": (full["by_kind"]["comparison"]["accuracy"], 0.5)}
+    assert "no better than a guess among the candidates: comparison (0/1" in markdown(summary)
 
 
 def test_bench_fidelity_answerable_set_with_auto(monkeypatch, capsys, tmp_path, tiny_llama_dir):

@@ -40,6 +40,9 @@ SMOL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.jinja", "special_tokens_map.json")
 NO_WEIGHTS = {"model.safetensors", "pytorch_model.bin", "README.md"}
 PYTHON = "3.12"  # the image's
+# what this venv's newer releases of the image's packages require and the image's own do not: transformers 5.25's
+# `kernels` (Hugging Face's hub kernels, 2.7 MB: over the limit); the image's transformers runs there, kvrag loads none
+NOT_CARRIED = {"kernels"}
 
 
 def image_has() -> set[str]:
@@ -49,7 +52,7 @@ def image_has() -> set[str]:
 
 def wanted() -> dict[str, str]:
     """{name: version as this venv has it} of what the GPU machine needs and its image lacks."""
-    skip = image_has() | {"kvrag", *MODEL_PACKAGES}
+    skip = image_has() | {"kvrag", *MODEL_PACKAGES} | NOT_CARRIED
     return {n: v for n, v in closure(RUN_ROOTS).items() if n not in skip and not n.startswith("nvidia-")}
 
 

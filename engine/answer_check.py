@@ -177,7 +177,8 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
                 rules: tuple[str, ...] = RULES, items: list[dict] | None = None,
                 ladder: tuple[float, ...] = LADDER, journal: Journal | None = None,
                 budget_s: float | None = None) -> AnswerResult:
-    """Full prefill's answers, then the ladder until a rung keeps them (or none below the break-even does). `items`:
+    """Full prefill's answers, then the ladder until a rung keeps them (or none below the break-even does), reading
+    the prompts' chunks from `prefiller`'s store, where they are stored first as `kvrag precompute` stores them. `items`:
     other prompts than the check's (MuSiQue-format, with `wrong`). `journal`: resume from it, and save to it after
     every prompt. `budget_s`: raise Deferred (the journal saved) once the first full prefill says the rest would take
     longer."""
@@ -190,6 +191,9 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
                           journal.rungs)
     if not result.judged:
         return result
+    for n, (chunks, _, _) in enumerate(prompts):  # the ladder reads what `ask` reads: the dense model's stored KV
+        progress("chunk KV", n, len(prompts))
+        prefiller.store_chunks(chunks, release=n == len(prompts) - 1)
     cfg = runtime.model.cfg
     even = min(full_ratio(cfg.n_layers, BlendConfig().check_at, sum(len(ids) for _, ids in chunks), SUFFIX_GUESS)
                for chunks, _, _ in prompts)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,9 +38,10 @@ from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
+from kvrag.store.env import StoreEnv
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 8  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 9  # bump when the prompts or the bounds change: stored reports of another version are run again
 
 # Bounds, each set between the rounding measured on correct models and the smallest broken figure seen
 # (docs/model-check.md). Ratio 1 and reuse at the chunk's own position differ from a full prefill by rounding alone:
@@ -198,8 +200,7 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None,
     # to answer, the first-token checks (seconds) say how far the blend strays
     judge = answers and all(c.passed for c in checks)
     try:
-        result = answer_check.run_answers(runtime, prefiller, progress, journal=journal, budget_s=budget_s) \
-            if judge else None
+        result = _judge_answers(runtime, progress, journal, budget_s) if judge else None
     except answer_check.Deferred as put_off:
         summary = f"put off: about {put_off.remaining_s / 60:.0f} min of checking left on this machine"
         checks.append(Check(ANSWERS, {"deferred_s": round(put_off.remaining_s, 1), "summary": summary}, {}, False))
@@ -225,6 +226,15 @@ def _first_token_checks(runtime: Runtime, prefiller: Prefiller, runs: dict) -> l
         if checks[-1].passed:
             break
     return checks
+
+
+def _judge_answers(runtime: Runtime, progress, journal: answer_check.Journal, budget_s: float | None):
+    """The answers judge over a store of its own for the check's life: its blends read the chunks as `ask` reads
+    them, the dense model's KV in the store's codec, whatever form the weights decode in."""
+    with tempfile.TemporaryDirectory(prefix="kvrag-check-") as tmp, \
+            StoreEnv.open(Path(tmp) / "store", create=True) as env:
+        return answer_check.run_answers(runtime, Prefiller.open(runtime, env), progress, journal=journal,
+                                        budget_s=budget_s)
 
 
 def _answers_check(result: answer_check.AnswerResult) -> Check:

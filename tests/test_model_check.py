@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,10 +16,13 @@ from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine import answer_check, model_check
 from kvrag.engine.answer_set import make_items
 from kvrag.engine.model_check import Check, CheckReport, cached_check, check_model, report_path
-from kvrag.engine.prefiller import Prefiller
+from kvrag.engine.prefiller import Prefiller, preamble_kv
 from kvrag.model import rotary
 from kvrag.model.runtime import Runtime
-from kvrag.tests.conftest import FAMILIES, run_cli_in_process
+from kvrag.precompute.plain import chunk_kv
+from kvrag.store.env import StoreEnv
+from kvrag.store.open import store_table
+from kvrag.tests.conftest import FAMILIES, WEIGHT_FORMS, run_cli_in_process
 
 pytestmark = pytest.mark.model_check
 
@@ -239,17 +243,29 @@ def test_the_answers_check_decides_the_rule_and_the_ratio():
 
 
 @pytest.mark.real_model
-def test_the_answers_judge_fails_a_blend_with_a_wrong_rotary(qwen05, broken_rotary):
-    """Qwen2.5-0.5B answers enough of the check's long prompts for its answers to judge; with loaded keys rotated by
-    the wrong convention no rung of the ladder keeps them (each stops at its first loss), so the model would be
-    answered with full prefill."""
-    runtime = Runtime.load(str(qwen05.path), dtype="float32", weights="dense")
+def test_the_answers_judge_reads_the_dense_stored_kv_and_fails_a_wrong_rotary(qwen05, broken_rotary, tmp_path):
+    """Qwen2.5-0.5B answers enough of the check's long prompts for its answers to judge. Its ladder reads every
+    prompt's chunks as `ask` reads them, the dense model's KV from a store, with int8 weights too (before: the int8
+    model's KV, in memory, which `ask` never reads). With loaded keys rotated by the wrong convention no rung keeps
+    the answers (each stops at its first loss), so the model would be answered with full prefill."""
+    form = "int8" if "int8" in WEIGHT_FORMS else "dense"  # the Qwen models' default where the CPU has VNNI
+    runtime = Runtime.load(str(qwen05.path), dtype="float32", weights=form)
     torch.set_num_threads(2)  # a 0.5B model's 1,500-token prefills: a second core halves them
     # shorter prompts than the check's own, of the kinds this model answers (a suite on two cores has no 3 minutes)
     items = make_items(4, answer_check.SEED, tokens=(1500, 1800), kinds=("lookup", "comparison"))
-    # the cheapest rung and the most generous one: a wrong rotary loses the answers at both
-    result = answer_check.run_answers(runtime, Prefiller(runtime), rules=(DEFAULT_SELECTION,), items=items,
-                                      ladder=(0.05, 0.3))
+    with StoreEnv.open(tmp_path / "store", create=True) as env:
+        # the cheapest rung and the most generous one: a wrong rotary loses the answers at both
+        result = answer_check.run_answers(runtime, Prefiller.open(runtime, env), rules=(DEFAULT_SELECTION,),
+                                          items=items, ladder=(0.05, 0.3))
+        table = store_table(env, runtime.fingerprint)
+        chunks = [c for it in items for c in answer_check.item_chunks(runtime, it)]
+        assert not table.missing([c for c, _ in chunks])
+        chunk_id, ids = chunks[-1]  # a passage that is never first: stored in the form after the preamble
+        k, _ = table.get_layer(chunk_id, 1, dtype=np.float32)
     assert result.judged, result.figures()
     assert result.choice is None and result.rungs, result.figures()
     assert all(r.kept < answer_check.KEPT_BOUND * r.right or r.agreed < r.items for r in result.rungs), result.figures()
+    dense = runtime.with_weights("dense")
+    want = chunk_kv(dense, preamble_kv(dense), ids)
+    want_k = want.k[1].float()
+    assert (torch.from_numpy(k) - want_k).abs().max() <= 1e-3 * want_k.abs().max()  # fp16's rounding

@@ -133,14 +133,10 @@ def prepare(engine: Prefiller, items: list[BenchItem], methods: list[Method], co
     """Store every item's chunk KV (one pass, nothing timed), as `kvrag precompute` would: the dense model's."""
     setup = Setup(chunks=len({cid for item in items for cid, _ in item.chunks}))
     start = time.perf_counter()
-    storer = engine.storing()
     for n, item in enumerate(items):
         if on_progress:
             on_progress("setup", f"chunk KV of item {n + 1}/{len(items)}", n, len(items))
-        with torch.inference_mode():
-            # computes the missing ones and keeps them for write-back: the first in the form a prompt reads it in
-            storer.source.chunk_refs(item.chunks, start=len(storer.preamble))
-        setup.chunks_computed += storer.flush_write_back()
+        setup.chunks_computed += engine.store_chunks(item.chunks)
     setup.precompute_s = time.perf_counter() - start
     if engine.source.table is not None:
         setup.missing_after = len(engine.source.table.missing(sorted({cid for item in items for cid, _ in item.chunks})))

@@ -137,6 +137,7 @@ def run_items(engine, items, spec: FidelitySpec, records: Path | None = None, on
     bench = BenchRun(chosen, list(items))
     wanted = {it.index for it in items}
     bench.runs = [r for r in done if r.item in wanted]
+    bench.from_records = len(have & wanted)
     return bench
 
 
@@ -146,7 +147,8 @@ def run_sweep(engine, items, spec: FidelitySpec, records: Path | None = None, on
     index -> kind: a generated set the model can answer), the answers each method keeps (bench/answers.py)."""
     bench = run_items(engine, items, spec, records, on_item)
     summary = summarize(bench)
-    report = {"spec": asdict(spec), "items": [it.index for it in items], "methods": summary,
+    report = {"spec": asdict(spec), "items": [it.index for it in items], "items_from_records": bench.from_records,
+              "methods": summary,
               "tolerances": tolerance_speedups(summary), "runs": [r.to_dict() for r in bench.runs]}
     if kinds is not None:
         report["answers"] = summarize_answers(bench, kinds)
@@ -208,7 +210,9 @@ def markdown(report: dict) -> str:
     if forms:
         read = ", ".join(f"{n} {form.replace('_', ' ')}" for form, n in forms["read"].items())
         lines += ["", f"Chunks stored {' and '.join(f.replace('_', ' ') for f in forms['stored'])}"
-                  + (f" ({forms['lead_in_tokens']} tokens)" if forms["lead_in_tokens"] else "") + f"; read: {read}."]
+                  + (f" ({forms['lead_in_tokens']} tokens)" if forms["lead_in_tokens"] else "") + f"; read: {read}"
+                  + (f" (by the items run in this process; {report['items_from_records']} came from the records)."
+                     if report.get("items_from_records") else ".")]
     ruler = report.get("ruler")
     if ruler:
         lines += ["", f"RULER-style tasks: {ruler['full_right']} of {ruler['tasks']} answered right by full prefill",

@@ -82,8 +82,11 @@ def test_bench_fidelity_sweeps_rules_and_resumes(monkeypatch, capsys, tmp_path, 
     code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", *args, "--json")
     assert code == 0, err
     assert "item 1/2 (in the records)" in err and "item 2/2\n" in err
-    again = json.loads(out)["methods"]
-    assert again["cacheblend@1"]["items"] == 2 and again["full"]["mean_kl"] == 0.0
+    again = json.loads(out)
+    assert again["methods"]["cacheblend@1"]["items"] == 2 and again["methods"]["full"]["mean_kl"] == 0.0
+    # the chunks read are this process's, and the report says the other item came from the records
+    assert report["items_from_records"] == 0 and again["items_from_records"] == 1
+    assert again["chunk_forms"]["read"]["after_preamble"] < forms["read"]["after_preamble"]
 
 
 def test_bench_fidelity_refuses_bad_options_in_one_line(monkeypatch, capsys):

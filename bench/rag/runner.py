@@ -123,6 +123,7 @@ class BenchRun:
     runs: list[MethodRun] = field(default_factory=list)
     setup: Setup = field(default_factory=Setup)
     wall_s: float = 0.0
+    from_records: int = 0  # items taken from a resumed sweep's records, not run in this process
 
     def by_method(self, name: str) -> list[MethodRun]:
         return [r for r in self.runs if r.method == name]

@@ -93,7 +93,7 @@ def _stored_verdict(fingerprint: str, compute_dtype: torch.dtype, dev: torch.dev
     if not config.model_check:
         return None
     key = key_for(fingerprint, str(compute_dtype).removeprefix("torch."), dev.type, resolve_triton(config.kernels, dev),
-                  config.native, weights)
+                  config.native, weights, config.lead_in)
     report = report_for(key)
     if report is not None:
         return report.verdict()

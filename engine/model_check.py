@@ -38,6 +38,7 @@ from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
+from kvrag.precompute import lead_in
 from kvrag.store.env import StoreEnv
 
 SCHEMA = "kvrag.model-check/1"
@@ -162,17 +163,19 @@ def dtype_name(runtime: Runtime) -> str:
 
 
 def check_key(runtime: Runtime) -> dict[str, object]:
-    """Everything that changes the numbers the checks see: the model, its dtype, the device's type, the kernels and the
-    weights' form."""
+    """Everything that changes the numbers the checks see: the model, its dtype, the device's type, the kernels, the
+    weights' form and a lead-in set apart from the model's own (KVRAG_LEAD_IN)."""
     m = runtime.model
     return key_for(runtime.fingerprint, dtype_name(runtime), m.device.type, m.triton, m.native,
-                   getattr(m, "weights", "dense"))
+                   getattr(m, "weights", "dense"), runtime.lead_in)
 
 
-def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: bool, weights: str) -> dict[str, object]:
-    """check_key's fields given one by one (`kvrag model info` reads the stored report without loading the model)."""
+def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: bool, weights: str,
+            lead_in: int | None = None) -> dict[str, object]:
+    """check_key's fields given one by one (`kvrag model info` reads the stored report without loading the model).
+    `lead_in` None: the model's own rule (precompute/lead_in.py), which the fingerprint and version already fix."""
     return {"version": CHECK_VERSION, "model": fingerprint, "dtype": dtype, "device": device, "triton": bool(triton),
-            "native": bool(native), "weights": weights}
+            "native": bool(native), "weights": weights, **({} if lead_in is None else {"lead_in": lead_in})}
 
 
 def check_model(runtime: Runtime, progress: answer_check.Progress | None = None, answers: bool = True,
@@ -230,11 +233,15 @@ def _first_token_checks(runtime: Runtime, prefiller: Prefiller, runs: dict) -> l
 
 def _judge_answers(runtime: Runtime, progress, journal: answer_check.Journal, budget_s: float | None):
     """The answers judge over a store of its own for the check's life: its blends read the chunks as `ask` reads
-    them, the dense model's KV in the store's codec, whatever form the weights decode in."""
+    them, the dense model's KV in the store's codec, whatever form the weights decode in, after the model's lead-in
+    (drawn from the check's own passages, as precompute draws one from a corpus)."""
+    items = answer_check.check_prompts(runtime)
+    passages = dict(c for it in items for c in answer_check.item_chunks(runtime, it))
+    lead = lead_in.choose((passages[c] for c in sorted(passages)), lead_in.tokens_for(runtime))
     with tempfile.TemporaryDirectory(prefix="kvrag-check-") as tmp, \
             StoreEnv.open(Path(tmp) / "store", create=True) as env:
-        return answer_check.run_answers(runtime, Prefiller.open(runtime, env), progress, journal=journal,
-                                        budget_s=budget_s)
+        return answer_check.run_answers(runtime, Prefiller.open(runtime, env, lead_in=lead), progress, items=items,
+                                        journal=journal, budget_s=budget_s)
 
 
 def _answers_check(result: answer_check.AnswerResult) -> Check:

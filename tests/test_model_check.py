@@ -4,6 +4,7 @@ and says so in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -15,7 +16,7 @@ from kvrag.blend.config import DEFAULT_RATIO
 from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine import answer_check, model_check
 from kvrag.engine.answer_set import make_items
-from kvrag.engine.model_check import Check, CheckReport, cached_check, check_model, report_path
+from kvrag.engine.model_check import Check, CheckReport, cached_check, check_key, check_model, report_path
 from kvrag.engine.prefiller import Prefiller, preamble_kv
 from kvrag.model import rotary
 from kvrag.model.runtime import Runtime
@@ -124,6 +125,10 @@ def test_the_report_is_stored_by_model_and_dtype(tiny_llama_dir, tmp_path, monke
     monkeypatch.setattr(model_check, "check_model", lambda runtime: pytest.fail("ran again"))
     assert cached_check(f32).to_json() == first.to_json()  # read back, not run again
     assert cached_check(bf16, run=False) is None  # another dtype is checked on its own
+    # a lead-in set apart from the model's own (KVRAG_LEAD_IN) stores its chunks in another form: checked on its own
+    led = dataclasses.replace(f32, lead_in=512)
+    assert "lead_in" not in check_key(f32) and check_key(led)["lead_in"] == 512
+    assert cached_check(led, run=False) is None
 
 
 def test_kvrag_over_a_failing_model_answers_with_full_prefill(tiny_llama_dir, store_copy, tmp_path, monkeypatch,

@@ -178,7 +178,8 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
                 ladder: tuple[float, ...] = LADDER, journal: Journal | None = None,
                 budget_s: float | None = None) -> AnswerResult:
     """Full prefill's answers, then the ladder until a rung keeps them (or none below the break-even does), reading
-    the prompts' chunks from `prefiller`'s store, where they are stored first as `kvrag precompute` stores them. `items`:
+    the prompts' chunks from `prefiller`'s store, where each is stored before its first blend as `kvrag precompute`
+    stores them (the ladder reads what `ask` reads: the dense model's stored KV). `items`:
     other prompts than the check's (MuSiQue-format, with `wrong`). `journal`: resume from it, and save to it after
     every prompt. `budget_s`: raise Deferred (the journal saved) once the first full prefill says the rest would take
     longer."""
@@ -191,10 +192,16 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
                           journal.rungs)
     if not result.judged:
         return result
-    for n, (chunks, _, _) in enumerate(prompts):  # the ladder reads what `ask` reads: the dense model's stored KV
-        progress("chunk KV", n, len(prompts))
-        prefiller.store_chunks(chunks, release=n == len(prompts) - 1)
-    cfg = runtime.model.cfg
+    try:
+        _ladder(runtime, prefiller, prompts, journal, rules, ladder, progress)
+    finally:
+        prefiller.release_storing()
+    return result
+
+
+def _ladder(runtime: Runtime, prefiller: Prefiller, prompts, journal: Journal, rules, ladder, progress) -> None:
+    """The rungs in turn, cheapest first, until one keeps the answers (or none below the break-even does)."""
+    cfg, stored = runtime.model.cfg, set()
     even = min(full_ratio(cfg.n_layers, BlendConfig().check_at, sum(len(ids) for _, ids in chunks), SUFFIX_GUESS)
                for chunks, _, _ in prompts)
     for ratio in (r for r in ladder if r < even):
@@ -203,10 +210,9 @@ def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | Non
             if rung is None:
                 journal.rungs.append(rung := Rung(rule, ratio))
             if not rung.finished:
-                _rung(runtime, prefiller, prompts, journal, rung, progress)
+                _rung(runtime, prefiller, prompts, journal, rung, progress, stored)
             if rung.passed:
-                return result
-    return result
+                return
 
 
 def _full_answers(prefiller: Prefiller, prompts, journal: Journal, progress: Progress,
@@ -227,15 +233,19 @@ def _full_answers(prefiller: Prefiller, prompts, journal: Journal, progress: Pro
         journal.save()
 
 
-def _rung(runtime: Runtime, prefiller: Prefiller, prompts, journal: Journal, rung: Rung, progress: Progress) -> None:
+def _rung(runtime: Runtime, prefiller: Prefiller, prompts, journal: Journal, rung: Rung, progress: Progress,
+          stored: set[int]) -> None:
     """One rung over the prompts (from where the journal left it), stopped once it has lost more than its bounds
-    allow."""
+    allow. `stored`: the prompts whose chunks are in the prefiller's store (this process's)."""
     n_layers, full, right = runtime.model.cfg.n_layers, journal.full, journal.right
     may_lose = math.floor((1 - KEPT_BOUND) * sum(right) + 1e-9)
     may_differ = math.floor((1 - AGREEMENT_BOUND) * len(prompts) + 1e-9)
     for n in range(rung.items, len(prompts)):
         chunks, question, golds = prompts[n]
         progress(f"blend {rung.rule}@{rung.ratio:g}", n, len(prompts))
+        if n not in stored:  # a prompt's chunks, stored before its first blend (most rungs stop at their first)
+            prefiller.store_chunks(chunks)
+            stored.add(n)
         start = time.perf_counter()
         config = RatioPolicy(None).resolve(BlendConfig(selection=rung.rule), n_layers,
                                           sum(len(ids) for _, ids in chunks), SUFFIX_GUESS, rung.ratio)

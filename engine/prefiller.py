@@ -141,18 +141,19 @@ class Prefiller:
                                            remote, lead_in)
         return self._storing
 
-    def store_chunks(self, chunks: Sequence[tuple[str, Sequence[int]]], release: bool = False) -> int:
+    def store_chunks(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> int:
         """Store one prompt's chunks (in its order) as `kvrag precompute` would, through storing(): the first in the
-        form a prompt reads it in. `release`: drop the dense twin afterwards (its memory). Returns how many were
-        written (none without a store: the chunks computed here are then dropped)."""
+        form a prompt reads it in. Returns how many were written (none without a store: the chunks computed here are
+        then dropped)."""
         storer = self.storing()
         with torch.inference_mode():
             # computes the missing ones and keeps them for write-back: the first in the form a prompt reads it in
             storer.source.chunk_refs(chunks, start=len(storer.preamble))
-        written = storer.flush_write_back()
-        if release:
-            self._storing = None
-        return written
+        return storer.flush_write_back()
+
+    def release_storing(self) -> None:
+        """Drop storing()'s dense twin (its memory) until it is needed again."""
+        self._storing = None
 
     def flush_write_back(self) -> int:
         """Between questions: store the chunks computed on the fly and fill the memory tiers (ChunkSource)."""

@@ -249,10 +249,11 @@ def test_the_answers_check_decides_the_rule_and_the_ratio():
 
 @pytest.mark.real_model
 def test_the_answers_judge_reads_the_dense_stored_kv_and_fails_a_wrong_rotary(qwen05, broken_rotary, tmp_path):
-    """Qwen2.5-0.5B answers enough of the check's long prompts for its answers to judge. Its ladder reads every
-    prompt's chunks as `ask` reads them, the dense model's KV from a store, with int8 weights too (before: the int8
-    model's KV, in memory, which `ask` never reads). With loaded keys rotated by the wrong convention no rung keeps
-    the answers (each stops at its first loss), so the model would be answered with full prefill."""
+    """Qwen2.5-0.5B answers enough of the check's long prompts for its answers to judge. Its ladder reads the
+    prompts' chunks as `ask` reads them, the dense model's KV from a store (each prompt's stored before its first
+    blend), with int8 weights too (before: the int8 model's KV, in memory, which `ask` never reads). With loaded keys
+    rotated by the wrong convention no rung keeps the answers (each stops at its first loss), so the model would be
+    answered with full prefill."""
     form = "int8" if "int8" in WEIGHT_FORMS else "dense"  # the Qwen models' default where the CPU has VNNI
     runtime = Runtime.load(str(qwen05.path), dtype="float32", weights=form)
     torch.set_num_threads(2)  # a 0.5B model's 1,500-token prefills: a second core halves them
@@ -263,9 +264,9 @@ def test_the_answers_judge_reads_the_dense_stored_kv_and_fails_a_wrong_rotary(qw
         result = answer_check.run_answers(runtime, Prefiller.open(runtime, env), rules=(DEFAULT_SELECTION,),
                                           items=items, ladder=(0.05, 0.3))
         table = store_table(env, runtime.fingerprint)
-        chunks = [c for it in items for c in answer_check.item_chunks(runtime, it)]
+        chunks = answer_check.item_chunks(runtime, items[0])  # every rung blends the first prompt at least
         assert not table.missing([c for c, _ in chunks])
-        chunk_id, ids = chunks[-1]  # a passage that is never first: stored in the form after the preamble
+        chunk_id, ids = chunks[-1]  # a passage that is not first
         k, _ = table.get_layer(chunk_id, 1, dtype=np.float32)
     assert result.judged, result.figures()
     assert result.choice is None and result.rungs, result.figures()

@@ -42,7 +42,7 @@ from kvrag.precompute import lead_in
 from kvrag.store.env import StoreEnv
 
 SCHEMA = "kvrag.model-check/1"
-CHECK_VERSION = 9  # bump when the prompts or the bounds change: stored reports of another version are run again
+CHECK_VERSION = 9  # bump when the prompts, the bounds or what the blends read change: other versions run again
 
 # Bounds, each set between the rounding measured on correct models and the smallest broken figure seen
 # (docs/model-check.md). Ratio 1 and reuse at the chunk's own position differ from a full prefill by rounding alone:
@@ -187,7 +187,8 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None,
     it would take longer."""
     start = time.perf_counter()
     journal = journal or answer_check.Journal(None, check_key(runtime))
-    prefiller = Prefiller(runtime)  # no store: each chunk's KV computed once here, then reused through the loader
+    # the exactness and first-token checks: no store, each chunk's KV computed once here, reused through the loader
+    prefiller = Prefiller(runtime)
     dtype, runs = dtype_name(runtime), None
     if journal.exact:
         checks = [Check(c["name"], c["figures"], c["bound"], c["passed"]) for c in journal.exact]

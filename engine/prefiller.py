@@ -146,8 +146,7 @@ class Prefiller:
         form a prompt reads it in. Returns how many were written (none without a store: the chunks computed here are
         then dropped)."""
         storer = self.storing()
-        with torch.inference_mode():
-            # computes the missing ones and keeps them for write-back: the first in the form a prompt reads it in
+        with torch.inference_mode():  # computes the missing ones and keeps them for the write-back below
             storer.source.chunk_refs(chunks, start=len(storer.preamble))
         return storer.flush_write_back()
 

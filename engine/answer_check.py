@@ -16,6 +16,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,9 @@ from kvrag.engine.prefiller import Prefiller
 from kvrag.model.decode import generate
 from kvrag.model.runtime import Runtime
 from kvrag.model.sampling import SamplingConfig
+from kvrag.precompute import lead_in
 from kvrag.store.chunks import chunk_id_for
+from kvrag.store.env import StoreEnv
 
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3)  # floors tried, cheapest first, up to the break-even with full prefill
 RULES = (DEFAULT_SELECTION, "query")  # at each rung, the default rule first
@@ -171,6 +174,19 @@ def answer(prefiller: Prefiller, chunks, question: str, mode: str, config: Blend
         if "\n" in text.lstrip():  # a line with text in it has ended
             break
     return text
+
+
+def judge(runtime: Runtime, progress: Progress | None, journal: Journal, budget_s: float | None) -> AnswerResult:
+    """The check's judge over a store of its own for the check's life: its blends read the chunks as `ask` reads
+    them, the dense model's KV in the store's codec, whatever form the weights decode in, after the model's lead-in
+    (drawn from the check's own passages, as precompute draws one from a corpus)."""
+    items = check_prompts(runtime)
+    passages = dict(c for it in items for c in item_chunks(runtime, it))
+    lead = lead_in.choose((passages[c] for c in sorted(passages)), lead_in.tokens_for(runtime))
+    with tempfile.TemporaryDirectory(prefix="kvrag-check-") as tmp, \
+            StoreEnv.open(Path(tmp) / "store", create=True) as env:
+        return run_answers(runtime, Prefiller.open(runtime, env, lead_in=lead), progress, items=items,
+                           journal=journal, budget_s=budget_s)
 
 
 def run_answers(runtime: Runtime, prefiller: Prefiller, progress: Progress | None = None,

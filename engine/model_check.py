@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,8 +37,6 @@ from kvrag.engine.prefiller import Prefiller
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
-from kvrag.precompute import lead_in
-from kvrag.store.env import StoreEnv
 
 SCHEMA = "kvrag.model-check/1"
 CHECK_VERSION = 9  # bump when the prompts, the bounds or what the blends read change: other versions run again
@@ -204,7 +201,7 @@ def check_model(runtime: Runtime, progress: answer_check.Progress | None = None,
     # to answer, the first-token checks (seconds) say how far the blend strays
     judge = answers and all(c.passed for c in checks)
     try:
-        result = _judge_answers(runtime, progress, journal, budget_s) if judge else None
+        result = answer_check.judge(runtime, progress, journal, budget_s) if judge else None
     except answer_check.Deferred as put_off:
         summary = f"put off: about {put_off.remaining_s / 60:.0f} min of checking left on this machine"
         checks.append(Check(ANSWERS, {"deferred_s": round(put_off.remaining_s, 1), "summary": summary}, {}, False))
@@ -230,19 +227,6 @@ def _first_token_checks(runtime: Runtime, prefiller: Prefiller, runs: dict) -> l
         if checks[-1].passed:
             break
     return checks
-
-
-def _judge_answers(runtime: Runtime, progress, journal: answer_check.Journal, budget_s: float | None):
-    """The answers judge over a store of its own for the check's life: its blends read the chunks as `ask` reads
-    them, the dense model's KV in the store's codec, whatever form the weights decode in, after the model's lead-in
-    (drawn from the check's own passages, as precompute draws one from a corpus)."""
-    items = answer_check.check_prompts(runtime)
-    passages = dict(c for it in items for c in answer_check.item_chunks(runtime, it))
-    lead = lead_in.choose((passages[c] for c in sorted(passages)), lead_in.tokens_for(runtime))
-    with tempfile.TemporaryDirectory(prefix="kvrag-check-") as tmp, \
-            StoreEnv.open(Path(tmp) / "store", create=True) as env:
-        return answer_check.run_answers(runtime, Prefiller.open(runtime, env, lead_in=lead), progress, items=items,
-                                        journal=journal, budget_s=budget_s)
 
 
 def _answers_check(result: answer_check.AnswerResult) -> Check:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,9 +34,10 @@ def prepared_path(local: LocalModel, dtype: torch.dtype, weights: str = "dense")
     return kvrag_home() / "models" / "prepared" / name
 
 
-def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device, weights: str = "dense") -> Transformer:
+def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device, weights: str = "dense",
+                 keep: bool = True) -> Transformer:
     """The model for compute, its matrices in `weights`' form (dense, int8, int4: model/quant.py): from its prepared
-    file when there is a sound one, else built (a quantized form from the dense one) and prepared."""
+    file when there is a sound one, else built (a quantized form from the dense one) and, with `keep`, prepared."""
     path = prepared_path(local, dtype, weights)
     state = _read(path)
     if state is not None:
@@ -48,7 +50,8 @@ def load_weights(local: LocalModel, dtype: torch.dtype, device: torch.device, we
         model = _quantized(local, dtype, device, weights)
     else:
         model = Transformer.from_safetensors(local.config, local.weight_files(), dtype, device)
-    _write(path, model.compute_state())
+    if keep:
+        _write(path, model.compute_state())
     return model
 
 
@@ -95,6 +98,12 @@ def _write(path: Path, state: dict[str, torch.Tensor]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        size = sum(t.numel() * t.element_size() for t in cpu.values())
+        free = shutil.disk_usage(path.parent).free
+        if free < 2 * size:  # a copy of the weights is worth keeping, never worth filling the disk for
+            print(f"kvrag: not keeping prepared weights at {path} ({size / 2**30:.1f} GiB; "
+                  f"{free / 2**30:.1f} GiB free)", file=sys.stderr)
+            return
         save_file(cpu, str(tmp), metadata={_DIGEST_KEY: _BLANK})
         with open(tmp, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
             header_end, digest = _body_digest(data)

@@ -23,6 +23,7 @@ class Runtime:
     tokenizer: object
     prompts: PromptBuilder
     lead_in: int | None = None  # tokens of corpus text a stored chunk follows (None: the model's own rule)
+    keep_prepared: bool = True  # write the weights' compute layout to disk for the next load (model/prepared.py)
 
     @property
     def fingerprint(self) -> str:
@@ -31,15 +32,16 @@ class Runtime:
     @classmethod
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
              tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
-             keep_freed: bool = True, native: bool = True, weights: str = "dense", lead_in: int | None = None
-             ) -> Runtime:
+             keep_freed: bool = True, native: bool = True, weights: str = "dense", lead_in: int | None = None,
+             keep_prepared: bool = True) -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
         default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
         threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
         (device.set_cpu_threads), as the CLI does. kernels: auto or torch (device.resolve_triton). native: kvrag's
         C++ CPU kernels where they serve (False: torch's ops). weights: the layers' matrices dense, int8 or int4, or
         auto (model/quant.py's resolve_weights; the configuration's default, read at the edge). lead_in: what stored
-        chunks follow (precompute/lead_in.py; None: the model's rule)."""
+        chunks follow (precompute/lead_in.py; None: the model's rule). keep_prepared: False loads without writing the
+        prepared file (a test's one load of a model is not worth gigabytes of cache)."""
         if tune_process:
             set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)
@@ -48,9 +50,9 @@ class Runtime:
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
         form = resolve_weights(weights, dev, native, default_weights(local.name))
-        net = load_weights(local, resolve_dtype(dtype, dev), dev, form)
+        net = load_weights(local, resolve_dtype(dtype, dev), dev, form, keep_prepared)
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
-        return cls(local, net, tokenizer, prompts, lead_in)
+        return cls(local, net, tokenizer, prompts, lead_in, keep_prepared)
 
     @classmethod
     def from_config(cls, config: KVRagConfig) -> Runtime:
@@ -64,7 +66,7 @@ class Runtime:
         itself where it has them."""
         if self.model.weights == form:
             return self
-        net = load_weights(self.local, self.model.dtype, self.model.device, form)
+        net = load_weights(self.local, self.model.dtype, self.model.device, form, self.keep_prepared)
         net.triton, net.native, net.weights = self.model.triton, self.model.native, form
         return replace(self, model=net)
 

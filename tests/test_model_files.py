@@ -30,11 +30,14 @@ def test_default_model_converts_once_then_uses_the_cache(smol, monkeypatch):
     assert smol.path.name == smol.fingerprint
     assert (smol.path / "model.safetensors").exists() and (smol.path / "tokenizer.json").exists()
 
+# what other tests prepared there (a gigabyte where a float32 int8 Gemma was built) is not the conversion under test
+_NOT_THE_MODELS = shutil.ignore_patterns("prepared", ".*.tmp")
+
 
 def test_a_damaged_cache_is_detected(smol, tmp_path, monkeypatch):
     """Copy the converted cache into another home, damage it, and check that it is not used."""
     home = tmp_path / "home"
-    shutil.copytree(smol.path.parent, home / "models")
+    shutil.copytree(smol.path.parent, home / "models", ignore=_NOT_THE_MODELS)
     monkeypatch.setenv("KVRAG_HOME", str(home))
     models = home / "models"
     calls = []
@@ -53,7 +56,7 @@ def test_a_damaged_cache_is_detected(smol, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_missing_record_is_rebuilt_for_real(smol, tmp_path, monkeypatch):
     home = tmp_path / "home"
-    shutil.copytree(smol.path.parent, home / "models")
+    shutil.copytree(smol.path.parent, home / "models", ignore=_NOT_THE_MODELS)
     (home / "models" / smol.fingerprint / RECORD_NAME).unlink()  # conversion stopped before its end
     monkeypatch.setenv("KVRAG_HOME", str(home))
     rebuilt = resolve_model(None)

@@ -1,7 +1,8 @@
 """Which sequence prefills this step, and room in the pool for every running sequence's next token.
 
 Waiting requests are admitted one per step, when the pool has room for the prompt and a block per running sequence
-to spare. Among the waiting, RAGCache's cache-aware order picks the one with the most cached tokens per token to
+to spare; blocks a prompt reuses that stay held anyway (a prefix hit a running sequence holds, the preamble's shared
+blocks a blend starts from) take no room. Among the waiting, RAGCache's cache-aware order picks the one with the most cached tokens per token to
 compute (`score`), but a request passed over `reorder_window` times goes next (window 0: first come, first served).
 Sequences preempted while running go before all others.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from kvrag.config import DEFAULT_REORDER_WINDOW
 from kvrag.engine.kv_pool import SequenceKV
+from kvrag.engine.prefill_info import wants_exact
 from kvrag.engine.sequence import Sequence, Status
 from kvrag.errors import KvragError
 from kvrag.kvcache.allocator import OutOfBlocks
@@ -54,7 +56,7 @@ class Scheduler:
             return None
         chosen = self._pick()
         spare = len(self.running)  # a block per running sequence for its next tokens, so admission never forces
-        if self.kv.blocks_needed(chosen.prompt_rows + 1) > self.kv.num_free - spare and self.running:
+        if self._fresh_blocks(chosen) > self.kv.num_free - spare and self.running:
             return None  # a preemption at once; with nothing running, try anyway (the engine preempts nothing)
         for seq in self.waiting:
             if seq is chosen:
@@ -62,6 +64,18 @@ class Scheduler:
             seq.passed_over += 1
         self.waiting.remove(chosen)
         return chosen
+
+    def _fresh_blocks(self, seq: Sequence) -> int:
+        """Blocks the prompt and its first token take out of the free ones: all, less the prefix-cache blocks its head
+        reuses that a running sequence holds (a cached one nothing holds is counted free, and the hit takes it), or
+        for a single-turn RAG blend the preamble's blocks every table shares. The admission may still find less room
+        (a full prefill's preamble computed to other bits): it then preempts (engine._start)."""
+        plan, req = seq.plan, seq.request
+        if plan is not None and plan.framed:
+            held = self.kv.prefix.held_blocks(plan.head, req.salt, wants_exact(req))
+        else:
+            held = len(self.kv.shared) if req.mode != "full" and seq.prompt_rows > self.kv.shared_tokens else 0
+        return self.kv.blocks_needed(seq.prompt_rows + 1) - held
 
     def _pick(self) -> Sequence:
         """RAGCache's order (store/tiers/reorder.next_index); a preempted sequence, at the front, goes first."""

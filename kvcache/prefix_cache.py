@@ -60,6 +60,17 @@ class PrefixCache:
             keys = block_keys(ids, self.block_size, salt)
             return next((i for i, key in enumerate(keys) if key not in self._entries), len(keys)) * self.block_size
 
+    def held_blocks(self, ids: Sequence[int], salt: str, exact: bool) -> int:
+        """How many of the blocks `match` would return now a sequence holds too (the rest only the cache holds)."""
+        with self._lock:
+            held = 0
+            for key in block_keys(ids, self.block_size, salt):
+                entry = self._entries.get(key)
+                if entry is None or (exact and not entry.exact):
+                    break
+                held += self.allocator.refcount(entry.block) > 1
+            return held
+
     def match(self, ids: Sequence[int], salt: str, exact: bool) -> tuple[list[int], int]:
         """The blocks of the longest cached run of `ids`' leading whole blocks (exact ones alone, where `exact`), each
         with a reference taken for the caller (it frees them, or hands them to a block table), and how many of their

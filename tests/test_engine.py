@@ -168,6 +168,34 @@ def test_a_pool_too_small_preempts_and_every_answer_is_as_alone(runtime, request
     assert pool_is_empty(engine)
 
 
+def test_a_blend_is_admitted_on_the_blocks_it_takes_beside_the_preamble_s(runtime, requests):
+    """A single-turn RAG blend starts from the preamble's KV, so its table shares the preamble's blocks: admission
+    counts only its own (engine/scheduler._fresh_blocks). In a pool with room for both blends to their ends but not
+    for the second's whole prompt beside the first, it starts at once (before: it waited for the first to end),
+    nothing is preempted, and both answer as alone."""
+    from dataclasses import replace
+
+    n = 8
+    pair = [replace(requests[i], sampling=SamplingConfig(max_tokens=n, min_tokens=n)) for i in (0, 4)]  # blends
+    probe = new_engine(runtime)
+    shared, (want, held) = len(probe.kv.shared), run_alone(runtime, pair[0])
+    rows = [probe.new_sequence(r).prompt_rows for r in pair]
+    own = [probe.kv.blocks_needed(r + n) - shared for r in rows]  # each one's blocks at its answer's end
+    blocks = shared + sum(own) + 1  # one spare
+    assert blocks - shared - held - 1 < probe.kv.blocks_needed(rows[1] + 1)  # its whole prompt would not fit
+    engine = new_engine(runtime, budget_blocks=blocks)
+    first = engine.add(pair[0])
+    engine.step()
+    second = engine.add(pair[1])
+    engine.step()
+    assert first.status is Status.RUNNING and second.status is Status.RUNNING
+    while engine.has_work():
+        engine.step()
+        check_pool(engine)
+    assert first.output == want and second.output == run_alone(runtime, pair[1])[0]
+    assert not first.preemptions and not second.preemptions and pool_is_empty(engine)
+
+
 def run_alone(runtime, request: Request) -> tuple[list[int], int]:
     """A request's answer on its own, and the blocks it holds after its first step (its prompt's and first
     token's, less the preamble's it shares)."""

@@ -3,6 +3,8 @@ attend over the cached blocks in place, and give the first token a full prefill 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from kvrag.blend.config import BlendConfig
 from kvrag.blend.ratio import RatioPolicy
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
-from kvrag.engine.sequence import Request
+from kvrag.engine.sequence import Request, Status
 from kvrag.kernels.attention import PagedKeys
 from kvrag.model.runtime import Runtime
 from kvrag.model.sampling import SamplingConfig
@@ -95,3 +97,34 @@ def test_on_the_triton_path_the_cached_turn_is_read_in_place(tiny_llama_dir, tmp
     torch.testing.assert_close(follow.first_logits, reference.first_logits, rtol=1e-4, atol=2e-4)
     assert follow.output == reference.output
     env.close()
+
+
+def test_a_repeat_of_a_prompt_still_decoding_starts_beside_it(prefiller):
+    """Admission counts the blocks a prompt takes (engine/scheduler._fresh_blocks): an exact repeat of a prompt still
+    decoding reuses the blocks that sequence holds, so it starts at once in a pool with room for its tail but not for
+    a second copy of its prompt (before: it waited for the first to end), and answers as the first did."""
+    n = 24
+    ask = replace(_chat(" ".join(TURNS), mode="full"), sampling=SamplingConfig(max_tokens=n, min_tokens=n))
+    probe = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
+    alone = probe.add(ask)
+    probe.step()
+    held, prompt_blocks = probe.sequence_blocks, probe.kv.blocks_needed(alone.prompt_rows + 1)
+    while probe.has_work():
+        probe.step()
+    final = probe.kv.blocks_needed(alone.prompt_rows + n)  # the first's blocks at its answer's end
+    hit = (alone.prompt_rows - 1) // probe.kv.block_size  # the whole blocks of the head a repeat reuses
+    blocks = len(probe.kv.shared) + final + (final - hit) + 1  # both to their ends, one block spare
+    assert blocks - len(probe.kv.shared) - held - 1 < prompt_blocks  # no room beside the first for a second copy
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=blocks * probe.kv.pool.layout.bytes_per_block,
+                                               prompt_spans=False))
+    first = engine.add(ask)
+    engine.step()
+    second = engine.add(ask)
+    engine.step()
+    assert first.status is Status.RUNNING and second.status is Status.RUNNING  # admitted beside it
+    assert second.head_reused >= second.prompt_tokens - 16
+    while engine.has_work():
+        engine.step()
+    for seq in (first, second):
+        torch.testing.assert_close(seq.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)
+        assert seq.output == alone.output and not seq.preemptions

@@ -128,6 +128,7 @@ ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages
 RETRIEVAL = ("auto", "server", "client")
+MODES = ("blend", "full", "prefix", "reuse")  # how a prompt's KV is made (engine/prefiller.py)
 
 
 def _parse(variable: str, text: str, default):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
+from kvrag.cli.ask_server import ServerGone, ask_server, running_server
 from kvrag.cli.common import (
     ATTENTION_WEIGHT_OPTION,
     CACHE_POLICY_OPTION,
@@ -138,30 +139,48 @@ def ask_command(
     device: str = DEVICE_OPTION,
     weights: str = WEIGHTS_OPTION,
     as_json: bool = JSON_OPTION,
+    no_server: bool = typer.Option(False, "--no-server", help="Answer in this process even where a `kvrag serve` "
+                                   "on the store runs (by default it asks that server, with the same settings)."),
 ) -> None:
-    """Answer a question from your indexed documents, reusing their precomputed KV caches.
+    """Answer a question from your indexed documents, reusing their precomputed KV caches. Where a `kvrag serve`
+    runs on the same store with the same settings, the question goes to it: no model to load.
 
     Example: kvrag ask "Who founded the company?" --show-sources
     """
-    from kvrag.blend.config import BlendConfig
-    from kvrag.blend.ratio import RatioPolicy
-    from kvrag.engine.prefiller import MODES
-    from kvrag.model.sampling import SamplingConfig
+    from kvrag.config import MODES
     from kvrag.store.keys import codec_id
 
     if mode not in MODES:
         raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
-    policy = RatioPolicy.parse(ratio)
-    config = policy.start(BlendConfig(check_layer=check_layer, deviation=deviation, gradual=gradual,
-                                      **attention_weight_override(attention_weight), selection=selection))
-    sampling = SamplingConfig(max_tokens, temperature, top_p, seed)
     codec_id(codec)
-    check_cache_options(host_cache, gpu_cache, cache_policy)
     todo = _collect_questions(question, questions, limit)
-    settings = _Settings(mode, config, sampling, policy, codec, (host_cache, gpu_cache, cache_policy),
-                         (model, dtype, device, weights), (keep, keep_rule), (kv_tokens, kv_rule))
-    answers = _answer_all(resolve_store(store), todo, _Chunks(k, chunks, relative_cutoff, min_score), settings,
-                          as_json, show_sources)
+    path, finder = resolve_store(store), _Chunks(k, chunks, relative_cutoff, min_score)
+    answers = None
+    # a server has its own memory tiers and takes the blend's default knobs alone; the choice is made before torch
+    # is imported (seconds)
+    tuned = (check_layer, deviation, gradual, attention_weight, selection, host_cache, gpu_cache, cache_policy) != \
+        (None, "v", True, None, None, None, None, None)
+    served = None if no_server or tuned else running_server(path, {
+        "model": model, "dtype": dtype, "device": device, "weights": weights, "codec": codec, "keep": keep,
+        "keep_rule": keep_rule})
+    if served:
+        request = {"mode": mode, "ratio": ratio if ratio == "auto" else _number(ratio), "max_tokens": max_tokens,
+                   "temperature": temperature, "top_p": top_p, "seed": seed, "kv_tokens": kv_tokens,
+                   "kv_rule": kv_rule}
+        answers = _answer_served(served, todo, finder, request, codec, as_json, show_sources)
+    if answers is None:
+        check_cache_options(host_cache, gpu_cache, cache_policy)
+        from kvrag.blend.config import BlendConfig
+        from kvrag.blend.ratio import RatioPolicy
+        from kvrag.model.sampling import SamplingConfig
+
+        policy = RatioPolicy.parse(ratio)
+        config = policy.start(BlendConfig(check_layer=check_layer, deviation=deviation, gradual=gradual,
+                                          **attention_weight_override(attention_weight), selection=selection))
+        settings = _Settings(mode, config, SamplingConfig(max_tokens, temperature, top_p, seed), policy, codec,
+                             (host_cache, gpu_cache, cache_policy), (model, dtype, device, weights),
+                             (keep, keep_rule), (kv_tokens, kv_rule))
+        answers = _answer_all(path, todo, finder, settings, as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
         records = [a.to_json() for a in answers]
         print_json(records[0] if question not in (None, "-") else records)
@@ -218,6 +237,49 @@ def _answer_all(store: Path, todo: list[Question], finder: _Chunks, s: _Settings
     finally:
         rag.close()
     return answers
+
+
+def _answer_served(served: tuple[str, str | None], todo: list[Question], finder: _Chunks, request: dict,
+                   codec: str, as_json: bool, show_sources: bool) -> list | None:
+    """Each question through the running server (cli/ask_server.py), `request` its API fields; None where it does
+    not answer the first (gone since it was announced): then this process answers. Ctrl-C ends an answer where it
+    stands, as here."""
+    url, key = served
+    console, startup_s = stderr_console(), process_age()
+    answers = []
+    for n, q in enumerate(todo):
+        if len(todo) > 1 and not as_json:
+            console.print(f"[bold]Q{n + 1}:[/] {q.text}", highlight=False, soft_wrap=True)
+        try:
+            answer = ask_server(url, key, q.text, {**request, **finder.request_fields(q)},
+                                (lambda _: None) if as_json else _write)
+        except ServerGone:
+            if n == 0:
+                return None
+            raise KvragError(f"the server at {url} went away after {n} answers") from None
+        except KeyboardInterrupt:
+            answers.append(_interrupted(q.text, request["mode"], url))
+            break
+        answer.served_by, answer.timings["since_start"] = url, process_age()
+        if n == 0:
+            answer.timings["startup"] = startup_s  # no model or embedder loaded here: the server holds them
+        answers.append(answer)
+        _report(console, answer, codec, as_json, show_sources)
+    return answers
+
+
+def _number(text: str) -> float | str:
+    """A ratio as the API's number; text that is none goes as it is, for the server to refuse in one line."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _interrupted(question: str, mode: str, url: str):
+    from kvrag.engine.answer import Answer
+
+    return Answer(question, "", [], mode, None, 0, 0, 0, 0, finish_reason="interrupted", served_by=url)
 
 
 def _stream(job, as_json: bool):
@@ -282,6 +344,12 @@ class _Chunks:
 
     def retrieves(self, q: Question) -> bool:
         return q.passages is None and self.explicit is None
+
+    def request_fields(self, q: Question) -> dict:
+        """The HTTP API's chunk fields for this question (server/protocol.py)."""
+        passages = None if q.passages is None else [{"title": t, "text": x} for t, x in q.passages]
+        return {"k": self.k, "relative_cutoff": self.relative_cutoff, "min_score": self.min_score,
+                "chunk_ids": self.explicit, "passages": passages}
 
     def options(self, q: Question) -> dict:
         """The API's chunk options for this question."""

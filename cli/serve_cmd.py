@@ -126,6 +126,7 @@ def _checked_store(store: Path, codec: str, retrieval: str, kv_budget: str, host
 def _serve_one(path: Path, options: dict, settings: dict, host: str, port: int, grace: float) -> None:
     """One process: bind first (a port in use is said at once), load the model, serve until SIGTERM or Ctrl-C."""
     from kvrag.api import KVRag
+    from kvrag.cli.announce import announce, withdraw
     from kvrag.server.app import ServerSettings
     from kvrag.server.run import bind, listen, serve
 
@@ -136,9 +137,14 @@ def _serve_one(path: Path, options: dict, settings: dict, host: str, port: int, 
         with KVRag(path, **options) as rag:
             served = ServerSettings(settings["model_name"] or rag.runtime.local.name, settings["api_key"],
                                     settings["max_tokens"])
-            console.print(f"serving {served.model_name} on {listen(sock)}/v1"
+            url = listen(sock)
+            announced = announce(path, url, rag.config, bool(served.api_key))  # `kvrag ask` on this store asks here
+            console.print(f"serving {served.model_name} on {url}/v1"
                           f"{' (API key required)' if served.api_key else ''}; SIGTERM or Ctrl-C stops",
                           soft_wrap=True)  # one line, whatever the width: scripts read the URL off it
-            serve(rag, served, sock, grace)
+            try:
+                serve(rag, served, sock, grace)
+            finally:
+                withdraw(announced)
     finally:
         sock.close()

@@ -28,6 +28,7 @@ class Answer:
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: tree, gpu, host, store or computed
     finish_reason: str = "stop"  # stop (a stop token), length (max tokens or a full cache), interrupted
     rule: str | None = None  # a blend's selection rule (the model's check chose it unless the request named one)
+    served_by: str | None = None  # the URL of the `kvrag serve` that answered for `kvrag ask` (None: this process)
 
     @property
     def computed_chunks(self) -> list[str]:
@@ -48,5 +49,16 @@ class Answer:
             "token_ids": list(self.token_ids), "bytes_loaded": self.bytes_loaded,
             "computed_chunks": self.computed_chunks, "sources": sources,
             "timings": {k: round(float(self.timings.get(k, 0.0)), 6) for k in TIMING_KEYS},
+            "served_by": self.served_by,
         }
+
+    @classmethod
+    def from_json(cls, record: dict) -> Answer:
+        """The answer a `to_json` record holds (a server's, for `kvrag ask`)."""
+        tokens, sources = record["tokens"], record["sources"]
+        tiers = [s["tier"] for s in sources if s.get("tier") is not None]
+        return cls(record["question"], record["answer"], list(record["token_ids"]), record["mode"], record["ratio"],
+                   tokens["prompt"], tokens["chunks"], tokens["recomputed"], record["bytes_loaded"],
+                   dict(record["timings"]), [{k: s.get(k) for k in SOURCE_KEYS if k != "tier"} for s in sources],
+                   tiers, record["finish_reason"], record["rule"], record.get("served_by"))
 

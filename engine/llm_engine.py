@@ -16,7 +16,7 @@ import torch
 
 from kvrag.blend.config import DEFAULT_RATIO
 from kvrag.blend.ratio import SUFFIX_GUESS
-from kvrag.config import DEFAULT_SELECTION
+from kvrag.config import DEFAULT_SELECTION, MODES
 from kvrag.engine.batch_decode import BatchDecoder
 from kvrag.engine.conversations import Conversations
 from kvrag.engine.kept_passages import PassageKeeper
@@ -25,7 +25,7 @@ from kvrag.engine.kv_pool import SequenceKV
 from kvrag.engine.next_token import next_token
 from kvrag.engine.plans import Planner
 from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
-from kvrag.engine.prefiller import MODES, FullPrefill, Prefilled, Prefiller
+from kvrag.engine.prefiller import FullPrefill, Prefilled, Prefiller
 from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence

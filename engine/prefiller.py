@@ -16,6 +16,7 @@ from kvrag.blend.config import CHECK_LAYER, BlendConfig
 from kvrag.blend.fusion import fused_prefill
 from kvrag.blend.preview import preview
 from kvrag.blend.selection import PREVIEW_RULES
+from kvrag.config import MODES
 from kvrag.engine.chunk_source import ChunkSource
 from kvrag.engine.kv_budget import AttentionScore, parse_rule
 from kvrag.engine.prompt_reuse import Piece
@@ -35,7 +36,6 @@ from kvrag.store.tiers.knowledge_tree import STORE
 
 # how a prompt is prefilled: blended (CacheBlend), in full, the first chunk reused as a prefix (prefix caching), or
 # every chunk's KV reused as loaded (ratio 0)
-MODES = ("blend", "full", "prefix", "reuse")
 
 
 @dataclass

@@ -30,7 +30,7 @@ class Request:
 
     question: str
     chunks: tuple[tuple[str, tuple[int, ...]], ...]
-    mode: str = "blend"  # blend, full, prefix or reuse (engine.prefiller.MODES)
+    mode: str = "blend"  # blend, full, prefix or reuse (config.MODES)
     blend: BlendConfig = field(default_factory=BlendConfig)
     ratio: RatioPolicy = field(default_factory=RatioPolicy)  # blend: auto (chosen per prompt from blend) or fixed
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -127,7 +127,8 @@ class Server:
         tools = endpoint == "chat" and body.calls_tools()
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(endpoint, runs, ids, usage, tools), media_type="text/event-stream")
+            return StreamingResponse(self._events(endpoint, runs, ids, usage, tools, body.answer_record),
+                                     media_type="text/event-stream")
         try:
             texts = await _unless_gone(asyncio.gather(*(run.text() for run in runs)), request)
         except GenerationFailed as exc:
@@ -135,7 +136,8 @@ class Server:
         finally:
             for run in runs:
                 self._record(endpoint, run)
-        return whole_response(ids, runs, texts, tools)
+        whole = whole_response(ids, runs, texts, tools)
+        return {**whole, "answers": [_record(run) for run in runs]} if body.answer_record else whole
 
     async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Choice]:
         """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
@@ -160,7 +162,8 @@ class Server:
                 self.metrics.requests.labels(endpoint, "rejected").inc()
             raise _refusal(exc, question_field, self.settings.retry_after_s) from None
 
-    async def _events(self, endpoint: str, runs: list[Choice], ids: Ids, include_usage: bool, tools: bool = False):
+    async def _events(self, endpoint: str, runs: list[Choice], ids: Ids, include_usage: bool, tools: bool = False,
+                      record: bool = False):
         """The stream's server-sent events, the choices' pieces as they come (each chunk names its choice); a client
         that goes away cancels every choice (finally). With `tools` each choice's answer is held to its end: a call
         comes as one tool_calls delta, text as one content delta."""
@@ -177,7 +180,8 @@ class Server:
                         yield sse(stream_chunk(ids, "", delta=delta, index=index, sources=run.gen.sources))
                     elif first[index]:  # an empty answer still says who speaks and from what
                         yield sse(stream_chunk(ids, "", first=True, index=index, sources=run.gen.sources))
-                    yield sse(stream_chunk(ids, "", finish_reason=reason, index=index, timings=run.timings()))
+                    extra = {"answer": _record(run)} if record else {}
+                    yield sse(stream_chunk(ids, "", finish_reason=reason, index=index, timings=run.timings(), **extra))
                     continue
                 if tools:
                     held[index] += piece
@@ -212,6 +216,11 @@ class Server:
 
     def _model_card(self) -> dict:
         return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
+
+
+def _record(run: Choice) -> dict | None:
+    """A finished choice's answer as `kvrag ask --json` records it; None for one a stop string cut (still ending)."""
+    return run.gen.result().to_json() if run.gen.finish_reason in ("stop", "length") else None
 
 
 def _next_choice(options: dict, first: Choice, index: int) -> dict:

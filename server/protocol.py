@@ -126,6 +126,9 @@ class _Generate(_Body):
     # vLLM's field: what this request's prompts leave cached (prefix blocks, kept passages) is seen by requests with
     # the same salt (and API key) alone
     cache_salt: str | None = Field(None, max_length=256)
+    # the answer as `kvrag ask --json` records it (engine/answer.py), on each choice's last stream chunk (or beside
+    # the whole response's choices): what `kvrag ask` reads when it asks a running server (cli/ask_server.py)
+    answer_record: bool = False
 
     def stops(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []

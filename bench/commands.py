@@ -171,14 +171,19 @@ def _measure(console, store, dataset, data, split, questions, chosen, config, po
         from kvrag.bench.commands_parts import auto_verdict
         from kvrag.cli.common import load_runtime
         from kvrag.engine.prefiller import Prefiller
+        from kvrag.precompute import lead_in
 
         k, limit, seed, sample, passage_words, quick = selection_options
         with console.status("loading the model"):
             runtime = load_runtime(*model_options)
-            engine = Prefiller.open(runtime, env, config.codec, compress=compress)
             verdict = auto_verdict(runtime)  # blend@auto runs what `kvrag ask` runs for this model
             config = replace(config, auto_rule=verdict["rule"], auto_floor=verdict["ratio"])
         items, pool = _items(data, split, questions, env, runtime, k, limit, seed, sample, passage_words)
+        # a sliding-window model's chunks follow a lead-in: a data set's from its items' passages, as precompute
+        # draws one from a corpus; an indexed store's is its own (found by the engine)
+        lead = lead_in.choose((ids for item in items for _, ids in item.chunks), lead_in.tokens_for(runtime)) \
+            if dataset is not None else None
+        engine = Prefiller.open(runtime, env, config.codec, compress=compress, lead_in=lead)
         console.print(f"bench: {len(items)} items × {len(chosen)} methods ({', '.join(m.name for m in chosen)}), "
                       f"{runtime.model.dtype}, store {store_dir}")
         from kvrag.bench.rag.runner import run_bench

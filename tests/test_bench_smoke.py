@@ -114,6 +114,21 @@ def test_progress_without_a_terminal_prints_plain_lines(monkeypatch):
                                            "setup 1/2 chunk KV (41 s)", "run 6/6 done (42 s)"]
 
 
+def test_bench_stores_and_reads_a_sliding_window_model_s_two_forms(monkeypatch, capsys, tmp_path, tiny_family,
+                                                                    short_items):
+    """As `kvrag precompute` and `ask` do (precompute/lead_in.py): chunks stored after a lead-in drawn from the data
+    set's passages as well as after the preamble, and read in both, the first chunk in its exact form. Before, the
+    bench stored the one form, so its Gemma figures measured a store no user has."""
+    code, out, err = run(monkeypatch, capsys, "bench", "--dataset", str(short_items), "--model",
+                         str(tiny_family("gemma3_text")), "--dtype", "float32", "--store", str(tmp_path / "store"),
+                         "--methods", "full,reuse", "--max-tokens", "2", "--arrivals", "50", "--cache-requests", "50",
+                         "--json")
+    assert code == 0, err
+    forms = json.loads(out)["config"]["chunk_forms"]
+    assert forms["stored"] == ["after_preamble", "after_lead_in"] and forms["lead_in_tokens"] > 0
+    assert forms["read"]["after_preamble"] > 0 and forms["read"]["after_lead_in"] > 0
+
+
 def test_a_missing_benchmark_data_set_is_one_line_naming_the_file_and_its_source(monkeypatch, capsys, tmp_path):
     """A clone has no ../shared/data: the benchmarks that read MuSiQue by default say so and exit 1."""
     monkeypatch.chdir(tmp_path)  # no ../shared/data/musique_s.json from here

@@ -110,7 +110,7 @@ class KVRag:
                history: Sequence[tuple[str, str]] = (), rag: bool = True, keep_turn: bool = False,
                grammar=None, last_role: str = "user", listener: Callable[[], None] | None = None,
                logit_bias: dict[int, float] | None = None, frequency_penalty: float = 0.0,
-               presence_penalty: float = 0.0, salt: str = "") -> Generation:
+               presence_penalty: float = 0.0, salt: str = "", min_tokens: int = 0) -> Generation:
         """Queue a question and return at once. Its chunks: `passages` given as (title, text), else `chunk_ids` from
         the store, else, where the config's `retrieval` says so, the k best retrieved (dropping those under
         relative_cutoff x the best score, and those under `min_score`, the cosine similarity below which a chunk is
@@ -127,8 +127,9 @@ class KVRag:
         question together. `keep_turn`: keep this turn's KV for a follow-up whose history ends with this answer
         (engine/conversations.py). `grammar`: a Grammar of `self.grammars` (a JSON schema, a tool call) the answer
         is decoded within. `last_role`: "tool" for a tool's result as the last message (with rag False). `salt`:
-        whose caches the request reads and adds to (a tenant; "" the shared one). `listener`: called from the
-        engine's thread after each token and at the end (wakes an event loop that reads `Generation.new_text`)."""
+        whose caches the request reads and adds to (a tenant; "" the shared one). `min_tokens`: no stop token before
+        this many (vLLM's, for fixed-length benchmark answers). `listener`: called from the engine's thread after
+        each token and at the end (wakes an event loop that reads `Generation.new_text`)."""
         if not question or not question.strip():
             raise KvragError("the question is empty")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -137,7 +138,8 @@ class KVRag:
         policy = ratio if isinstance(ratio, RatioPolicy) else RatioPolicy.parse(ratio, "ratio")
         blend = policy.start(selection)
         sampling = SamplingConfig(max_tokens, temperature, top_p, seed, logit_bias=logit_bias or (),
-                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                  min_tokens=min(min_tokens, max_tokens))
 
         history = tuple((role, text) for role, text in history)
         given = chunk_ids is not None or passages is not None

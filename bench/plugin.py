@@ -32,6 +32,7 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         commands,
         commands_cluster,
         commands_parts,
+        commands_peer,
         commands_quality,
         commands_systems,
     )

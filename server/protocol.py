@@ -103,6 +103,7 @@ class _Generate(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no stop token before this many (benchmarks' fixed-length answers)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
@@ -147,7 +148,8 @@ class _Generate(_Body):
             [("", p) if isinstance(p, str) else (p.title, p.text) for p in self.passages]
         return {"k": self.k, "rag": self.rag, "relative_cutoff": self.relative_cutoff, "min_score": self.min_score,
                 "chunk_ids": self.chunk_ids, "passages": passages, "mode": self.mode, "ratio": ratio,
-                "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature or 0.0,
+                "max_tokens": self.max_tokens or default_max_tokens, "min_tokens": self.min_tokens,
+                "temperature": self.temperature or 0.0,
                 "top_p": self.top_p or 1.0, "seed": self.seed, "kv_tokens": self.kv_tokens, "kv_rule": self.kv_rule,
                 "logprobs": self.top_alternatives(), "logit_bias": self.bias(), "salt": self.cache_salt or "",
                 "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0}

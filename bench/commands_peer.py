@@ -1,0 +1,64 @@
+"""`kvrag bench peer`: llama.cpp's own server beside kvrag's on the same GGUF (bench/peer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvrag.bench.commands_parts import emit, positive_ints, stamped
+from kvrag.bench.typer_app import bench_app
+from kvrag.cli.common import JSON_OPTION, stderr_console
+from kvrag.errors import KvragError
+
+
+@bench_app.command("peer")
+def bench_peer(
+    model: str = typer.Option("qwen2.5-coder-0.5b", "--model", help="A model kvrag pulled by name: its GGUF is what "
+                              "llama-server reads, and what kvrag converted."),
+    llama_server: Path = typer.Option(None, "--llama-server", help="llama.cpp's llama-server executable (built "
+                                      "from its sources: docs/performance.md)."),
+    peer_url: str = typer.Option(None, "--peer-url", help="An OpenAI-compatible server already running, asked "
+                                 "instead of starting llama-server."),
+    weights: str = typer.Option("dense,int8,int4", "--weights", help="kvrag's weights forms, each its own server."),
+    prompts: str = typer.Option("2048", "--prompts", help="Prompt lengths in tokens: prefill, then decode there."),
+    batches: str = typer.Option("1,4,16", "--batches", help="Requests decoding at once (llama-server's slots)."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens each answer is held to."),
+    chat_turns: int = typer.Option(12, "--chat-turns", min=1, help="User turns of the chat."),
+    chat_words: int = typer.Option(270, "--chat-words", min=1, help="Words of MuSiQue passages a turn."),
+    threads: int = typer.Option(2, "--threads", min=1, help="llama-server's threads (kvrag's: KVRAG_THREADS)."),
+    dataset: Path = typer.Option(None, "--dataset", help="MuSiQue-format JSON for the chat's turns (default: "
+                                 "../shared/data/musique_s.json; its report split)."),
+    work: Path = typer.Option(Path("/tmp/kvrag-peer-bench"), "--work", help="The servers' logs and an empty store."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """llama.cpp's llama-server and `kvrag serve` on the same model, one after the other on this machine: prefill
+    and decode tokens/s, batched decode, a chat's first and last turn and an exact repeat (bench/peer.py).
+
+    Example: kvrag bench peer --model qwen2.5-coder-0.5b --llama-server ~/llama.cpp/build/bin/llama-server
+    """
+    from kvrag.bench.peer import FILLER, PeerConfig, markdown, run
+    from kvrag.bench.rag.datasets import MUSIQUE_REPORT
+    from kvrag.bench.rag.items import read_dataset
+    from kvrag.model.files import resolve_model
+    from kvrag.model.names import KNOWN_MODELS, known_gguf
+    from kvrag.store.env import StoreEnv
+
+    if model not in KNOWN_MODELS:
+        raise KvragError(f"--model must name a model kvrag pulls by name ({', '.join(KNOWN_MODELS)}), got {model!r}")
+    forms = tuple(w.strip() for w in weights.split(",") if w.strip())
+    cfg = PeerConfig(model, work / "store", work, llama_server, peer_url, forms,
+                     tuple(positive_ints(prompts, "--prompts")), tuple(positive_ints(batches, "--batches")),
+                     decode_tokens, chat_turns, chat_words, threads,
+                     gguf=known_gguf(model) if llama_server is not None else None)
+    work.mkdir(parents=True, exist_ok=True)
+    StoreEnv.open(cfg.store, create=True).close()  # the requests bring their text: nothing to index
+    tokenizer = resolve_model(model).load_tokenizer()
+    tokens_per_word = len(tokenizer(FILLER, add_special_tokens=False)["input_ids"]) / len(FILLER.split())
+    raw = read_dataset(dataset)
+    items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
+    log = stderr_console()
+    report = stamped(run(cfg, items, tokens_per_word, lambda m: log.print(m, soft_wrap=True, highlight=False)))
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    emit(report, markdown, as_json)

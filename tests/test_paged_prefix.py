@@ -14,6 +14,7 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefiller import Prefiller
 from kvrag.engine.sequence import Request, Status
 from kvrag.kernels.attention import PagedKeys
+from kvrag.model.prefill import LayerKV
 from kvrag.model.runtime import Runtime
 from kvrag.model.sampling import SamplingConfig
 from kvrag.store.env import StoreEnv
@@ -128,3 +129,31 @@ def test_a_repeat_of_a_prompt_still_decoding_starts_beside_it(prefiller):
     for seq in (first, second):
         torch.testing.assert_close(seq.first_logits, alone.first_logits, rtol=1e-4, atol=2e-4)
         assert seq.output == alone.output and not seq.preemptions
+
+
+@pytest.mark.parametrize("piece", [512, 16])  # one pass; a piece at a time, decoding between
+def test_a_full_prefill_after_a_cached_turn_reads_it_in_place(prefiller, monkeypatch, piece):
+    """`mode: full` over a prefix-cache hit (engine/prefiller.FullPrefill, model/prefill.ChunkedPrefill): where the
+    row kernel serves, the hit's rows are read where the pool holds them, never gathered into a copy nor placed in
+    the prefill's cache (before: both, once each); elsewhere the gathered twin. Either way the first token is a
+    fresh full prefill's."""
+    engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False, prefill_chunk=piece))
+    first = _run(engine, _chat(TURNS[0], mode="full"))
+    history = (("user", TURNS[0]), ("assistant", prefiller.runtime.tokenizer.decode(first.output,
+                                                                                      skip_special_tokens=True)))
+    gathered = []
+    join, dense = PagedKeys.join, LayerKV.dense
+    monkeypatch.setattr(PagedKeys, "join", lambda self, k, v: gathered.append(len(self)) or join(self, k, v))
+    monkeypatch.setattr(LayerKV, "dense", lambda self: gathered.append(self.n_paged) or dense(self))
+    follow = _run(engine, _chat(TURNS[1], history, mode="full"))
+    monkeypatch.undo()
+    assert follow.head_reused > 0
+    if prefiller.runtime.model.uses_row_kernel():
+        assert not any(gathered)  # nothing of the pool's rows copied out
+    else:
+        assert any(gathered)
+    alone = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, chat_cache_bytes=0, prompt_spans=False))
+    reference = _run(alone, _chat(TURNS[1], history, mode="full"))
+    assert reference.head_reused == 0
+    torch.testing.assert_close(follow.first_logits, reference.first_logits, rtol=1e-4, atol=2e-4)
+    assert follow.output == reference.output

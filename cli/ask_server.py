@@ -83,6 +83,8 @@ def _open(request: urllib.request.Request):
     try:
         return urllib.request.urlopen(request, timeout=None)
     except urllib.error.HTTPError as exc:  # a refusal in the API's format: said as the local path would say it
+        if exc.code == 503:  # shutting down: as good as gone
+            raise ServerGone(f"HTTP 503 from {request.full_url}") from None
         try:
             message = json.load(exc)["error"]["message"]
         except (ValueError, KeyError, TypeError):

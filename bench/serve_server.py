@@ -27,8 +27,9 @@ _URL = re.compile(r" on (http://\S+)/v1")
 class ServerProcess:
     """`with ServerProcess(store, args, log_path) as server: ... server.url ...`"""
 
-    def __init__(self, store: Path, args: list[str], log_path: Path):
+    def __init__(self, store: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.store, self.args, self.log_path = store, args, log_path
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.exit_code: int | None = None
@@ -38,7 +39,7 @@ class ServerProcess:
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "kvrag", "serve", "--store", str(self.store),
                                           "--host", "127.0.0.1", "--port", "0", *self.args],
-                                         stdout=subprocess.DEVNULL, stderr=log, env=os.environ.copy())
+                                         stdout=subprocess.DEVNULL, stderr=log, env=self.env)
         try:
             self.url = self._wait_for_url()
             self._wait_for_health()

@@ -158,8 +158,10 @@ class LlamaServer:
         cfg = self.cfg
         port = _free_port()
         slots = max(cfg.batches)
-        context = slots * (max(cfg.prompts) + cfg.decode_tokens + 256)  # every slot holds the longest prompt
-        context = max(context, 2 * cfg.chat_turns * (cfg.chat_words * 2 + 64))
+        # -c is shared by the slots: each gets a share that holds the longest prompt and the whole chat (at most
+        # two tokens a word, and its answers)
+        per_slot = max(max(cfg.prompts) + cfg.decode_tokens, cfg.chat_turns * (cfg.chat_words * 2 + 64)) + 256
+        context = slots * per_slot
         log = open(cfg.work / "llama-server.log", "w")  # noqa: SIM115 - the child keeps its descriptor
         self.proc = subprocess.Popen([str(cfg.llama_server), "-m", str(cfg.gguf), "--host", "127.0.0.1",
                                       "--port", str(port), "-t", str(cfg.threads), "-c", str(context),

@@ -141,6 +141,8 @@ def ask_command(
     as_json: bool = JSON_OPTION,
     no_server: bool = typer.Option(False, "--no-server", help="Answer in this process even where a `kvrag serve` "
                                    "on the store runs (by default it asks that server, with the same settings)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="KVRAG_API_KEY", help="The key of a running server "
+                                "that wants one (without it, such a server is not asked)."),
 ) -> None:
     """Answer a question from your indexed documents, reusing their precomputed KV caches. Where a `kvrag serve`
     runs on the same store with the same settings, the question goes to it: no model to load.
@@ -162,7 +164,7 @@ def ask_command(
         (None, "v", True, None, None, None, None, None)
     served = None if no_server or tuned else running_server(path, {
         "model": model, "dtype": dtype, "device": device, "weights": weights, "codec": codec, "keep": keep,
-        "keep_rule": keep_rule})
+        "keep_rule": keep_rule}, api_key)
     if served:
         request = {"mode": mode, "ratio": ratio if ratio == "auto" else _number(ratio), "max_tokens": max_tokens,
                    "temperature": temperature, "top_p": top_p, "seed": seed, "kv_tokens": kv_tokens,

@@ -2,15 +2,14 @@
 server: the question costs its answer, not an interpreter's torch import and a model load.
 
 The server answers only where it would answer as this process would: the same settings (model, dtype, weights,
-codec, ...), the blend's own rule and knobs, and a key where it wants one (KVRAG_API_KEY). Otherwise, or where it
-does not answer at all, `ask` answers here as before. Standard library only, so that nothing heavy is imported
-before the choice is made.
+codec, ...), the blend's own rule and knobs, and a key where it wants one (`ask --api-key`, KVRAG_API_KEY).
+Otherwise, or where it does not answer at all, `ask` answers here as before. Standard library only, so that nothing
+heavy is imported before the choice is made.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,17 +25,16 @@ class ServerGone(Exception):
     """The announced server did not answer (gone, or not yet listening): answer here instead."""
 
 
-def running_server(store: Path, options: dict) -> tuple[str, str | None] | None:
+def running_server(store: Path, options: dict, key: str | None) -> tuple[str, str | None] | None:
     """(URL, key) of the server announced for `store` where it answers as this process would with `options` (ask's
-    KVRagConfig options); else None."""
+    KVRagConfig options), and `key` where it wants one; else None."""
     found = find(store)
     if found is None or found.settings.get("retrieval") == "client":  # a server that never retrieves
         return None
     mine = KVRagConfig.resolve(**options)
     if any(getattr(mine, name) != found.settings.get(name) for name in SERVED_SETTINGS if name != "retrieval"):
         return None
-    key = os.environ.get("KVRAG_API_KEY") or None
-    if found.api_key and key is None:
+    if found.api_key and not key:
         return None
     return found.url, key
 

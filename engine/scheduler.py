@@ -2,8 +2,9 @@
 
 Waiting requests are admitted one per step, when the pool has room for the prompt and a block per running sequence
 to spare; blocks a prompt reuses that stay held anyway (a prefix hit a running sequence holds, the preamble's shared
-blocks a blend starts from) take no room. Among the waiting, RAGCache's cache-aware order picks the one with the most cached tokens per token to
-compute (`score`), but a request passed over `reorder_window` times goes next (window 0: first come, first served).
+blocks a blend starts from) take no room. Among the waiting, RAGCache's cache-aware order picks the one with the
+most cached tokens per token to compute (`score`), but a request passed over `reorder_window` times goes next
+(window 0: first come, first served).
 Sequences preempted while running go before all others.
 
 When a running sequence needs a block and none is free, the most recently admitted sequence is preempted: its

@@ -61,4 +61,3 @@ class Answer:
                    tokens["prompt"], tokens["chunks"], tokens["recomputed"], record["bytes_loaded"],
                    dict(record["timings"]), [{k: s.get(k) for k in SOURCE_KEYS if k != "tier"} for s in sources],
                    tiers, record["finish_reason"], record["rule"], record.get("served_by"))
-

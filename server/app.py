@@ -137,7 +137,7 @@ class Server:
             for run in runs:
                 self._record(endpoint, run)
         whole = whole_response(ids, runs, texts, tools)
-        return {**whole, "answers": [_record(run) for run in runs]} if body.answer_record else whole
+        return {**whole, "answers": [_answer_record(run) for run in runs]} if body.answer_record else whole
 
     async def _start(self, endpoint: str, body: ChatRequest | CompletionRequest, arrival: float) -> list[Choice]:
         """Check the request and submit its n choices (the first retrieves; the others take its chunks), every
@@ -180,7 +180,7 @@ class Server:
                         yield sse(stream_chunk(ids, "", delta=delta, index=index, sources=run.gen.sources))
                     elif first[index]:  # an empty answer still says who speaks and from what
                         yield sse(stream_chunk(ids, "", first=True, index=index, sources=run.gen.sources))
-                    extra = {"answer": _record(run)} if record else {}
+                    extra = {"answer": _answer_record(run)} if record else {}
                     yield sse(stream_chunk(ids, "", finish_reason=reason, index=index, timings=run.timings(), **extra))
                     continue
                 if tools:
@@ -218,7 +218,7 @@ class Server:
         return {"id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "kvrag"}
 
 
-def _record(run: Choice) -> dict | None:
+def _answer_record(run: Choice) -> dict | None:
     """A finished choice's answer as `kvrag ask --json` records it; None for one a stop string cut (still ending)."""
     return run.gen.result().to_json() if run.gen.finish_reason in ("stop", "length") else None
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import signal
 
+import httpx
+
 from kvrag.cli.announce import announcement_path
 from kvrag.tests.conftest import run_kvrag
 from kvrag.tests.test_server_process import start_server
@@ -27,6 +29,9 @@ def test_ask_answers_through_the_server_on_its_store_as_it_would_alone(store_cop
         alone = _ask(store_copy, tiny_llama_dir, "--no-server")
         apart = _ask(store_copy, tiny_llama_dir, "--weights", "dense")  # a setting the server was not given
         tuned = _ask(store_copy, tiny_llama_dir, "--selection", "cacheblend")  # a knob the API does not take
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        whole = httpx.post(url + "/v1/completions", timeout=120, json={  # not streamed: the records beside
+            "model": model, "prompt": "How deep is Lake Baikal?", "max_tokens": 8, "answer_record": True}).json()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -39,6 +44,8 @@ def test_ask_answers_through_the_server_on_its_store_as_it_would_alone(store_cop
     assert timings["model_load"] == 0 and timings["embedder_load"] == 0 and timings["ttft"] > 0  # nothing loaded here
     assert alone["timings"]["model_load"] > 0
     assert not announcement_path(store_copy).exists()  # withdrawn as the server stopped
+    (record,) = whole["answers"]
+    assert record["question"] == "How deep is Lake Baikal?" and record["answer"].strip() == whole["choices"][0]["text"]
 
 
 def test_a_killed_server_s_announcement_is_passed_over_and_removed(store_copy, tiny_llama_dir):

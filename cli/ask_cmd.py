@@ -149,45 +149,42 @@ def ask_command(
 
     Example: kvrag ask "Who founded the company?" --show-sources
     """
-    from kvrag.config import MODES
-    from kvrag.store.keys import codec_id
-
-    if mode not in MODES:
-        raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
-    codec_id(codec)
+    _check(mode, codec)
     todo = _collect_questions(question, questions, limit)
     path, finder = resolve_store(store), _Chunks(k, chunks, relative_cutoff, min_score)
-    answers = None
-    # a server has its own memory tiers and takes the blend's default knobs alone; the choice is made before torch
-    # is imported (seconds)
-    tuned = (check_layer, deviation, gradual, attention_weight, selection, host_cache, gpu_cache, cache_policy) != \
-        (None, "v", True, None, None, None, None, None)
-    served = None if no_server or tuned else running_server(path, {
+    blend, caches = (check_layer, deviation, gradual, attention_weight, selection), (host_cache, gpu_cache, cache_policy)
+    sampling, budget = (max_tokens, temperature, top_p, seed), (kv_tokens, kv_rule)
+    answers = None  # a server (its own tiers) takes the blend's default knobs alone; decided before torch loads
+    served = None if no_server or blend != _BLEND_DEFAULTS or any(caches) else running_server(path, {
         "model": model, "dtype": dtype, "device": device, "weights": weights, "codec": codec, "keep": keep,
         "keep_rule": keep_rule}, api_key)
     if served:
-        request = {"mode": mode, "ratio": ratio if ratio == "auto" else _number(ratio), "max_tokens": max_tokens,
-                   "temperature": temperature, "top_p": top_p, "seed": seed, "kv_tokens": kv_tokens,
-                   "kv_rule": kv_rule}
+        request = {"mode": mode, "ratio": ratio if ratio == "auto" else _number(ratio),
+                   **dict(zip(("max_tokens", "temperature", "top_p", "seed"), sampling, strict=True)),
+                   "kv_tokens": kv_tokens, "kv_rule": kv_rule}
         answers = _answer_served(served, todo, finder, request, codec, as_json, show_sources)
     if answers is None:
-        check_cache_options(host_cache, gpu_cache, cache_policy)
-        from kvrag.blend.config import BlendConfig
-        from kvrag.blend.ratio import RatioPolicy
-        from kvrag.model.sampling import SamplingConfig
-
-        policy = RatioPolicy.parse(ratio)
-        config = policy.start(BlendConfig(check_layer=check_layer, deviation=deviation, gradual=gradual,
-                                          **attention_weight_override(attention_weight), selection=selection))
-        settings = _Settings(mode, config, SamplingConfig(max_tokens, temperature, top_p, seed), policy, codec,
-                             (host_cache, gpu_cache, cache_policy), (model, dtype, device, weights),
-                             (keep, keep_rule), (kv_tokens, kv_rule))
+        settings = _Settings.of(mode, ratio, blend, sampling, codec, caches, (model, dtype, device, weights),
+                                (keep, keep_rule), budget)
         answers = _answer_all(path, todo, finder, settings, as_json, show_sources)
     if as_json:  # one question named on the command line: an object; --questions or stdin: a list
         records = [a.to_json() for a in answers]
         print_json(records[0] if question not in (None, "-") else records)
     if answers and answers[-1].finish_reason == "interrupted":  # after the partial answer is out: status 130
         raise Interrupted(f"interrupted; answered {len(answers) - 1} of {len(todo)} questions in full")
+
+
+def _check(mode: str, codec: str) -> None:
+    """A bad --mode or --codec in one line, before anything loads."""
+    from kvrag.config import MODES
+    from kvrag.store.keys import codec_id
+
+    if mode not in MODES:
+        raise KvragError(f"--mode must be one of {', '.join(MODES)}, got {mode}")
+    codec_id(codec)
+
+
+_BLEND_DEFAULTS = (None, "v", True, None, None)  # ask's blend knobs when none is given: what a server runs
 
 
 @dataclass(frozen=True)
@@ -201,6 +198,22 @@ class _Settings:
     model_options: tuple  # --model, --dtype, --device, --weights
     keep_options: tuple  # --keep, --keep-rule
     kv_budget: tuple  # --kv-tokens, --kv-rule
+
+    @classmethod
+    def of(cls, mode: str, ratio: str, blend: tuple, sampling: tuple, codec: str, caches: tuple, models: tuple,
+           keeps: tuple, budget: tuple) -> _Settings:
+        """Checked and built for answering here (imports torch): `blend` is (check layer, deviation, gradual,
+        attention weight, selection), `sampling` (max tokens, temperature, top-p, seed)."""
+        from kvrag.blend.config import BlendConfig
+        from kvrag.blend.ratio import RatioPolicy
+        from kvrag.model.sampling import SamplingConfig
+
+        check_cache_options(*caches)
+        check_layer, deviation, gradual, attention_weight, selection = blend
+        policy = RatioPolicy.parse(ratio)
+        config = policy.start(BlendConfig(check_layer=check_layer, deviation=deviation, gradual=gradual,
+                                          **attention_weight_override(attention_weight), selection=selection))
+        return cls(mode, config, SamplingConfig(*sampling), policy, codec, caches, models, keeps, budget)
 
     def request_options(self) -> dict:
         """The API's options for how to answer."""

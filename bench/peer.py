@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from kvrag.bench.chat import user_turns
+from kvrag.bench.local_s3 import free_ports
 from kvrag.bench.serve_load import ask, client
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.errors import KvragError
@@ -156,7 +157,7 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         cfg = self.cfg
-        port = _free_port()
+        (port,) = free_ports(1)
         slots = max(cfg.batches)
         # -c is shared by the slots: each gets a share that holds the longest prompt and the whole chat (at most
         # two tokens a word, and its answers)
@@ -201,14 +202,6 @@ class _Running:
 
     def __exit__(self, *exc) -> None:
         pass
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(cfg: PeerConfig) -> dict:

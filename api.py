@@ -210,7 +210,9 @@ class KVRag:
         tiers = engine.prefiller.source.cache.stats if engine.prefiller.source.cache is not None else None
         return EngineStats(
             waiting=self.loop.waiting(), running=self.loop.running(), free_blocks=engine.free_blocks,
-            blocks=engine.kv.pool.num_blocks, prefix_blocks=len(engine.kv.prefix), rows_copied=engine.kv.copied_rows,
+            blocks=engine.kv.pool.num_blocks, prefix_blocks=len(engine.kv.prefix),
+            rows_admitted=engine.kv.admitted_rows, rows_gathered=engine.kv.read_out.gathered,
+            rows_packed=engine.kv.read_out.packed,
             writes_given=engine.writes.given, writes_done=engine.writes.done, writes_failed=engine.writes.failed,
             kept_admitted=keeper.admitted if keeper else 0, kept_evicted=keeper.evicted if keeper else 0,
             prefix_hit_rate=tiers.prefix_hit_rate if tiers else 0.0, memory_hit_rate=tiers.memory_hit_rate if tiers else 0.0,
@@ -258,7 +260,9 @@ class EngineStats:
     free_blocks: int  # of the running sequences' KV pool
     blocks: int
     prefix_blocks: int  # pool blocks the prefix cache lists (held or evictable)
-    rows_copied: int  # prompt rows copied into the pool (a prefix hit's rows are referenced, not copied)
+    rows_admitted: int  # prompt rows copied into the pool (a prefix hit's rows are referenced, not copied)
+    rows_gathered: int  # a cached head's rows copied out of the pool into one tensor, per layer read
+    rows_packed: int  # a cached head's rows packed into the row kernel's workspace, per layer read
     writes_given: int  # write-back jobs given, those done, and those that failed (the log says why)
     writes_done: int
     writes_failed: int

@@ -3,9 +3,9 @@ them (streamed, the openai client, the whole history each turn, the server's def
 
 Each user turn is `words` words of MuSiQue report passages (items 50-99) and a one-line instruction; the server keeps
 each turn (its prefix cache) and the next turn's history starts with it. Then the last turn is sent again, exactly,
-`repeats` times. Per request: the client's TTFT, prompt and cached tokens (usage), and the prompt rows the server
-copied into its KV pool (its `kvrag_kv_rows_copied` counter, read before and after: a prefix hit's rows are
-referenced, not copied). The report adds the last turn's TTFT over the first's, the repeats' median TTFT, the
+`repeats` times. Per request: the client's TTFT, prompt and cached tokens (usage), the prompt rows the server
+copied into its KV pool (a prefix hit's rows are referenced, not copied) and the cached head's rows it copied out of it
+again, per layer (gathered, or packed for the row kernel): its `kvrag_kv_rows_copied` counter, read before and after. The report adds the last turn's TTFT over the first's, the repeats' median TTFT, the
 server's peak resident memory and the load average before and after (timings under load are rough).
 """
 
@@ -97,33 +97,40 @@ async def _timed(api, http, server, model, message, history, extra, max_tokens) 
     result = await ask(api, model, message, 0, extra, max_tokens, list(history))
     if not result.ok:
         return {"error": result.error or "no answer"}
+    after = await _rows_copied(http, server.url)
+    copied = {how: after[how] - before.get(how, 0) for how in after}
     return {"ttft_s": result.ttft_s, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
-            "rows_copied": await _rows_copied(http, server.url) - before, "text": result.text.strip()}
+            "rows_copied": sum(copied.values()), "rows_admitted": copied.get("admitted", 0),
+            "rows_read_out": copied.get("gathered", 0) + copied.get("packed", 0), "text": result.text.strip()}
 
 
-async def _rows_copied(http: httpx.AsyncClient, url: str) -> int:
-    """The server's kvrag_kv_rows_copied counter (Prometheus text)."""
+async def _rows_copied(http: httpx.AsyncClient, url: str) -> dict[str, int]:
+    """The server's kvrag_kv_rows_copied counter by its `how` label (Prometheus text)."""
     text = (await http.get(url + "/metrics")).text
-    for line in text.splitlines():
-        if line.startswith("kvrag_kv_rows_copied_total "):
-            return int(float(line.split()[1]))
-    raise KvragError("the server's /metrics has no kvrag_kv_rows_copied_total")
+    prefix = "kvrag_kv_rows_copied_total{how=\""
+    found = {line[len(prefix):].split("\"", 1)[0]: int(float(line.split()[-1]))
+             for line in text.splitlines() if line.startswith(prefix)}
+    if not found:
+        raise KvragError("the server's /metrics has no kvrag_kv_rows_copied_total")
+    return found
 
 
 def _line(t: dict) -> str:
     if "error" in t:
         return t["error"]
     return (f"TTFT {t['ttft_s']:.3f} s, {t['cached_tokens']}/{t['prompt_tokens']} cached, "
-            f"{t['rows_copied']} rows copied")
+            f"{t['rows_admitted']} rows copied in, {t['rows_read_out']} out of the pool")
 
 
 def markdown(report: dict) -> str:
-    rows = ["| request | prompt tokens | cached | rows copied | TTFT s |", "|---|---|---|---|---|"]
+    rows = ["| request | prompt tokens | cached | rows copied in | rows copied out (per layer) | TTFT s |",
+            "|---|---|---|---|---|---|"]
     named = [(f"turn {i + 1}", t) for i, t in enumerate(report["turns"])]
     named += [(f"repeat {i + 1}", t) for i, t in enumerate(report["repeats"])]
     for name, t in named:
-        rows.append(f"| {name} | {t['error']} | | | |" if "error" in t else
-                    f"| {name} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['rows_copied']} | {t['ttft_s']:.3f} |")
+        rows.append(f"| {name} | {t['error']} | | | | |" if "error" in t else
+                    f"| {name} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['rows_admitted']} "
+                    f"| {t['rows_read_out']} | {t['ttft_s']:.3f} |")
     ratio, repeat = report["last_over_first_ttft"], report["repeat_ttft_p50_s"]
     load = report["load_average"]
     rows += ["", f"last turn's TTFT over the first's: {ratio:.2f}" if ratio else "no ratio (a turn failed)",

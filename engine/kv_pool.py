@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvrag.kernels.attention import RowTally
 from kvrag.kvcache.allocator import BlockLayout, BlockTable
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.kvcache.prefix_cache import PrefixCache
@@ -36,7 +37,13 @@ class SequenceKV:
         self.shared_tokens = 0
         # cached blocks, at most cache_bytes' worth (0: no prefix caching), within the same budget as running ones
         self.prefix = PrefixCache(self.pool.allocator, block_size, cache_bytes // layout.bytes_per_block)
-        self.copied_rows = 0  # prompt rows copied into the pool so far (a prefix hit's matched rows are not)
+        self.admitted_rows = 0  # prompt rows copied into the pool so far (a prefix hit's matched rows are not)
+        self.read_out = RowTally()  # cached rows copied out of the pool since, per layer read (a gather or a pack)
+
+    @property
+    def copied_rows(self) -> int:
+        """Rows copied into the pool and out of it: what a hit read wholly in place would leave at the tail's rows."""
+        return self.admitted_rows + self.read_out.gathered + self.read_out.packed
 
     @property
     def num_free(self) -> int:
@@ -81,7 +88,7 @@ class SequenceKV:
         self.pool.share(new_refs)
         table = BlockTable(list(shared) + fresh, n_tokens, self.block_size)
         self._copy_rows(table, cache, len(shared) * self.block_size, n_tokens)
-        self.copied_rows += max(0, n_tokens - len(shared) * self.block_size)
+        self.admitted_rows += max(0, n_tokens - len(shared) * self.block_size)
         return table
 
     def release(self, blocks: list[int]) -> None:
@@ -92,7 +99,8 @@ class SequenceKV:
         """The rows of whole blocks, in order, where the pool holds them (keys rotated): no copy. The caller holds
         references on the blocks while it reads them."""
         k, v = self.layer_views()  # [L, N * B, Hkv, hd] each
-        return PagedRows(k, v, self.rows(BlockTable(list(blocks), len(blocks) * self.block_size, self.block_size)))
+        return PagedRows(k, v, self.rows(BlockTable(list(blocks), len(blocks) * self.block_size, self.block_size)),
+                         self.read_out)
 
     def _starts_shared(self, cache: DecodeCache) -> bool:
         if not self.shared:

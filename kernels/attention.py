@@ -16,14 +16,24 @@ import torch.nn.functional as F
 from kvrag.kernels import row_attention
 
 
+@dataclass
+class RowTally:
+    """Rows of a paged pool's cached KV copied out of it: gathered into one tensor, or packed into the row kernel's
+    workspace, a layer's rows once for each read. The engine's pool keeps one (kvrag_kv_rows_copied)."""
+
+    gathered: int = 0
+    packed: int = 0
+
+
 @dataclass(frozen=True)
 class PagedKeys:
     """One layer's first keys where a paged pool holds them (a cached prefix, read in place): the pool's K (rotated)
-    and V rows k, v [N, Hkv, hd] and the rows of keys 0..n-1 in them, slots [n]."""
+    and V rows k, v [N, Hkv, hd] and the rows of keys 0..n-1 in them, slots [n]; `tally` counts what is copied out."""
 
     k: torch.Tensor
     v: torch.Tensor
     slots: torch.Tensor
+    tally: RowTally | None = None
 
     def __len__(self) -> int:
         return int(self.slots.shape[0])
@@ -31,6 +41,8 @@ class PagedKeys:
     def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """These keys gathered before k, v [S', Hkv, hd] -> [n + S', Hkv, hd] each: a copy, for the paths that read
         keys from one tensor (the twin of the row kernel's paged read)."""
+        if self.tally is not None:
+            self.tally.gathered += len(self)
         return (torch.cat([self.k.index_select(0, self.slots).to(k.dtype), k]),
                 torch.cat([self.v.index_select(0, self.slots).to(v.dtype), v]))
 
@@ -105,6 +117,8 @@ def _attend_paged(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     if not _row_kernel_takes(shape):
         return None
     if row_kernel and k.dtype in (torch.float32, torch.bfloat16):
+        if head.tally is not None:  # the kernel reads the head in place but packs it, with every key, per call
+            head.tally.packed += len(head)
         out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
         return out.view(q.shape[0], -1)
     if triton and not shape.plain_causal:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag.kernels.attention import PagedKeys
+from kvrag.kernels.attention import PagedKeys, RowTally
 from kvrag.model.cache import DecodeCache
 from kvrag.model.step import CacheKV, GrowingKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
@@ -17,17 +17,19 @@ from kvrag.model.transformer import Transformer
 @dataclass(frozen=True)
 class PagedRows:
     """A prompt's first rows left where the engine's paged pool holds them (a prefix-cache hit): every layer's K
-    (rotated) and V as the pool's flat rows, k and v [L, N, Hkv, hd] (views), and the rows of tokens 0..n-1, slots [n]."""
+    (rotated) and V as the pool's flat rows, k and v [L, N, Hkv, hd] (views), and the rows of tokens 0..n-1, slots [n];
+    `tally`: the pool's count of rows copied out of it."""
 
     k: torch.Tensor
     v: torch.Tensor
     slots: torch.Tensor
+    tally: RowTally | None = None
 
     def __len__(self) -> int:
         return int(self.slots.shape[0])
 
     def layer(self, index: int) -> PagedKeys:
-        return PagedKeys(self.k[index], self.v[index], self.slots)
+        return PagedKeys(self.k[index], self.v[index], self.slots, self.tally)
 
 
 @dataclass

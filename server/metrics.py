@@ -70,8 +70,10 @@ class _EngineState:
         yield GaugeMetricFamily("kvrag_kv_pool_blocks", "Blocks of the running sequences' KV pool", value=s.blocks)
         yield GaugeMetricFamily("kvrag_prefix_cache_blocks", "Pool blocks the prefix cache lists (held or evictable)",
                                 value=s.prefix_blocks)
-        yield CounterMetricFamily("kvrag_kv_rows_copied", "Prompt rows copied into the KV pool (a prefix hit's "
-                                  "rows are referenced, not copied)", value=s.rows_copied)
+        yield _family(CounterMetricFamily, "kvrag_kv_rows_copied", "Rows of KV copied: a prompt's into the pool "
+                      "(a prefix hit's rows are referenced, not copied), and a cached head's out of it, gathered or "
+                      "packed into the row kernel's workspace, each layer's read counted", "how",
+                      {"admitted": s.rows_admitted, "gathered": s.rows_gathered, "packed": s.rows_packed})
         yield _family(CounterMetricFamily, "kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, "
                       "chunks computed on the fly): given, done, and failed (the log says why)", "state",
                       {"given": s.writes_given, "done": s.writes_done, "failed": s.writes_failed})

@@ -27,8 +27,11 @@ def test_bench_chat_reuses_each_turn_and_copies_only_the_rows_after_the_hit(monk
     for repeat in repeats:
         assert repeat["prompt_tokens"] == turns[-1]["prompt_tokens"]
         assert repeat["cached_tokens"] > repeat["prompt_tokens"] - 16
+    layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     for request in turns + repeats:  # a hit's rows are referenced: only the rows after it go into the pool
-        assert request["rows_copied"] == request["prompt_tokens"] - request["cached_tokens"]
+        assert request["rows_admitted"] == request["prompt_tokens"] - request["cached_tokens"]
+        # and each layer reads the head once, on this CPU by a copy (a gather, or the row kernel's packing)
+        assert request["rows_read_out"] == layers * request["cached_tokens"]
     assert report["server_peak_rss_mb"] > 0 and report["repeat_ttft_p50_s"] > 0
     assert "| repeat 2 |" in markdown(report)
 

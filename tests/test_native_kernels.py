@@ -5,6 +5,7 @@ position apart from its slot against the torch reference step rotated the same w
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -94,15 +95,18 @@ def test_a_paged_head_reads_as_the_same_keys_contiguous(dtype, rows, keys, n_hea
 
 def test_attend_over_a_paged_head_matches_the_contiguous_keys_on_every_path():
     """`attend` with a paged head: through the row kernel, and through SDPA's paths (which read the joined copy),
-    each against the same keys given contiguous."""
+    each against the same keys given contiguous; the head's tally counts the 512 rows the kernel packs, or the torch
+    paths gather."""
     q, q_pos, k, v = _case(9, 60, 900, 9, 3, 64)
-    head, k_rest, v_rest = _paged(k, v, 512, 9)
+    paged, k_rest, v_rest = _paged(k, v, 512, 9)
     k_pos = torch.arange(900)
     for row_kernel in (True, False):
+        head = replace(paged, tally=attention.RowTally())
         want = attention.attend(q, q_pos, k, v, k_pos, 3, torch.float32, row_kernel, attention.AttendPlans())
         got = attention.attend(q, q_pos, k_rest, v_rest, k_pos, 3, torch.float32, row_kernel,
                                attention.AttendPlans(), head=head)
         torch.testing.assert_close(got, want, rtol=0 if row_kernel else 1e-6, atol=0 if row_kernel else 1e-6)
+        assert (head.tally.packed, head.tally.gathered) == ((512, 0) if row_kernel else (0, 512))
 
 
 def test_a_paged_head_of_another_dtype_is_refused():

@@ -260,10 +260,13 @@ def test_an_exact_repeat_takes_its_blocks_from_the_pool_and_copies_only_its_last
     cached_blocks = engine.kv.prefix.match(first.plan.ids(), "", exact=True)[0]
     engine.kv.release(cached_blocks)
     assert len(cached_blocks) == first.prompt_tokens // 16
-    before = engine.kv.copied_rows
+    admitted, read_out = engine.kv.admitted_rows, engine.kv.copied_rows - engine.kv.admitted_rows
     repeat = _run(engine, _request(question, mode="full"))
     assert repeat.head_reused == (repeat.prompt_tokens - 1) // 16 * 16  # the head: every whole block before the tail
-    assert engine.kv.copied_rows - before == repeat.prompt_tokens - repeat.head_reused < 16
+    assert engine.kv.admitted_rows - admitted == repeat.prompt_tokens - repeat.head_reused < 16
+    # each layer's attention reads the head once; on a CPU by a copy out of the pool (gathered, or packed)
+    layers = prefiller.runtime.model.cfg.n_layers
+    assert engine.kv.copied_rows - engine.kv.admitted_rows - read_out == layers * repeat.head_reused
     torch.testing.assert_close(repeat.first_logits, first.first_logits, rtol=1e-4, atol=2e-4)
     assert repeat.output == first.output
 

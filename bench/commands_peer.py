@@ -30,17 +30,26 @@ def bench_peer(
     threads: int = typer.Option(2, "--threads", min=1, help="llama-server's threads (kvrag's: KVRAG_THREADS)."),
     dataset: Path = typer.Option(None, "--dataset", help="MuSiQue-format JSON for the chat's turns (default: "
                                  "../shared/data/musique_s.json; its report split)."),
-    work: Path = typer.Option(Path("/tmp/kvrag-peer-bench"), "--work", help="The servers' logs and an empty store."),
+    rag_items: int = typer.Option(8, "--rag-items", min=0, help="Served RAG: MuSiQue report questions a "
+                                  "concurrency level sends, with their passages in the prompt (0: none)."),
+    rag_passages: int = typer.Option(5, "--rag-passages", min=1, help="Passages in each RAG prompt."),
+    concurrency: str = typer.Option("1,4", "--concurrency", help="Served RAG's requests in flight, each level "
+                                    "its own questions."),
+    work: Path = typer.Option(Path("/tmp/kvrag-peer-bench"), "--work", help="The servers' logs, an empty store and "
+                              "the RAG store (its passages indexed and precomputed once, then reused)."),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """llama.cpp's llama-server and `kvrag serve` on the same model, one after the other on this machine: prefill
-    and decode tokens/s, batched decode, a chat's first and last turn and an exact repeat (bench/peer.py).
+    and decode tokens/s, batched decode, a chat's first and last turn and an exact repeat (bench/peer.py), then
+    served RAG at each concurrency (bench/peer_rag.py: kvrag with its default weights and stored blending verdict).
 
     Example: kvrag bench peer --model qwen2.5-coder-0.5b --llama-server ~/llama.cpp/build/bin/llama-server
     """
     from kvrag.bench.peer import FILLER, PeerConfig, markdown, run
+    from kvrag.bench.peer_rag import rag_prompts, trimmed
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT
     from kvrag.bench.rag.items import read_dataset
+    from kvrag.bench.serve_store import build_store
     from kvrag.model.files import resolve_model
     from kvrag.model.names import KNOWN_MODELS, known_gguf
     from kvrag.store.env import StoreEnv
@@ -48,10 +57,12 @@ def bench_peer(
     if model not in KNOWN_MODELS:
         raise KvragError(f"--model must name a model kvrag pulls by name ({', '.join(KNOWN_MODELS)}), got {model!r}")
     forms = tuple(w.strip() for w in weights.split(",") if w.strip())
+    levels = tuple(positive_ints(concurrency, "--concurrency"))
     cfg = PeerConfig(model, work / "store", work, llama_server, peer_url, forms,
                      tuple(positive_ints(prompts, "--prompts")), tuple(positive_ints(batches, "--batches")),
                      decode_tokens, chat_turns, chat_words, threads,
-                     gguf=known_gguf(model) if llama_server is not None else None)
+                     gguf=known_gguf(model) if llama_server is not None else None,
+                     rag_store=work / "store-rag" if rag_items else None, concurrency=levels)
     work.mkdir(parents=True, exist_ok=True)
     StoreEnv.open(cfg.store, create=True).close()  # the requests bring their text: nothing to index
     tokenizer = resolve_model(model).load_tokenizer()
@@ -59,6 +70,11 @@ def bench_peer(
     raw = read_dataset(dataset)
     items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
     log = stderr_console()
-    report = stamped(run(cfg, items, tokens_per_word, lambda m: log.print(m, soft_wrap=True, highlight=False)))
+    say = lambda m: log.print(m, soft_wrap=True, highlight=False)  # noqa: E731
+    # the RAG questions from the split's end, the chat's turns from its start
+    rag = trimmed(items[-rag_items * len(levels):], rag_passages) if rag_items else []
+    if rag:
+        build_store(work, "rag", rag, say, model=model)
+    report = stamped(run(cfg, items, tokens_per_word, say, rag_prompts(rag)))
     (work / "report.json").write_text(json.dumps(report, indent=2))
     emit(report, markdown, as_json)

@@ -33,6 +33,7 @@ import httpx
 
 from kvrag.bench.chat import user_turns
 from kvrag.bench.local_s3 import free_ports
+from kvrag.bench.peer_rag import RagPrompt, served_rag
 from kvrag.bench.serve_load import ask, client
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.errors import KvragError
@@ -55,6 +56,10 @@ class PeerConfig:
     chat_words: int = 270
     threads: int = 2
     gguf: Path | None = None  # the GGUF llama-server reads (default: the model's own, as kvrag pulled it)
+    # served RAG (bench/peer_rag.py): a store holding the prompts' passages for kvrag (None: not run), each
+    # concurrency level's own prompts
+    rag_store: Path | None = None
+    concurrency: tuple[int, ...] = (1, 4)
     extra: dict = field(default_factory=lambda: {"k": 0, "ignore_eos": True})  # kvrag: no retrieval; llama.cpp: EOS
 
     def __post_init__(self) -> None:
@@ -66,8 +71,11 @@ class PeerConfig:
             raise KvragError("prompt lengths, batches, decode tokens and chat turns must be positive")
 
 
-def run(cfg: PeerConfig, items: Sequence[dict], tokens_per_word: float, log: Callable[[str], None]) -> dict:
-    """Every server in turn over the same requests; `tokens_per_word` sizes the prompts (the model's tokenizer)."""
+def run(cfg: PeerConfig, items: Sequence[dict], tokens_per_word: float, log: Callable[[str], None],
+        rag: Sequence[RagPrompt] = ()) -> dict:
+    """Every server in turn over the same requests; `tokens_per_word` sizes the prompts (the model's tokenizer).
+    `rag`: the served-RAG prompts, asked of the peer and of a kvrag server over cfg.rag_store (its default weights
+    and the model's stored blending verdict, as a user serves it)."""
     turns = user_turns(items, cfg.chat_turns, cfg.chat_words)
     sides = []
     if cfg.peer_url is not None:
@@ -79,14 +87,36 @@ def run(cfg: PeerConfig, items: Sequence[dict], tokens_per_word: float, log: Cal
         # the requests bring no passages, so nothing is blended: the blending check is not run for them
         sides.append((f"kvrag {form}", lambda args=args: ServerProcess(cfg.store, args, cfg.work / "kvrag.log",
                                                                      {"KVRAG_MODEL_CHECK": "0"})))
-    report = {"schema": "kvrag.bench-peer/1", "model": cfg.model, "config": _config(cfg), "servers": {}}
-    for name, start in sides:
+    report = {"schema": "kvrag.bench-peer/1", "model": cfg.model, "config": _config(cfg), "servers": {}, "rag": {}}
+    for i, (name, start) in enumerate(sides):
         load = os.getloadavg()[0]
         with start() as server:
             log(f"{name}: {server.url}")
-            measured = asyncio.run(_measure(server.url, cfg, turns, tokens_per_word, lambda m, n=name: log(f"{n}: {m}")))
+            named = lambda m, n=name: log(f"{n}: {m}")  # noqa: E731
+            measured = asyncio.run(_measure(server.url, cfg, turns, tokens_per_word, named))
+            if i == 0 and rag:
+                report["rag"][name] = asyncio.run(_rag(server.url, cfg, rag, named))
         report["servers"][name] = {**measured, "load_average": [load, os.getloadavg()[0]]}
+    if rag:
+        args = ["--model", cfg.model, "--max-running", str(max(cfg.concurrency))]
+        # a model not checked yet is checked at first use for at most 120 s, then answered in full (the report's
+        # `blend` says so): run `kvrag model check --model M` before
+        with ServerProcess(cfg.rag_store, args, cfg.work / "kvrag-rag.log", {"KVRAG_CHECK_BUDGET": "120"}) as server:
+            report["rag"]["kvrag"] = asyncio.run(_rag(server.url, cfg, rag, lambda m: log(f"kvrag (RAG): {m}")))
     return report
+
+
+async def _rag(url: str, cfg: PeerConfig, prompts: Sequence[RagPrompt], log) -> dict:
+    """Served RAG at each concurrency level, with the load average around it and what the server says it blends by."""
+    load = os.getloadavg()[0]
+    async with client(url) as api, httpx.AsyncClient() as http:
+        model = (await http.get(url + "/v1/models", timeout=30)).json()["data"][0]["id"]
+        await ask(api, model, "Hello.", 0, {"k": 0}, 2)
+        verdict = (await http.get(url + "/health", timeout=30)).json().get("blend")
+        levels = await served_rag(api, model, prompts, cfg.concurrency, {"k": 0})
+    for level, figures in levels.items():
+        log(f"RAG at concurrency {level}: {figures}")
+    return {"levels": levels, "blend": verdict, "load_average": [load, os.getloadavg()[0]]}
 
 
 async def _measure(url: str, cfg: PeerConfig, turns: list[str], tokens_per_word: float, log) -> dict:
@@ -223,9 +253,25 @@ def markdown(report: dict) -> str:
                  f"{chat['turn_ttft_s'][0]:.3f} / {chat['turn_ttft_s'][-1]:.3f}", f"{chat['repeat_ttft_s']:.3f}",
                  "-".join(f"{x:.1f}" for x in s["load_average"])]
         rows.append("| " + " | ".join(cells) + " |")
+    rows += _rag_markdown(report.get("rag", {}))
     batch1 = [s["batch"].get("1", {}).get("tokens_per_s") for s in servers.values()]
     if all(batch1):
         rows += ["", "batch B over batch 1: " + "; ".join(
             f"{name} " + ", ".join(f"{b}: {s['batch'][b]['tokens_per_s'] / s['batch']['1']['tokens_per_s']:.2f}x"
                                    for b in batches) for name, s in servers.items())]
     return "\n".join(rows)
+
+
+def _rag_markdown(rag: dict) -> list[str]:
+    if not rag:
+        return []
+    rows = ["", "| served RAG | concurrency | requests/s | TTFT p50 s | TTFT p90 s | right | prompt tokens | load |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, side in rag.items():
+        blend = side.get("blend")
+        label = name if not blend else f"{name} ({blend.get('mode')} {blend.get('rule') or ''} {blend.get('ratio') or ''})"
+        for level, f in side["levels"].items():
+            rows.append(f"| {label} | {level} | {f['requests_per_s']:.3f} | {f['ttft_p50_s']:.3f} | {f['ttft_p90_s']:.3f} "
+                        f"| {f['right']}/{f['requests']} | {f['prompt_tokens_p50']:.0f} | "
+                        + "-".join(f"{x:.1f}" for x in side["load_average"]) + " |")
+    return rows

@@ -92,11 +92,12 @@ class KVRag:
             "deferred": False}
         rule, ratio = self.verdict["rule"], self.verdict["ratio"]
         scheduler = SchedulerConfig(config.max_running, config.reorder_window, config.max_waiting)
-        sizes = ("kv_budget", "chat_cache", "kept_passages")
+        sizes = ("kv_budget", "chat_cache", "kept_passages", "prefix_store")
         size = {name: parse_bytes(str(getattr(config, name)), name) for name in sizes}
         return LLMEngine(prefiller, EngineConfig(size["kv_budget"], scheduler=scheduler, codec=config.codec,
                                                  native=config.native, chat_cache_bytes=size["chat_cache"],
                                                  kept_passages_bytes=size["kept_passages"], force_full=rule is None,
+                                                 prefix_store_bytes=size["prefix_store"],
                                                  selection=rule or DEFAULT_SELECTION, ratio=ratio or DEFAULT_RATIO,
                                                  cuda_graphs=config.cuda_graphs))
 

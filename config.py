@@ -23,6 +23,8 @@ else from its default; nothing below this module reads the environment (home.py 
     chat_cache       KVRAG_CHAT_CACHE       1GiB: the most of the KV pool cached prompt blocks may hold (0: none)
     kept_passages    KVRAG_KEPT_PASSAGES    1GiB: the store's room for passages kept from clients' prompts, the least
                                             valuable (PGDSF) evicted to make room (0: none kept)
+    prefix_store     KVRAG_PREFIX_STORE     4GiB: the store's room for the prefix cache's blocks, spilled there so that a
+                                            chat outlives the server and any replica finds it (engine/prefix_spill.py; 0: none)
     model_check      KVRAG_MODEL_CHECK      True: blend only a model that passed its blending check (docs/model-check.md;
                                             0: skip the check, for tests and benchmarks that blend on purpose)
     check_budget     KVRAG_CHECK_BUDGET     300: seconds a model's first use may spend on its blending check's answers; a
@@ -76,6 +78,7 @@ class KVRagConfig:
     reorder_window: int = DEFAULT_REORDER_WINDOW
     chat_cache: str = "1GiB"  # the most of the KV pool cached prompt blocks may hold (kvcache/prefix_cache.py); "0": none
     kept_passages: str = "1GiB"  # the most the clients' kept passages may take in the store (engine/kept_passages.py)
+    prefix_store: str = "4GiB"  # the most the prefix cache's spilled blocks may take in the store (engine/prefix_spill.py)
     retrieval: str = "auto"  # where retrieval happens: RETRIEVAL, below
     model_check: bool = True  # run (once, then stored) engine/model_check.py; a model that fails it answers in full
     check_budget: int = 300  # seconds a first use may spend on the check's answers (engine/answer_check.py)
@@ -124,7 +127,7 @@ class KVRagConfig:
 
 ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
     "model dtype device kernels threads native weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
-    "gpu_cache cache_policy reorder_window chat_cache kept_passages model_check check_budget retrieval cuda_graphs lead_in").split()}
+    "gpu_cache cache_policy reorder_window chat_cache kept_passages prefix_store model_check check_budget retrieval cuda_graphs lead_in").split()}
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages
 RETRIEVAL = ("auto", "server", "client")

@@ -43,6 +43,10 @@ def serve_command(
     kept_passages: str = typer.Option(None, "--kept-passages", envvar="KVRAG_KEPT_PASSAGES",
                                       help="Store room for passages kept from clients' prompts (stored at their "
                                            "second sighting; the least valuable make room; 0: none) [default: 1GiB]"),
+    prefix_store: str = typer.Option(None, "--prefix-store", envvar="KVRAG_PREFIX_STORE",
+                                     help="Store room for the prefix cache's blocks (a chat's history), spilled there "
+                                          "so that it outlives the server and every replica on the store finds it; "
+                                          "the least valuable make room; 0: none [default: 4GiB]"),
     grace: float = typer.Option(10.0, "--grace", min=0.0,
                                 help="Seconds running requests get to finish on SIGTERM or Ctrl-C."),
     codec: str = CODEC_OPTION,
@@ -85,13 +89,14 @@ def serve_command(
              kvrag serve --store ./my-store --ray-serve 2     (two replicas behind Ray Serve, routed by chunk)
     """
     path = _checked_store(store, codec, retrieval, kv_budget, host_cache, gpu_cache, cache_policy)
-    if kept_passages is not None:  # a bad size is one line before anything loads
-        from kvrag.store.tiers.config import parse_bytes
+    from kvrag.store.tiers.config import parse_bytes
 
-        parse_bytes(kept_passages, "--kept-passages")
+    for size, flag in ((kept_passages, "--kept-passages"), (prefix_store, "--prefix-store")):
+        if size is not None:  # a bad size is one line before anything loads
+            parse_bytes(size, flag)
     options = dict(model=model, dtype=dtype, device=device, weights=weights, codec=codec, kv_budget=kv_budget,
                    host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, kept_passages=kept_passages,
-                   max_running=max_running, max_waiting=max_waiting, keep=keep, keep_rule=keep_rule, retrieval=retrieval)
+                   prefix_store=prefix_store, max_running=max_running, max_waiting=max_waiting, keep=keep, keep_rule=keep_rule, retrieval=retrieval)
     settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
     if ray_serve:
         from kvrag.cli.serve_ray import serve_on_ray

@@ -54,18 +54,22 @@ def stats_command(
     with _open(store) as env:
         from kvrag.store.chunks import ChunkTable
         from kvrag.store.maintenance import stats
+        from kvrag.store.prefix_table import table_stats
 
         result = stats(env)
         kept = ChunkTable(env).client_records()
+        prefix = table_stats(env)
     client = {"passages": len(kept), "tokens": sum(len(r.token_ids) for r in kept),
               "tenants": len({r.doc_id for r in kept})}
     if json_out:
-        print_json({**_stats_json(result), "client_passages": client})
+        print_json({**_stats_json(result), "client_passages": client, "prefix_table": prefix})
     else:
         out = stdout_console()
         _print_stats(out, result)
         out.print(f"passages kept from clients' prompts: {client['passages']:,} ({client['tokens']:,} tokens, "
                   f"{client['tenants']} tenant(s)); `kvrag store gc --client-passages` drops them")
+        out.print(f"prefix cache blocks spilled by servers: {prefix['blocks']:,} ({_mib(prefix['bytes'])}); "
+                  "`kvrag store gc --prefix-blocks` drops them")
 
 
 @store_app.command("verify")
@@ -83,16 +87,24 @@ def verify_command(
     """
     with _open(store) as env, stderr_console().status("verifying every stored value"):
         from kvrag.store.maintenance import verify
+        from kvrag.store.prefix_table import bad_blocks, drop
 
         report = verify(env, repair=repair)
+        bad = bad_blocks(env)  # the prefix table's blocks that are not whole
+        if repair:
+            drop(env, bad)
     if json_out:
-        print_json({**asdict(report), "ok": report.ok})
+        print_json({**asdict(report), "bad_prefix_blocks": len(bad), "ok": report.ok and not bad})
     else:
         _print_verify(stdout_console(), report)
+        if bad:
+            stdout_console().print(f"{len(bad)} prefix cache block(s) not whole" + (": deleted" if repair else ""))
     if not report.ok and not repair:
         chunks = len({(p.model_fp, p.codec, p.variant, p.chunk_id) for p in report.problems})
         raise KvragError(f"{len(report.problems)} problem(s) in {chunks} chunk(s); "
                          "`kvrag store verify --repair` deletes them so the next precompute redoes them")
+    if bad and not repair:
+        raise KvragError(f"{len(bad)} prefix cache block(s) not whole; `kvrag store verify --repair` deletes them")
 
 
 @store_app.command("gc")
@@ -104,6 +116,8 @@ def gc_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would go; delete nothing."),
     client_passages: bool = typer.Option(False, "--client-passages",
                                          help="Drop the passages kept from clients' prompts too (records and KV)."),
+    prefix_blocks: bool = typer.Option(False, "--prefix-blocks", help="Drop every prefix cache block servers "
+                                       "spilled (else only those of the models dropped)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Drop KV of chunks that are no longer indexed, and of other models with --model / --drop-model.
@@ -131,10 +145,16 @@ def gc_command(
             table.delete_records(dropped)
         report = gc(env, indexed, keep_model=model, drop_model=drop_model, dry_run=dry_run, drop_ids=dropped,
                     drop_lead_in=_holds_any(clients) if clients else None)
+        from kvrag.store.prefix_table import drop_models
+
+        prefix = 0 if dry_run else drop_models(
+            env, lambda fp: prefix_blocks or (model is not None and fp != model) or fp == drop_model)
     if json_out:
-        print_json(asdict(report))
+        print_json({**asdict(report), "dropped_prefix_blocks": prefix})
     else:
         _print_gc(stdout_console(), report)
+        if prefix:
+            stdout_console().print(f"dropped {prefix:,} prefix cache block(s)")
 
 
 def _holds_any(records) -> Callable[[tuple[int, ...]], bool]:

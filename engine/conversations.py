@@ -35,6 +35,8 @@ class Conversations:
         exact cached blocks. Without `extend_head` the head KV is only what was cached, for a full prefill to compute
         the rest of the prompt in one pass."""
         m, head = self.model, list(plan.head)
+        if self.kv.spill is not None:  # blocks the pool lacks, from the store (another process's, an earlier life's)
+            self.kv.spill.restore(head, plan.salt)
         hit, exact_rows = self.kv.prefix.match(head, plan.salt, exact)
         reused = len(hit) * self.block
         kv = None
@@ -61,7 +63,7 @@ class Conversations:
         chunk_ids = frozenset(c for c, _ in req.chunks) | (plan.turn.chunk_ids if plan.turn else frozenset())
         answer = self.runtime.tokenizer.decode(seq.output, skip_special_tokens=True)
         exact = n if seq.exact_rows >= seq.prompt_tokens else seq.exact_rows  # an exact prompt's answer rows are exact
-        self.kv.prefix.insert(ids[:n], seq.table.blocks, req.salt, exact)  # its blocks stay, found by their ids
+        self.kv.cache_blocks(ids[:n], seq.table.blocks, req.salt, exact)  # its blocks stay, found by their ids
         self.planner.keep(req.history, (req.last_role, req.question), answer, ids, chunk_ids, req.salt, exact)
 
 def _joined(model, prefix: LayerKV, new: LayerKV) -> LayerKV:

@@ -37,6 +37,7 @@ class SequenceKV:
         self.shared_tokens = 0
         # cached blocks, at most cache_bytes' worth (0: no prefix caching), within the same budget as running ones
         self.prefix = PrefixCache(self.pool.allocator, block_size, cache_bytes // layout.bytes_per_block)
+        self.spill = None  # the prefix cache's blocks spilled to the store (engine/prefix_spill.py), where kept
         self.admitted_rows = 0  # prompt rows copied into the pool so far (a prefix hit's matched rows are not)
         self.read_out = RowTally()  # cached rows copied out of the pool since, per layer read (a gather or a pack)
 
@@ -60,6 +61,18 @@ class SequenceKV:
     def _allocate(self, n: int) -> list[int]:
         self._room(n)
         return self.pool.allocator.allocate(n)
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks, a reference on each for the caller, evicting cached blocks no sequence holds where needed;
+        OutOfBlocks when even that is not enough."""
+        return self._allocate(n)
+
+    def cache_blocks(self, ids: Sequence[int], blocks: list[int], salt: str, exact_rows: int) -> None:
+        """A sequence's whole blocks into the prefix cache (rows 0.. are `ids`, the first exact_rows exact), and its
+        exact ones into the store's prefix table where the engine keeps one."""
+        self.prefix.insert(ids, blocks, salt, exact_rows)
+        if self.spill is not None:
+            self.spill.save(ids, blocks, salt, exact_rows)
 
     def blocks_needed(self, n_tokens: int) -> int:
         """Fresh blocks a sequence of n_tokens takes at most (fewer when it shares the preamble's)."""

@@ -26,6 +26,7 @@ from kvrag.engine.next_token import next_token
 from kvrag.engine.plans import Planner
 from kvrag.engine.prefill_info import chunk_tiers, exact_rows, reused_tokens, wants_exact
 from kvrag.engine.prefiller import FullPrefill, Prefilled, Prefiller
+from kvrag.engine.prefix_spill import PrefixSpill
 from kvrag.engine.prompt_reuse import PromptSpans
 from kvrag.engine.scheduler import Scheduler, SchedulerConfig
 from kvrag.engine.sequence import DONE, Request, Sequence
@@ -57,6 +58,7 @@ class EngineConfig:
     ratio: float = DEFAULT_RATIO
     prompt_spans: bool = True  # blend the stored passages found in plain prompts (engine/prompt_reuse.py)
     kept_passages_bytes: int = 1 << 30  # clients' passages stored at a second sighting (engine/kept_passages.py); 0: none
+    prefix_store_bytes: int = 0  # the prefix cache's blocks spilled to the store, at most (engine/prefix_spill.py)
     # the decode step captured per batch bucket and replayed (engine/decode_graphs.py): CUDA graphs on a GPU's
     # Triton path; off until measured there
     cuda_graphs: bool = False
@@ -83,6 +85,8 @@ class LLMEngine:
             self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,
                                         config.kept_passages_bytes // per_token, self.planner.paragraphs)
         self.writes = WriteBack(prefiller.source, self.keeper)  # stores off this thread
+        self.kv.spill = PrefixSpill.open(self.kv, prefiller.runtime, source.env, config.prefix_store_bytes, self.writes.call)
+        self.planner.spill = self.kv.spill  # kept turns' ids too, so that a later life renders their history alike
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()
 
@@ -272,7 +276,7 @@ class LLMEngine:
                 self.scheduler.preempt(self.scheduler.running[-1])
         seq.length, seq.offset = pre.cache.length, pre.offset
         if seq.plan.framed and not pre.offset and pre.cache.length == seq.prompt_tokens:
-            self.kv.prefix.insert(seq.plan.ids(), seq.table.blocks, req.salt, seq.exact_rows)
+            self.kv.cache_blocks(seq.plan.ids(), seq.table.blocks, req.salt, seq.exact_rows)
         self.scheduler.start(seq)
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -364,7 +368,7 @@ class LLMEngine:
             return self._release_hit(seq)
         seq.hit = []
         try:
-            self.kv.prefix.insert(seq.plan.ids(), table.blocks, seq.request.salt, seq.exact_rows)
+            self.kv.cache_blocks(seq.plan.ids(), table.blocks, seq.request.salt, seq.exact_rows)
         finally:
             self.kv.free(table)
 

@@ -75,6 +75,7 @@ class Planner:
         self.paragraphs = Paragraphs(runtime.tokenizer)  # what a passage is (prompt_reuse.py): kept_passages.py's too
         self._turns: OrderedDict[str, KeptTurn] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        self.spill = None  # the store's record of kept turns (engine/prefix_spill.py: save_turn, load_turn), if kept
 
     def plan(self, question: str, history: Sequence[Turn], chunks, rag: bool, role: str = "user",
              room: int | None = None, salt: str = "", find_spans: bool = True, exact: bool = False,
@@ -137,8 +138,14 @@ class Planner:
         """Keep a finished turn's ids (prompt and answer; its blocks are in the prefix cache), the first `exact_rows`
         of them exact; `question` the last message, (role, text)."""
         key = turn_key([*history, question, ("assistant", answer)], salt)
+        kept = KeptTurn(tuple(ids), chunk_ids, exact_rows)
+        self._remember(key, kept)
+        if self.spill is not None:  # for a later life of the server, or another replica on the store
+            self.spill.save_turn(key, kept)
+
+    def _remember(self, key: str, kept: KeptTurn) -> None:
         with self._lock:
-            self._turns[key] = KeptTurn(tuple(ids), chunk_ids, exact_rows)
+            self._turns[key] = kept
             self._turns.move_to_end(key)
             while len(self._turns) > MAX_TURNS:
                 self._turns.popitem(last=False)
@@ -148,4 +155,8 @@ class Planner:
             turn = self._turns.get(key)
             if turn is not None:
                 self._turns.move_to_end(key)
-            return turn
+                return turn
+        turn = self.spill.load_turn(key) if self.spill is not None else None
+        if turn is not None:
+            self._remember(key, turn)
+        return turn

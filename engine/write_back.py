@@ -51,6 +51,10 @@ class WriteBack:
         """Compute and store a kept passage, making room first; False (not kept this time) when the queue is full."""
         return self._put(("keep", chunk_id, passage, salt))
 
+    def call(self, job) -> bool:
+        """Run job() on the worker (the prefix table's writes: engine/prefix_spill.py); False when the queue is full."""
+        return self._put(("call", job))
+
     def pending(self) -> bool:
         """Whether a job given is not done yet."""
         return self._jobs.unfinished_tasks > 0
@@ -88,6 +92,8 @@ class WriteBack:
                 if job[0] == "computed":
                     self._computed_queued.clear()  # chunks computed from now on need a job of their own
                     self.source.store_computed()
+                elif job[0] == "call":
+                    job[1]()
                 else:
                     self._keep(*job[1:])
                 self.done += 1

@@ -18,8 +18,9 @@ from kvrag.errors import KvragError
 
 T = TypeVar("T")
 
-# Named databases. meta: manifest and bookkeeping; chunks/docs: the corpus; kv: per-(chunk, layer) KV.
-DB_NAMES = ("meta", "chunks", "docs", "kv")
+# Named databases. meta: manifest and bookkeeping; chunks/docs: the corpus; kv: per-(chunk, layer) KV; prefix: the
+# prefix cache's blocks spilled from a server's pool (store/prefix_table.py)
+DB_NAMES = ("meta", "chunks", "docs", "kv", "prefix")
 STORE_MARKER = b"kvrag-store"  # key in `meta` written when a store is created
 INITIAL_MAP_SIZE = 64 << 20  # grows by doubling whenever LMDB reports the map full
 
@@ -39,7 +40,12 @@ class StoreEnv:
         self.path = path
         self.readonly = readonly
         self.max_map_size = max_map_size  # the map never grows past this (bytes)
-        self.dbs = {name: env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+        self.dbs = {}
+        for name in DB_NAMES:  # a store made before a database was added has none of it, read-only
+            try:
+                self.dbs[name] = env.open_db(name.encode(), create=not readonly)
+            except lmdb.NotFoundError:
+                pass
         # transactions of several threads (the engine's write-back worker, a prefill's loaders) run side by side;
         # growing the map waits for them all: LMDB may only resize while no transaction of this process is open
         self._gate = TxnGate()
@@ -100,6 +106,9 @@ class StoreEnv:
 
     def db(self, name: str):
         return self.dbs[name]
+
+    def has_db(self, name: str) -> bool:
+        return name in self.dbs
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run `fn(txn)` in one write transaction, growing the map and retrying it whole if full.

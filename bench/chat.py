@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from kvrag.bench.chat_restart import next_turn_after_restart
 from kvrag.bench.serve_load import ask, client
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_soak import rss_mb
@@ -39,6 +40,7 @@ class ChatBenchConfig:
     max_tokens: int = 12
     model: str | None = None
     dtype: str | None = None
+    restart: bool = False  # then the next turn after a kill -9 and a restart (bench/chat_restart.py)
 
     def __post_init__(self) -> None:
         if min(self.turns, self.words, self.max_tokens) < 1 or self.repeats < 0:
@@ -54,11 +56,18 @@ def user_turns(items: Sequence[dict], turns: int, words: int) -> list[str]:
 
 
 def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None]) -> dict:
-    messages = user_turns(items, cfg.turns, cfg.words)
+    messages = user_turns(items, cfg.turns + 2 * cfg.restart, cfg.words)  # with --restart, two next turns
     load_before = os.getloadavg()
-    with ServerProcess(cfg.store, model_args(cfg.model, cfg.dtype), cfg.work / "logs" / "serve-chat.log") as server:
-        turns, repeats = asyncio.run(_converse(server, messages, cfg, log))
+    args = model_args(cfg.model, cfg.dtype)
+    restarted = None
+    with ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-chat.log") as server:
+        turns, repeats = asyncio.run(_converse(server, messages[:cfg.turns], cfg, log))
         peak = rss_mb(server.proc.pid, "VmHWM")
+        if cfg.restart and not any("error" in t for t in turns):
+            history = [m for message, t in zip(messages, turns, strict=False) for m in ({"role": "user", "content": message},
+                                                                           {"role": "assistant", "content": t["text"]})]
+            again = lambda: ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-chat-restart.log")  # noqa: E731
+            restarted = next_turn_after_restart(server, again, history, messages[-2], messages[-1], cfg.max_tokens, log)
     good = [t for t in turns + repeats if "error" not in t]
     first, last = turns[0], turns[-1]
     return {"schema": "kvrag.bench-chat/1",
@@ -67,7 +76,8 @@ def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None])
             "last_over_first_ttft": last["ttft_s"] / first["ttft_s"] if "error" not in first and "error" not in last else None,
             "repeat_ttft_p50_s": statistics.median(r["ttft_s"] for r in repeats if "error" not in r)
             if any("error" not in r for r in repeats) else None,
-            "server_peak_rss_mb": peak, "load_average": {"before": load_before, "after": os.getloadavg()}}
+            "server_peak_rss_mb": peak, "restart": restarted,
+            "load_average": {"before": load_before, "after": os.getloadavg()}}
 
 
 async def _converse(server: ServerProcess, messages: list[str], cfg: ChatBenchConfig, log) -> tuple[list, list]:
@@ -137,4 +147,9 @@ def markdown(report: dict) -> str:
              f"exact repeat, median TTFT: {repeat:.3f} s" if repeat is not None else "no repeat served",
              f"server peak RSS: {report['server_peak_rss_mb']:.0f} MB; load average before "
              f"{load['before'][0]:.2f}, after {load['after'][0]:.2f}"]
+    if (r := report.get("restart")) is not None:
+        rows.append(f"next turn: warm {r['warm']['ttft_s']:.3f} s, in full {r['full']['ttft_s']:.3f} s; after kill -9 "
+                    f"and restart {r['restarted']['ttft_s']:.3f} s ({r['restarted']['cached_tokens']} of "
+                    f"{r['restarted']['prompt_tokens']} cached): {r['restarted_over_warm']:.2f}x warm, "
+                    f"{r['restarted_over_full']:.2f}x full")
     return "\n".join(rows)

@@ -1,4 +1,5 @@
-"""`kvrag bench peer`: llama.cpp's own server beside kvrag's on the same GGUF (bench/peer.py)."""
+"""`kvrag bench peer`: llama.cpp's own server beside kvrag's on the same GGUF (bench/peer.py); `kvrag bench chat`: a chat
+over kvrag's server alone (bench/chat.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from kvrag.bench.commands_parts import emit, positive_ints, stamped
+from kvrag.bench.commands_parts import MUSIQUE_HELP, emit, positive_ints, stamped
 from kvrag.bench.typer_app import bench_app
-from kvrag.cli.common import JSON_OPTION, stderr_console
+from kvrag.cli.common import DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, stderr_console
 from kvrag.errors import KvragError
 
 
@@ -77,4 +78,40 @@ def bench_peer(
         build_store(work, "rag", rag, say, model=model)
     report = stamped(run(cfg, items, tokens_per_word, say, rag_prompts(rag)))
     (work / "report.json").write_text(json.dumps(report, indent=2))
+    emit(report, markdown, as_json)
+
+
+@bench_app.command("chat")
+def bench_chat(
+    work: Path = typer.Option(Path("/tmp/kvrag-chat-bench"), "--work", help="Where the server's log (and the default "
+                              "store) go."),
+    store: Path = typer.Option(None, "--store", help="The store to serve (default: the repository's sample corpus, "
+                               "indexed and precomputed into WORK/store afresh each run: the server keeps clients' "
+                               "passages in it). Plain chat reads none of it."),
+    turns: int = typer.Option(12, "--turns", min=1, help="User turns in the conversation."),
+    words: int = typer.Option(270, "--words", min=1, help="Words of MuSiQue report passages in each user turn."),
+    repeats: int = typer.Option(3, "--repeats", min=0, help="Exact repeats of the last turn."),
+    restart: bool = typer.Option(False, "--restart", help="Then the next turn warm, the same in full (another "
+                                 "cache salt), SIGKILL, a restart on the store, and another next turn: its history "
+                                 "from the store's prefix table (bench/chat_restart.py)."),
+    max_tokens: int = typer.Option(12, "--max-tokens", min=1, help="Answer tokens per turn, at most."),
+    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """A multi-turn plain chat and exact repeats over the real server: TTFT per turn, cached tokens, rows copied per
+    request, peak memory; with --restart, the next turn after a kill -9 and a restart against the warm server's.
+
+    Example: kvrag bench chat --turns 12 --repeats 3
+    """
+    from kvrag.bench.chat import ChatBenchConfig, markdown, run
+    from kvrag.bench.rag.datasets import musique_report_items
+    from kvrag.bench.serve_store import sample_store
+
+    console = stderr_console()
+    log = lambda m: console.print(m, highlight=False)  # noqa: E731
+    store = store or sample_store(work, model, dtype, log)
+    cfg = ChatBenchConfig(store, work, turns, words, repeats, max_tokens, model, dtype, restart)
+    report = stamped(run(cfg, musique_report_items(dataset), log))
     emit(report, markdown, as_json)

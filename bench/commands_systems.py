@@ -261,39 +261,6 @@ def bench_clients(
     emit(report, markdown, as_json)
 
 
-@bench_app.command("chat")
-def bench_chat(
-    work: Path = typer.Option(Path("/tmp/kvrag-chat-bench"), "--work", help="Where the server's log (and the default "
-                              "store) go."),
-    store: Path = typer.Option(None, "--store", help="The store to serve (default: the repository's sample corpus, "
-                               "indexed and precomputed into WORK/store afresh each run: the server keeps clients' "
-                               "passages in it). Plain chat reads none of it."),
-    turns: int = typer.Option(12, "--turns", min=1, help="User turns in the conversation."),
-    words: int = typer.Option(270, "--words", min=1, help="Words of MuSiQue report passages in each user turn."),
-    repeats: int = typer.Option(3, "--repeats", min=0, help="Exact repeats of the last turn."),
-    max_tokens: int = typer.Option(12, "--max-tokens", min=1, help="Answer tokens per turn, at most."),
-    dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
-    model: str = MODEL_OPTION,
-    dtype: str = DTYPE_OPTION,
-    as_json: bool = JSON_OPTION,
-) -> None:
-    """A multi-turn plain chat and exact repeats over the real server: TTFT per turn, cached tokens, rows copied per
-    request, peak memory.
-
-    Example: kvrag bench chat --turns 12 --repeats 3
-    """
-    from kvrag.bench.chat import ChatBenchConfig, markdown, run
-    from kvrag.bench.rag.datasets import musique_report_items
-    from kvrag.bench.serve_store import sample_store
-
-    console = stderr_console()
-    log = lambda m: console.print(m, highlight=False)  # noqa: E731
-    store = store or sample_store(work, model, dtype, log)
-    cfg = ChatBenchConfig(store, work, turns, words, repeats, max_tokens, model, dtype)
-    report = stamped(run(cfg, musique_report_items(dataset), log))
-    emit(report, markdown, as_json)
-
-
 @bench_app.command("keyformer")
 def bench_keyformer(
     items: int = typer.Option(4, "--items", min=1, max=50, help="MuSiQue items of the split to run."),

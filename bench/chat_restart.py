@@ -1,0 +1,73 @@
+"""`kvrag bench chat --restart`: does a conversation outlive its server (issue 72)?
+
+After the chat's turns on a server that has run them: the next turn (A) warm, its history in the pool; the same A
+under another cache salt (no hit: a full prefill of the same prompt, the baseline the restart is held to); the
+write-back worker's jobs done (the history's blocks in the store's prefix table); SIGKILL; a new server on the same
+store, warmed up on a short prompt; then another next turn (B, as long as A) after the same history, whose head
+comes from the store. Ratios in one run: B's TTFT over A's warm one (target <= 1.5) and over A's full prefill
+(target <= 0.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+
+from kvrag.bench.serve_load import ask, client
+from kvrag.bench.serve_server import ServerProcess
+from kvrag.errors import KvragError
+
+
+def next_turn_after_restart(server: ServerProcess, restart, history: list[dict], turn_a: str, turn_b: str,
+                            max_tokens: int, log) -> dict:
+    """`restart()`: a new ServerProcess on the same store (entered by the caller's `with`). Kills `server`."""
+    warm, full = asyncio.run(_before(server, history, turn_a, max_tokens))
+    log(f"next turn warm: TTFT {warm['ttft_s']:.3f} s ({warm['cached_tokens']} cached); in full "
+        f"{full['ttft_s']:.3f} s")
+    _wait_for_writes(server.url)
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(60)
+    with restart() as again:
+        after = asyncio.run(_after(again, history, turn_b, max_tokens))
+    log(f"after kill -9 and restart: TTFT {after['ttft_s']:.3f} s ({after['cached_tokens']} cached)")
+    return {"warm": warm, "full": full, "restarted": after,
+            "restarted_over_warm": round(after["ttft_s"] / warm["ttft_s"], 3),
+            "restarted_over_full": round(after["ttft_s"] / full["ttft_s"], 3)}
+
+
+async def _before(server: ServerProcess, history, message: str, max_tokens: int) -> tuple[dict, dict]:
+    async with client(server.url) as api:
+        model = server.model_id()
+        warm = await _turn(api, model, history, message, {"k": 0}, max_tokens)
+        full = await _turn(api, model, history, message, {"k": 0, "cache_salt": f"full-{time.time_ns()}"}, max_tokens)
+    return warm, full
+
+
+async def _after(server: ServerProcess, history, message: str, max_tokens: int) -> dict:
+    async with client(server.url) as api:
+        model = server.model_id()
+        await ask(api, model, "Hello.", 0, {"k": 0}, 2)  # the model's first forward, as a server that has run a while
+        return await _turn(api, model, history, message, {"k": 0}, max_tokens)
+
+
+async def _turn(api, model: str, history, message: str, extra: dict, max_tokens: int) -> dict:
+    result = await ask(api, model, message, 0, extra, max_tokens, list(history))
+    if not result.ok:
+        raise KvragError(f"a turn failed: {result.error or 'no answer'}")
+    return {"ttft_s": round(result.ttft_s, 4), "prompt_tokens": result.prompt_tokens,
+            "cached_tokens": result.cached_tokens}
+
+
+def _wait_for_writes(url: str, timeout_s: float = 300.0) -> None:
+    """Until the server's write-back worker has done every job given (its /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        jobs = {line.split('"')[1]: float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith("kvrag_write_back_jobs_total{")}
+        if jobs and jobs["given"] <= jobs["done"] + jobs["failed"]:
+            return
+        time.sleep(0.1)
+    raise KvragError(f"the server's writes did not finish within {timeout_s:.0f} s")

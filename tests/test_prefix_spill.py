@@ -139,3 +139,28 @@ def _wait_for_writes(url: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the write-back worker did not finish")
+
+
+@pytest.mark.slow
+def test_kill_9_during_spills_leaves_whole_blocks_within_the_bound(store_copy, tiny_llama_dir):
+    """Servers killed as their writes run (the answer's last byte, then SIGKILL at once), the table's bound small
+    enough that they evict: every block verify reads is whole, and the table never holds more than its bound."""
+    bound = 40 * 1024
+    for i in range(2):
+        proc, url = start_server(store_copy, tiny_llama_dir, "--prefix-store", str(bound))
+        try:
+            for j in range(2):  # the first's writes are likely done when the second's answer ends, the second's not
+                _chat(url, [{"role": "user", "content": f"Run {i}-{j}. " + "Tell me about the harbour's lights. " * 30}],
+                      1)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(60)
+        env = StoreEnv.open(store_copy)
+        try:
+            stats = table_stats(env)
+        finally:
+            env.close()
+        assert stats["bad"] == 0 and stats["bytes"] <= bound, stats
+    assert stats["blocks"] > 0  # the kills left the writes done before them
+    verified = run_kvrag("store", "verify", "--store", str(store_copy), "--json")
+    assert json.loads(verified.stdout)["bad_prefix_blocks"] == 0

@@ -74,4 +74,31 @@ def test_options_are_read_as_the_server_reads_them(keys):
     assert keys.route(CHAT, "Bearer key-a", refused) == Routed((), refused)
     tool = json.dumps({"model": "m", "messages": [{"role": "user", "content": "How deep is Lake Baikal?"},
                                                   {"role": "tool", "content": "1,642 m"}]}).encode()
-    assert keys.route(CHAT, "Bearer key-a", tool).chunks == ()
+    routed = keys.route(CHAT, "Bearer key-a", tool).chunks  # no chunk: only its conversation's key
+    assert [c for c in routed if not c[0].startswith("conversation:")] == [] and len(routed) == 1
+
+
+def test_a_conversation_s_turns_share_a_key_of_their_own(keys):
+    """Every turn of one conversation routes by the same conversation key (its home replica holds the history),
+    weighted by the history; another conversation, or another tenant's, has another."""
+    keys, _ = keys
+
+    def turns(*texts: str) -> bytes:
+        roles = ["user", "assistant"] * len(texts)
+        messages = [{"role": r, "content": t} for r, t in zip(roles, texts, strict=False)]
+        return json.dumps({"model": "m", "messages": messages, "k": 0}).encode()
+
+    def conversation(routed: Routed) -> tuple[str, int]:
+        (found,) = [c for c in routed.chunks if c[0].startswith("conversation:")]
+        return found
+
+    second = conversation(keys.route(CHAT, "Bearer key-a", turns("Tell me of lighthouses.", "They guide.", "Why?")))
+    third = conversation(keys.route(CHAT, "Bearer key-a", turns("Tell me of lighthouses.", "They guide.", "Why?",
+                                                                "Ships.", "And now?")))
+    assert second[0] == third[0] and third[1] > second[1]
+    assert conversation(keys.route(CHAT, "Bearer key-b", turns("Tell me of lighthouses.", "They guide.", "Why?"))
+                        )[0] != second[0]
+    assert conversation(keys.route(CHAT, "Bearer key-a", turns("Tell me of harbours.", "They shelter.", "Why?"))
+                        )[0] != second[0]
+    assert not [c for c in keys.route(CHAT, "Bearer key-a", turns("Tell me of lighthouses.")).chunks
+                if c[0].startswith("conversation:")]  # a first turn: no history yet

@@ -88,15 +88,12 @@ def serve_command(
     Example: kvrag serve --store ./my-store --port 8000
              kvrag serve --store ./my-store --ray-serve 2     (two replicas behind Ray Serve, routed by chunk)
     """
-    path = _checked_store(store, codec, retrieval, kv_budget, host_cache, gpu_cache, cache_policy)
-    from kvrag.store.tiers.config import parse_bytes
-
-    for size, flag in ((kept_passages, "--kept-passages"), (prefix_store, "--prefix-store")):
-        if size is not None:  # a bad size is one line before anything loads
-            parse_bytes(size, flag)
+    path = _checked_store(store, codec, retrieval, kv_budget, host_cache, gpu_cache, cache_policy,
+                          {"--kept-passages": kept_passages, "--prefix-store": prefix_store})
     options = dict(model=model, dtype=dtype, device=device, weights=weights, codec=codec, kv_budget=kv_budget,
                    host_cache=host_cache, gpu_cache=gpu_cache, cache_policy=cache_policy, kept_passages=kept_passages,
-                   prefix_store=prefix_store, max_running=max_running, max_waiting=max_waiting, keep=keep, keep_rule=keep_rule, retrieval=retrieval)
+                   prefix_store=prefix_store, max_running=max_running, max_waiting=max_waiting, keep=keep,
+                   keep_rule=keep_rule, retrieval=retrieval)
     settings = dict(api_key=api_key or None, max_tokens=max_tokens, model_name=model_name)
     if ray_serve:
         from kvrag.cli.serve_ray import serve_on_ray
@@ -110,8 +107,9 @@ def serve_command(
 
 
 def _checked_store(store: Path, codec: str, retrieval: str, kv_budget: str, host_cache: str, gpu_cache: str,
-                   cache_policy: str) -> Path:
-    """The store's local path, once every option is known good: a bad one is one line before anything loads."""
+                   cache_policy: str, sizes: dict[str, str | None]) -> Path:
+    """The store's local path, once every option is known good: a bad one is one line before anything loads.
+    `sizes`: more byte sizes by their flag (None: not given)."""
     from kvrag.config import RETRIEVAL
     from kvrag.errors import KvragError
     from kvrag.store.env import StoreEnv
@@ -122,6 +120,9 @@ def _checked_store(store: Path, codec: str, retrieval: str, kv_budget: str, host
     if retrieval not in RETRIEVAL:
         raise KvragError(f"--retrieval must be one of {', '.join(RETRIEVAL)}, got {retrieval}")
     parse_bytes(kv_budget, "--kv-budget")
+    for flag, size in sizes.items():
+        if size is not None:
+            parse_bytes(size, flag)
     check_cache_options(host_cache, gpu_cache, cache_policy)
     path = resolve_store(store)
     StoreEnv.open(path).close()  # not a store: said before anything loads

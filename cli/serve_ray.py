@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
+from kvrag.cli.announce import announce, withdraw
 from kvrag.cli.common import stderr_console
 from kvrag.config import KVRagConfig
 from kvrag.errors import KvragError
@@ -31,12 +33,17 @@ def serve_on_ray(store: str, config: KVRagConfig, settings: dict, cluster: dict,
     console.print(f"starting {cluster['replicas']} replicas of {name} on Ray Serve ...", soft_wrap=True)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    announced = None
     try:
         server.start()
+        if not store.startswith("s3://"):  # `kvrag ask` on this store asks the cluster (cli/announce.py)
+            announced = announce(Path(store), server.url, config, bool(settings.get("api_key")))
         console.print(f"serving {name} on {server.url}/v1 ({cluster['replicas']} replicas, {cluster['router']} "
                       f"routing); SIGTERM or Ctrl-C stops", soft_wrap=True)
         stop.wait()
     finally:
+        if announced is not None:
+            withdraw(announced)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.stop()

@@ -7,7 +7,7 @@ It is found by the chained hash of every id up to its end and the tenant's salt 
 within a scope: the model's fingerprint, dtype, device, weights form, kernels and block size. Another model or weights
 form has another scope, so it never hits. The `prefix` database holds, per block:
 
-    b/<scope>/<key>  MAGIC, an 8-byte blake2b of the rows, the rows     (one put: a kill leaves it whole or absent)
+    b/<scope>/<key>  MAGIC, the rows' 8-byte xxh3, the rows     (one put: a kill leaves it whole or absent)
     u/<scope>/<key>  priority (float64), uses (uint32), bytes (uint32)  (PGDSF: the tiers' eviction by value)
 
 and `t` the table's bytes. Past its bound the lowest-priority blocks go (priority = the clock when last used + uses;
@@ -22,6 +22,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import lmdb
+import xxhash
 
 from kvrag.store.env import StoreEnv
 
@@ -43,7 +44,7 @@ def model_of(name: bytes) -> str:
 
 
 def _digest(rows: bytes) -> bytes:
-    return hashlib.blake2b(rows, digest_size=8).digest()
+    return xxhash.xxh3_64_digest(rows)  # the store codec's checksum: GB/s, where a 4.5k-token head is 130 MB
 
 
 def rows_of(value: bytes) -> bytes | None:

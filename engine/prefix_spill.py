@@ -67,8 +67,10 @@ class PrefixSpill:
     def restore(self, ids: Sequence[int], salt: str) -> int:
         """Where the table holds blocks after the pool's exact leading ones, read them into the pool and cache them
         (exact); how many. Nothing when the pool has no room for them (evicting cached blocks no sequence holds)."""
-        keys = block_keys(ids, self.block, salt)
         prefix = self.kv.prefix
+        if not prefix.max_blocks:  # caching off: nothing restored would stay
+            return 0
+        keys = block_keys(ids, self.block, salt)
         hit, n_exact = prefix.match(ids, salt, exact=True)
         have = n_exact // self.block
         found = self.table.leading(keys[have:]) if have < len(keys) else []

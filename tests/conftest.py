@@ -22,7 +22,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
 # The weights are not pinned: every test runs the form `auto` gives its model on this CPU (model/names.py's
-# default_weights: dense for SmolLM2 and the tiny models, int8 for the Qwen models where VNNI is), and the engine's
+# default_weights: dense for SmolLM2 and the tiny models, int8 for Qwen2.5-0.5B where VNNI is), and the engine's
 # tests run int8 too where it can run (WEIGHT_FORMS), each against its own reference
 os.environ.pop("KVRAG_WEIGHTS", None)
 XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))

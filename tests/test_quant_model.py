@@ -201,16 +201,19 @@ def test_model_info_says_the_weights_form(smol):
 
 
 def test_auto_gives_each_model_the_form_its_answers_were_measured_in():
-    """int8 is a model's default only where it kept that model's free-running answers; a model not measured stays
-    dense; auto gives the model's default only where the kernel runs."""
+    """A quantized form is a model's default only where it kept that model's free-running answers (docs/quantized.md:
+    int8 for the 0.5B, int4 for the 1.5B); a model not measured stays dense; auto gives the model's default only
+    where the kernel runs."""
     assert default_weights("SmolLM2-135M-Instruct") == "dense"
-    assert default_weights("Qwen2.5-Coder-1.5B-Instruct") == "int8"
+    assert default_weights("Qwen2.5-Coder-0.5B-Instruct") == "int8"
+    assert default_weights("Qwen2.5-Coder-1.5B-Instruct") == "int4"
     assert default_weights("someone-elses-finetune") == "dense"
-    assert all(k.weights in ("dense", DEFAULT_WEIGHTS) for k in KNOWN_MODELS.values())
+    assert all(k.weights in ("dense", "int8", "int4") for k in KNOWN_MODELS.values())
     cpu = torch.device("cpu")
     assert resolve_weights("auto", cpu, default="dense") == "dense"
     assert resolve_weights("auto", cpu, default="int8") == ("int8" if quant.available() else "dense")
     assert resolve_weights("auto", torch.device("cuda"), default="int8") == "dense"
+    assert resolve_weights("auto", cpu, default="int4") == ("int4" if quant.available() else "dense")
 
 
 def test_native_off_turns_the_integer_kernels_off_too():

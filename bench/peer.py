@@ -269,7 +269,8 @@ def _rag_markdown(rag: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|"]
     for name, side in rag.items():
         blend = side.get("blend")
-        label = name if not blend else f"{name} ({blend.get('mode')} {blend.get('rule') or ''} {blend.get('ratio') or ''})"
+        said = [str(blend[k]) for k in ("mode", "rule", "ratio") if blend and blend.get(k) is not None]
+        label = f"{name} ({' '.join(said)})" if said else name
         for level, f in side["levels"].items():
             rows.append(f"| {label} | {level} | {f['requests_per_s']:.3f} | {f['ttft_p50_s']:.3f} | {f['ttft_p90_s']:.3f} "
                         f"| {f['right']}/{f['requests']} | {f['prompt_tokens_p50']:.0f} | "

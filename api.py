@@ -213,7 +213,8 @@ class KVRag:
             waiting=self.loop.waiting(), running=self.loop.running(), free_blocks=engine.free_blocks,
             blocks=engine.kv.pool.num_blocks, prefix_blocks=len(engine.kv.prefix),
             rows_admitted=engine.kv.admitted_rows, rows_gathered=engine.kv.read_out.gathered,
-            rows_packed=engine.kv.read_out.packed,
+            rows_packed=engine.kv.read_out.packed, prefix_saved=engine.kv.spill.saved if engine.kv.spill else 0,
+            prefix_restored=engine.kv.spill.restored if engine.kv.spill else 0,
             writes_given=engine.writes.given, writes_done=engine.writes.done, writes_failed=engine.writes.failed,
             kept_admitted=keeper.admitted if keeper else 0, kept_evicted=keeper.evicted if keeper else 0,
             prefix_hit_rate=tiers.prefix_hit_rate if tiers else 0.0, memory_hit_rate=tiers.memory_hit_rate if tiers else 0.0,
@@ -264,6 +265,8 @@ class EngineStats:
     rows_admitted: int  # prompt rows copied into the pool (a prefix hit's rows are referenced, not copied)
     rows_gathered: int  # a cached head's rows copied out of the pool into one tensor, per layer read
     rows_packed: int  # a cached head's rows packed into the row kernel's workspace, per layer read
+    prefix_saved: int  # prefix cache blocks handed to the store's prefix table, and read back from it
+    prefix_restored: int
     writes_given: int  # write-back jobs given, those done, and those that failed (the log says why)
     writes_done: int
     writes_failed: int

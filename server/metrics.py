@@ -74,6 +74,9 @@ class _EngineState:
                       "(a prefix hit's rows are referenced, not copied), and a cached head's out of it, gathered or "
                       "packed into the row kernel's workspace, each layer's read counted", "how",
                       {"admitted": s.rows_admitted, "gathered": s.rows_gathered, "packed": s.rows_packed})
+        yield _family(CounterMetricFamily, "kvrag_prefix_store_blocks", "Prefix cache blocks spilled to the store's "
+                      "prefix table, and read back into the pool from it (engine/prefix_spill.py)", "event",
+                      {"saved": s.prefix_saved, "restored": s.prefix_restored})
         yield _family(CounterMetricFamily, "kvrag_write_back_jobs", "Jobs of the write-back worker (kept passages, "
                       "chunks computed on the fly): given, done, and failed (the log says why)", "state",
                       {"given": s.writes_given, "done": s.writes_done, "failed": s.writes_failed})

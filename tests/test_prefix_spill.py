@@ -95,6 +95,7 @@ def test_a_chat_survives_kill_9_its_next_turn_s_head_from_the_store(store_copy, 
     restarted, url = start_server(store_copy, tiny_llama_dir)
     try:
         after = _chat(url, history + [{"role": "user", "content": turns[3]}], 1)
+        metrics = httpx.get(url + "/metrics").text
     finally:
         restarted.send_signal(signal.SIGTERM)
         restarted.wait(60)
@@ -106,6 +107,8 @@ def test_a_chat_survives_kill_9_its_next_turn_s_head_from_the_store(store_copy, 
         alive.send_signal(signal.SIGTERM)
         alive.wait(60)
     assert after["cached"] == warm["cached"] >= after["prompt"] - 2 * 16  # the history's whole blocks
+    restored = [line for line in metrics.splitlines() if line.startswith('kvrag_prefix_store_blocks_total{event="restored"}')]
+    assert float(restored[0].split()[-1]) == after["cached"] // 16  # each from the store, none from its own pool
     assert after["top"] == warm["top"]  # the stored rows are the pool's, bit for bit
     verified = run_kvrag("store", "verify", "--store", str(store_copy), "--json")
     assert json.loads(verified.stdout)["bad_prefix_blocks"] == 0

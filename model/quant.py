@@ -20,8 +20,8 @@ from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.kernels.decode_step import MATRICES
 
 WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: the model's own default where the kernel runs, else dense
-# The quantized form auto gives where a model names none: int8 kept the dense model's greedy tokens far better than
-# int4 (docs/quantized.md). Each known model's own (int8, or int4 where its answers held): model/names.py's `weights`
+# The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4
+# (docs/quantized.md), so int4 is asked for by name. Which models default to it: model/names.py's `weights`
 DEFAULT_WEIGHTS = "int8"
 BITS = {"int8": 8, "int4": 4}
 # On an AMX CPU a bf16 model's prompt rows at positions from this one on (and decode calls of more rows) multiply by

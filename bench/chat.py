@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from kvrag.bench.chat_restart import next_turn_after_restart
-from kvrag.bench.serve_load import ask, client
+from kvrag.bench.serve_load import ask, client, labelled
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_soak import rss_mb
 from kvrag.bench.serve_store import model_args
@@ -115,11 +115,9 @@ async def _timed(api, http, server, model, message, history, extra, max_tokens) 
 
 
 async def _rows_copied(http: httpx.AsyncClient, url: str) -> dict[str, int]:
-    """The server's kvrag_kv_rows_copied counter by its `how` label (Prometheus text)."""
+    """The server's kvrag_kv_rows_copied counter by its `how` label."""
     text = (await http.get(url + "/metrics")).text
-    prefix = "kvrag_kv_rows_copied_total{how=\""
-    found = {line[len(prefix):].split("\"", 1)[0]: int(float(line.split()[-1]))
-             for line in text.splitlines() if line.startswith(prefix)}
+    found = {how: int(n) for how, n in labelled(text, "kvrag_kv_rows_copied_total", "how").items()}
     if not found:
         raise KvragError("the server's /metrics has no kvrag_kv_rows_copied_total")
     return found

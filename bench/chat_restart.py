@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from kvrag.bench.serve_load import ask, client
+from kvrag.bench.serve_load import ask, client, labelled
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.errors import KvragError
 
@@ -27,7 +27,7 @@ def next_turn_after_restart(server: ServerProcess, restart, history: list[dict],
     warm, full = asyncio.run(_before(server, history, turn_a, max_tokens))
     log(f"next turn warm: TTFT {warm['ttft_s']:.3f} s ({warm['cached_tokens']} cached); in full "
         f"{full['ttft_s']:.3f} s")
-    _wait_for_writes(server.url)
+    wait_for_writes(server.url)
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(60)
     with restart() as again:
@@ -61,12 +61,11 @@ async def _turn(api, model: str, history, message: str, extra: dict, max_tokens:
             "cached_tokens": result.cached_tokens}
 
 
-def _wait_for_writes(url: str, timeout_s: float = 300.0) -> None:
+def wait_for_writes(url: str, timeout_s: float = 300.0) -> None:
     """Until the server's write-back worker has done every job given (its /metrics)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        jobs = {line.split('"')[1]: float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
-                if line.startswith("kvrag_write_back_jobs_total{")}
+        jobs = labelled(httpx.get(url + "/metrics").text, "kvrag_write_back_jobs_total", "state")
         if jobs and jobs["given"] <= jobs["done"] + jobs["failed"]:
             return
         time.sleep(0.1)

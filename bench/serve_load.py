@@ -124,6 +124,12 @@ async def scrape(url: str) -> dict[str, float]:
     return samples
 
 
+def labelled(text: str, name: str, label: str) -> dict[str, float]:
+    """One metric's samples by one label's value (a counter's name with its _total), from /metrics' text."""
+    return {s.labels[label]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name and label in s.labels}
+
+
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the server counted between two scrapes: tokens reused vs computed, chunks by tier, requests by
     outcome, its own mean TTFT and latency; and the tiers' hit rates (gauges since the server started)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvrag.bench.invented import invented_items
-from kvrag.bench.serve_load import workload
+from kvrag.bench.serve_load import labelled, workload
 from kvrag.bench.serve_mixed_store import snapshot
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_soak import SoakConfig, rss_mb
@@ -185,21 +185,12 @@ async def _crash(cfg: MixedConfig, server: ServerProcess, passages: list[str], l
     lost = sorted(set(before["corpus"]) - set(after["corpus"]))
     log(f"crash: verify exit {verify.returncode}, {len(lost)} corpus chunks lost, kept passages "
         f"{after['kept_bytes'] / 2**20:.1f} MiB of {bound / 2**20:.1f}")
-    return {"statuses": outcomes, "write_back_before": _jobs(metrics), "verify_exit": verify.returncode,
+    return {"statuses": outcomes, "write_back_before": labelled(metrics, "kvrag_write_back_jobs_total", "state"), "verify_exit": verify.returncode,
             "killed_passage_kept": bool(set(after["kept"]) - set(before["kept"])),
             "verify_tail": verify.stdout.strip().splitlines()[-1:] + verify.stderr.strip().splitlines()[-1:],
             "corpus_before": len(before["corpus"]), "corpus_lost": lost, "kept_before": len(before["kept"]),
             "kept_after": len(after["kept"]), "records_without_kv": after["records_without_kv"],
             "kept_bytes": after["kept_bytes"], "kept_bound": bound, "store_bytes": after["store_bytes"]}
-
-
-def _jobs(metrics: str) -> dict[str, float]:
-    """kvrag_write_back_jobs by state, from /metrics' text."""
-    out = {}
-    for line in metrics.splitlines():
-        if line.startswith("kvrag_write_back_jobs") and 'state="' in line:
-            out[line.split('state="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def markdown(report: dict) -> str:

@@ -58,14 +58,11 @@ class SequenceKV:
         if short > 0:
             self.prefix.evict(short)
 
-    def _allocate(self, n: int) -> list[int]:
-        self._room(n)
-        return self.pool.allocator.allocate(n)
-
     def allocate(self, n: int) -> list[int]:
         """n blocks, a reference on each for the caller, evicting cached blocks no sequence holds where needed;
         OutOfBlocks when even that is not enough."""
-        return self._allocate(n)
+        self._room(n)
+        return self.pool.allocator.allocate(n)
 
     def cache_blocks(self, ids: Sequence[int], blocks: list[int], salt: str, exact_rows: int) -> None:
         """A sequence's whole blocks into the prefix cache (rows 0.. are `ids`, the first exact_rows exact), and its
@@ -97,7 +94,7 @@ class SequenceKV:
         else:
             shared = self.shared if n_tokens > self.shared_tokens and self._starts_shared(cache) else []
             new_refs = shared
-        fresh = self._allocate(self.pool.layout.blocks_for(n_tokens) - len(shared))
+        fresh = self.allocate(self.pool.layout.blocks_for(n_tokens) - len(shared))
         self.pool.share(new_refs)
         table = BlockTable(list(shared) + fresh, n_tokens, self.block_size)
         self._copy_rows(table, cache, len(shared) * self.block_size, n_tokens)
@@ -128,7 +125,7 @@ class SequenceKV:
         """Room for one more token at position table.n_tokens: a new block when the last one is full, a private
         copy of the last block when it is shared. OutOfBlocks when the pool has no block left."""
         if table.n_tokens % self.block_size == 0:
-            table.blocks.extend(self._allocate(1))
+            table.blocks.extend(self.allocate(1))
         else:
             if self.pool.allocator.refcount(table.blocks[-1]) > 1:
                 self._room(1)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 
 import httpx
 import pytest
 import torch
 
+from kvrag.bench.chat_restart import wait_for_writes
+from kvrag.bench.serve_load import labelled
 from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefix_spill import PrefixSpill
 from kvrag.store.env import StoreEnv
@@ -88,7 +89,7 @@ def test_a_chat_survives_kill_9_its_next_turn_s_head_from_the_store(store_copy, 
     proc, url = start_server(store_copy, tiny_llama_dir)
     try:
         history = _converse(url, turns[:3])
-        _wait_for_writes(url)
+        wait_for_writes(url)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)
@@ -107,8 +108,8 @@ def test_a_chat_survives_kill_9_its_next_turn_s_head_from_the_store(store_copy, 
         alive.send_signal(signal.SIGTERM)
         alive.wait(60)
     assert after["cached"] == warm["cached"] >= after["prompt"] - 2 * 16  # the history's whole blocks
-    restored = [line for line in metrics.splitlines() if line.startswith('kvrag_prefix_store_blocks_total{event="restored"}')]
-    assert float(restored[0].split()[-1]) == after["cached"] // 16  # each from the store, none from its own pool
+    restored = labelled(metrics, "kvrag_prefix_store_blocks_total", "event")["restored"]
+    assert restored == after["cached"] // 16  # each from the store, none from its own pool
     assert after["top"] == warm["top"]  # the stored rows are the pool's, bit for bit
     verified = run_kvrag("store", "verify", "--store", str(store_copy), "--json")
     assert json.loads(verified.stdout)["bad_prefix_blocks"] == 0
@@ -131,17 +132,6 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> dict:
     choice, usage = reply["choices"][0], reply["usage"]
     return {"text": choice["message"]["content"], "top": choice["logprobs"]["content"][0]["top_logprobs"],
             "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
-
-
-def _wait_for_writes(url: str) -> None:
-    """Until the server's write-back worker has done every job given (its /metrics)."""
-    for _ in range(200):
-        jobs = {line.split('"')[1]: float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
-                if line.startswith("kvrag_write_back_jobs_total{")}
-        if jobs and jobs["given"] == jobs["done"] + jobs["failed"]:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the write-back worker did not finish")
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ else from its default; nothing below this module reads the environment (home.py 
                                             slower check is put off (answered in full until `kvrag model check` runs it)
     cuda_graphs      KVRAG_CUDA_GRAPHS      False: on a GPU, replay the decode step from CUDA graphs (engine/decode_graphs.py;
                                             off until the GPU check has measured it: docs/gpu.md)
-    weights          KVRAG_WEIGHTS          auto: the layers' matrices dense, int8 or int4 (model/quant.py)
+    weights          KVRAG_WEIGHTS          auto: the layers' matrices dense, int8, int4 or mixed (model/quant.py)
     lead_in          KVRAG_LEAD_IN          None: 2,048 tokens of corpus text before each stored chunk of a model whose
                                             layers slide, none for the others (precompute/lead_in.py; 0: none)
 
@@ -66,7 +66,7 @@ class KVRagConfig:
     kernels: str = "auto"
     threads: int | None = None
     native: bool = True
-    weights: str = "auto"  # the layers' matrices: dense, int8, int4 or auto (model/quant.py)
+    weights: str = "auto"  # the layers' matrices: dense, int8, int4, mixed or auto (model/quant.py)
     compiler: str | None = None
     malloc_defaults: bool = False
     max_map_size: int | None = None

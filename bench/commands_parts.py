@@ -81,7 +81,7 @@ def bench_decode(
                                 "the native batched step alone over scattered blocks instead of one stream."),
     threads: int = typer.Option(None, "--threads", min=1, help="Threads a batched step (default: torch's count)."),
     weights: str = typer.Option("dense", "--weights", help="The matrices' forms, comma-separated (dense, int8, "
-                                "int4): a table each, over the same bf16 model."),
+                                "int4, mixed): a table each, over the same bf16 model."),
     model: str = MODEL_OPTION,
 ) -> None:
     """Decode tokens/s against this machine's memory floor: one stream (reference, exact and native steps),

@@ -169,7 +169,7 @@ def bench_weights(
     passages: int = typer.Option(None, "--passages", min=1, help="The first N passages of each item (default all)."),
     answer_tokens: int = typer.Option(64, "--answer-tokens", min=1, help="Greedy answer length."),
     forms: str = typer.Option("int8,int4", "--weights", help="Forms to score against the dense model: int8, int4, "
-                              "float32 (dense in float32: how far the dtype alone moves the answers)."),
+                              "mixed, float32 (dense in float32: how far the dtype alone moves the answers)."),
     out: Path = typer.Option(None, "--out", help="Append the markdown table to this file."),
     answers: bool = typer.Option(False, "--answers", help="Judge each form by its free-running answers (as `ask "
                                  "--mode full` gives them) against the dense model's and the gold ones."),
@@ -179,7 +179,7 @@ def bench_weights(
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
 ) -> None:
-    """What int8 and int4 weights keep of the dense model: first-token KL, greedy token and answer agreement on
+    """What int8, int4 and mixed weights keep of the dense model: first-token KL, greedy token and answer agreement on
     RAG prompts, or (--answers) the free-running answers themselves (docs/quantized.md).
 
     Example: kvrag bench weights --model qwen2.5-coder-0.5b --items 10 --invented 10
@@ -198,7 +198,7 @@ def bench_weights(
 
     names = [f.strip() for f in forms.split(",") if f.strip()]
     if split not in ("tune", "report") or not names or any(n not in (*BITS, "float32") for n in names):
-        raise KvragError(f"--split takes tune or report and --weights int8, int4, float32, got {split!r}, {forms!r}")
+        raise KvragError(f"--split takes tune or report and --weights int8, int4, mixed, float32, got {split!r}, {forms!r}")
     raw = read_dataset(dataset) if items or (answers and answerable) else []
     indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
     runtime = Runtime.load(model, dtype, tune_process=True, weights="dense")

@@ -24,8 +24,9 @@ MODEL_OPTION = typer.Option(None, "--model", envvar="KVRAG_MODEL",
 DTYPE_OPTION = typer.Option(None, "--dtype", envvar="KVRAG_DTYPE", help="auto, float32 or bfloat16.")
 DEVICE_OPTION = typer.Option(None, "--device", envvar="KVRAG_DEVICE", help="auto, cpu or cuda.")
 WEIGHTS_OPTION = typer.Option(None, "--weights", envvar="KVRAG_WEIGHTS",
-                              help="The layers' matrices: dense (--dtype's), int8 or int4 (weight-only, decoded by "
-                                   "kvrag's AVX512-VNNI kernel), or auto (the default: docs/quantized.md).")
+                              help="The layers' matrices: dense (--dtype's), int8, int4 or mixed (weight-only, decoded "
+                                   "by kvrag's AVX512-VNNI kernel; mixed: 4 bits where they hold a matrix as well "
+                                   "as 8), or auto (the default: docs/quantized.md).")
 # The envvar is declared for --help; kvrag.home.default_store_dir reads the same variable when --store is unset.
 STORE_OPTION = typer.Option(None, "--store", envvar="KVRAG_STORE",
                             help="Store directory (default: <home>/store), or s3://bucket/prefix: a shared store on "

@@ -117,8 +117,8 @@ def _attend_paged(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     if not _row_kernel_takes(shape):
         return None
     if row_kernel and k.dtype in (torch.float32, torch.bfloat16):
-        if head.tally is not None:  # the kernel reads the head in place but packs it, with every key, per call
-            head.tally.packed += len(head)
+        if head.tally is not None and row_attention.packs_keys(q.shape[0], q.shape[1] // k.shape[1]):
+            head.tally.packed += len(head)  # its keys laid out in the kernel's workspace (values are read in place)
         out = row_attention.row_attention(q, shape.q_pos.to(q.device), k, v, head=head)  # [R, Hq, hd] float32
         return out.view(q.shape[0], -1)
     if triton and not shape.plain_causal:

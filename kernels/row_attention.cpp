@@ -16,17 +16,21 @@
 //                          Hkv, D] through slots [n_head]) and the other S - n_head here: the first pass reads
 //                          each key where it lies, so a prefix hit is never copied out of the pool
 //   out  [R, Hq, D]        float32
-// and two workspaces the caller allocates, which a first pass fills (in parallel, by key block):
-//   kt   [Hkv, S_pad / 64, D, 64]  float32 keys transposed per block of 64, so 16 keys load as one vector; for
-//                                   bfloat16 queries, [Hkv, S_pad / 64, D / 2, 64] 32-bit pairs of bf16 keys
+// Keys are laid out per block of 64 so that 16 keys load as one vector, values as float32 rows:
+//   kt   [Hkv, S_pad / 64, D, 64]  float32 keys transposed per block, or for bfloat16 queries [Hkv, S_pad / 64,
+//                                   D / 2, 64] 32-bit pairs of bf16 keys
 //   vt   [Hkv, S_pad, D]           float32 values per head
-// S_pad rounds S up to a multiple of 64; padded keys and values are zero (a masked key's weight is 0, but
-// 0 * NaN is not).
+// in workspaces the caller allocates, which a first pass fills (in parallel, by key block) where many row blocks
+// read each key block; or (pack 0: a few rows, as a prefix hit's tail or a repeat's last row) each key block is
+// transposed into a thread's 16 KB panel as its rows reach it and the values are read where they lie, so nothing
+// is written out. Both give the same numbers to the same products, so the same bits. S_pad rounds S up to a
+// multiple of 64; padded keys and values are zero (a masked key's weight is 0, but 0 * NaN is not).
 // D must be a multiple of 64. Each KV head's `group` query heads are stacked as rows (row r, head j of the
 // group is virtual row r * group + j), so one pass over a key block serves every query head that reads it.
 
 #include <immintrin.h>
 
+#include "row_keys.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -39,27 +43,21 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {  // bfloat16 is the top half of a float32
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-constexpr int kKeyBlock = 64;   // keys per block: four 16-lane vectors
 constexpr int kTileRows = 4;    // virtual rows per register tile (4 x 4 accumulators)
 constexpr int kBlockRows = 32;  // virtual rows per work item: they share each key block while it is in cache
 
 using kvrag_simd::exp_ps;
+using kvrag_rows::kKeyBlock;
+using kvrag_rows::KeyRows;
+using kvrag_rows::to_float;
 
 struct Problem {
   const void* q;  // float32 [R, Hq, D], or bfloat16 pairs [R, Hq, D / 2] with bf16_pairs
   const int64_t* pos;
-  const void* kt;  // float32 [Hkv, S_pad / 64, D, 64], or bfloat16 pairs [Hkv, S_pad / 64, D / 2, 64]
-  const float* vt;
+  const void* kt;  // float32 [Hkv, S_pad / 64, D, 64], or bfloat16 pairs [Hkv, S_pad / 64, D / 2, 64]; null: none
+  const float* vt;  // [Hkv, S_pad, D], with kt
   float* out;
-  int64_t n_rows, n_q_heads, n_kv_heads, head_dim, s_pad;
+  int64_t n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, n_keys;
   float scale;
   bool bf16_pairs;  // queries and keys are bfloat16 values, taken two dimensions at a time
   int64_t group() const { return n_q_heads / n_kv_heads; }
@@ -100,10 +98,10 @@ struct Bf16PairDot {
   static __m512 madd(__m512 acc, __m512i q, __m512i k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
 };
 
-// scores [4 rows][64 keys] of virtual rows vrow against keys k0 .. k0+63 of one KV head. 16 named accumulators:
-// an array indexed later in loops made GCC store every accumulator to the stack on each step.
+// scores [4 rows][64 keys] of virtual rows vrow against one key block of one KV head, laid out in `keys` [steps, 64].
+// 16 named accumulators: an array indexed later in loops made GCC store every accumulator to the stack on each step.
 template <class Dot>
-__attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, const int64_t* vrow, int64_t k0,
+__attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, const int64_t* vrow, const void* keys,
                                           float (*scores)[kKeyBlock]) {
   using Elem = typename Dot::Elem;
   const int64_t steps = pb.head_dim / Dot::kDims, g = pb.group();
@@ -112,7 +110,7 @@ __attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, co
     const int64_t r = vrow[t] / g, j = vrow[t] % g;
     qrow[t] = static_cast<const Elem*>(pb.q) + (r * pb.n_q_heads + kv_head * g + j) * steps;
   }
-  const Elem* panel = static_cast<const Elem*>(pb.kt) + (kv_head * pb.s_pad + k0) * steps;  // [steps, 64]
+  const Elem* panel = static_cast<const Elem*>(keys);  // [steps, 64]
   const Elem *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
   __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
   __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
@@ -140,15 +138,24 @@ __attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, co
 }
 #pragma GCC pop_options
 
-// One tile of 4 virtual rows against one key block: scores, online softmax, and P @ V into the row sums.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 values widened (exactly) to float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// One tile of 4 virtual rows against one key block (its keys laid out in `panel`, its 64 value rows at `values`):
+// scores, online softmax, and P @ V into the row sums.
+template <typename T>
 inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, const int64_t* rpos, int64_t k0,
-                      bool masked, float* acc, float* row_max, float* row_sum) {
+                      bool masked, const void* panel, const T* const* values, float* acc, float* row_max,
+                      float* row_sum) {
   const int64_t d = pb.head_dim;
   alignas(64) float scores[kTileRows][kKeyBlock];
   if (pb.bf16_pairs)
-    score_tile<Bf16PairDot>(pb, kv_head, vrow, k0, scores);
+    score_tile<Bf16PairDot>(pb, kv_head, vrow, panel, scores);
   else
-    score_tile<Fp32Dot>(pb, kv_head, vrow, k0, scores);
+    score_tile<Fp32Dot>(pb, kv_head, vrow, panel, scores);
   alignas(64) float p[kTileRows][kKeyBlock];
   float alpha[kTileRows];
   const __m512 scale = _mm512_set1_ps(pb.scale);
@@ -186,7 +193,6 @@ inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, c
     row_sum[t] = row_sum[t] * alpha[t] + _mm512_reduce_add_ps(total);
   }
   // acc[t] = acc[t] * alpha[t] + p[t] @ V[k0 : k0 + 64], in column chunks of 64 (named accumulators, as above)
-  const float* vblock = pb.vt + (kv_head * pb.s_pad + k0) * d;
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     float* r0 = acc + c0;
     float* r1 = acc + d + c0;
@@ -205,9 +211,8 @@ inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, c
     __m512 o30 = _mm512_mul_ps(w, _mm512_loadu_ps(r3)), o31 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 16));
     __m512 o32 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 32)), o33 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 48));
     for (int k = 0; k < kKeyBlock; ++k) {
-      const float* vrow_k = vblock + k * d + c0;
-      const __m512 v0 = _mm512_loadu_ps(vrow_k), v1 = _mm512_loadu_ps(vrow_k + 16);
-      const __m512 v2 = _mm512_loadu_ps(vrow_k + 32), v3 = _mm512_loadu_ps(vrow_k + 48);
+      const T* vrow_k = values[k] + c0;
+      const __m512 v0 = load16(vrow_k), v1 = load16(vrow_k + 16), v2 = load16(vrow_k + 32), v3 = load16(vrow_k + 48);
       __m512 pv = _mm512_set1_ps(p[0][k]);
       o00 = _mm512_fmadd_ps(pv, v0, o00); o01 = _mm512_fmadd_ps(pv, v1, o01);
       o02 = _mm512_fmadd_ps(pv, v2, o02); o03 = _mm512_fmadd_ps(pv, v3, o03);
@@ -228,8 +233,12 @@ inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, c
   }
 }
 
-// Virtual rows v0 .. v1-1 of one KV head, through every key block their last row sees.
-void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBlockState& st) {
+// Virtual rows v0 .. v1-1 of one KV head, through every key block their last row sees: each block's keys and values
+// from the workspaces, or its keys packed into `panel` as the rows reach it and its values read where they lie
+// (`zero`: D zeros for the padded keys).
+template <typename T>
+void row_block(const Problem& pb, const KeyRows<T>& keys, const T* zero, int64_t kv_head, int64_t v0, int64_t v1,
+               RowBlockState& st, std::vector<uint32_t>& panel) {
   const int64_t d = pb.head_dim, g = pb.group();
   float* acc = st.rows(d);
   const int64_t n = v1 - v0;
@@ -243,14 +252,35 @@ void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBl
     vrow[i] = v0 + std::min(i, n - 1);
     rpos[i] = pb.pos[vrow[i] / g];
   }
-  const int64_t keys = rpos[n - 1] + 1;  // the block's last row sees keys 0 .. keys-1
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+  const int64_t keys_seen = rpos[n - 1] + 1;  // the block's last row sees keys 0 .. keys_seen-1
+  const int64_t steps = pb.bf16_pairs ? d / 2 : d;  // a panel's 32-bit lanes a key
+  const T* values[kKeyBlock];
+  const float* packed[kKeyBlock];
+  for (int64_t k0 = 0; k0 < keys_seen; k0 += kKeyBlock) {
+    const void* block = static_cast<const uint32_t*>(pb.kt) + (kv_head * pb.s_pad + k0) * steps;
+    if (pb.kt == nullptr) {  // score_tile's loads are aligned: the panel starts on a 64-byte line
+      panel.resize(steps * kKeyBlock + 16);
+      void* line = panel.data() + (16 - reinterpret_cast<uintptr_t>(panel.data()) / 4 % 16) % 16;
+      pack_key_block(keys, pb.n_keys, kv_head, k0 / kKeyBlock, pb.bf16_pairs, line);
+      block = line;
+    }
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      const int64_t key = k0 + j;
+      if (pb.kt)
+        packed[j] = pb.vt + (kv_head * pb.s_pad + key) * d;
+      else
+        values[j] = key < pb.n_keys ? keys.value_row(key, kv_head) : zero;
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t* tp = rpos + t * kTileRows;
       if (tp[kTileRows - 1] < k0) continue;  // every row of the tile lies before this key block
       const bool masked = tp[0] < k0 + kKeyBlock - 1;
-      tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, acc + t * kTileRows * d,
-                st.max + t * kTileRows, st.sum + t * kTileRows);
+      if (pb.kt)
+        tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, block, packed, acc + t * kTileRows * d,
+                  st.max + t * kTileRows, st.sum + t * kTileRows);
+      else
+        tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, block, values, acc + t * kTileRows * d,
+                  st.max + t * kTileRows, st.sum + t * kTileRows);
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -258,59 +288,6 @@ void row_block(const Problem& pb, int64_t kv_head, int64_t v0, int64_t v1, RowBl
     float* dst = pb.out + (r * pb.n_q_heads + kv_head * g + j) * d;
     const float inv = 1.0f / st.sum[i];
     for (int64_t e = 0; e < d; ++e) dst[e] = acc[i * d + e] * inv;
-  }
-}
-
-// Where the keys are: the first n_head in a paged pool (hk, hv [slots, Hkv, D], key i at row slots[i]: a cached
-// prefix read where it lies), the rest contiguous in k, v [S - n_head, Hkv, D].
-template <typename T>
-struct KeyRows {
-  const T* hk;
-  const T* hv;
-  const int64_t* slots;
-  int64_t n_head;
-  const T* k;
-  const T* v;
-  int64_t row(int64_t key) const { return key < n_head ? slots[key] : key - n_head; }
-  const T* k_at(int64_t key) const { return key < n_head ? hk : k; }
-  const T* v_at(int64_t key) const { return key < n_head ? hv : v; }
-};
-
-// Keys and values of key blocks b0 .. b1-1, every head, from `keys` (float32 or bf16) into kt and vt. With
-// key_pairs, the bf16 keys go into kt as they are, two dimensions to a 32-bit lane ([D / 2, 64] panels).
-template <typename T>
-void pack_blocks(const KeyRows<T>& keys, int64_t n_keys, int64_t n_kv_heads, int64_t d, int64_t s_pad, void* kt,
-                 float* vt, bool key_pairs, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t h = 0; h < n_kv_heads; ++h) {
-      float* panel = static_cast<float*>(kt) + (h * s_pad + b * kKeyBlock) * d;  // [D, 64]
-      uint32_t* pairs = static_cast<uint32_t*>(kt) + (h * s_pad + b * kKeyBlock) * d / 2;  // [D / 2, 64]
-      float* vrows = vt + (h * s_pad + b * kKeyBlock) * d;  // [64, D]
-      for (int64_t j = 0; j < kKeyBlock; ++j) {
-        const int64_t key = b * kKeyBlock + j;
-        if (key >= n_keys) {
-          for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = 0.0f;
-          if (key_pairs)
-            for (int64_t e = 0; e < d / 2; ++e) pairs[e * kKeyBlock + j] = 0;
-          else
-            for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = 0.0f;
-          continue;
-        }
-        const int64_t at = (keys.row(key) * n_kv_heads + h) * d;
-        const T* krow = keys.k_at(key) + at;
-        const T* vrow = keys.v_at(key) + at;
-        for (int64_t e = 0; e < d; ++e) vrows[j * d + e] = to_float(vrow[e]);  // contiguous: vectorised
-        if (key_pairs) {
-          uint32_t pair;
-          for (int64_t e = 0; e < d / 2; ++e) {
-            __builtin_memcpy(&pair, krow + 2 * e, sizeof pair);
-            pairs[e * kKeyBlock + j] = pair;
-          }
-        } else {
-          for (int64_t e = 0; e < d; ++e) panel[e * kKeyBlock + j] = to_float(krow[e]);
-        }
-      }
-    }
   }
 }
 
@@ -328,42 +305,62 @@ void parallel_items(int64_t n, int n_threads, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
+// Both passes for keys and values of type T (float32 or bf16): the workspaces filled first where `pack`, then every
+// (row block, KV head) item.
+template <typename T>
+void attend_rows(const Problem& pb, const KeyRows<T>& keys, bool pack, int n_threads) {
+  const int64_t key_blocks = pb.s_pad / kKeyBlock, steps = pb.bf16_pairs ? pb.head_dim / 2 : pb.head_dim;
+  if (pack) {
+    const int64_t per_item = 8;  // key blocks packed per work item
+    parallel_items((key_blocks + per_item - 1) / per_item, n_threads, [&](int64_t i) {
+      for (int64_t b = i * per_item; b < std::min((i + 1) * per_item, key_blocks); ++b) {
+        for (int64_t h = 0; h < pb.n_kv_heads; ++h) {
+          pack_key_block(keys, pb.n_keys, h, b, pb.bf16_pairs,
+                         static_cast<uint32_t*>(const_cast<void*>(pb.kt)) + (h * pb.s_pad + b * kKeyBlock) * steps);
+          pack_value_block(keys, pb.n_keys, pb.s_pad, h, b, const_cast<float*>(pb.vt));
+        }
+      }
+    });
+  }
+  Problem run = pb;
+  if (!pack) run.kt = nullptr, run.vt = nullptr;
+  const std::vector<T> zero(pb.head_dim, T{});
+  const int64_t blocks = (pb.virtual_rows() + kBlockRows - 1) / kBlockRows;
+  parallel_items(blocks * pb.n_kv_heads, n_threads, [&](int64_t i) {
+    thread_local RowBlockState st;
+    thread_local std::vector<uint32_t> panel;
+    // latest rows first: they see the most keys, so the threads end together
+    const int64_t b = blocks - 1 - i / pb.n_kv_heads, h = i % pb.n_kv_heads;
+    row_block(run, keys, zero.data(), h, b * kBlockRows, std::min((b + 1) * kBlockRows, pb.virtual_rows()), st,
+              panel);
+  });
+}
+
 }  // namespace
 
 // qk_bf16: q holds bfloat16 values (as k does) and the CPU has AVX512_BF16, so kt is the pair layout (see score_tile).
 // The first n_head keys (0: none) are read from a paged pool at hk, hv through slots (see KeyRows); n_keys counts them.
+// pack: lay every key block out in kt and vt first (many rows), else each as its rows reach it (kt, vt unused).
 extern "C" int kvrag_row_attention(const void* q, int qk_bf16, const int64_t* pos, const void* k, const void* v,
                                    const void* hk, const void* hv, const int64_t* slots, int64_t n_head,
-                                   int k_is_bf16, int64_t n_keys, void* kt, float* vt, float* out, int64_t n_rows,
-                                   int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
-                                   int n_threads) {
+                                   int k_is_bf16, int64_t n_keys, void* kt, float* vt, int pack, float* out,
+                                   int64_t n_rows, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                                   float scale, int n_threads) {
   if (head_dim % 64 || n_kv_heads <= 0 || n_q_heads % n_kv_heads) return 1;
   if (n_head < 0 || n_head > n_keys || (n_head > 0 && !slots)) return 3;
   if (qk_bf16 && !k_is_bf16) return 2;
   if (n_rows == 0) return 0;
-  const int64_t key_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock, s_pad = key_blocks * kKeyBlock;
-  const int64_t per_item = 8;  // key blocks packed per work item
-  parallel_items((key_blocks + per_item - 1) / per_item, n_threads, [&](int64_t i) {
-    const int64_t b0 = i * per_item, b1 = std::min(b0 + per_item, key_blocks);
-    if (k_is_bf16) {
-      using T = uint16_t;
-      const KeyRows<T> keys{static_cast<const T*>(hk), static_cast<const T*>(hv), slots, n_head,
-                            static_cast<const T*>(k), static_cast<const T*>(v)};
-      pack_blocks(keys, n_keys, n_kv_heads, head_dim, s_pad, kt, vt, qk_bf16, b0, b1);
-    } else {
-      using T = float;
-      const KeyRows<T> keys{static_cast<const T*>(hk), static_cast<const T*>(hv), slots, n_head,
-                            static_cast<const T*>(k), static_cast<const T*>(v)};
-      pack_blocks(keys, n_keys, n_kv_heads, head_dim, s_pad, kt, vt, false, b0, b1);
-    }
-  });
-  const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, scale, qk_bf16 != 0};
-  const int64_t blocks = (pb.virtual_rows() + kBlockRows - 1) / kBlockRows;
-  parallel_items(blocks * n_kv_heads, n_threads, [&](int64_t i) {
-    thread_local RowBlockState st;
-    // latest rows first: they see the most keys, so the threads end together
-    const int64_t b = blocks - 1 - i / n_kv_heads, h = i % n_kv_heads;
-    row_block(pb, h, b * kBlockRows, std::min((b + 1) * kBlockRows, pb.virtual_rows()), st);
-  });
+  const int64_t s_pad = (n_keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, n_keys, scale, qk_bf16 != 0};
+  auto run = [&](auto element) {  // keys and values of this type: bf16 (uint16_t) or float32
+    using T = decltype(element);
+    const KeyRows<T> keys{static_cast<const T*>(hk), static_cast<const T*>(hv), slots, n_head,
+                          static_cast<const T*>(k), static_cast<const T*>(v), n_kv_heads, head_dim};
+    attend_rows(pb, keys, pack != 0, n_threads);
+  };
+  if (k_is_bf16)
+    run(uint16_t{});
+  else
+    run(0.0f);
   return 0;
 }

@@ -15,6 +15,11 @@ from kvrag.kernels.cpu import cpu_flags
 
 KEY_BLOCK = 64  # the kernel's keys per block: K and V are padded to a multiple of it
 HEAD_DIM_MULTIPLE = 64  # the kernel handles head dims that are multiples of this
+BLOCK_ROWS = 32  # the kernel's query rows (each query head of a row counted) a work item
+# Up to this many row blocks a KV head, each key block is laid out as its rows reach it and the values are read
+# where they lie (nothing written out: a prefix hit's short tail, a repeat's last row); past it, keys and values
+# are laid out once in workspaces first, since every row block would lay them out again
+PACK_FROM_BLOCKS = 2
 
 
 def available() -> bool:
@@ -23,6 +28,12 @@ def available() -> bool:
 
 def supports(head_dim: int) -> bool:
     return head_dim % HEAD_DIM_MULTIPLE == 0 and available()
+
+
+def packs_keys(n_rows: int, group: int) -> bool:
+    """Whether a call of n_rows query rows, `group` query heads a KV head, lays its keys and values out in
+    workspaces first."""
+    return -(-n_rows * group // BLOCK_ROWS) > PACK_FROM_BLOCKS
 
 
 def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,18 +66,19 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError("bf16_dot needs bfloat16 queries and keys and a CPU with AVX512_BF16")
     pairs = possible if bf16_dot is None else bf16_dot
     k, v = (x.to(dtype).contiguous() for x in (k, v))  # no copy for the decode cache's own tensors
-    if pairs:  # workspaces the kernel fills: keys as 32-bit pairs of bf16 dimensions, values in float32
-        kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d // 2, KEY_BLOCK, dtype=torch.int32)
-    else:
-        kt = torch.empty(n_kv, s_pad // KEY_BLOCK, d, KEY_BLOCK, dtype=torch.float32)
-    vt = torch.empty(n_kv, s_pad, d, dtype=torch.float32)
+    pack = packs_keys(n_rows, n_q // n_kv)
+    # the workspaces the kernel fills where it packs: keys as 32-bit pairs of bf16 dimensions or float32, values
+    # in float32
+    kt = torch.empty((n_kv, s_pad // KEY_BLOCK, d // 2 if pairs else d, KEY_BLOCK) if pack else (0,),
+                     dtype=torch.int32 if pairs else torch.float32)
+    vt = torch.empty((n_kv, s_pad, d) if pack else (0,), dtype=torch.float32)
     q = q.to(torch.bfloat16 if pairs else torch.float32).contiguous()
     pos = q_pos.to(torch.int64).contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
     hk, hv = (None, None) if head is None else (head.k.data_ptr(), head.v.data_ptr())
     rc = kernel(q.data_ptr(), int(pairs), pos.data_ptr(), k.data_ptr(), v.data_ptr(), hk, hv,
                 None if slots is None else slots.data_ptr(), n_head, int(dtype == torch.bfloat16),
-                s, kt.data_ptr(), vt.data_ptr(), out.data_ptr(), n_rows, n_q, n_kv, d, d ** -0.5,
+                s, kt.data_ptr(), vt.data_ptr(), int(pack), out.data_ptr(), n_rows, n_q, n_kv, d, d ** -0.5,
                 torch.get_num_threads())
     if rc:
         raise RuntimeError(f"row-attention kernel refused the shapes (code {rc})")
@@ -88,6 +100,6 @@ def bf16_dot_serves(dtype: torch.dtype) -> bool:
 def _kernel():
     return native.function("kvrag_row_attention", ctypes.c_int,
                            [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
-                           + [ctypes.c_int, ctypes.c_int64]
-                           + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_void_p]
                            + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int])

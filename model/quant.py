@@ -1,5 +1,7 @@
-"""Weight-only quantized linear layers (`--weights int8|int4`): every layer's matrices and the LM head held as
-kernels/quant.py packs them, the embedding table and the norms kept as they are.
+"""Weight-only quantized linear layers (`--weights int8|int4|mixed`): every layer's matrices and the LM head held as
+kernels/quant.py packs them, the embedding table and the norms kept as they are. `mixed` holds each matrix in 4 bits
+where 4 bits give its values back at least as closely as 8 (a GGUF's own 4-bit blocks come back almost exactly), else
+in 8: what llama.cpp reads of a Q4_K_M file, in half int8's bytes and closer to the checkpoint than int8.
 
 A product runs quant.cpp's integer kernel (VNNI dot products over a quarter or a sixth of float32's bytes); with
 AMX, a bf16 model's products of many rows (DENSE_ROWS) run AMX's bf16 matmul over the matrix dequantized for the
@@ -19,11 +21,11 @@ from kvrag.kernels import quant
 from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.kernels.decode_step import MATRICES
 
-WEIGHTS = ("auto", "dense", "int8", "int4")  # auto: the model's own default where the kernel runs, else dense
+WEIGHTS = ("auto", "dense", "int8", "int4", "mixed")  # auto: the model's own default where the kernel runs, else dense
 # The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4
 # (docs/quantized.md), so int4 is asked for by name. Which models default to it: model/names.py's `weights`
 DEFAULT_WEIGHTS = "int8"
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int4": 4, "mixed": None}  # None: each matrix's own (`bits_for`)
 # On an AMX CPU a bf16 model's prompt rows at positions from this one on (and decode calls of more rows) multiply by
 # the matrix dequantized for the call (AMX's bf16 matmul), the rest through the integer kernel: where the two
 # crossed (docs/quantized.md)
@@ -121,7 +123,7 @@ def head_rows(w: torch.Tensor | QuantWeight, index: torch.Tensor) -> torch.Tenso
 
 
 def resolve_weights(weights: str, device: torch.device, native: bool = True, default: str = DEFAULT_WEIGHTS) -> str:
-    """The weights' form a setting (config.py's `weights`) gives on this device: dense, int8 or int4; KvragError
+    """The weights' form a setting (config.py's `weights`) gives on this device: dense, int8, int4 or mixed; KvragError
     where a quantized form cannot run here. `default`: what auto gives where the kernel runs (the model's own,
     model/names.py's default_weights). `native` False (KVRAG_NATIVE=0: kvrag's C++ kernels off) leaves the
     integer kernels off too, so auto is dense."""
@@ -139,12 +141,22 @@ def resolve_weights(weights: str, device: torch.device, native: bool = True, def
     return weights
 
 
+def bits_for(w: torch.Tensor, weights: str) -> int:
+    """The bits a layer matrix w [N, K] is held in: the form's own, or for `mixed` 4 where 4 bits give back w's
+    values at least as closely as 8 (relative error of the dequantized matrix), else 8."""
+    if BITS[weights] is not None:
+        return BITS[weights]
+    errors = {bits: float((quant.dequantize(quant.Packed.of(w, bits)) - w.float()).norm()) for bits in (4, 8)}
+    return 4 if errors[4] <= errors[8] else 8
+
+
 def quantize_layers(model, weights: str) -> None:
     """Replace the model's layer matrices and LM head by their `weights` form, in place: int8 all in 8 bits; int4
     the layers' matrices in 4 bits and the head in 8, as GGUF's 4-bit files keep their output tensor at 6-8 bits
-    (the head decides every token; docs/quantized.md). A matrix whose shape does not fit the kernel's tiles
-    (N % 16, K % 32; q/k/v's parts each a multiple of 16) stays dense."""
-    bits, c = BITS[weights], model.cfg
+    (the head decides every token; docs/quantized.md); mixed each layer matrix as `bits_for` picks, the head in 8.
+    A matrix whose shape does not fit the kernel's tiles (N % 16, K % 32; q/k/v's parts each a multiple of 16)
+    stays dense."""
+    c = model.cfg
     split = (c.n_heads * c.head_dim) % quant.TILE == 0 and (c.n_kv_heads * c.head_dim) % quant.TILE == 0
 
     def fits(w: torch.Tensor) -> bool:
@@ -154,7 +166,7 @@ def quantize_layers(model, weights: str) -> None:
         for name in MATRICES:  # LayerWeights' linear layers
             w = getattr(layer, name)
             if fits(w) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
-                setattr(layer, name, QuantWeight.of(w, bits))
+                setattr(layer, name, QuantWeight.of(w, bits_for(w, weights)))
     if fits(model.lm_head):
         model.lm_head = QuantWeight.of(model.lm_head, 8)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from kvrag.bench.chat_restart import next_turn_after_restart
+from kvrag.bench.chat_restart import next_turn_elsewhere
 from kvrag.bench.serve_load import ask, client, labelled
 from kvrag.bench.serve_server import ServerProcess
 from kvrag.bench.serve_soak import rss_mb
@@ -41,10 +41,13 @@ class ChatBenchConfig:
     model: str | None = None
     dtype: str | None = None
     restart: bool = False  # then the next turn after a kill -9 and a restart (bench/chat_restart.py)
+    move: bool = False  # or on a second replica beside the first, on the same store
 
     def __post_init__(self) -> None:
         if min(self.turns, self.words, self.max_tokens) < 1 or self.repeats < 0:
             raise KvragError("turns, words and max tokens must be positive, repeats at least 0")
+        if self.restart and self.move:
+            raise KvragError("--restart and --move each take the next turn elsewhere: give one")
 
 
 def user_turns(items: Sequence[dict], turns: int, words: int) -> list[str]:
@@ -56,18 +59,21 @@ def user_turns(items: Sequence[dict], turns: int, words: int) -> list[str]:
 
 
 def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None]) -> dict:
-    messages = user_turns(items, cfg.turns + 2 * cfg.restart, cfg.words)  # with --restart, two next turns
+    elsewhere = cfg.restart or cfg.move
+    messages = user_turns(items, cfg.turns + 2 * elsewhere, cfg.words)  # with --restart or --move, two next turns
     load_before = os.getloadavg()
     args = model_args(cfg.model, cfg.dtype)
     restarted = None
     with ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-chat.log") as server:
         turns, repeats = asyncio.run(_converse(server, messages[:cfg.turns], cfg, log))
         peak = rss_mb(server.proc.pid, "VmHWM")
-        if cfg.restart and not any("error" in t for t in turns):
+        if elsewhere and not any("error" in t for t in turns):
             history = [m for message, t in zip(messages, turns, strict=False) for m in ({"role": "user", "content": message},
                                                                            {"role": "assistant", "content": t["text"]})]
-            again = lambda: ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-chat-restart.log")  # noqa: E731
-            restarted = next_turn_after_restart(server, again, history, messages[-2], messages[-1], cfg.max_tokens, log)
+            log_name = "serve-chat-restart.log" if cfg.restart else "serve-chat-replica.log"
+            again = lambda: ServerProcess(cfg.store, args, cfg.work / "logs" / log_name)  # noqa: E731
+            restarted = next_turn_elsewhere(server, again, history, messages[-2], messages[-1], cfg.max_tokens, log,
+                                            kill=cfg.restart)
     good = [t for t in turns + repeats if "error" not in t]
     first, last = turns[0], turns[-1]
     return {"schema": "kvrag.bench-chat/1",
@@ -76,7 +82,7 @@ def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None])
             "last_over_first_ttft": last["ttft_s"] / first["ttft_s"] if "error" not in first and "error" not in last else None,
             "repeat_ttft_p50_s": statistics.median(r["ttft_s"] for r in repeats if "error" not in r)
             if any("error" not in r for r in repeats) else None,
-            "server_peak_rss_mb": peak, "restart": restarted,
+            "server_peak_rss_mb": peak, "restart" if cfg.restart else "move": restarted,
             "load_average": {"before": load_before, "after": os.getloadavg()}}
 
 
@@ -145,9 +151,10 @@ def markdown(report: dict) -> str:
              f"exact repeat, median TTFT: {repeat:.3f} s" if repeat is not None else "no repeat served",
              f"server peak RSS: {report['server_peak_rss_mb']:.0f} MB; load average before "
              f"{load['before'][0]:.2f}, after {load['after'][0]:.2f}"]
-    if (r := report.get("restart")) is not None:
-        rows.append(f"next turn: warm {r['warm']['ttft_s']:.3f} s, in full {r['full']['ttft_s']:.3f} s; after kill -9 "
-                    f"and restart {r['restarted']['ttft_s']:.3f} s ({r['restarted']['cached_tokens']} of "
-                    f"{r['restarted']['prompt_tokens']} cached): {r['restarted_over_warm']:.2f}x warm, "
-                    f"{r['restarted_over_full']:.2f}x full")
+    for key, name, how in (("restart", "restarted", "after kill -9 and restart"),
+                            ("move", "moved", "on another replica")):
+        if (r := report.get(key)) is not None:
+            rows.append(f"next turn: warm {r['warm']['ttft_s']:.3f} s, in full {r['full']['ttft_s']:.3f} s; {how} "
+                        f"{r[name]['ttft_s']:.3f} s ({r[name]['cached_tokens']} of {r[name]['prompt_tokens']} "
+                        f"cached): {r[name + '_over_warm']:.2f}x warm, {r[name + '_over_full']:.2f}x full")
     return "\n".join(rows)

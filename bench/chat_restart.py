@@ -1,11 +1,13 @@
-"""`kvrag bench chat --restart`: does a conversation outlive its server (issue 72)?
+"""`kvrag bench chat --restart` and `--move`: does a conversation outlive its server, and follow it to another
+replica (issue 72)?
 
 After the chat's turns on a server that has run them: the next turn (A) warm, its history in the pool; the same A
-under another cache salt (no hit: a full prefill of the same prompt, the baseline the restart is held to); the
-write-back worker's jobs done (the history's blocks in the store's prefix table); SIGKILL; a new server on the same
-store, warmed up on a short prompt; then another next turn (B, as long as A) after the same history, whose head
-comes from the store. Ratios in one run: B's TTFT over A's warm one (target <= 1.5) and over A's full prefill
-(target <= 0.3).
+under another cache salt (no hit: a full prefill of the same prompt, the baseline both are held to); the write-back
+worker's jobs done (the history's blocks in the store's prefix table); then, with --restart, SIGKILL and a new server
+on the same store, or with --move a second replica started beside the first on the same store (as a router sends a
+conversation elsewhere), warmed up on a short prompt; then another next turn (B, as long as A) after the same
+history, whose head comes from the store. Ratios in one run: B's TTFT over A's warm one (target <= 1.5) and over
+A's full prefill (target <= 0.3).
 """
 
 from __future__ import annotations
@@ -21,21 +23,24 @@ from kvrag.bench.serve_server import ServerProcess
 from kvrag.errors import KvragError
 
 
-def next_turn_after_restart(server: ServerProcess, restart, history: list[dict], turn_a: str, turn_b: str,
-                            max_tokens: int, log) -> dict:
-    """`restart()`: a new ServerProcess on the same store (entered by the caller's `with`). Kills `server`."""
+def next_turn_elsewhere(server: ServerProcess, other, history: list[dict], turn_a: str, turn_b: str,
+                        max_tokens: int, log, kill: bool = True) -> dict:
+    """`other()`: a new ServerProcess on the same store (entered here), which answers turn B: after `server` is
+    killed (kill), or beside it (a moved conversation). The report's keys name B `restarted` or `moved`."""
     warm, full = asyncio.run(_before(server, history, turn_a, max_tokens))
     log(f"next turn warm: TTFT {warm['ttft_s']:.3f} s ({warm['cached_tokens']} cached); in full "
         f"{full['ttft_s']:.3f} s")
     wait_for_writes(server.url)
-    server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait(60)
-    with restart() as again:
+    if kill:
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(60)
+    with other() as again:
         after = asyncio.run(_after(again, history, turn_b, max_tokens))
-    log(f"after kill -9 and restart: TTFT {after['ttft_s']:.3f} s ({after['cached_tokens']} cached)")
-    return {"warm": warm, "full": full, "restarted": after,
-            "restarted_over_warm": round(after["ttft_s"] / warm["ttft_s"], 3),
-            "restarted_over_full": round(after["ttft_s"] / full["ttft_s"], 3)}
+    name = "restarted" if kill else "moved"
+    log(f"{'after kill -9 and restart' if kill else 'on another replica'}: TTFT {after['ttft_s']:.3f} s "
+        f"({after['cached_tokens']} cached)")
+    return {"warm": warm, "full": full, name: after, f"{name}_over_warm": round(after["ttft_s"] / warm["ttft_s"], 3),
+            f"{name}_over_full": round(after["ttft_s"] / full["ttft_s"], 3)}
 
 
 async def _before(server: ServerProcess, history, message: str, max_tokens: int) -> tuple[dict, dict]:

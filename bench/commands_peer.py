@@ -94,6 +94,9 @@ def bench_chat(
     restart: bool = typer.Option(False, "--restart", help="Then the next turn warm, the same in full (another "
                                  "cache salt), SIGKILL, a restart on the store, and another next turn: its history "
                                  "from the store's prefix table (bench/chat_restart.py)."),
+    move: bool = typer.Option(False, "--move", help="Then the next turn warm, the same in full, and another next "
+                              "turn on a second server started beside the first on the same store (a conversation "
+                              "a router sends elsewhere): its history from the store's prefix table."),
     max_tokens: int = typer.Option(12, "--max-tokens", min=1, help="Answer tokens per turn, at most."),
     dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
     model: str = MODEL_OPTION,
@@ -101,7 +104,8 @@ def bench_chat(
     as_json: bool = JSON_OPTION,
 ) -> None:
     """A multi-turn plain chat and exact repeats over the real server: TTFT per turn, cached tokens, rows copied per
-    request, peak memory; with --restart, the next turn after a kill -9 and a restart against the warm server's.
+    request, peak memory; with --restart, the next turn after a kill -9 and a restart against the warm server's;
+    with --move, on a second replica on the same store.
 
     Example: kvrag bench chat --turns 12 --repeats 3
     """
@@ -112,6 +116,6 @@ def bench_chat(
     console = stderr_console()
     log = lambda m: console.print(m, highlight=False)  # noqa: E731
     store = store or sample_store(work, model, dtype, log)
-    cfg = ChatBenchConfig(store, work, turns, words, repeats, max_tokens, model, dtype, restart)
+    cfg = ChatBenchConfig(store, work, turns, words, repeats, max_tokens, model, dtype, restart, move)
     report = stamped(run(cfg, musique_report_items(dataset), log))
     emit(report, markdown, as_json)

@@ -48,3 +48,19 @@ def test_bench_chat_bad_options_are_one_line(monkeypatch, capsys, tmp_path, stor
     code, _, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy),
                                       "--work", str(tmp_path), "--turns", "400", "--words", "5000")
     assert code != 0 and "fewer than 400 turns" in err and "Traceback" not in err
+
+
+def test_bench_chat_moves_a_conversation_to_a_second_replica_on_the_same_store(monkeypatch, capsys, tmp_path,
+                                                                                store_copy, tiny_llama_dir):
+    """--move: a second `kvrag serve` started beside the first on the same store answers the next turn with the
+    history the first one spilled to the store's prefix table, as many rows cached as the first had warm."""
+    monkeypatch.setenv("KVRAG_THREADS", "1")
+    code, out, err = run_cli_in_process(
+        monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy), "--work", str(tmp_path / "work"),
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--turns", "2", "--words", "40", "--repeats", "0",
+        "--max-tokens", "4", "--move", "--json")
+    assert code == 0, err
+    moved = json.loads(out)["move"]
+    assert moved["full"]["cached_tokens"] == 0 and moved["warm"]["cached_tokens"] > 0
+    assert moved["moved"]["cached_tokens"] == moved["warm"]["cached_tokens"]
+    assert "on another replica" in markdown(json.loads(out))

@@ -10,15 +10,20 @@ from kvrag.bench.chat import markdown
 from kvrag.tests.conftest import run_cli_in_process
 
 
-def test_bench_chat_reuses_each_turn_and_copies_only_the_rows_after_the_hit(monkeypatch, capsys, tmp_path,
-                                                                             store_copy, tiny_llama_dir):
+def _bench_chat(monkeypatch, capsys, tmp_path, store, model_dir, *args: str) -> dict:
+    """`kvrag bench chat` on the tiny model in float32, 40-word turns, 4-token answers, one thread: its JSON report."""
     monkeypatch.setenv("KVRAG_THREADS", "1")
     code, out, err = run_cli_in_process(
-        monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy), "--work", str(tmp_path / "work"),
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--turns", "3", "--words", "40", "--repeats", "2",
-        "--max-tokens", "4", "--restart", "--json")
+        monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store), "--work", str(tmp_path / "work"),
+        "--model", str(model_dir), "--dtype", "float32", "--words", "40", "--max-tokens", "4", *args, "--json")
     assert code == 0, err
-    report = json.loads(out)
+    return json.loads(out)
+
+
+def test_bench_chat_reuses_each_turn_and_copies_only_the_rows_after_the_hit(monkeypatch, capsys, tmp_path,
+                                                                             store_copy, tiny_llama_dir):
+    report = _bench_chat(monkeypatch, capsys, tmp_path, store_copy, tiny_llama_dir, "--turns", "3", "--repeats", "2",
+                         "--restart")
     assert report["schema"] == "kvrag.bench-chat/1" and report["failed"] == 0
     turns, repeats = report["turns"], report["repeats"]
     assert len(turns) == 3 and len(repeats) == 2
@@ -54,13 +59,9 @@ def test_bench_chat_moves_a_conversation_to_a_second_replica_on_the_same_store(m
                                                                                 store_copy, tiny_llama_dir):
     """--move: a second `kvrag serve` started beside the first on the same store answers the next turn with the
     history the first one spilled to the store's prefix table, as many rows cached as the first had warm."""
-    monkeypatch.setenv("KVRAG_THREADS", "1")
-    code, out, err = run_cli_in_process(
-        monkeypatch, capsys, "bench", "bench", "chat", "--store", str(store_copy), "--work", str(tmp_path / "work"),
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--turns", "2", "--words", "40", "--repeats", "0",
-        "--max-tokens", "4", "--move", "--json")
-    assert code == 0, err
-    moved = json.loads(out)["move"]
+    report = _bench_chat(monkeypatch, capsys, tmp_path, store_copy, tiny_llama_dir, "--turns", "2", "--repeats", "0",
+                         "--move")
+    moved = report["move"]
     assert moved["full"]["cached_tokens"] == 0 and moved["warm"]["cached_tokens"] > 0
     assert moved["moved"]["cached_tokens"] == moved["warm"]["cached_tokens"]
-    assert "on another replica" in markdown(json.loads(out))
+    assert "on another replica" in markdown(report)

@@ -1,5 +1,5 @@
 """`kvrag bench peer`: llama.cpp's own server beside kvrag's on the same GGUF (bench/peer.py); `kvrag bench chat`: a chat
-over kvrag's server alone (bench/chat.py)."""
+over kvrag's server alone (bench/chat.py); `kvrag bench kills`: servers killed as they spill (bench/prefix_kills.py)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,31 @@ def bench_chat(
     cfg = ChatBenchConfig(store, work, turns, words, repeats, max_tokens, model, dtype, restart, move)
     report = stamped(run(cfg, musique_report_items(dataset), log))
     emit(report, markdown, as_json)
+
+
+@bench_app.command("kills")
+def bench_kills(
+    store: Path = typer.Option(..., "--store", help="The store whose prefix table the servers spill to (a copy: "
+                               "its table is bounded to --bound and evicted)."),
+    kills: int = typer.Option(10, "--kills", min=1, help="Servers started on the store and killed as they spill."),
+    bound: int = typer.Option(40 * 1024, "--bound", min=1, help="Each server's --prefix-store bytes: small, so that "
+                              "its spills evict."),
+    work: Path = typer.Option(Path("/tmp/kvrag-kills-bench"), "--work", help="Where the servers' logs go."),
+    model: str = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Servers killed (SIGKILL) as their prefix-cache spills run: after each kill, the store's prefix table read whole
+    (bench/prefix_kills.py). Exit status 1 when a block is not whole or the table passed its bound.
+
+    Example: kvrag bench kills --store /tmp/store-copy --kills 10
+    """
+    from kvrag.bench.prefix_kills import kills_during_spills, markdown
+    from kvrag.bench.serve_store import model_args
+
+    console = stderr_console()
+    report = stamped(kills_during_spills(store, model_args(model, dtype), kills, bound, work / "logs",
+                                         lambda m: console.print(m, highlight=False)))
+    emit(report, markdown, as_json)
+    if not report["ok"]:
+        raise typer.Exit(1)

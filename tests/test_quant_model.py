@@ -223,14 +223,14 @@ def test_model_info_says_the_weights_form(smol):
 
 
 def test_auto_gives_each_model_the_form_its_answers_were_measured_in():
-    """A quantized form is a model's default only where it kept that model's free-running answers (docs/quantized.md:
-    int8 for both Qwen models); a model not measured stays dense; auto gives the model's default only where the
-    kernel runs."""
+    """A quantized form is a model's default only where it kept that model's free-running answers and its blending
+    check (docs/quantized.md: int8 for the 0.5B, mixed for the 1.5B); a model not measured stays dense; auto gives the
+    model's default only where the kernel runs."""
     assert default_weights("SmolLM2-135M-Instruct") == "dense"
     assert default_weights("Qwen2.5-Coder-0.5B-Instruct") == "int8"
-    assert default_weights("Qwen2.5-Coder-1.5B-Instruct") == "int8"
+    assert default_weights("Qwen2.5-Coder-1.5B-Instruct") == "mixed"
     assert default_weights("someone-elses-finetune") == "dense"
-    assert all(k.weights in ("dense", "int8", "int4") for k in KNOWN_MODELS.values())
+    assert all(k.weights in ("dense", "int8", "int4", "mixed") for k in KNOWN_MODELS.values())
     cpu = torch.device("cpu")
     assert resolve_weights("auto", cpu, default="dense") == "dense"
     assert resolve_weights("auto", cpu, default="int8") == ("int8" if quant.available() else "dense")

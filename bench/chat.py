@@ -63,7 +63,7 @@ def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None])
     messages = user_turns(items, cfg.turns + 2 * elsewhere, cfg.words)  # with --restart or --move, two next turns
     load_before = os.getloadavg()
     args = model_args(cfg.model, cfg.dtype)
-    restarted = None
+    next_turn = None  # --restart's or --move's report
     with ServerProcess(cfg.store, args, cfg.work / "logs" / "serve-chat.log") as server:
         turns, repeats = asyncio.run(_converse(server, messages[:cfg.turns], cfg, log))
         peak = rss_mb(server.proc.pid, "VmHWM")
@@ -72,7 +72,7 @@ def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None])
                                                                            {"role": "assistant", "content": t["text"]})]
             log_name = "serve-chat-restart.log" if cfg.restart else "serve-chat-replica.log"
             again = lambda: ServerProcess(cfg.store, args, cfg.work / "logs" / log_name)  # noqa: E731
-            restarted = next_turn_elsewhere(server, again, history, messages[-2], messages[-1], cfg.max_tokens, log,
+            next_turn = next_turn_elsewhere(server, again, history, messages[-2], messages[-1], cfg.max_tokens, log,
                                             kill=cfg.restart)
     good = [t for t in turns + repeats if "error" not in t]
     first, last = turns[0], turns[-1]
@@ -82,7 +82,7 @@ def run(cfg: ChatBenchConfig, items: Sequence[dict], log: Callable[[str], None])
             "last_over_first_ttft": last["ttft_s"] / first["ttft_s"] if "error" not in first and "error" not in last else None,
             "repeat_ttft_p50_s": statistics.median(r["ttft_s"] for r in repeats if "error" not in r)
             if any("error" not in r for r in repeats) else None,
-            "server_peak_rss_mb": peak, "restart" if cfg.restart else "move": restarted,
+            "server_peak_rss_mb": peak, "restart" if cfg.restart else "move": next_turn,
             "load_average": {"before": load_before, "after": os.getloadavg()}}
 
 

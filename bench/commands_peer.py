@@ -123,11 +123,12 @@ def bench_chat(
 
 @bench_app.command("kills")
 def bench_kills(
-    store: Path = typer.Option(..., "--store", help="The store whose prefix table the servers spill to (a copy: "
-                               "its table is bounded to --bound and evicted)."),
+    store: Path = typer.Option(None, "--store", help="The store whose prefix table the servers spill to (its table "
+                               "is bounded to --bound and evicted: give a copy). Default: WORK/store, made empty "
+                               "afresh."),
     kills: int = typer.Option(10, "--kills", min=1, help="Servers started on the store and killed as they spill."),
-    bound: int = typer.Option(40 * 1024, "--bound", min=1, help="Each server's --prefix-store bytes: small, so that "
-                              "its spills evict."),
+    bound: int = typer.Option(4_000_000, "--bound", min=1, help="Each server's --prefix-store bytes: small, so that "
+                              "its spills evict (about ten of SmolLM2's blocks)."),
     work: Path = typer.Option(Path("/tmp/kvrag-kills-bench"), "--work", help="Where the servers' logs go."),
     model: str = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
@@ -136,11 +137,18 @@ def bench_kills(
     """Servers killed (SIGKILL) as their prefix-cache spills run: after each kill, the store's prefix table read whole
     (bench/prefix_kills.py). Exit status 1 when a block is not whole or the table passed its bound.
 
-    Example: kvrag bench kills --store /tmp/store-copy --kills 10
+    Example: kvrag bench kills --kills 10
     """
+    import shutil
+
     from kvrag.bench.prefix_kills import kills_during_spills, markdown
     from kvrag.bench.serve_store import model_args
+    from kvrag.store.env import StoreEnv
 
+    if store is None:  # plain chat reads no chunk: an empty store serves
+        store = work / "store"
+        shutil.rmtree(store, ignore_errors=True)
+        StoreEnv.open(store, create=True).close()
     console = stderr_console()
     report = stamped(kills_during_spills(store, model_args(model, dtype), kills, bound, work / "logs",
                                          lambda m: console.print(m, highlight=False)))

@@ -185,7 +185,8 @@ async def _crash(cfg: MixedConfig, server: ServerProcess, passages: list[str], l
     lost = sorted(set(before["corpus"]) - set(after["corpus"]))
     log(f"crash: verify exit {verify.returncode}, {len(lost)} corpus chunks lost, kept passages "
         f"{after['kept_bytes'] / 2**20:.1f} MiB of {bound / 2**20:.1f}")
-    return {"statuses": outcomes, "write_back_before": labelled(metrics, "kvrag_write_back_jobs_total", "state"), "verify_exit": verify.returncode,
+    return {"statuses": outcomes, "write_back_before": labelled(metrics, "kvrag_write_back_jobs_total", "state"),
+            "verify_exit": verify.returncode,
             "killed_passage_kept": bool(set(after["kept"]) - set(before["kept"])),
             "verify_tail": verify.stdout.strip().splitlines()[-1:] + verify.stderr.strip().splitlines()[-1:],
             "corpus_before": len(before["corpus"]), "corpus_lost": lost, "kept_before": len(before["kept"]),

@@ -271,17 +271,19 @@ void row_block(const Problem& pb, const KeyRows<T>& keys, const T* zero, int64_t
       else
         values[j] = key < pb.n_keys ? keys.value_row(key, kv_head) : zero;
     }
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t* tp = rpos + t * kTileRows;
-      if (tp[kTileRows - 1] < k0) continue;  // every row of the tile lies before this key block
-      const bool masked = tp[0] < k0 + kKeyBlock - 1;
-      if (pb.kt)
-        tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, block, packed, acc + t * kTileRows * d,
+    auto tiles_through = [&](const auto* rows) {  // the block's value rows: float32 from vt, or the pool's own
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t* tp = rpos + t * kTileRows;
+        if (tp[kTileRows - 1] < k0) continue;  // every row of the tile lies before this key block
+        const bool masked = tp[0] < k0 + kKeyBlock - 1;
+        tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, block, rows, acc + t * kTileRows * d,
                   st.max + t * kTileRows, st.sum + t * kTileRows);
-      else
-        tile_step(pb, kv_head, vrow + t * kTileRows, tp, k0, masked, block, values, acc + t * kTileRows * d,
-                  st.max + t * kTileRows, st.sum + t * kTileRows);
-    }
+      }
+    };
+    if (pb.kt)
+      tiles_through(packed);
+    else
+      tiles_through(values);
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = vrow[i] / g, j = vrow[i] % g;

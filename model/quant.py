@@ -25,7 +25,7 @@ WEIGHTS = ("auto", "dense", "int8", "int4", "mixed")  # auto: the model's own de
 # The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4
 # (docs/quantized.md), so int4 is asked for by name. Which models default to it: model/names.py's `weights`
 DEFAULT_WEIGHTS = "int8"
-BITS = {"int8": 8, "int4": 4, "mixed": None}  # None: each matrix's own (`bits_for`)
+BITS = {"int8": 8, "int4": 4, "mixed": None}  # None: each matrix's own (`packed_for`)
 # On an AMX CPU a bf16 model's prompt rows at positions from this one on (and decode calls of more rows) multiply by
 # the matrix dequantized for the call (AMX's bf16 matmul), the rest through the integer kernel: where the two
 # crossed (docs/quantized.md)
@@ -141,19 +141,20 @@ def resolve_weights(weights: str, device: torch.device, native: bool = True, def
     return weights
 
 
-def bits_for(w: torch.Tensor, weights: str) -> int:
-    """The bits a layer matrix w [N, K] is held in: the form's own, or for `mixed` 4 where 4 bits give back w's
-    values at least as closely as 8 (relative error of the dequantized matrix), else 8."""
+def packed_for(w: torch.Tensor, weights: str) -> quant.Packed:
+    """A layer matrix w [N, K] packed in the form's bits, or for `mixed` in 4 bits where they give back w's values at
+    least as closely as 8 (the dequantized matrix's error), else in 8: each form quantized once."""
     if BITS[weights] is not None:
-        return BITS[weights]
-    errors = {bits: float((quant.dequantize(quant.Packed.of(w, bits)) - w.float()).norm()) for bits in (4, 8)}
-    return 4 if errors[4] <= errors[8] else 8
+        return quant.Packed.of(w, BITS[weights])
+    four, eight = quant.Packed.of(w, 4), quant.Packed.of(w, 8)
+    error = {p.bits: float((quant.dequantize(p) - w.float()).norm()) for p in (four, eight)}
+    return four if error[4] <= error[8] else eight
 
 
 def quantize_layers(model, weights: str) -> None:
     """Replace the model's layer matrices and LM head by their `weights` form, in place: int8 all in 8 bits; int4
     the layers' matrices in 4 bits and the head in 8, as GGUF's 4-bit files keep their output tensor at 6-8 bits
-    (the head decides every token; docs/quantized.md); mixed each layer matrix as `bits_for` picks, the head in 8.
+    (the head decides every token; docs/quantized.md); mixed each layer matrix as `packed_for` picks, the head in 8.
     A matrix whose shape does not fit the kernel's tiles (N % 16, K % 32; q/k/v's parts each a multiple of 16)
     stays dense."""
     c = model.cfg
@@ -166,7 +167,7 @@ def quantize_layers(model, weights: str) -> None:
         for name in MATRICES:  # LayerWeights' linear layers
             w = getattr(layer, name)
             if fits(w) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
-                setattr(layer, name, QuantWeight.of(w, bits_for(w, weights)))
+                setattr(layer, name, QuantWeight(packed_for(w, weights), w.dtype))
     if fits(model.lm_head):
         model.lm_head = QuantWeight.of(model.lm_head, 8)
 

@@ -22,8 +22,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # blend turned into a full prefill; the gate's own tests (marked model_check) turn it back on
 os.environ["KVRAG_MODEL_CHECK"] = "0"
 # The weights are not pinned: every test runs the form `auto` gives its model on this CPU (model/names.py's
-# default_weights: dense for SmolLM2 and the tiny models, int8 for Qwen2.5-0.5B where VNNI is), and the engine's
-# tests run int8 too where it can run (WEIGHT_FORMS), each against its own reference
+# default_weights: dense for SmolLM2 and the tiny models, int8 for Qwen2.5-0.5B and mixed for the 1.5B where VNNI is),
+# and the engine's tests run int8 too where it can run (WEIGHT_FORMS), each against its own reference
 os.environ.pop("KVRAG_WEIGHTS", None)
 XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 # the user's KVRAG_HOME, before the session's own replaces it: models pulled for the tests (`make test` pulls

@@ -150,8 +150,8 @@ def test_mixed_holds_a_matrix_in_4_bits_only_where_they_give_it_back_as_well_as_
     g = torch.Generator().manual_seed(5)
     gaussian = torch.randn(64, 128, generator=g)
     on_grid = quant.dequantize(quant.Packed.of(gaussian, 4))
-    assert quant_model.bits_for(on_grid, "mixed") == 4 and quant_model.bits_for(gaussian, "mixed") == 8
-    assert quant_model.bits_for(gaussian, "int4") == 4 and quant_model.bits_for(on_grid, "int8") == 8
+    assert quant_model.packed_for(on_grid, "mixed").bits == 4 and quant_model.packed_for(gaussian, "mixed").bits == 8
+    assert quant_model.packed_for(gaussian, "int4").bits == 4 and quant_model.packed_for(on_grid, "int8").bits == 8
     model = _load(tiny_llama_hd64_dir, weights="mixed")
     bits = {name: {getattr(layer, name).bits for layer in model.layers} for name in ("wqkv", "wo", "w_gate_up", "w_down")}
     assert bits == {"wqkv": {8}, "wo": {4}, "w_gate_up": {4}, "w_down": {8}} and model.lm_head.bits == 8

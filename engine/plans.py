@@ -97,7 +97,7 @@ class Planner:
         if turn is not None:
             new = tuple(c for c in chunks if c[0] not in turn.chunk_ids)
             head, tail = self.chat.after_answer(question, bool(new), role)
-            plan = Plan((*turn.ids, *head), new, tuple(tail), turn)
+            plan = Plan((*turn.ids, *head), new, tuple(tail), turn, salt=salt)
             if room is None or plan.tokens <= room:
                 return plan
         if not rag:

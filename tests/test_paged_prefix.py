@@ -31,10 +31,10 @@ def _run(engine: LLMEngine, request: Request):
     return seq
 
 
-def _chat(question: str, history=(), mode: str = "blend") -> Request:
+def _chat(question: str, history=(), mode: str = "blend", salt: str = "") -> Request:
     return Request(question, (), mode, BlendConfig(), RatioPolicy.parse("auto", "ratio"),
                    sampling=SamplingConfig(max_tokens=6), rag=False, keep_first_logits=True, keep_turn=True,
-                   history=(("system", SYSTEM), *history))
+                   history=(("system", SYSTEM), *history), salt=salt)
 
 
 @pytest.fixture(params=["tiny_llama_hd64_dir", "tiny_llama_dir"])
@@ -46,18 +46,21 @@ def prefiller(request, tmp_path):
     env.close()
 
 
-def test_a_follow_up_and_a_repeat_read_the_cached_turn_in_place(prefiller, monkeypatch):
+@pytest.mark.parametrize("salt", ["", "an API key's digest"])
+def test_a_follow_up_and_a_repeat_read_the_cached_turn_in_place(prefiller, monkeypatch, salt):
+    """Under a tenant's salt (an API key, a cache_salt) as under none; another salt's follow-up reuses nothing."""
     engine = LLMEngine(prefiller, EngineConfig(kv_budget_bytes=64 << 20, prompt_spans=False))
-    first = _run(engine, _chat(TURNS[0]))
+    first = _run(engine, _chat(TURNS[0], salt=salt))
     answer = prefiller.runtime.tokenizer.decode(first.output, skip_special_tokens=True)
     history = (("user", TURNS[0]), ("assistant", answer))
     joins = []
     join = PagedKeys.join
     monkeypatch.setattr(PagedKeys, "join", lambda self, k, v: joins.append(len(self)) or join(self, k, v))
-    follow = _run(engine, _chat(TURNS[1], history))
-    repeat = _run(engine, _chat(TURNS[1], history))
+    follow = _run(engine, _chat(TURNS[1], history, salt=salt))
+    repeat = _run(engine, _chat(TURNS[1], history, salt=salt))
     monkeypatch.undo()
     assert follow.head_reused > 0 and repeat.head_reused >= repeat.prompt_tokens - 16
+    assert _run(engine, _chat(TURNS[1], history, salt=salt + "another")).head_reused == 0
     if prefiller.runtime.model.uses_row_kernel():
         assert joins == []  # every paged read in the kernel: nothing gathered out of the pool
     else:

@@ -33,11 +33,15 @@ from kvrag.cluster.routers import ROUTE_KWARG, ROUTERS
 from kvrag.cluster.routing import BALANCE, WINDOW
 from kvrag.server.app import ServerSettings, create_app
 from kvrag.server.errors import ApiError, error_body
+from kvrag.server.responses import sse
 
 APP = "kvrag"
 BOARD = "kvrag-metrics-board"
 FAILOVER_TRIES = 3
-REPLICA_HEADER = "x-kvrag-replica"  # which replica answered: for operators and the tests
+LOST_MID_STREAM = "the engine replica answering was lost mid-stream; send the request again"
+REPLICA_HEADER = "x-kvrag-replica"  # which replica answered, and on which Ray node: for operators and the tests
+NODE_HEADER = "x-kvrag-node"
+HEAD = {"node:__internal_head__": 0.001}  # Ray's resource of the head node: the front stays where the proxy is
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -69,11 +73,14 @@ class EngineReplica:
         self.app = create_app(self.rag, settings)
         self.held_limit = held_limit
         self.name = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()
         self.board = ray.get_actor(BOARD, namespace="serve")
 
     async def handle(self, request: HttpRequest, **_):
         async for item in call(self.app, request):
-            yield Start(item.status, [*item.headers, (REPLICA_HEADER, self.name)]) if isinstance(item, Start) else item
+            if isinstance(item, Start):
+                item = Start(item.status, [*item.headers, (REPLICA_HEADER, self.name), (NODE_HEADER, self.node)])
+            yield item
 
     def record_routing_stats(self) -> dict:
         held = self.rag.held_chunks(self.held_limit)
@@ -116,11 +123,15 @@ class Front:
                 first = await anext(stream, b"")  # a stream's first event, or a whole answer
             except RETRYABLE:
                 continue
-            return StreamingResponse(_rest(stream, first), status_code=start.status, headers=dict(start.headers))
+            headers = dict(start.headers)
+            events = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(_rest(stream, first, events), status_code=start.status, headers=headers)
         return JSONResponse(error_body(503, "no engine replica could take the request"), status_code=503)
 
 
-async def _rest(stream, first: bytes):
+async def _rest(stream, first: bytes, events: bool):
+    """The rest of a response. A replica lost mid-stream ends a stream of events with an error event, as `kvrag serve`
+    ends a failed one (the OpenAI clients raise it); another body is cut short."""
     if first:
         yield first
     try:
@@ -128,6 +139,8 @@ async def _rest(stream, first: bytes):
             yield piece
     except RETRYABLE:
         logging.getLogger(__name__).warning("an engine replica died while streaming; the stream ends here")
+        if events:
+            yield (sse(error_body(503, LOST_MID_STREAM)) + sse("[DONE]")).encode()  # as `kvrag serve` ends a failed one
 
 
 def application(store: str, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings):
@@ -138,7 +151,7 @@ def application(store: str, config: KVRagConfig, settings: ServerSettings, clust
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=cluster.replicas, max_ongoing_requests=cluster.max_ongoing, request_router_config=router,
         ray_actor_options={"num_cpus": cluster.cpus, "num_gpus": cluster.gpus})
-    front = serve.deployment(Front, name="Front").options(ray_actor_options={"num_cpus": 0},
+    front = serve.deployment(Front, name="Front").options(ray_actor_options={"num_cpus": 0, "resources": HEAD},
                                                           max_ongoing_requests=10_000)
     config = replace(config, threads=config.threads or max(1, int(cluster.cpus)))  # torch's: the CPUs Ray gives it
     return front.bind(engine.bind(store, config, settings, cluster.held_limit), store, config, settings.api_key)
@@ -171,9 +184,10 @@ class ClusterServer:
             else:
                 ray.init(address=self.cluster.address, **quiet)
             self._started_ray = True
-        serve.start(http_options={"host": self.host, "port": self.port})
-        ray.remote(num_cpus=0)(MetricsBoard).options(name=BOARD, namespace="serve", get_if_exists=True,
-                                                      lifetime="detached").remote()
+        # one proxy, on the head (with the front): on loopback every node's proxy would bind the same port
+        serve.start(proxy_location="HeadOnly", http_options={"host": self.host, "port": self.port})
+        ray.remote(num_cpus=0, resources=HEAD)(MetricsBoard).options(name=BOARD, namespace="serve",
+                                                                     get_if_exists=True, lifetime="detached").remote()
         serve.run(application(self.store, self.config, self.settings, self.cluster), name=APP, route_prefix="/")
 
     def stop(self) -> None:

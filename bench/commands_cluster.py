@@ -24,14 +24,20 @@ def bench_cluster(
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="serve: client threads."),
     zipf: float = typer.Option(1.0, "--zipf", min=0.0, help="serve: popularity skew over the items."),
     host_cache: str = typer.Option("192MiB", "--host-cache", help="serve: each replica's host memory tier."),
+    replicas: int = typer.Option(2, "--replicas", min=2, help="serve: engine replicas (one CPU each)."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="serve: Ray nodes on this machine (127.0.0.1) the replicas "
+                              "spread over; 1: a local Ray cluster of one node."),
+    kill_node: bool = typer.Option(False, "--kill-node", help="serve, with --nodes 2 or more: after each router's "
+                                   "run, kill a worker node under load and count how the requests in flight ended."),
     sim_requests: int = typer.Option(60_000, "--sim-requests", min=1000, help="sim: requests per simulated run."),
     dataset: Path = typer.Option(None, "--dataset", help=MUSIQUE_HELP),
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """Chunk-aware routing against round robin on 2 replicas, the same simulated for 8-64, precompute with workers
-    writing, and ranged reads over an object store (progress on stderr; the markdown report or --json).
+    """Chunk-aware routing against round robin on 2 or more replicas (on one or more Ray nodes on this machine), the
+    same simulated for 8-64, precompute with workers writing, and ranged reads over an object store (progress on
+    stderr; the markdown report or --json).
 
-    Example: kvrag bench cluster --parts serve --requests 80
+    Example: kvrag bench cluster --parts serve --replicas 4 --nodes 2 --kill-node
     """
     import os
 
@@ -43,6 +49,8 @@ def bench_cluster(
         raise KvragError(f"--parts takes {', '.join(PARTS)}, got {parts!r}")
     if warmup >= requests:
         raise KvragError(f"--warmup ({warmup}) must be under --requests ({requests})")
+    if kill_node and nodes < 2:
+        raise KvragError("--kill-node needs --nodes 2 or more: the head node holds the cluster")
     console = stderr_console()
 
     def log(message: str) -> None:
@@ -50,7 +58,8 @@ def bench_cluster(
 
     report: dict = {"loadavg_start": os.getloadavg()}
     if "serve" in chosen:
-        plan = ServePlan(items, requests, warmup, concurrency, zipf, host_cache=host_cache, dataset=dataset)
+        plan = ServePlan(items, requests, warmup, concurrency, zipf, replicas, host_cache, dataset=dataset, nodes=nodes,
+                         kill_node=kill_node)
         report["serve"] = serve_part(plan, log)
     if "sim" in chosen:
         from kvrag.bench.cluster_sim import format_table, sweep

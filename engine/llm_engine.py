@@ -85,7 +85,7 @@ class LLMEngine:
             self.keeper = PassageKeeper(spans, prefiller.runtime.tokenizer, local.tokenizer_fingerprint,
                                         config.kept_passages_bytes // per_token, self.planner.paragraphs)
         self.writes = WriteBack(prefiller.source, self.keeper)  # stores off this thread
-        self.kv.spill = PrefixSpill.open(self.kv, prefiller.runtime, source.env, config.prefix_store_bytes, self.writes.call)
+        self.kv.spill = PrefixSpill.open(self.kv, prefiller.runtime, source, config.prefix_store_bytes, self.writes.call)
         self.planner.spill = self.kv.spill  # kept turns' ids too, so that a later life renders their history alike
         self.prefilling: tuple[Sequence, FullPrefill] | None = None  # a chunked full prefill under way
         self._ids = itertools.count()

@@ -36,14 +36,23 @@ class PrefixSpill:
         self.saved = self.restored = 0  # blocks handed to the worker, and read back into the pool
 
     @classmethod
-    def open(cls, kv, runtime, env, bound: int, write) -> PrefixSpill | None:
-        """The spill of an engine over `env` (its store; None or read-only: none), at most `bound` bytes (0: none),
-        scoped to what makes the pool's bits: the model, dtype, device, weights form, kernels and block size."""
+    def open(cls, kv, runtime, source, bound: int, write) -> PrefixSpill | None:
+        """The spill of an engine over `source`'s store (engine/chunk_source.py; none or read-only: none), at most
+        `bound` bytes (0: none), scoped to what makes the pool's bits: the model, dtype, device, weights form, kernels
+        and block size. A store on object storage shares the table through its bucket (its table's `objects`)."""
+        env, objects = source.env, getattr(source.table, "objects", None)
         if not bound or env is None or env.readonly:
             return None
         m = runtime.model
         scope = scope_of(runtime.fingerprint, m.dtype, m.device.type, m.weights, m.native, m.triton, kv.block_size)
-        return cls(kv, PrefixTable(env, scope, bound), write)
+        table = PrefixTable(env, scope, bound)
+        if objects is not None:
+            from kvrag.store.remote.prefix_objects import (
+                SharedPrefixTable,  # obstore: a remote store's path alone
+            )
+
+            table = SharedPrefixTable(table, objects)
+        return cls(kv, table, write)
 
     def save(self, ids: Sequence[int], blocks: Sequence[int], salt: str, exact_rows: int) -> None:
         """The exact whole blocks of a sequence whose rows 0.. are `ids` in `blocks`, not in the table yet: copied out

@@ -50,6 +50,7 @@ class CachedKVTable(KVTable):
         if (remote.model_fp, remote.codec, remote.variant) != (local.model_fp, local.codec, local.variant):
             raise ValueError("the local and remote tables hold different models, codecs or variants")
         self.remote, self.local, self.max_bytes = remote, local, max_bytes
+        self.objects = remote.objects  # the bucket (the prefix table shares it: store/remote/prefix_objects.py)
         self.model_fp, self.codec, self.variant, self.compress = remote.model_fp, remote.codec, remote.variant, remote.compress
         self.policy = make_policy(policy)
         self.counters = CacheCounters()

@@ -49,6 +49,7 @@ class ObjectInfo:
     key: str  # relative to the store's prefix
     size: int
     etag: str | None
+    modified: float | None = None  # seconds since the epoch, where the store says (a listing does)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ class ObjectStore:
 
 
 def _info(meta) -> ObjectInfo:
-    return ObjectInfo(meta["path"], int(meta["size"]), meta.get("e_tag"))
+    modified = meta.get("last_modified")
+    return ObjectInfo(meta["path"], int(meta["size"]), meta.get("e_tag"), modified.timestamp() if modified else None)
 
 
 def _allow_http(endpoint: str | None, env: Mapping[str, str]) -> bool:

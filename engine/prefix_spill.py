@@ -47,9 +47,8 @@ class PrefixSpill:
         scope = scope_of(runtime.fingerprint, m.dtype, m.device.type, m.weights, m.native, m.triton, kv.block_size)
         table = PrefixTable(env, scope, bound)
         if objects is not None:
-            from kvrag.store.remote.prefix_objects import (
-                SharedPrefixTable,  # obstore: a remote store's path alone
-            )
+            # imported here: it imports obstore, which a local store never needs
+            from kvrag.store.remote.prefix_objects import SharedPrefixTable
 
             table = SharedPrefixTable(table, objects)
         return cls(kv, table, write)

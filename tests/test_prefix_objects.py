@@ -42,6 +42,7 @@ def test_two_mirrors_share_blocks_through_the_bucket(tmp_path, bucket):
     counted.requests.clear()
     assert b.leading(["k0", "k1", "k2"]) == [rows["k0"], rows["k1"], rows["k2"]]
     assert counted.requests["get"] == 0  # from the mirror: no request
+    assert b.leading(["x0", "x1", "x2"]) == [] and counted.requests["get"] == 1  # a head in neither: one request
     assert b.has("k3") and not b.has("nope")
     _, other = _mirror(tmp_path / "c", bucket, scope="0" * 24 + ".other")  # another model or weights form
     assert other.leading(["k0"]) == []

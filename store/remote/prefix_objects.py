@@ -5,7 +5,8 @@ The mirror's own table (store/prefix_table.py, in its LMDB) stays in front, boun
 a block is looked up there first and makes no request when it is there. Each block written there is also PUT, on the
 write-back worker, as one object `prefix/<scope>/<key>` holding the same value (magic, checksum, rows): a PUT is
 whole or absent, so a kill never leaves a torn block, and one that fails its checksum is never served. A head's
-blocks missing locally are fetched side by side, and those that came whole, in order, are kept in the mirror's table.
+blocks missing locally are fetched (the first alone, then the rest side by side), and those that came whole, in order,
+are kept in the mirror's table.
 
 The bucket's share keeps the same bound: a writer, every tenth of the bound it has written, lists `prefix/` and
 deletes the oldest blocks (by the time they were written: an object store keeps no reads) down to 90 % of the bound.
@@ -34,20 +35,26 @@ class SharedPrefixTable:
         return f"{FOLDER}{self.local.scope}/{key}"
 
     def leading(self, keys: Sequence[str]) -> list[bytes]:
-        """The rows of keys[0], keys[1], ... while each is whole, in the mirror's table or else in the bucket."""
+        """The rows of keys[0], keys[1], ... while each is whole, in the mirror's table or else in the bucket: the
+        first missing one asked alone (most heads are in neither: one request), the rest side by side."""
         found = self.local.leading(keys)
         rest = keys[len(found):]
         if not rest:
             return found
-        fetched = []
-        for key, value in zip(rest, self.objects.map(lambda k: self.objects.get(self._name(k)), rest), strict=True):
-            rows = None if value is None else rows_of(value)
+        first = self._rows(rest[0])
+        if first is None:
+            return found
+        fetched = [(rest[0], first)]
+        for key, rows in zip(rest[1:], self.objects.map(self._rows, rest[1:]), strict=True):
             if rows is None:
                 break
             fetched.append((key, rows))
-        if fetched:
-            self.local.put(fetched)  # the next read of them makes no request
+        self.local.put(fetched)  # the next read of them makes no request
         return found + [rows for _, rows in fetched]
+
+    def _rows(self, key: str) -> bytes | None:
+        value = self.objects.get(self._name(key))
+        return None if value is None else rows_of(value)
 
     def has(self, key: str) -> bool:
         return self.local.has(key) or self.objects.head(self._name(key)) is not None

@@ -2,9 +2,9 @@
 behind Ray Serve's proxy, with the chunk-aware router and two API keys, sharing a store on a SeaweedFS on 127.0.0.1. A
 real OpenAI client and httpx against it: answers as a single server gives them, a bad key refused at the front as the
 single server refuses it, a hot chunk set spread within the load bound (the policy itself, in any arrival order:
-tests/test_routing.py), /metrics with every replica's samples, and last a node killed under load: no request hangs,
-those that had not started streaming are answered elsewhere, and the chats that lived there go on with their
-histories from the store's prefix table."""
+tests/test_routing.py), /metrics with every replica's samples, an engine on a mirror of its own taking a chat's
+history from the bucket, and last a node killed under load: no request hangs, those that had not started streaming
+are answered elsewhere, and the chats that lived there go on with their histories from the store's prefix table."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -140,17 +141,11 @@ def node_kill(url: str, nodes, questions: list[str], plan: ServePlan, log) -> di
         nodes.kill(len(nodes.nodes) - 1)
         during = [f.result() for f in futures]
     after = _send_all(url, questions[:2 * plan.concurrency], plan)
-    out = {"during": _ends(during), "after": _ends(after),
+    out = {"during": dict(Counter(r["ended"] for r in during)), "after": dict(Counter(r["ended"] for r in after)),
            "last_end_after_kill_s": max(r["end"] for r in during) - killed}
     log(f"node killed under load: in flight {out['during']}, then {out['after']}")
     return out
 
-
-def _ends(records: list[dict]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["ended"]] = counts.get(r["ended"], 0) + 1
-    return counts
 
 
 def _send_all(url: str, questions: list[str], plan: ServePlan) -> list[dict]:

@@ -140,7 +140,7 @@ async def _rest(stream, first: bytes, events: bool):
     except RETRYABLE:
         logging.getLogger(__name__).warning("an engine replica died while streaming; the stream ends here")
         if events:
-            yield (sse(error_body(503, LOST_MID_STREAM)) + sse("[DONE]")).encode()  # as `kvrag serve` ends a failed one
+            yield (sse(error_body(503, LOST_MID_STREAM)) + sse("[DONE]")).encode()
 
 
 def application(store: str, config: KVRagConfig, settings: ServerSettings, cluster: ClusterSettings):

@@ -202,12 +202,12 @@ def streamed(url: str, question: str) -> str:
 
 def restored_blocks(url: str, replicas: set[str]) -> float:
     """The prefix-table blocks `replicas` have read back into their pools, by the front's federated /metrics."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("kvrag_prefix_store_blocks_total{") and 'event="restored"' in line:
-            if line.split('replica="')[1].split('"')[0] in replicas:
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "kvrag_prefix_store_blocks_total" and s.labels.get("event") == "restored"
+               and s.labels.get("replica") in replicas)
 
 
 def test_a_lost_node_hangs_nothing_and_its_chats_go_on_from_the_store(cluster, nodes):

@@ -11,6 +11,8 @@ else from its default; nothing below this module reads the environment (home.py 
     kernels          KVRAG_KERNELS          auto (Triton's on a GPU); torch: SDPA and per-sequence decode
     threads          KVRAG_THREADS          None: every core
     native           KVRAG_NATIVE           True; 0 turns kvrag's C++ CPU kernels off
+    isa              KVRAG_ISA              auto: the best build of those kernels this CPU runs (avx512, avxvnni, avx2);
+                                            a lower one by name (an AVX2 machine's path on an AVX-512 one), none: off
     compiler         CXX                    None: c++ or g++ on the PATH (to build those kernels once)
     malloc_defaults  KVRAG_MALLOC_DEFAULTS  False: keep freed memory in the process (faster prefills on a CPU)
     max_map_size     KVRAG_MAX_MAP_SIZE     None: LMDB's map may grow to 1 TiB (bytes; mainly to simulate a full disk)
@@ -66,6 +68,7 @@ class KVRagConfig:
     kernels: str = "auto"
     threads: int | None = None
     native: bool = True
+    isa: str = "auto"  # which build of kvrag's kernels runs (kernels/native.py); none: torch's paths
     weights: str = "auto"  # the layers' matrices: dense, int8, int4, mixed or auto (model/quant.py)
     compiler: str | None = None
     malloc_defaults: bool = False
@@ -126,7 +129,7 @@ class KVRagConfig:
 
 
 ENVIRONMENT = {"compiler": "CXX"} | {name: f"KVRAG_{name.upper()}" for name in (
-    "model dtype device kernels threads native weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
+    "model dtype device kernels threads native isa weights malloc_defaults max_map_size remote_cache mirror_dir host_cache "
     "gpu_cache cache_policy reorder_window chat_cache kept_passages prefix_store model_check check_budget retrieval cuda_graphs lead_in").split()}
 # auto: retrieve for a question unless its prompt carries passages of its own (stored ones, or passage-like text);
 # server: always (a request's `rag: false` aside); client: never, the application sends its passages

@@ -20,6 +20,7 @@ from kvrag.cli.common import (
     JSON_OPTION,
     MODEL_OPTION,
     print_json,
+    settings,
     stderr_console,
     stdout_console,
 )
@@ -81,7 +82,7 @@ def bench_decode(
                                 "the native batched step alone over scattered blocks instead of one stream."),
     threads: int = typer.Option(None, "--threads", min=1, help="Threads a batched step (default: torch's count)."),
     weights: str = typer.Option("dense", "--weights", help="The matrices' forms, comma-separated (dense, int8, "
-                                "int4, mixed): a table each, over the same bf16 model."),
+                                "int4, mixed): a table each, over the same model (its dtype KVRAG_DTYPE's, kernels KVRAG_ISA's)."),
     model: str = MODEL_OPTION,
 ) -> None:
     """Decode tokens/s against this machine's memory floor: one stream (reference, exact and native steps),
@@ -93,7 +94,9 @@ def bench_decode(
     import torch
 
     from kvrag.bench import decode
+    from kvrag.kernels import native as kernel_build
     from kvrag.kernels.decode_step import step_serves
+    from kvrag.model.device import resolve_dtype
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
     from kvrag.model.prepared import load_weights
@@ -101,12 +104,20 @@ def bench_decode(
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
-    local = resolve_model(model)
-    forms = [resolve_weights(w.strip(), torch.device("cpu"), default=default_weights(local.name))
+    config = settings(model=model)  # KVRAG_DTYPE, KVRAG_NATIVE and KVRAG_ISA as a user's `ask` reads them
+    cpu = torch.device("cpu")
+    isa = kernel_build.use(config.isa) if config.native else "none"
+    dtype = resolve_dtype(config.dtype, cpu)
+    local = resolve_model(config.model)
+    forms = [resolve_weights(w.strip(), cpu, isa != "none", default_weights(local.name))
              for w in weights.split(",") if w.strip()]
     for form in forms:
-        net = load_weights(local, torch.bfloat16, torch.device("cpu"), form)
-        typer.echo(f"-- {local.name}, weights {form}: {decode.bytes_per_token(net, 0) / 1e6:.0f} MB a step, "
+        net = load_weights(local, dtype, cpu, form)
+        net.native = isa != "none"
+        serves = step_serves(net.step_weights()) and net.native
+        typer.echo(f"-- {local.name}, {str(dtype).removeprefix('torch.')}, weights {form}, kernels {isa} (the whole "
+                   f"native step {'serves' if serves else 'does not serve: torch steps'}): "
+                   f"{decode.bytes_per_token(net, 0) / 1e6:.0f} MB a step, "
                    f"{decode.resident_bytes(net) / 1e6:.0f} MB resident, load {os.getloadavg()[0]:.2f}")
         if sizes is None:
             decode.single_stream(net, local.load_tokenizer(), contexts, steps or 32, rounds, items, answer_tokens,

@@ -36,16 +36,18 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
 
     Example: kvrag model info --model gemma3-270m --json
     """
+    from kvrag.kernels import native
     from kvrag.model.device import resolve_device, resolve_dtype
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
     from kvrag.model.quant import resolve_weights
 
     config = settings(model=model, dtype=dtype, device=device, weights=weights)
+    isa = native.use(config.isa) if config.native else "none"
     local = resolve_model(config.model)
     dev = resolve_device(config.device)
     compute_dtype = resolve_dtype(config.dtype, dev)
-    form = resolve_weights(config.weights, dev, config.native, default_weights(local.name))
+    form = resolve_weights(config.weights, dev, config.native and isa != "none", default_weights(local.name))
     payload = {
         "name": local.name,
         "path": str(local.path),
@@ -54,7 +56,8 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
         "device": str(dev),
         "dtype": str(compute_dtype).removeprefix("torch."),
         "weights": form,  # the matrices' form (docs/quantized.md)
-        "attention": _attention_path(local.config, compute_dtype, dev, config.native, config.kernels),
+        "kernels": isa,  # the build of kvrag's CPU kernels (kernels/native.py)
+        "attention": _attention_path(local.config, compute_dtype, dev, isa != "none", config.kernels),
         "layers": _layer_kinds(local.config),
         "blend": _blend_rule(local.config, config.lead_in, _stored_verdict(local.fingerprint, compute_dtype, dev,
                                                                            config, form)),
@@ -88,12 +91,14 @@ def _layer_kinds(cfg: ModelConfig) -> dict:
 def _stored_verdict(fingerprint: str, compute_dtype: torch.dtype, dev: torch.device, config, weights: str) -> dict | None:
     """The verdict of the model's stored blending check for these settings (None: not run yet, or skipped)."""
     from kvrag.engine.model_check import key_for, report_for
+    from kvrag.kernels.native import resolve_isa
     from kvrag.model.device import resolve_triton
 
     if not config.model_check:
         return None
+    isa = resolve_isa(config.isa)
     key = key_for(fingerprint, str(compute_dtype).removeprefix("torch."), dev.type, resolve_triton(config.kernels, dev),
-                  config.native, weights, config.lead_in)
+                  config.native and isa != "none", weights, config.lead_in, isa if config.native else None)
     report = report_for(key)
     if report is not None:
         return report.verdict()
@@ -148,7 +153,7 @@ def _attention_path(cfg: ModelConfig, compute_dtype: torch.dtype, dev: torch.dev
     """What prefill attention runs in, by the rules of Transformer.attend: Gemma's own attention (model/gemma.py),
     else SDPA with a window mask on sliding layers, else the native row kernel where it serves (plain causal
     attention, kernels/attention.row_kernel_serves), Triton for a blend's scattered rows on a GPU, else SDPA."""
-    from kvrag.kernels import row_attention
+    from kvrag.kernels import native, row_attention
     from kvrag.kernels.attention import row_kernel_serves
     from kvrag.model.device import attention_dtype, resolve_triton
 
@@ -166,7 +171,7 @@ def _attention_path(cfg: ModelConfig, compute_dtype: torch.dtype, dev: torch.dev
         return f"SDPA ({attn_name}, {windows})"
     if native and row_kernel_serves(cfg.head_dim, attn_dtype, dev):
         pairs = ", Q.K in bf16 pairs" if row_attention.bf16_dot_serves(compute_dtype) else ""
-        return f"kvrag row kernel (AVX-512, {attn_name}{pairs})"
+        return f"kvrag row kernel ({native.ISA_NAMES[native.isa()]}, {attn_name}{pairs})"
     if resolve_triton(kernels, dev):
         return f"SDPA ({attn_name}), a blend's scattered rows in Triton's rows kernel"
     return f"SDPA ({attn_name})"

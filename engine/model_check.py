@@ -34,6 +34,7 @@ from kvrag.config import DEFAULT_SELECTION
 from kvrag.engine import answer_check
 from kvrag.engine.check_prompts import PROMPTS
 from kvrag.engine.prefiller import Prefiller
+from kvrag.kernels import native as kernel_build
 from kvrag.model.files import model_home
 from kvrag.model.prompt import leading_special_ids
 from kvrag.model.runtime import Runtime
@@ -161,18 +162,22 @@ def dtype_name(runtime: Runtime) -> str:
 
 def check_key(runtime: Runtime) -> dict[str, object]:
     """Everything that changes the numbers the checks see: the model, its dtype, the device's type, the kernels, the
-    weights' form and a lead-in set apart from the model's own (KVRAG_LEAD_IN)."""
+    weights' form, the build of kvrag's kernels (their sums' order is the ISA's) and a lead-in set apart from the
+    model's own (KVRAG_LEAD_IN)."""
     m = runtime.model
     return key_for(runtime.fingerprint, dtype_name(runtime), m.device.type, m.triton, m.native,
-                   getattr(m, "weights", "dense"), runtime.lead_in)
+                   getattr(m, "weights", "dense"), runtime.lead_in, kernel_build.isa() if m.native else None)
 
 
 def key_for(fingerprint: str, dtype: str, device: str, triton: bool, native: bool, weights: str,
-            lead_in: int | None = None) -> dict[str, object]:
+            lead_in: int | None = None, isa: str | None = None) -> dict[str, object]:
     """check_key's fields given one by one (`kvrag model info` reads the stored report without loading the model).
-    `lead_in` None: the model's own rule (precompute/lead_in.py), which the fingerprint and version already fix."""
+    `lead_in` None: the model's own rule (precompute/lead_in.py), which the fingerprint and version already fix.
+    `isa`: the kernels' build; the AVX-512 build (every report before the others existed) and none leave the key as
+    it was."""
     return {"version": CHECK_VERSION, "model": fingerprint, "dtype": dtype, "device": device, "triton": bool(triton),
-            "native": bool(native), "weights": weights, **({} if lead_in is None else {"lead_in": lead_in})}
+            "native": bool(native), "weights": weights, **({} if lead_in is None else {"lead_in": lead_in}),
+            **({} if isa in (None, "avx512", "none") else {"isa": isa})}
 
 
 def check_model(runtime: Runtime, progress: answer_check.Progress | None = None, answers: bool = True,

@@ -1,4 +1,4 @@
-// Stored fp16 KV straight to bfloat16, in one pass (x86-64 AVX-512).
+// Stored fp16 KV straight to bfloat16, in one pass (x86-64: AVX-512 or AVX2 + F16C, kernels/simd.h).
 //
 // A stored 16-bit value is either in natural little-endian order or split into two byte planes (all low
 // bytes, then all high bytes; see store/codec.py). numpy took four passes to rebuild the fp16 array and torch
@@ -9,28 +9,14 @@
 // on the way, rounding each step as model/rotary.py's bf16 torch ops do (the same bits): the loader then hands
 // out keys ready for the decode cache, and the blend's compute rotates only the rows it recomputes.
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-// 16 float32 lanes rounded to nearest even at bfloat16 precision, as float32 bit patterns whose low 16 bits are
-// garbage (the values are finite, so no NaN case)
-inline __m512i rounded_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-}
-
-// 16 float32 lanes -> 16 bfloat16
-inline __m256i to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(x), 16)); }
-
-// 16 float32 lanes rounded to bfloat16 precision (the float32 a bf16 tensor element reads as)
-inline __m512 round_bf16(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
+using namespace kvrag_simd;
 
 inline uint16_t to_bf16(float x) {
   uint32_t bits;
@@ -54,30 +40,24 @@ inline uint16_t fp16_at(const uint8_t* body, int64_t i, int64_t count, bool plan
   return v;
 }
 
-// stored values i .. i+15 as float32
-inline __m512 load16(const uint8_t* body, int64_t i, int64_t count, bool planes) {
-  __m256i halves;
-  if (planes) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(body + i));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(body + count + i));
-    halves = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-  } else {
-    halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 2 * i));
-  }
-  return _mm512_cvtph_ps(halves);
-}
-
-// 16 bfloat16 at p as float32
-inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+// stored values i .. i+W-1 as float32: byte planes interleaved back into fp16 (W low bytes, W high bytes)
+inline vf load_stored(const uint8_t* body, int64_t i, int64_t count, bool planes) {
+  if (!planes) return load_fp16(reinterpret_cast<const uint16_t*>(body + 2 * i));
+#if KVRAG_AVX512
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(body + i));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(body + count + i));
+  return fp16_lanes(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+#else
+  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(body + i));
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(body + count + i));
+  return fp16_lanes(_mm_unpacklo_epi8(lo, hi));
+#endif
 }
 
 // values begin .. end-1 of `body` as bf16 into out[0 .. end-begin-1]
 void convert_run(const uint8_t* body, int64_t count, bool planes, int64_t begin, int64_t end, uint16_t* out) {
   int64_t i = begin;
-  for (; i + 16 <= end; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i - begin)), to_bf16(load16(body, i, count, planes)));
+  for (; i + W <= end; i += W) store_bf16(out + (i - begin), load_stored(body, i, count, planes));
   for (; i < end; ++i) out[i - begin] = to_bf16(_cvtsh_ss(fp16_at(body, i, count, planes)));
 }
 
@@ -87,14 +67,14 @@ void rotate_head(const uint8_t* body, int64_t count, bool planes, int64_t at, in
                  const uint16_t* sin, uint16_t* out) {
   const int64_t half = dim / 2;
   int64_t j = 0;
-  for (; j + 16 <= half; j += 16) {
-    const __m512 x1 = round_bf16(load16(body, at + j, count, planes));
-    const __m512 x2 = round_bf16(load16(body, at + half + j, count, planes));
-    const __m512 c = load_bf16(cos + j), s = load_bf16(sin + j);
-    const __m512 o1 = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)));
-    const __m512 o2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), to_bf16(o1));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + half + j), to_bf16(o2));
+  for (; j + W <= half; j += W) {
+    const vf x1 = kvrag_simd::round_bf16(load_stored(body, at + j, count, planes));
+    const vf x2 = kvrag_simd::round_bf16(load_stored(body, at + half + j, count, planes));
+    const vf c = load_bf16(cos + j), s = load_bf16(sin + j);
+    const vf o1 = sub(kvrag_simd::round_bf16(mul(x1, c)), kvrag_simd::round_bf16(mul(x2, s)));
+    const vf o2 = add(kvrag_simd::round_bf16(mul(x2, c)), kvrag_simd::round_bf16(mul(x1, s)));
+    store_bf16(out + j, o1);
+    store_bf16(out + half + j, o2);
   }
   for (; j < half; ++j) {
     const float x1 = round_bf16(_cvtsh_ss(fp16_at(body, at + j, count, planes)));

@@ -1,15 +1,13 @@
 """Stored fp16 KV (byte planes or natural order) straight to bfloat16 tensors: fp16_to_bf16.cpp, one pass,
 optionally rotating the keys to their absolute positions on the way (`convert_rotated`).
 
-Where kvrag's native library is missing (kernels/native.py), `available()` is False and the loader keeps its
+Built for each ISA kvrag's kernels have (kernels/native.py: AVX-512, AVX2 + F16C). Where kvrag's native library is missing (kernels/native.py), `available()` is False and the loader keeps its
 numpy decode and torch cast (the same values: both round to nearest even).
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
-
 import numpy as np
 import torch
 
@@ -64,14 +62,12 @@ def _payload(body: bytes | memoryview, count: int) -> int:
     return data.ctypes.data
 
 
-@lru_cache(maxsize=1)
 def _rotated_kernel():
     return native.function("kvrag_fp16_to_bf16_rotated", None,
                            [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])
 
 
-@lru_cache(maxsize=1)
 def _kernel():
     return native.function("kvrag_fp16_to_bf16", None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
                                                        ctypes.c_void_p, ctypes.c_void_p])

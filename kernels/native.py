@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from kvrag.errors import KvragError
@@ -39,6 +39,7 @@ ISA_BUILDS = {
     "avx2": (("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
 }
 ISAS = (*ISA_BUILDS, "none")  # the settings besides auto, best first
+ISA_NAMES = {"avx512": "AVX-512", "avxvnni": "AVX2 + AVX-VNNI", "avx2": "AVX2", "none": "none"}
 
 # The process's choice of build: set once by the edge (`use`), read by every kernel wrapper. A process-wide
 # setting as torch's thread count is: the kernels a CPU runs belong to the process, not to one model.
@@ -86,7 +87,7 @@ def library(which: str | None = None) -> ctypes.CDLL | None:
     return _library(which or isa())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _library(which: str) -> ctypes.CDLL | None:
     if which not in runnable():
         return None
@@ -104,7 +105,7 @@ def function(name: str, restype, argtypes: list):
     return _function(isa(), name, restype, tuple(argtypes))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _function(which: str, name: str, restype, argtypes: tuple):
     lib = library(which)
     if lib is None:

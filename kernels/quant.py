@@ -7,13 +7,17 @@ A weight matrix W [N, K] is cut into groups of GROUP inputs along K, each with f
   scale, so that the 16 levels span the group's own range; where a group's values already sit on a grid of at most
   16 levels (a GGUF's 4-bit block), that grid's step, so the block comes back exactly.
 Activations are quantized per row and group as int8 weights are, on the fly (what the integer dot needs).
+
+The product runs in kvrag's kernel library (kernels/native.py), in whichever build the process uses: AVX-512 with
+AVX512-VNNI's VPDPBUSD; AVX2 with AVX-VNNI's 256-bit VPDPBUSD; plain AVX2 with VPMADDUBSW and VPMADDWD (int8
+weights through llama.cpp's sign trick, so that no int16 pair saturates). Each integer dot is exact and the float32
+sums run in one order, so every build gives the twin's bits.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -24,7 +28,7 @@ GROUP = 32  # inputs a group
 TILE = 16  # outputs a packed vector (quant.cpp's lanes)
 BITS = (8, 4)
 LEVELS = {8: (-127, 127), 4: (0, 15)}
-STORED = {8: 128, 4: 0}  # added to q when stored: VPDPBUSD's operand is unsigned
+STORED = {8: 128, 4: 0}  # added to q when stored: VPDPBUSD's operand is unsigned (plain AVX2 takes it off)
 
 
 @dataclass(frozen=True)
@@ -150,23 +154,24 @@ def twin(p: Packed, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@lru_cache(maxsize=1)
 def _matmul():
-    if "avx512_vnni" not in cpu_flags():
+    """The current build's product (native.function caches it per build), or None where quant.cpp does not run:
+    no library, or the AVX-512 build on a CPU without AVX512-VNNI (the AVX2 builds need nothing more)."""
+    if native.isa() == "avx512" and "avx512_vnni" not in cpu_flags():
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return native.function("kvrag_quant_matmul", ctypes.c_int,
                            [p, p, p, ctypes.c_int, i64, i64, p, i64, p, ctypes.c_int])
 
 
-@lru_cache(maxsize=1)
 def _dequantize_t():
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return native.function("kvrag_quant_dequantize_t", ctypes.c_int, [p, p, p, ctypes.c_int, i64, i64, p, ctypes.c_int])
 
 
 def available() -> bool:
-    """Whether quant.cpp runs here: kvrag's library built, on a CPU with AVX512-VNNI."""
+    """Whether quant.cpp runs here, in the process's build (native.isa): its library built and, for the AVX-512
+    build, a CPU with AVX512-VNNI."""
     return _matmul() is not None
 
 
@@ -184,8 +189,8 @@ def matmul(p: Packed, x: torch.Tensor, n_threads: int) -> torch.Tensor:
 
 
 def dequantize_t(p: Packed, n_threads: int) -> torch.Tensor:
-    """W^T [K, N] bf16 from the packed W: `dequantize(p, torch.bfloat16).T`'s values, in quant.cpp (which needs only
-    AVX-512: `native.library()` present)."""
+    """W^T [K, N] bf16 from the packed W: `dequantize(p, torch.bfloat16).T`'s values, in quant.cpp (any build:
+    `native.library()` present)."""
     (n, k), mins = p.shape, None if p.mins is None else p.mins.data_ptr()
     out = torch.empty(k, n, dtype=torch.bfloat16)
     if _dequantize_t()(p.weights.data_ptr(), p.scales.data_ptr(), mins, p.bits, n, k, out.data_ptr(), n_threads):

@@ -1,4 +1,5 @@
-// Causal attention of query rows at any sorted absolute positions, for x86-64 CPUs with AVX-512 (float32).
+// Causal attention of query rows at any sorted absolute positions, for x86-64 CPUs with AVX-512 or AVX2 (float32;
+// simd.h's W-lane vectors).
 //
 // A CacheBlend prompt recomputes a few hundred rows scattered over thousands of keys; each row at position p
 // must see exactly the keys 0..p. SDPA's CPU flash kernel either reads every key up to a call's last row (a
@@ -16,9 +17,10 @@
 //                          Hkv, D] through slots [n_head]) and the other S - n_head here: the first pass reads
 //                          each key where it lies, so a prefix hit is never copied out of the pool
 //   out  [R, Hq, D]        float32
-// Keys are laid out per block of 64 so that 16 keys load as one vector, values as float32 rows:
+// Keys are laid out per block of 64 so that W keys (16 on AVX-512, 8 on AVX2) load as one vector, values as
+// float32 rows:
 //   kt   [Hkv, S_pad / 64, D, 64]  float32 keys transposed per block, or for bfloat16 queries [Hkv, S_pad / 64,
-//                                   D / 2, 64] 32-bit pairs of bf16 keys
+//                                   D / 2, 64] 32-bit pairs of bf16 keys (the AVX-512 build alone: AVX512_BF16)
 //   vt   [Hkv, S_pad, D]           float32 values per head
 // in workspaces the caller allocates, which a first pass fills (in parallel, by key block) where many row blocks
 // read each key block; or (pack 0: a few rows, as a prefix hit's tail or a repeat's last row) each key block is
@@ -27,8 +29,6 @@
 // multiple of 64; padded keys and values are zero (a masked key's weight is 0, but 0 * NaN is not).
 // D must be a multiple of 64. Each KV head's `group` query heads are stacked as rows (row r, head j of the
 // group is virtual row r * group + j), so one pass over a key block serves every query head that reads it.
-
-#include <immintrin.h>
 
 #include "row_keys.h"
 #include "simd.h"
@@ -43,11 +43,20 @@
 
 namespace {
 
-constexpr int kTileRows = 4;    // virtual rows per register tile (4 x 4 accumulators)
-constexpr int kBlockRows = 32;  // virtual rows per work item: they share each key block while it is in cache
+namespace simd = kvrag_simd;
+using simd::vf;
+using simd::W;
 
-using kvrag_simd::exp_ps;
+constexpr int kTileRows = 4;    // virtual rows per register tile
+constexpr int kBlockRows = 32;  // virtual rows per work item: they share each key block while it is in cache
+constexpr int kKeyVecs = 64 / W;  // vectors a key block (kKeyBlock, asserted below)
+// Vectors of keys (score_tile) or of value columns (P @ V) one pass takes for the tile's 4 rows: 4 x 4 accumulators
+// in AVX-512's 32 registers; in AVX2's 16, 4 x 2 (8 accumulators, 2 loaded vectors, a broadcast), so an AVX2 pass
+// covers a quarter of a key block or 16 value columns and the next passes the rest
+constexpr int kPassVecs = W == 16 ? 4 : 2;
+static_assert(kKeyVecs * W == 64 && kKeyVecs % kPassVecs == 0 && 64 % (kPassVecs * W) == 0, "whole passes");
 using kvrag_rows::kKeyBlock;
+static_assert(kKeyBlock == 64, "kKeyVecs");
 using kvrag_rows::KeyRows;
 using kvrag_rows::to_float;
 
@@ -78,18 +87,22 @@ struct RowBlockState {
 };
 
 // Dot products of 4 rows' queries with one key block's 64 keys, two ways. Fp32Dot: one dimension per FMA over
-// float32 panels. Bf16PairDot (CPUs with AVX512_BF16): queries and keys that are bfloat16 values go in pairs of
-// dimensions, and vdpbf16ps multiplies both pairs and adds them in float32, twice the work per instruction. The
-// products of bfloat16 values are exact in float32, so only the order of the float32 sums differs.
+// float32 panels (every build). Bf16PairDot (the AVX-512 build, on CPUs with AVX512_BF16): queries and keys that are
+// bfloat16 values go in pairs of dimensions, and vdpbf16ps multiplies both pairs and adds them in float32, twice the
+// work per instruction. The products of bfloat16 values are exact in float32, so only the order of the float32 sums
+// differs. AVX2 has no such instruction: the Python side never asks its builds for pairs, and the entry point refuses.
+#if KVRAG_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")  // for Bf16PairDot's instruction alone: the rest runs on any AVX-512 CPU
+#endif
 struct Fp32Dot {
   using Elem = float;  // one dimension
   static constexpr int kDims = 1;
-  static __m512 load(const float* p) { return _mm512_load_ps(p); }
-  static __m512 broadcast(const float* q) { return _mm512_set1_ps(*q); }
-  static __m512 madd(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+  static vf load(const float* p) { return simd::load(p); }
+  static vf broadcast(const float* q) { return simd::set1(*q); }
+  static vf madd(vf acc, vf q, vf k) { return simd::fmadd(q, k, acc); }
 };
+#if KVRAG_AVX512
 struct Bf16PairDot {
   using Elem = uint32_t;  // two bfloat16 dimensions
   static constexpr int kDims = 2;
@@ -97,9 +110,13 @@ struct Bf16PairDot {
   static __m512i broadcast(const uint32_t* q) { return _mm512_set1_epi32(static_cast<int32_t>(*q)); }
   static __m512 madd(__m512 acc, __m512i q, __m512i k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
 };
+#endif
 
-// scores [4 rows][64 keys] of virtual rows vrow against one key block of one KV head, laid out in `keys` [steps, 64].
-// 16 named accumulators: an array indexed later in loops made GCC store every accumulator to the stack on each step.
+// scores [4 rows][64 keys] of virtual rows vrow against one key block of one KV head, laid out in `keys` [steps, 64]:
+// kKeyVecs / kPassVecs passes (one on AVX-512, four on AVX2), each over every step for kPassVecs vectors of keys.
+// Each score is the same sum in the same order however the passes split the block. The accumulators are a small
+// constant array, every loop over it fully unrolled, so GCC keeps them in registers (an array indexed in loops it
+// did not unroll went to the stack on each step).
 template <class Dot>
 __attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, const int64_t* vrow, const void* keys,
                                           float (*scores)[kKeyBlock]) {
@@ -110,39 +127,46 @@ __attribute__((noinline)) void score_tile(const Problem& pb, int64_t kv_head, co
     const int64_t r = vrow[t] / g, j = vrow[t] % g;
     qrow[t] = static_cast<const Elem*>(pb.q) + (r * pb.n_q_heads + kv_head * g + j) * steps;
   }
-  const Elem* panel = static_cast<const Elem*>(keys);  // [steps, 64]
   const Elem *q0 = qrow[0], *q1 = qrow[1], *q2 = qrow[2], *q3 = qrow[3];
-  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-  __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
-  for (int64_t e = 0; e < steps; ++e) {
-    const Elem* kcol = panel + e * kKeyBlock;
-    const auto k0v = Dot::load(kcol), k1v = Dot::load(kcol + 16), k2v = Dot::load(kcol + 32);
-    const auto k3v = Dot::load(kcol + 48);
-    auto qv = Dot::broadcast(q0 + e);
-    a00 = Dot::madd(a00, qv, k0v); a01 = Dot::madd(a01, qv, k1v); a02 = Dot::madd(a02, qv, k2v); a03 = Dot::madd(a03, qv, k3v);
-    qv = Dot::broadcast(q1 + e);
-    a10 = Dot::madd(a10, qv, k0v); a11 = Dot::madd(a11, qv, k1v); a12 = Dot::madd(a12, qv, k2v); a13 = Dot::madd(a13, qv, k3v);
-    qv = Dot::broadcast(q2 + e);
-    a20 = Dot::madd(a20, qv, k0v); a21 = Dot::madd(a21, qv, k1v); a22 = Dot::madd(a22, qv, k2v); a23 = Dot::madd(a23, qv, k3v);
-    qv = Dot::broadcast(q3 + e);
-    a30 = Dot::madd(a30, qv, k0v); a31 = Dot::madd(a31, qv, k1v); a32 = Dot::madd(a32, qv, k2v); a33 = Dot::madd(a33, qv, k3v);
+  for (int c0 = 0; c0 < kKeyVecs; c0 += kPassVecs) {
+    const Elem* panel = static_cast<const Elem*>(keys) + c0 * W;  // [steps, 64]: this pass's keys
+    vf a0[kPassVecs], a1[kPassVecs], a2[kPassVecs], a3[kPassVecs];
+#pragma GCC unroll 8
+    for (int c = 0; c < kPassVecs; ++c) a0[c] = a1[c] = a2[c] = a3[c] = simd::zero();
+    for (int64_t e = 0; e < steps; ++e) {
+      const Elem* kcol = panel + e * kKeyBlock;
+      decltype(Dot::load(kcol)) kv[kPassVecs];
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) kv[c] = Dot::load(kcol + c * W);
+      auto qv = Dot::broadcast(q0 + e);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) a0[c] = Dot::madd(a0[c], qv, kv[c]);
+      qv = Dot::broadcast(q1 + e);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) a1[c] = Dot::madd(a1[c], qv, kv[c]);
+      qv = Dot::broadcast(q2 + e);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) a2[c] = Dot::madd(a2[c], qv, kv[c]);
+      qv = Dot::broadcast(q3 + e);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) a3[c] = Dot::madd(a3[c], qv, kv[c]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < kPassVecs; ++c) {
+      const int key = (c0 + c) * W;
+      simd::store(&scores[0][key], a0[c]);
+      simd::store(&scores[1][key], a1[c]);
+      simd::store(&scores[2][key], a2[c]);
+      simd::store(&scores[3][key], a3[c]);
+    }
   }
-  _mm512_store_ps(&scores[0][0], a00); _mm512_store_ps(&scores[0][16], a01);
-  _mm512_store_ps(&scores[0][32], a02); _mm512_store_ps(&scores[0][48], a03);
-  _mm512_store_ps(&scores[1][0], a10); _mm512_store_ps(&scores[1][16], a11);
-  _mm512_store_ps(&scores[1][32], a12); _mm512_store_ps(&scores[1][48], a13);
-  _mm512_store_ps(&scores[2][0], a20); _mm512_store_ps(&scores[2][16], a21);
-  _mm512_store_ps(&scores[2][32], a22); _mm512_store_ps(&scores[2][48], a23);
-  _mm512_store_ps(&scores[3][0], a30); _mm512_store_ps(&scores[3][16], a31);
-  _mm512_store_ps(&scores[3][32], a32); _mm512_store_ps(&scores[3][48], a33);
 }
+#if KVRAG_AVX512
 #pragma GCC pop_options
+#endif
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 values widened (exactly) to float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline vf load_values(const float* p) { return simd::loadu(p); }
+inline vf load_values(const uint16_t* p) { return simd::load_bf16(p); }  // W bfloat16 values, exactly as float32
 
 // One tile of 4 virtual rows against one key block (its keys laid out in `panel`, its 64 value rows at `values`):
 // scores, online softmax, and P @ V into the row sums.
@@ -152,84 +176,86 @@ inline void tile_step(const Problem& pb, int64_t kv_head, const int64_t* vrow, c
                       float* row_sum) {
   const int64_t d = pb.head_dim;
   alignas(64) float scores[kTileRows][kKeyBlock];
+#if KVRAG_AVX512
   if (pb.bf16_pairs)
     score_tile<Bf16PairDot>(pb, kv_head, vrow, panel, scores);
   else
+#endif
     score_tile<Fp32Dot>(pb, kv_head, vrow, panel, scores);
   alignas(64) float p[kTileRows][kKeyBlock];
   float alpha[kTileRows];
-  const __m512 scale = _mm512_set1_ps(pb.scale);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const vf scale = simd::set1(pb.scale);
+  const vf neg_inf = simd::set1(-std::numeric_limits<float>::infinity());
   for (int t = 0; t < kTileRows; ++t) {
-    __mmask16 seen[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
-    if (masked) {  // key k0 + 16c + lane is seen by a row at position >= it (positions < 2^31 here)
-      const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(rpos[t] - k0));
-      for (int c = 0; c < 4; ++c)
-        seen[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)), last);
+    simd::vmask seen[kKeyVecs];
+    for (int c = 0; c < kKeyVecs; ++c)  // key k0 + W c + lane is seen by a row at position >= it (< 2^31 here)
+      seen[c] = masked ? simd::lanes_upto(W * c, static_cast<int32_t>(rpos[t] - k0)) : simd::lanes_below(W);
+    vf sv[kKeyVecs];
+    vf m = neg_inf;
+    for (int c = 0; c < kKeyVecs; ++c) {
+      sv[c] = simd::select(seen[c], simd::mul(simd::load(&scores[t][W * c]), scale), neg_inf);
+      m = simd::max(m, sv[c]);
     }
-    __m512 sv[4];
-    __m512 m = neg_inf;
-    for (int c = 0; c < 4; ++c) {
-      sv[c] = _mm512_mask_mov_ps(neg_inf, seen[c], _mm512_mul_ps(_mm512_load_ps(&scores[t][16 * c]), scale));
-      m = _mm512_max_ps(m, sv[c]);
-    }
-    const float block_max = _mm512_reduce_max_ps(m);
+    const float block_max = simd::reduce_max(m);
     const float new_max = std::max(row_max[t], block_max);
     if (new_max == -std::numeric_limits<float>::infinity()) {  // the row sees no key yet
       alpha[t] = 1.0f;
-      for (int c = 0; c < 4; ++c) _mm512_store_ps(&p[t][16 * c], _mm512_setzero_ps());
+      for (int c = 0; c < kKeyVecs; ++c) simd::store(&p[t][W * c], simd::zero());
       continue;
     }
     alpha[t] = std::exp(row_max[t] - new_max);  // 0 on the row's first seen block
     row_max[t] = new_max;
-    const __m512 mv = _mm512_set1_ps(new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      const __m512 e = _mm512_maskz_mov_ps(seen[c], exp_ps(_mm512_sub_ps(sv[c], mv)));
-      total = _mm512_add_ps(total, e);
-      _mm512_store_ps(&p[t][16 * c], e);
+    const vf mv = simd::set1(new_max);
+    vf total = simd::zero();
+    for (int c = 0; c < kKeyVecs; ++c) {
+      const vf e = simd::keep(seen[c], simd::exp_ps(simd::sub(sv[c], mv)));
+      total = simd::add(total, e);
+      simd::store(&p[t][W * c], e);
     }
-    row_sum[t] = row_sum[t] * alpha[t] + _mm512_reduce_add_ps(total);
+    row_sum[t] = row_sum[t] * alpha[t] + simd::reduce_add(total);
   }
-  // acc[t] = acc[t] * alpha[t] + p[t] @ V[k0 : k0 + 64], in column chunks of 64 (named accumulators, as above)
-  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+  // acc[t] = acc[t] * alpha[t] + p[t] @ V[k0 : k0 + 64], in passes of kPassVecs * W columns (64 on AVX-512, 16 on
+  // AVX2), the accumulators in registers as in score_tile; each column's sum runs over the keys in order either way
+  constexpr int kCols = kPassVecs * W;
+  const vf w0 = simd::set1(alpha[0]), w1 = simd::set1(alpha[1]), w2 = simd::set1(alpha[2]), w3 = simd::set1(alpha[3]);
+  for (int64_t c0 = 0; c0 < d; c0 += kCols) {
     float* r0 = acc + c0;
     float* r1 = acc + d + c0;
     float* r2 = acc + 2 * d + c0;
     float* r3 = acc + 3 * d + c0;
-    __m512 w = _mm512_set1_ps(alpha[0]);
-    __m512 o00 = _mm512_mul_ps(w, _mm512_loadu_ps(r0)), o01 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 16));
-    __m512 o02 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 32)), o03 = _mm512_mul_ps(w, _mm512_loadu_ps(r0 + 48));
-    w = _mm512_set1_ps(alpha[1]);
-    __m512 o10 = _mm512_mul_ps(w, _mm512_loadu_ps(r1)), o11 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 16));
-    __m512 o12 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 32)), o13 = _mm512_mul_ps(w, _mm512_loadu_ps(r1 + 48));
-    w = _mm512_set1_ps(alpha[2]);
-    __m512 o20 = _mm512_mul_ps(w, _mm512_loadu_ps(r2)), o21 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 16));
-    __m512 o22 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 32)), o23 = _mm512_mul_ps(w, _mm512_loadu_ps(r2 + 48));
-    w = _mm512_set1_ps(alpha[3]);
-    __m512 o30 = _mm512_mul_ps(w, _mm512_loadu_ps(r3)), o31 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 16));
-    __m512 o32 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 32)), o33 = _mm512_mul_ps(w, _mm512_loadu_ps(r3 + 48));
+    vf o0[kPassVecs], o1[kPassVecs], o2[kPassVecs], o3[kPassVecs];
+#pragma GCC unroll 8
+    for (int c = 0; c < kPassVecs; ++c) {
+      o0[c] = simd::mul(w0, simd::loadu(r0 + c * W));
+      o1[c] = simd::mul(w1, simd::loadu(r1 + c * W));
+      o2[c] = simd::mul(w2, simd::loadu(r2 + c * W));
+      o3[c] = simd::mul(w3, simd::loadu(r3 + c * W));
+    }
     for (int k = 0; k < kKeyBlock; ++k) {
       const T* vrow_k = values[k] + c0;
-      const __m512 v0 = load16(vrow_k), v1 = load16(vrow_k + 16), v2 = load16(vrow_k + 32), v3 = load16(vrow_k + 48);
-      __m512 pv = _mm512_set1_ps(p[0][k]);
-      o00 = _mm512_fmadd_ps(pv, v0, o00); o01 = _mm512_fmadd_ps(pv, v1, o01);
-      o02 = _mm512_fmadd_ps(pv, v2, o02); o03 = _mm512_fmadd_ps(pv, v3, o03);
-      pv = _mm512_set1_ps(p[1][k]);
-      o10 = _mm512_fmadd_ps(pv, v0, o10); o11 = _mm512_fmadd_ps(pv, v1, o11);
-      o12 = _mm512_fmadd_ps(pv, v2, o12); o13 = _mm512_fmadd_ps(pv, v3, o13);
-      pv = _mm512_set1_ps(p[2][k]);
-      o20 = _mm512_fmadd_ps(pv, v0, o20); o21 = _mm512_fmadd_ps(pv, v1, o21);
-      o22 = _mm512_fmadd_ps(pv, v2, o22); o23 = _mm512_fmadd_ps(pv, v3, o23);
-      pv = _mm512_set1_ps(p[3][k]);
-      o30 = _mm512_fmadd_ps(pv, v0, o30); o31 = _mm512_fmadd_ps(pv, v1, o31);
-      o32 = _mm512_fmadd_ps(pv, v2, o32); o33 = _mm512_fmadd_ps(pv, v3, o33);
+      vf vv[kPassVecs];
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) vv[c] = load_values(vrow_k + c * W);
+      vf pv = simd::set1(p[0][k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) o0[c] = simd::fmadd(pv, vv[c], o0[c]);
+      pv = simd::set1(p[1][k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) o1[c] = simd::fmadd(pv, vv[c], o1[c]);
+      pv = simd::set1(p[2][k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) o2[c] = simd::fmadd(pv, vv[c], o2[c]);
+      pv = simd::set1(p[3][k]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kPassVecs; ++c) o3[c] = simd::fmadd(pv, vv[c], o3[c]);
     }
-    _mm512_storeu_ps(r0, o00); _mm512_storeu_ps(r0 + 16, o01); _mm512_storeu_ps(r0 + 32, o02); _mm512_storeu_ps(r0 + 48, o03);
-    _mm512_storeu_ps(r1, o10); _mm512_storeu_ps(r1 + 16, o11); _mm512_storeu_ps(r1 + 32, o12); _mm512_storeu_ps(r1 + 48, o13);
-    _mm512_storeu_ps(r2, o20); _mm512_storeu_ps(r2 + 16, o21); _mm512_storeu_ps(r2 + 32, o22); _mm512_storeu_ps(r2 + 48, o23);
-    _mm512_storeu_ps(r3, o30); _mm512_storeu_ps(r3 + 16, o31); _mm512_storeu_ps(r3 + 32, o32); _mm512_storeu_ps(r3 + 48, o33);
+#pragma GCC unroll 8
+    for (int c = 0; c < kPassVecs; ++c) {
+      simd::storeu(r0 + c * W, o0[c]);
+      simd::storeu(r1 + c * W, o1[c]);
+      simd::storeu(r2 + c * W, o2[c]);
+      simd::storeu(r3 + c * W, o3[c]);
+    }
   }
 }
 
@@ -340,7 +366,8 @@ void attend_rows(const Problem& pb, const KeyRows<T>& keys, bool pack, int n_thr
 
 }  // namespace
 
-// qk_bf16: q holds bfloat16 values (as k does) and the CPU has AVX512_BF16, so kt is the pair layout (see score_tile).
+// qk_bf16: q holds bfloat16 values (as k does) and the CPU has AVX512_BF16, so kt is the pair layout (see score_tile);
+// the AVX-512 build alone (4 from the AVX2 builds).
 // The first n_head keys (0: none) are read from a paged pool at hk, hv through slots (see KeyRows); n_keys counts them.
 // pack: lay every key block out in kt and vt first (many rows), else each as its rows reach it (kt, vt unused).
 extern "C" int kvrag_row_attention(const void* q, int qk_bf16, const int64_t* pos, const void* k, const void* v,
@@ -351,6 +378,7 @@ extern "C" int kvrag_row_attention(const void* q, int qk_bf16, const int64_t* po
   if (head_dim % 64 || n_kv_heads <= 0 || n_q_heads % n_kv_heads) return 1;
   if (n_head < 0 || n_head > n_keys || (n_head > 0 && !slots)) return 3;
   if (qk_bf16 && !k_is_bf16) return 2;
+  if (qk_bf16 && !KVRAG_AVX512) return 4;  // no bfloat16 pair products in AVX2
   if (n_rows == 0) return 0;
   const int64_t s_pad = (n_keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const Problem pb{q, pos, kt, vt, out, n_rows, n_q_heads, n_kv_heads, head_dim, s_pad, n_keys, scale, qk_bf16 != 0};

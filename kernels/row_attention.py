@@ -1,4 +1,5 @@
-"""Causal attention of query rows at sorted absolute positions: the AVX-512 kernel in row_attention.cpp.
+"""Causal attention of query rows at sorted absolute positions: the AVX-512 or AVX2 kernel in row_attention.cpp,
+whichever build the process runs (kernels/native.py).
 
 Where kvrag's native library is missing (kernels/native.py), `available()` is False and callers keep SDPA.
 """
@@ -6,7 +7,6 @@ Where kvrag's native library is missing (kernels/native.py), `available()` is Fa
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
@@ -41,8 +41,9 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     """Attention of queries q [R, Hq, D] at sorted positions q_pos [R] over rotated keys k and values v
     [S, Hkv, D] at positions 0..S-1: a row at position p sees exactly keys 0..p. float32 out, [R, Hq, D].
 
-    bf16_dot (default: where it can) takes Q K^T two dimensions per instruction with AVX512_BF16, for bfloat16
-    q and k: the products are exact, so it differs from float32 only in the order of the sums.
+    bf16_dot (default: where it can) takes Q K^T two dimensions per instruction with AVX512_BF16 (the AVX-512
+    build alone), for bfloat16 q and k: the products are exact, so it differs from float32 only in the order of the
+    sums. The AVX2 builds take every product in float32.
     `head` (kernels/attention.PagedKeys, k's dtype): the first len(head) keys, read in place from a paged pool; k
     and v then hold the keys after them."""
     kernel = _kernel()
@@ -63,7 +64,7 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     dtype = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32
     possible = q.dtype == dtype and bf16_dot_serves(dtype)
     if bf16_dot and not possible:
-        raise ValueError("bf16_dot needs bfloat16 queries and keys and a CPU with AVX512_BF16")
+        raise ValueError("bf16_dot needs bfloat16 queries and keys and the AVX-512 build on a CPU with AVX512_BF16")
     pairs = possible if bf16_dot is None else bf16_dot
     k, v = (x.to(dtype).contiguous() for x in (k, v))  # no copy for the decode cache's own tensors
     pack = packs_keys(n_rows, n_q // n_kv)
@@ -85,10 +86,10 @@ def row_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torc
     return out
 
 
-@lru_cache(maxsize=1)
 def bf16_dot_available() -> bool:
-    """Whether this CPU multiplies bfloat16 pairs in one instruction (AVX512_BF16: Zen 4, Cooper/Sapphire Rapids)."""
-    return available() and "avx512_bf16" in cpu_flags()
+    """Whether the kernel multiplies bfloat16 pairs in one instruction: the process runs the AVX-512 build, on a CPU
+    with AVX512_BF16 (Zen 4, Cooper/Sapphire Rapids). Never on the AVX2 builds, which have no such instruction."""
+    return native.isa() == "avx512" and available() and "avx512_bf16" in cpu_flags()
 
 
 def bf16_dot_serves(dtype: torch.dtype) -> bool:
@@ -96,8 +97,8 @@ def bf16_dot_serves(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bf16_dot_available()
 
 
-@lru_cache(maxsize=1)
 def _kernel():
+    """The current build's entry point (native.function caches it per ISA), or None."""
     return native.function("kvrag_row_attention", ctypes.c_int,
                            [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
                            + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,

@@ -2,13 +2,14 @@
 
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstdint>
+
+#include "simd.h"
 
 namespace kvrag_rows {
 
-constexpr int kKeyBlock = 64;  // keys per block: four 16-lane vectors
+constexpr int kKeyBlock = 64;  // keys per block: 64 / W vectors (four on AVX-512, eight on AVX2)
+static_assert(kKeyBlock % kvrag_simd::W == 0, "a key block is whole vectors");
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16) {  // bfloat16 is the top half of a float32
@@ -32,32 +33,6 @@ struct KeyRows {
   const T* value_row(int64_t key, int64_t h) const { return (key < n_head ? hv : v) + at(key, h); }
 };
 
-// rows[i] (16 32-bit lanes each: key i's lanes e0..e0+15) written as columns: lane e of the 16 keys at out + e *
-// kKeyBlock. AVX-512's 16x16 transpose: 32- and 64-bit unpacks within 128-bit lanes, then two rounds of lane shuffles.
-inline void transpose16(const __m512i* rows, uint32_t* out) {
-  __m512i t[16], u[16], v[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[4g + c]: lane 4L + c of rows 4g..4g+3, in 128-bit lane L
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int g = 0; g < 16; g += 8) {
-    for (int c = 0; c < 4; ++c) {  // rows g..g+7: v[g + c] holds lanes c and 8 + c, v[g + 4 + c] 4 + c and 12 + c
-      v[g + c] = _mm512_shuffle_i32x4(u[g + c], u[g + 4 + c], 0x88);
-      v[g + 4 + c] = _mm512_shuffle_i32x4(u[g + c], u[g + 4 + c], 0xDD);
-    }
-  }
-  for (int c = 0; c < 8; ++c) {  // v[c] and v[8 + c]: lanes c and 8 + c of all 16 rows
-    _mm512_storeu_si512(out + c * kKeyBlock, _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88));
-    _mm512_storeu_si512(out + (c + 8) * kKeyBlock, _mm512_shuffle_i32x4(v[c], v[8 + c], 0xDD));
-  }
-}
-
 // Key block b of KV head h laid out as score_tile reads it: [D, 64] float32, or with key_pairs (bf16 keys) [D / 2,
 // 64] 32-bit pairs of dimensions as they lie. Keys past n_keys are zero.
 template <typename T>
@@ -65,21 +40,23 @@ void pack_key_block(const KeyRows<T>& keys, int64_t n_keys, int64_t h, int64_t b
   const int64_t d = keys.d, lanes = key_pairs ? d / 2 : d;  // 32-bit lanes a key
   float* panel = static_cast<float*>(out);
   uint32_t* pairs = static_cast<uint32_t*>(out);
-  // 16 keys at a time by a transpose where their lanes are 32-bit as they lie (bf16 pairs, float32 keys)
+  // W keys at a time by simd.h's W x W transpose where their lanes are 32-bit as they lie (bf16 pairs, float32
+  // keys); lanes is a multiple of W (D is of 64)
+  constexpr int W = kvrag_simd::W;
   const bool as_lanes = key_pairs || sizeof(T) == 4;
-  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += W) {
     const int64_t key0 = b * kKeyBlock + j0;
-    if (as_lanes && key0 + 16 <= n_keys) {
-      const uint32_t* row[16];
-      for (int i = 0; i < 16; ++i) row[i] = reinterpret_cast<const uint32_t*>(keys.key_row(key0 + i, h));
-      for (int64_t e0 = 0; e0 < lanes; e0 += 16) {
-        __m512i rows[16];
-        for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_si512(row[i] + e0);
-        transpose16(rows, pairs + e0 * kKeyBlock + j0);
+    if (as_lanes && key0 + W <= n_keys) {
+      const uint32_t* row[W];
+      for (int i = 0; i < W; ++i) row[i] = reinterpret_cast<const uint32_t*>(keys.key_row(key0 + i, h));
+      for (int64_t e0 = 0; e0 < lanes; e0 += W) {
+        kvrag_simd::vi rows[W];
+        for (int i = 0; i < W; ++i) rows[i] = kvrag_simd::iloadu(row[i] + e0);
+        kvrag_simd::transpose(rows, pairs + e0 * kKeyBlock + j0, kKeyBlock);
       }
       continue;
     }
-    for (int64_t j = j0; j < j0 + 16; ++j) {  // the block's last keys, or bf16 keys widened to float32
+    for (int64_t j = j0; j < j0 + W; ++j) {  // the block's last keys, or bf16 keys widened to float32
       const int64_t key = b * kKeyBlock + j;
       if (key >= n_keys) {
         for (int64_t e = 0; e < lanes; ++e) pairs[e * kKeyBlock + j] = 0;  // 0.0f's bits too

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvrag.config import KVRagConfig
+from kvrag.kernels import native as kernel_build
 from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
 from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.names import default_weights
@@ -33,7 +34,7 @@ class Runtime:
     def load(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
              tune_process: bool = False, kernels: str | None = None, *, threads: int | None = None,
              keep_freed: bool = True, native: bool = True, weights: str = "dense", lead_in: int | None = None,
-             keep_prepared: bool = True) -> Runtime:
+             keep_prepared: bool = True, isa: str | None = None) -> Runtime:
         """Resolve (and on first use convert) the model, then load it for compute; None for a setting is its
         default (auto; config.py resolves the environment at the edge). tune_process: also set the process's torch
         threads (`threads`, None: every core) and keep freed memory in the allocator unless `keep_freed` is False
@@ -41,7 +42,11 @@ class Runtime:
         C++ CPU kernels where they serve (False: torch's ops). weights: the layers' matrices dense, int8 or int4, or
         auto (model/quant.py's resolve_weights; the configuration's default, read at the edge). lead_in: what stored
         chunks follow (precompute/lead_in.py; None: the model's rule). keep_prepared: False loads without writing the
-        prepared file (a test's one load of a model is not worth gigabytes of cache)."""
+        prepared file (a test's one load of a model is not worth gigabytes of cache). isa: the build of kvrag's
+        kernels the process runs (kernels/native.py's `use`: auto, avx512, avxvnni, avx2, none; None keeps the
+        process's choice); none turns them off as native=False does."""
+        if isa is not None:
+            native = native and kernel_build.use(isa) != "none"
         if tune_process:
             set_cpu_threads(threads, keep_freed)
         local = resolve_model(model)
@@ -59,7 +64,7 @@ class Runtime:
         """The model of a resolved configuration (config.py)."""
         return cls.load(config.model, config.dtype, config.device, config.tune_process, config.kernels,
                         threads=config.threads, keep_freed=not config.malloc_defaults, native=config.native,
-                        weights=config.weights, lead_in=config.lead_in)
+                        weights=config.weights, lead_in=config.lead_in, isa=config.isa)
 
     def with_weights(self, form: str) -> Runtime:
         """This model with its layers' matrices in `form` (dense, int8, int4), on the same dtype, device and kernels:

@@ -75,14 +75,18 @@ def test_twin_is_the_product_of_the_quantized_numbers(bits):
     assert ((got.double() - dense).norm() / dense.norm()).item() < (0.02 if bits == 8 else 0.15)
 
 
-needs_kernel = pytest.mark.skipif(not quant.available(), reason="kvrag's library or AVX512-VNNI missing")
+@pytest.fixture
+def kernel(isa):
+    """quant.cpp in each build this CPU runs (conftest's `isa`), skipped where that build cannot run it."""
+    if not quant.available():
+        pytest.skip(f"kvrag's {isa} library missing (or, for avx512, AVX512-VNNI)")
+    return isa
 
 
-@needs_kernel
 @pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_its_twin_bit_for_bit(bits, rows, threads):
+def test_kernel_matches_its_twin_bit_for_bit(kernel, bits, rows, threads):
     g = torch.Generator().manual_seed(rows * 7 + bits)
     n = 16 * 40 if threads == 2 else 48  # past 16 tiles, where a second thread joins
     w, x = torch.randn(n, 96, generator=g), torch.randn(rows, 96, generator=g)
@@ -93,17 +97,44 @@ def test_kernel_matches_its_twin_bit_for_bit(bits, rows, threads):
     assert torch.equal(quant.matmul(part, x, threads), quant.twin(packed, x)[:, 16:48])
 
 
-@needs_kernel
-def test_kernel_refuses_a_shape_it_cannot_take():
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_kernel_is_exact_at_the_largest_integers(kernel, bits):
+    """Every weight and activation of a group at its extreme (int8 +-127, int4 15, activations +-127), in every
+    sign pattern: plain AVX2's VPMADDUBSW saturates an int16 pair sum past 32767 (255 x 127 x 2 for int8's stored
+    q + 128), so only exact integer dots give back the twin's bits."""
+    n, k = 32, 128
+    top = 127 if bits == 8 else 15
+    signs = torch.ones(n, k, dtype=torch.int8)
+    if bits == 8:
+        signs[8:16] = -1  # all negative
+        signs[16:24, ::2] = -1  # alternating
+        signs[24:, 64:] = -1  # the second half of the inputs
+    q = top * signs
+    scales = torch.full((n, k // 32), 0.5, dtype=torch.float16)
+    mins = None if bits == 8 else torch.full((n, k // 32), -1.0, dtype=torch.float16)
+    packed = quant.pack(q, scales, mins, bits)
+    x = torch.ones(4, k)  # every activation 127 after its group's quantization
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3, 32:64] = -2  # a group of -127, the others +64 (rounded from 63.5)
+    want = quant.twin(packed, x)
+    assert torch.equal(quant.matmul(packed, x, 1), want)
+    assert want[0, 0] == 4 * 32 * top * 127 * (0.5 / 127) + (0 if bits == 8 else 4 * 32 * -1.0)
+
+
+def test_kernel_refuses_a_shape_it_cannot_take(kernel):
     packed = quant.Packed.of(torch.randn(16, 64), 8)
     with pytest.raises(ValueError):
         quant.matmul(packed, torch.randn(1, 32), 1)
 
 
-@pytest.mark.skipif(not quant.available(), reason="kvrag's library missing")
 @pytest.mark.parametrize("bits", quant.BITS)
-def test_the_transposed_bf16_matrix_is_the_dequantized_one(bits):
+def test_the_transposed_bf16_matrix_is_the_dequantized_one(isa, bits):
     """What a bf16 prefill on an AMX CPU multiplies by: W^T [K, N] with `dequantize`'s values rounded as torch
-    rounds to bf16, bit for bit."""
+    rounds to bf16, bit for bit (in every build: it needs only the library)."""
+    from kvrag.kernels import native
+
+    if native.library() is None:
+        pytest.skip(f"kvrag's {isa} library missing")
     packed = quant.Packed.of(torch.randn(48, 96, generator=torch.Generator().manual_seed(bits)) * 3, bits)
     assert torch.equal(quant.dequantize_t(packed, 2), quant.dequantize(packed, torch.bfloat16).T)

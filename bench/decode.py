@@ -18,6 +18,7 @@ sequences would take the whole budget.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -67,9 +68,12 @@ def bytes_per_token(model: Transformer, context: int) -> int:
 
 
 def tokens_per_s(model: Transformer, prompt: int, steps: int, rounds: int) -> dict[str, float]:
-    """Median tokens a second of each step over `steps` tokens after a `prompt`-token prefill, interleaved."""
+    """Median tokens a second of each step over `steps` tokens after a `prompt`-token prefill, interleaved, and the
+    prefill's own tokens a second (one run: "prefill")."""
     ids = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(prompt))
+    start = time.perf_counter()
     _, cache = prefill(model, ids, extra=steps)
+    prefill_s = time.perf_counter() - start
     feed = torch.randint(0, model.cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(1)).tolist()
     times: dict[str, list[float]] = {name: [] for name in STEPS}
     for _ in range(rounds):
@@ -81,7 +85,7 @@ def tokens_per_s(model: Transformer, prompt: int, steps: int, rounds: int) -> di
                 step(model, cache, token)
             times[name].append((steps - 1) / (time.perf_counter() - start))
             cache.length = prompt
-    return {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()} | {"prefill": prompt / prefill_s}
 
 
 def native_call_ms(model: Transformer, prompt: int, steps: int) -> float:
@@ -137,7 +141,8 @@ def single_stream(model: Transformer, tokenizer, prompts: list[int], steps: int,
             floor = bandwidth / bytes_per_token(model, prompt)
             speed = tokens_per_s(model, prompt, steps, rounds)
             cells = " ".join(f"{speed[n]:7.1f} ({floor / speed[n]:4.1f}x)" for n in STEPS)
-            out(f"{prompt:>6} {bytes_per_token(model, prompt) / 1e6:8.1f} {floor:6.1f} {cells}")
+            out(f"{prompt:>6} {bytes_per_token(model, prompt) / 1e6:8.1f} {floor:6.1f} {cells}   "
+                f"(prefill {speed['prefill']:.1f} tokens/s, load {os.getloadavg()[0]:.2f})")
             call = native_call_ms(model, prompt, 3 * steps)
             out(f"{'':>6} native step {1e3 / speed['native']:.2f} ms: the native call {call:.2f} ms "
                 f"({bytes_per_token(model, prompt) / call / 1e6:.1f} GB/s), torch around it "

@@ -1,6 +1,7 @@
-// A decode step's two memory-bound pieces for x86-64 CPUs with AVX-512: a bfloat16 matrix times a few vectors
-// (every weight matrix of a layer, and the LM head, for each new row of a batch), and one query row's attention
-// over bf16 keys and values read in place (a contiguous decode cache, or a paged pool through block tables).
+// A decode step's two memory-bound pieces for x86-64 CPUs: a bfloat16 matrix times a few vectors (every weight
+// matrix of a layer, and the LM head, for each new row of a batch), and one query row's attention over bf16 keys
+// and values read in place (a contiguous decode cache, or a paged pool through block tables). One source for every
+// build (kernels/simd.h: W float lanes a vector, 16 on AVX-512, 8 on AVX2); the ISA sets the tiles' widths.
 //
 // A decode step reads every weight once (270 MB for a 135M model) and does two multiply-adds a weight and row,
 // so with few rows its speed is the memory's. torch's bf16 matmul with one row reaches 5-25 GB/s here and pays
@@ -8,7 +9,7 @@
 // share each weight read; the attention reads bf16 keys and values as they are, without a float32 copy.
 //
 // Numerics: bf16 inputs widen exactly to float32, products and sums are float32 (as torch's kernels), outputs
-// round to nearest even. Only the order of the sums differs from torch.
+// round to nearest even. Only the order of the sums differs from torch (and between ISAs: W lanes a sum).
 
 #include <immintrin.h>
 
@@ -30,11 +31,7 @@
 
 namespace {
 
-// 16 bfloat16 values to float32 lanes: bf16 is the top half of a float32.
-inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using namespace kvrag_simd;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (no NaN can reach here from finite inputs)
   uint32_t bits;
@@ -50,46 +47,19 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// Lane i of the result is the sum of the 16 lanes of v[i]: 16 dot products finished in 15 shuffle-adds. Each
-// sum folds halves, quarters, pairs, then lanes: _mm512_reduce_add_ps's tree, so either gives the same bits.
-inline __m512 transpose_sum16(__m512* v) {
-  for (int width = 8; width >= 1; width /= 2) {  // pairs (v[i], v[i + width]) fold into v[i]
-    for (int i = 0; i < width; ++i) {
-      __m512 a = v[i], b = v[i + width];
-      __m512 lo, hi;
-      if (width == 8) {  // 256-bit halves
-        lo = _mm512_shuffle_f32x4(a, b, 0x44);
-        hi = _mm512_shuffle_f32x4(a, b, 0xEE);
-      } else if (width == 4) {  // 128-bit quarters
-        lo = _mm512_shuffle_f32x4(a, b, 0x88);
-        hi = _mm512_shuffle_f32x4(a, b, 0xDD);
-      } else if (width == 2) {  // 64-bit pairs
-        lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-        hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-      } else {  // single lanes
-        lo = _mm512_shuffle_ps(a, b, 0x88);
-        hi = _mm512_shuffle_ps(a, b, 0xDD);
-      }
-      v[i] = _mm512_add_ps(lo, hi);
-    }
-  }
-  // the folds leave v[j]'s sum in lane perm[j] (perm is its own inverse): put each back in place
-  const __m512i perm = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return _mm512_permutexvar_ps(perm, v[0]);
-}
-
-// A tile's NI x R sums (input j, row i at j * R + i) handed to store(input, row, sum): where they are 16, in one
-// transposed fold (on a copy: the caller's sums then stay in registers).
+// A tile's NI x R sums (input j, row i at j * R + i) handed to store(input, row, sum): where they are W, in one
+// transposed fold (on a copy: the caller's sums then stay in registers). transpose_sum and reduce_add fold in one
+// tree, so a sum's bits are the same either way: a row's result does not depend on the tile it was in.
 template <int R, int NI, class Store>
-inline void store_tile(const __m512* acc, int64_t r, int64_t b0, Store& store) {
-  if (NI * R == 16) {
-    __m512 folded[16];
-    for (int i = 0; i < 16; ++i) folded[i] = acc[i];
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, transpose_sum16(folded));
-    for (int i = 0; i < 16; ++i) store(b0 + i / R, r + i % R, sums[i]);
+inline void store_tile(const vf* acc, int64_t r, int64_t b0, Store& store) {
+  if constexpr (NI * R == W) {
+    vf folded[W];
+    for (int i = 0; i < W; ++i) folded[i] = acc[i];
+    alignas(64) float sums[W];
+    kvrag_simd::store(sums, transpose_sum(folded));
+    for (int i = 0; i < W; ++i) store(b0 + i / R, r + i % R, sums[i]);
   } else {
-    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, _mm512_reduce_add_ps(acc[i]));
+    for (int i = 0; i < NI * R; ++i) store(b0 + i / R, r + i % R, reduce_add(acc[i]));
   }
 }
 
@@ -102,37 +72,43 @@ inline void store_tile(const __m512* acc, int64_t r, int64_t b0, Store& store) {
 #define PREFETCH_BLOCKS 4
 #endif
 
+// Inputs a tile at most: its R x NI sums and R weight vectors stay in registers (AVX-512's 32: 16 sums and 4
+// weight vectors for R = 4; AVX2's 16: 8 sums and 4 weight vectors).
+constexpr int TILE_INPUTS = KVRAG_AVX512 ? 4 : 2;
+
 // R rows from r times NI inputs from b0: R * NI independent sums, each over K in order. `ahead` (or null):
 // the rows PREFETCH_BLOCKS blocks on, a cache line of each fetched into L2 every 32 columns.
 template <int R, int NI, class Store>
 inline void dot_tile(const uint16_t* w, const float* x, int64_t k, int64_t r, int64_t b0, const uint16_t* ahead,
                      Store& store) {
-  __m512 acc[NI * R];  // input j, row i at j * R + i
-  for (int i = 0; i < NI * R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t e = 0; e < k; e += 16) {
+  vf acc[NI * R];  // input j, row i at j * R + i
+  for (int i = 0; i < NI * R; ++i) acc[i] = zero();
+  for (int64_t e = 0; e < k; e += W) {
     if (ahead && e % 32 == 0) {
       for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * k + e), _MM_HINT_T1);
     }
-    __m512 wv[R];  // widened once, used by every input of the tile
+    vf wv[R];  // widened once, used by every input of the tile
     for (int i = 0; i < R; ++i) wv[i] = load_bf16(w + (r + i) * k + e);
     for (int j = 0; j < NI; ++j) {
-      const __m512 xv = _mm512_loadu_ps(x + (b0 + j) * k + e);
-      for (int i = 0; i < R; ++i) acc[j * R + i] = _mm512_fmadd_ps(wv[i], xv, acc[j * R + i]);
+      const vf xv = loadu(x + (b0 + j) * k + e);
+      for (int i = 0; i < R; ++i) acc[j * R + i] = fmadd(wv[i], xv, acc[j * R + i]);
     }
   }
   store_tile<R, NI>(acc, r, b0, store);
 }
 
+#if KVRAG_AVX512
 // 32 bf16 values, those outside `live` zero. A masked load only where needed: GCC cannot see what the masked
 // load's builtin reads, so a loop of them keeps its sums in memory (a store each) instead of registers.
 inline __m512i load32(__mmask32 live, const uint16_t* p) {
   return live == 0xFFFFFFFFu ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(live, p);
 }
 
-// The same tile with VDPBF16PS (CPUs with AVX512-BF16): x [n, K] bf16, and each instruction adds to lane i of
-// a sum the products of columns 2i and 2i+1 of 32 (exact in float32), so the weights are read as they are and
-// a row's sum takes half the instructions. A K that is an odd multiple of 16 ends on 16 zero pairs (adding +0).
-// Its sums run in another order than dot_tile's (so other bits), but again in one order whatever n is.
+// The same tile with VDPBF16PS (CPUs with AVX512-BF16; the AVX-512 build only): x [n, K] bf16, and each
+// instruction adds to lane i of a sum the products of columns 2i and 2i+1 of 32 (exact in float32), so the weights
+// are read as they are and a row's sum takes half the instructions. A K that is an odd multiple of 16 ends on 16
+// zero pairs (adding +0). Its sums run in another order than dot_tile's (so other bits), but again in one order
+// whatever n is.
 template <int R, int NI, class Store>
 __attribute__((target("avx512bf16"))) void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t k, int64_t r,
                                                          int64_t b0, const uint16_t* ahead, Store& store) {
@@ -155,6 +131,10 @@ __attribute__((target("avx512bf16"))) void dot_tile_bf16(const uint16_t* w, cons
   if (e < k) columns(e, 0xFFFFu);
   store_tile<R, NI>(acc, r, b0, store);
 }
+#endif
+
+// Whether this build multiplies with VDPBF16PS where asked (the step refuses the request elsewhere).
+constexpr bool BF16_DOT = KVRAG_AVX512;
 
 // A product's n input rows of K values: as float32, and as bf16 where the step multiplies with VDPBF16PS (the
 // same values: every input is bf16-rounded); bf16 null: the float32 path.
@@ -166,20 +146,29 @@ struct Inputs {
 template <int R, int NI, class Store>
 inline void tile(const uint16_t* w, Inputs x, int64_t k, int64_t r, int64_t b0, const uint16_t* ahead,
                  Store& store) {
-  if (x.bf16)
+#if KVRAG_AVX512
+  if (x.bf16) {
     dot_tile_bf16<R, NI>(w, x.bf16, k, r, b0, ahead, store);
-  else
-    dot_tile<R, NI>(w, x.f32, k, r, b0, ahead, store);
+    return;
+  }
+#endif
+  dot_tile<R, NI>(w, x.f32, k, r, b0, ahead, store);
 }
 
-// Rows r..r+R-1 against all n inputs, four at a time (16 sums and 4 weight vectors fit the 32 registers).
+// Rows r..r+R-1 against all n inputs, TILE_INPUTS at a time, then the rest in one smaller tile.
 template <int R, class Store>
 inline void dot_rows(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t r, const uint16_t* ahead,
                      Store& store) {
   int64_t b = 0;
-  for (; b + 4 <= n; b += 4, ahead = nullptr) tile<R, 4>(w, x, k, r, b, ahead, store);  // prefetch once
-  if (n - b == 3) tile<R, 3>(w, x, k, r, b, ahead, store);
-  if (n - b == 2) tile<R, 2>(w, x, k, r, b, ahead, store);
+  for (; b + TILE_INPUTS <= n; b += TILE_INPUTS, ahead = nullptr) {
+    tile<R, TILE_INPUTS>(w, x, k, r, b, ahead, store);  // prefetch once
+  }
+  if constexpr (TILE_INPUTS > 3) {
+    if (n - b == 3) tile<R, 3>(w, x, k, r, b, ahead, store);
+  }
+  if constexpr (TILE_INPUTS > 2) {
+    if (n - b == 2) tile<R, 2>(w, x, k, r, b, ahead, store);
+  }
   if (n - b == 1) tile<R, 1>(w, x, k, r, b, ahead, store);
 }
 
@@ -194,20 +183,16 @@ void gemv_rows(const uint16_t* w, Inputs x, int64_t n, int64_t k, int64_t r0, in
 }
 
 // x [count] float32 holding bf16 values (count % 16 == 0) as bf16 in buf, exactly (their top halves): the
-// products' inputs where the step uses VDPBF16PS; null (the float32 path) where it does not.
+// products' inputs where the step uses VDPBF16PS; null (the float32 path) where it does not, or cannot (a build
+// without it).
 Inputs inputs(const float* x, int64_t count, bool bf16, std::vector<uint16_t>& buf) {
-  if (!bf16) return {x, nullptr};
+  if (!bf16 || !BF16_DOT) return {x, nullptr};
   buf.resize(count);
-  for (int64_t e = 0; e < count; e += 16) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x + e)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.data() + e), _mm512_cvtepi32_epi16(bits));
-  }
+  for (int64_t e = 0; e < count; e += W) store_u16(buf.data() + e, srli32(as_int(loadu(x + e)), 16));
   return {x, buf.data()};
 }
 
 inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }  // a float32 holding bf16's value
-
-using kvrag_simd::exp_ps;
 
 // Rows s..s1-1 (each d bf16 at base + at[s]) fetched into L2: the rows of one KV head are a strided
 // (or, paged, scattered) walk that the hardware prefetcher does not run far enough ahead of: without these
@@ -220,55 +205,55 @@ inline void fetch_rows(const uint16_t* base, const int64_t* at, int64_t s, int64
   }
 }
 
+constexpr int64_t MAX_HEAD_DIM = 256;
+
 // One KV head's `group` query rows q [group, D] (float32) over keys s0..s1-1 of k, v (that head's columns; key
 // s's row at k + at[s] and v + at[s], so a paged cache reads in place), unnormalised: per query j, m[j] the
 // largest scaled score, l[j] the sum of p = exp(score - m[j]) and acc [group, D] the sum of p v. No keys:
-// m = -inf, l = 0, acc = 0, a part that adds nothing to a merge.
+// m = -inf, l = 0, acc = 0, a part that adds nothing to a merge. W keys a pass: their dot products, then one
+// transposed sum.
 void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int64_t* at, int64_t s0, int64_t s1,
                  int64_t group, int64_t d, float scale, std::vector<float>& scores, float* m, float* l, float* acc) {
-  const int64_t n = std::max<int64_t>(s1 - s0, 0), s_pad = (n + 15) / 16 * 16, nv = d / 16;
+  const int64_t n = std::max<int64_t>(s1 - s0, 0), s_pad = (n + W - 1) / W * W, nv = d / W;
   scores.resize(s_pad);
   fetch_rows(k, at, s0, std::min(s1, s0 + KEYS_AHEAD), d);
   for (int64_t j = 0; j < group; ++j) {
-    __m512 qv[16];
-    for (int64_t c = 0; c < nv; ++c) qv[c] = _mm512_loadu_ps(q + j * d + 16 * c);
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t b = 0; b < n; b += 16) {  // 16 keys' dot products, then one transposed sum
+    vf qv[MAX_HEAD_DIM / W];
+    for (int64_t c = 0; c < nv; ++c) qv[c] = loadu(q + j * d + W * c);
+    vf best = set1(-INFINITY);
+    for (int64_t b = 0; b < n; b += W) {  // W keys' dot products, then one transposed sum
       if (j == 0) {  // the first query's pass brings the keys ahead and these keys' values into L2
-        fetch_rows(k, at, s0 + b + KEYS_AHEAD, std::min(s1, s0 + b + KEYS_AHEAD + 16), d);
-        fetch_rows(v, at, s0 + b, std::min(s1, s0 + b + 16), d);
+        fetch_rows(k, at, s0 + b + KEYS_AHEAD, std::min(s1, s0 + b + KEYS_AHEAD + W), d);
+        fetch_rows(v, at, s0 + b, std::min(s1, s0 + b + W), d);
       }
-      __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        dots[i] = _mm512_setzero_ps();
+      vf dots[W];
+      for (int i = 0; i < W; ++i) {
+        dots[i] = zero();
         if (b + i < n) {
           const uint16_t* kr = k + at[s0 + b + i];
-          for (int64_t c = 0; c < nv; ++c) dots[i] = _mm512_fmadd_ps(qv[c], load_bf16(kr + 16 * c), dots[i]);
+          for (int64_t c = 0; c < nv; ++c) dots[i] = fmadd(qv[c], load_bf16(kr + W * c), dots[i]);
         }
       }
-      const __m512 s = _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(scale));
-      const __mmask16 live = n - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - b)) - 1);
-      _mm512_storeu_ps(scores.data() + b, s);
-      best = _mm512_mask_max_ps(best, live, best, s);
+      const vf s = mul(transpose_sum(dots), set1(scale));
+      storeu(scores.data() + b, s);
+      best = select(lanes_below(n - b), max(best, s), best);
     }
-    m[j] = _mm512_reduce_max_ps(best);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t b = 0; b < n; b += 16) {
-      const __mmask16 live = n - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - b)) - 1);
-      const __m512 s = _mm512_loadu_ps(scores.data() + b);
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[j]))));
-      _mm512_storeu_ps(scores.data() + b, p);
-      total = _mm512_add_ps(total, p);
+    m[j] = reduce_max(best);
+    vf total = zero();
+    for (int64_t b = 0; b < n; b += W) {
+      const vf p = keep(lanes_below(n - b), exp_ps(sub(loadu(scores.data() + b), set1(m[j]))));
+      storeu(scores.data() + b, p);
+      total = add(total, p);
     }
-    l[j] = _mm512_reduce_add_ps(total);
-    __m512 sum[16];
-    for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_setzero_ps();
+    l[j] = reduce_add(total);
+    vf sum[MAX_HEAD_DIM / W];
+    for (int64_t c = 0; c < nv; ++c) sum[c] = zero();
     for (int64_t s = 0; s < n; ++s) {  // the value rows are hot in cache after the group's first query
       const uint16_t* vr = v + at[s0 + s];
-      const __m512 p = _mm512_set1_ps(scores[s]);
-      for (int64_t c = 0; c < nv; ++c) sum[c] = _mm512_fmadd_ps(p, load_bf16(vr + 16 * c), sum[c]);
+      const vf p = set1(scores[s]);
+      for (int64_t c = 0; c < nv; ++c) sum[c] = fmadd(p, load_bf16(vr + W * c), sum[c]);
     }
-    for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc + j * d + 16 * c, sum[c]);
+    for (int64_t c = 0; c < nv; ++c) storeu(acc + j * d + W * c, sum[c]);
   }
 }
 
@@ -340,7 +325,7 @@ struct StepModel {
   // key (layer l, block b, slot s) at k_base + l * layer_stride + b * block_stride + s * Hkv * hd (v_base alike)
   int64_t n_blocks, block_size, layer_stride, block_stride;
   int64_t max_pos;   // rows of cos and sin: rotary positions 0..max_pos-1
-  int64_t dot_bf16;  // non-zero: the products with VDPBF16PS (set only where the CPU has AVX512-BF16)
+  int64_t dot_bf16;  // non-zero: the products with VDPBF16PS (the AVX-512 build on a CPU with AVX512-BF16 only)
   float eps, scale;
   const uint64_t* layers;  // [L, 7] addresses: attn_norm, wqkv, bqkv (0: none), wo, mlp_norm, w_gate_up, w_down
   uint16_t* k_base;        // rotated keys
@@ -398,9 +383,9 @@ Span share(int64_t n, int t, int n_threads, int64_t align) {
 
 // out [D] = bf16(w * bf16(x / rms(x))): torch's rms_norm(x.float()).to(bf16) times the weight.
 void rms_norm(const float* x, const uint16_t* w, int64_t d, float eps, float* out) {
-  __m512 sq = _mm512_setzero_ps();
-  for (int64_t e = 0; e < d; e += 16) sq = _mm512_fmadd_ps(_mm512_loadu_ps(x + e), _mm512_loadu_ps(x + e), sq);
-  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(d) + eps);
+  vf sq = zero();
+  for (int64_t e = 0; e < d; e += W) sq = fmadd(loadu(x + e), loadu(x + e), sq);
+  const float r = 1.0f / std::sqrt(reduce_add(sq) / static_cast<float>(d) + eps);
   for (int64_t e = 0; e < d; ++e) out[e] = round_bf16(from_bf16(w[e]) * round_bf16(x[e] * r));
 }
 
@@ -586,13 +571,14 @@ void gate_up(const StepModel& m, const Weights& w, Shared& s, Own& o, const Act&
   for (int64_t b = 0; b < s.rows; ++b) {
     const float *gate = o.gate.data() + b * len, *up = o.up.data() + b * len;
     float* act = s.act.data() + b * inter + rows.begin;
-    for (int64_t i = 0; i < len; i += 16) {
-      const __mmask16 live = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
-      const __m512 g = _mm512_maskz_loadu_ps(live, gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, silu);
-      for (int64_t e = 0; e < 16 && i + e < len; ++e) act[i + e] = round_bf16(round_bf16(lanes[e]) * up[i + e]);
+    for (int64_t i = 0; i < len; i += W) {
+      const vf g = len - i >= W ? loadu(gate + i) : load_partial(gate + i, len - i);
+      // silu(g) = g / (1 + exp(-g)); exp's argument at most 89, whose exp overflows to inf as any past 88.73
+      // does (AVX2's scale_pow2 takes exponents up to 127 only), so that g < -89 gives -0 on every ISA
+      const vf silu = div(g, add(set1(1.0f), exp_ps(sub(zero(), kvrag_simd::max(g, set1(-89.0f))))));
+      alignas(64) float lanes[W];
+      kvrag_simd::store(lanes, silu);
+      for (int64_t e = 0; e < W && i + e < len; ++e) act[i + e] = round_bf16(round_bf16(lanes[e]) * up[i + e]);
     }
   }
 }
@@ -628,10 +614,11 @@ void step_thread(const StepModel& m, Shared& s, Barrier& barrier, float* logits,
 }
 
 // 0 when every row's slot has a table entry, every block up to it is in the pool, and every rotary position
-// has angles.
+// has angles; 4 for VDPBF16PS products asked of a build without them (AVX2).
 int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const int64_t* rotary,
                 const int64_t* tables, int64_t max_blocks) {
   if (n <= 0 || max_blocks <= 0) return 1;
+  if (m.dot_bf16 && !BF16_DOT) return 4;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t p = positions[b];
     if (p < 0 || p / m.block_size >= max_blocks || rotary[b] < 0 || rotary[b] >= m.max_pos) return 2;
@@ -650,7 +637,8 @@ int check_batch(const StepModel& m, int64_t n, const int64_t* positions, const i
 // their embeddings in and the last layer's outputs out; each layer's rotated key and value of row b go to its
 // slot, where the caller has a block that no other row of the batch writes; logits [n, V] float32 get the LM
 // head's bf16 values (widened). Row b attends to its keys 0..positions[b]. Shapes were checked by the caller
-// (decode.py); positions, rotary and tables are checked here (non-zero: refused, nothing written).
+// (decode.py); positions, rotary and tables are checked here, and dot_bf16 against the build (non-zero: refused,
+// nothing written).
 extern "C" int kvrag_decode_batch(const StepModel* model, int64_t n, const int64_t* positions, const int64_t* rotary,
                                   const int64_t* tables, int64_t max_blocks, uint16_t* h, float* logits,
                                   int n_threads) {

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -76,9 +75,15 @@ def step_serves(w: StepWeights) -> bool:
 
 
 def dot_bf16_default() -> bool:
-    """Whether a step multiplies with VDPBF16PS (pairs of bf16 products summed into float32): where the CPU has
-    AVX512-BF16. Another order of sums than the float32 path's, so other bits; each path is batch-invariant."""
-    return "avx512_bf16" in cpu_flags()
+    """Whether a step multiplies with VDPBF16PS (pairs of bf16 products summed into float32): where the process runs
+    the AVX-512 build (native.isa) on a CPU with AVX512-BF16, the only place it can. Another order of sums than the
+    float32 path's, so other bits; each path is batch-invariant."""
+    return _bf16_dot_runs()
+
+
+def _bf16_dot_runs() -> bool:
+    """Whether VDPBF16PS runs in the process's build here (the AVX2 builds have no such path)."""
+    return native.isa() == "avx512" and "avx512_bf16" in cpu_flags()
 
 
 class StepModel(ctypes.Structure):
@@ -97,8 +102,12 @@ def _step_model(w: StepWeights, k: int, v: int, strides: tuple[int, int, int, in
                 sin: torch.Tensor, dot_bf16: bool | None) -> tuple[StepModel, torch.Tensor]:
     """The StepModel of weights `w` over keys at address k and values at v, strides (n_blocks, block_size,
     layer_stride, block_stride) in elements, and the [L * 7] weight addresses it points to (keep both alive).
-    dot_bf16: the products with VDPBF16PS (None: where the CPU has it; True on a CPU without it faults)."""
+    dot_bf16: the products with VDPBF16PS (None: where the build and CPU run it; True where they do not: ValueError)."""
     dot_bf16 = dot_bf16_default() if dot_bf16 is None else dot_bf16
+    if dot_bf16 and not _bf16_dot_runs():
+        raise ValueError(f"dot_bf16=True: VDPBF16PS products need kvrag's avx512 kernels on a CPU with AVX512-BF16 "
+                         f"(this process runs the {native.isa()} build"
+                         f"{'' if 'avx512_bf16' in cpu_flags() else ', on a CPU without AVX512-BF16'})")
     for t in (cos, sin):  # [max_pos, 1, hd]
         assert t.is_contiguous() and t.dtype == torch.bfloat16
     addresses = [_address(t) for layer in w.layers for t in layer] + [_address(w.lm_head)]
@@ -122,8 +131,8 @@ def _address(t: torch.Tensor | quant.Packed | None) -> int:
 class WholeStep:
     """Every layer of one new row and the LM head in one native call, writing K and V into a decode cache's
     bf16 rows: the batch step's one row over one block. Made once per cache (the addresses of the model's
-    weights and of the cache are taken here). dot_bf16: the products with VDPBF16PS (None: where the CPU has
-    AVX512-BF16), each product's float32 sums in another order than without, so other bits."""
+    weights and of the cache are taken here). dot_bf16: the products with VDPBF16PS (None: where the build and
+    the CPU run them, dot_bf16_default), each product's float32 sums in another order than without, so other bits."""
 
     def __init__(self, weights: StepWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, dot_bf16: bool | None = None):
@@ -143,10 +152,12 @@ class WholeStep:
         position `rotary` (None: pos; past it where earlier rows were dropped). n_threads None: the faster of
         one thread and torch's count, as measured (the numbers are the same on any count)."""
         rotary = pos if rotary is None else rotary
-        if self.threads.run(n_threads, lambda threads: _step()(ctypes.byref(self.shape), pos, rotary, h.data_ptr(),
-                                                                logits.data_ptr(), threads)):
+        rc = self.threads.run(n_threads, lambda threads: _step()(ctypes.byref(self.shape), pos, rotary, h.data_ptr(),
+                                                                  logits.data_ptr(), threads))
+        if rc:
             raise RuntimeError(f"decode step refused row {pos} at rotary position {rotary} (capacity "
-                               f"{self.capacity}, rotary tables {self.shape.max_pos})")
+                               f"{self.capacity}, rotary tables {self.shape.max_pos}; code {rc}: "
+                               f"{_REFUSALS.get(rc, '?')})")
 
 
 class BatchStep:
@@ -197,7 +208,7 @@ class BatchStep:
 
 
 _REFUSALS = {1: "an empty batch or table", 2: "a slot past its table or a rotary position past the rotary tables",
-             3: "a block outside the pool"}
+             3: "a block outside the pool", 4: "VDPBF16PS products asked of a build without them"}
 
 
 class ThreadPicker:
@@ -234,14 +245,12 @@ class ThreadPicker:
         self.seconds[n] = seconds if before is None else 0.7 * before + 0.3 * seconds
 
 
-@lru_cache(maxsize=1)
-def _step():
+def _step():  # (native.function caches each build's entry point: the build is the process's choice, native.isa)
     return native.function("kvrag_decode_step", ctypes.c_int,
                            [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_void_p, ctypes.c_int])
 
 
-@lru_cache(maxsize=1)
 def _batch():
     return native.function("kvrag_decode_batch", ctypes.c_int,
                            [ctypes.POINTER(StepModel), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,

@@ -8,6 +8,7 @@ numpy decode and torch cast (the same values: both round to nearest even).
 from __future__ import annotations
 
 import ctypes
+
 import numpy as np
 import torch
 

@@ -1,6 +1,7 @@
 """The batched decode step over a paged KV pool (kernels/decode.cpp through BatchStep) against the one-row step
 (WholeStep) of each sequence alone on its own contiguous cache: the same bits, whatever the batch, the order
-of the blocks and the number of threads."""
+of the blocks and the number of threads. Each test runs on every build of the kernels this CPU runs (the `isa`
+fixture), each build against its own one-row step (the builds' sums run in other orders, so other bits)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvrag.kernels import decode_step as native_decode
-from kvrag.kernels import quant
+from kvrag.kernels import native, quant
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import TOKENIZER_FILES, resolve_model
@@ -20,8 +21,14 @@ from kvrag.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(not native_decode.available(), reason="kvrag's native kernels are not built here")
 
-# The products' two paths: float32 FMAs everywhere, VDPBF16PS where the CPU has AVX512-BF16 (the default there).
-DOT_PATHS = [False, True] if native_decode.dot_bf16_default() else [False]
+# The products' two paths: float32 FMAs everywhere, VDPBF16PS in the AVX-512 build where the CPU has AVX512-BF16
+# (the default there); a test of the second skips where its build cannot run it.
+DOT_PATHS = [False, True]
+
+
+def _skip_without_bf16_dot(dot_bf16: bool = True) -> None:
+    if dot_bf16 and not native_decode.dot_bf16_default():
+        pytest.skip(f"VDPBF16PS products: the avx512 build on a CPU with AVX512-BF16 (this is {native.isa()})")
 
 
 def _load(path) -> Transformer:
@@ -122,7 +129,7 @@ def _check_batch_equals_alone(model, lengths: list[int], steps: int, block_size:
 
 
 @pytest.mark.real_model
-def test_real_batch_steps_equal_each_sequence_alone(smol):
+def test_real_batch_steps_equal_each_sequence_alone(isa, smol):
     """SmolLM2: prompts of 5, 40 and 130 tokens, 20 steps each across 16-token block edges, in one batch over
     scrambled blocks, against each stepped alone over its own contiguous cache."""
     _check_batch_equals_alone(_load(smol.path), [5, 40, 130], 20, 16, [None])
@@ -130,18 +137,21 @@ def test_real_batch_steps_equal_each_sequence_alone(smol):
 
 @pytest.mark.parametrize("dot_bf16", DOT_PATHS)
 @pytest.mark.parametrize("fixture", ["tiny_llama_hd64_dir", "tiny_llama_dir", "tiny_qwen2_dir"])
-def test_batch_of_six_equals_each_alone_on_any_thread_count(fixture, dot_bf16, request):
-    """Six sequences (a 4-input tile and a 2-input tail in every product; positions at, before and after a
-    block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads; each product path."""
+def test_batch_of_six_equals_each_alone_on_any_thread_count(isa, fixture, dot_bf16, request):
+    """Six sequences (AVX-512: a 4-input tile and a 2-input tail in every product; AVX2: three 2-input tiles;
+    positions at, before and after a block edge), q/k/v biases (Qwen2) and none, on 1, 2 and 3 threads; each
+    product path."""
+    _skip_without_bf16_dot(dot_bf16)
     _check_batch_equals_alone(_load(request.getfixturevalue(fixture)), [1, 15, 16, 17, 40, 70], 6, 16, [1, 2, 3],
                               dot_bf16)
 
 
-@pytest.mark.skipif(not quant.available(), reason="quant.cpp needs AVX512-VNNI")
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_packed_matrices_batch_as_alone(tiny_llama_hd64_dir, weights):
+def test_packed_matrices_batch_as_alone(isa, tiny_llama_hd64_dir, weights):
     """Every matrix packed (model/quant.py): the batch's rows still give each sequence's own bits, on any thread
     count (the tiles split over the threads; each output's sums run in one order)."""
+    if not quant.available():
+        pytest.skip(f"quant.cpp does not run in the {isa} build here (its AVX-512 build needs AVX512-VNNI)")
     model = _load(tiny_llama_hd64_dir)
     quantize_layers(model, weights)
     assert native_decode.step_serves(model.step_weights())
@@ -149,7 +159,7 @@ def test_packed_matrices_batch_as_alone(tiny_llama_hd64_dir, weights):
 
 
 @pytest.mark.parametrize("lengths", [[33], [9, 50, 21]])
-def test_one_block_a_sequence_is_the_contiguous_cache(tiny_llama_hd64_dir, lengths):
+def test_one_block_a_sequence_is_the_contiguous_cache(isa, tiny_llama_hd64_dir, lengths):
     """Block size = capacity: each sequence's table is one block laid out as a DecodeCache's rows."""
     _check_batch_equals_alone(_load(tiny_llama_hd64_dir), lengths, 4, None, [2])
 
@@ -177,18 +187,19 @@ def tiny_odd_dir(tmp_path_factory, smol):
 
 
 @pytest.mark.parametrize("dot_bf16", DOT_PATHS)
-def test_widths_of_odd_sixteens_batch_as_alone(tiny_odd_dir, dot_bf16):
+def test_widths_of_odd_sixteens_batch_as_alone(isa, tiny_odd_dir, dot_bf16):
     """K of 48 and 80 in every product (a whole 32-column step and a half one): batched equals alone."""
+    _skip_without_bf16_dot(dot_bf16)
     _check_batch_equals_alone(_load(tiny_odd_dir), [3, 20, 33], 4, 16, [1, 2], dot_bf16)
 
 
-@pytest.mark.skipif(len(DOT_PATHS) < 2, reason="the CPU has no AVX512-BF16")
 @pytest.mark.parametrize("fixture", ["tiny_odd_dir", "tiny_qwen2_dir"])
-def test_bf16_dot_products_stay_within_bf16_of_the_float32_path(fixture, request):
+def test_bf16_dot_products_stay_within_bf16_of_the_float32_path(isa, fixture, request):
     """VDPBF16PS sums the same exact products in another order, so the logits may differ from the float32 path's,
     but only by the rounding of the sums (a few bf16 steps of the largest). Whether they differ at all is luck:
     each sum is rounded to bf16, which hides a float32 ulp but for about 3 logits in 100,000 (8 of 294,912 on
     tiny_qwen2, none of tiny_odd's 6,000 on an AMX Xeon); that the flag reaches the kernel is the next test."""
+    _skip_without_bf16_dot()
     model = _load(request.getfixturevalue(fixture))
     lengths, feeds = [5, 30], _feeds(model, 2, 3, seed=3)
     fast, plain = (_one_at_a_time(model, _prefilled(model, lengths, 3, seed=7), feeds, path) for path in (True, False))
@@ -197,11 +208,11 @@ def test_bf16_dot_products_stay_within_bf16_of_the_float32_path(fixture, request
         assert ((a - b).abs() <= 2 ** -5 * scale).all()
 
 
-@pytest.mark.skipif(len(DOT_PATHS) < 2, reason="the CPU has no AVX512-BF16")
-def test_the_bf16_flag_reaches_the_kernel(tiny_odd_dir):
+def test_the_bf16_flag_reaches_the_kernel(isa, tiny_odd_dir):
     """VDPBF16PS treats a subnormal input as zero whatever MXCSR says, the float32 FMAs do not: an LM head that
     reads one channel alone, through a final-norm weight that makes that channel subnormal (2^-130, below
     bf16's least normal 2^-126), gives 0 on the VDPBF16PS path and x * 2^100 != 0 on the float32 path."""
+    _skip_without_bf16_dot()
     model = _load(tiny_odd_dir)
     channel = 5
     model.final_norm.fill_(1.0)[channel] = 2.0 ** -130
@@ -214,7 +225,7 @@ def test_the_bf16_flag_reaches_the_kernel(tiny_odd_dir):
     assert (logits[False] != 0).all() and logits[False].abs().max() < 2.0 ** -20
 
 
-def test_batch_step_refuses_positions_and_blocks_it_cannot_take(tiny_llama_hd64_dir):
+def test_batch_step_refuses_positions_and_blocks_it_cannot_take(isa, tiny_llama_hd64_dir):
     """A position past its table or the rotary tables, a block outside the pool, or a wrong dtype is refused
     before anything is written."""
     model = _load(tiny_llama_hd64_dir)
@@ -234,3 +245,22 @@ def test_batch_step_refuses_positions_and_blocks_it_cannot_take(tiny_llama_hd64_
         step(torch.tensor([3, 5], dtype=torch.int32), torch.tensor([[0], [1]]), h, logits, 1)
     with pytest.raises(ValueError):
         step(torch.tensor([3, 5]), torch.tensor([[0], [1]]), h.float(), logits, 1)
+
+
+def test_bf16_dot_products_are_refused_where_the_build_has_none(isa, tiny_odd_dir):
+    """dot_bf16=True asked of a build without VDPBF16PS (AVX2) is refused when the step is made; a step made for
+    it in the AVX-512 build and then called in an AVX2 build is refused by the kernel (code 4), nothing written."""
+    model = _load(tiny_odd_dir)
+    cache = _prefilled(model, [4], 1, seed=1)[0]
+    angles = model.positions_cos_sin(torch.arange(cache.capacity))
+    if not native_decode.dot_bf16_default():
+        with pytest.raises(ValueError, match="dot_bf16"):
+            native_decode.WholeStep(model.step_weights(), cache.k, cache.v, *angles, dot_bf16=True)
+        return
+    step = native_decode.WholeStep(model.step_weights(), cache.k, cache.v, *angles, dot_bf16=True)
+    before, h = cache.k.clone(), model.embed_tokens[0].clone()
+    for other in [b for b in native.runnable() if b != "avx512"]:
+        native.use(other)  # (the fixture restores the process's build)
+        with pytest.raises(RuntimeError, match="code 4"):
+            step(cache.length, h, torch.empty(model.lm_head.shape[0]), 1)
+        assert torch.equal(cache.k, before) and torch.equal(h, model.embed_tokens[0])

@@ -22,14 +22,14 @@ from kvrag.model.step import CacheKV, Rows, run_layers
 from kvrag.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(not row_attention.available(),
-                                reason="needs an x86-64 CPU with AVX-512 and a C++ compiler")
+                                reason="needs an x86-64 CPU with AVX-512 or AVX2 and a C++ compiler")
 
 
 def test_a_damaged_library_file_falls_back_instead_of_crashing(monkeypatch, tmp_path):
     damaged = tmp_path / "kvrag-kernels-0.so"
     damaged.write_bytes(b"not a shared library")
-    monkeypatch.setattr(native, "build", lambda: damaged)
-    assert native.library.__wrapped__() is None
+    monkeypatch.setattr(native, "build", lambda **_: damaged)
+    assert native._library.__wrapped__(native.runnable()[0]) is None
 
 
 def test_switched_off_by_configuration():
@@ -42,7 +42,7 @@ def test_switched_off_by_configuration():
 
 @pytest.mark.parametrize("planes", [True, False])
 @pytest.mark.parametrize("n_first,n_second", [(1000, 1000), (37, 50), (16, 0), (3, 5)])
-def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
+def test_fp16_to_bf16_rounds_as_torch_does(isa, planes, n_first, n_second):
     """Every finite fp16 bit pattern class (subnormals, halfway cases, both signs), in byte planes or natural
     order, split between two outputs at any offset: bit for bit torch's fp16 -> bf16 cast."""
     bits = np.random.default_rng(n_first + n_second).integers(0, 65536, n_first + n_second, dtype=np.uint16)
@@ -56,7 +56,7 @@ def test_fp16_to_bf16_rounds_as_torch_does(planes, n_first, n_second):
 
 @pytest.mark.parametrize("planes", [True, False])
 @pytest.mark.parametrize("rows,heads,dim,offset", [(50, 3, 64, 0), (7, 2, 128, 6000), (5, 1, 40, 17), (3, 4, 6, 1)])
-def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(planes, rows, heads, dim, offset):
+def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(isa, planes, rows, heads, dim, offset):
     """Keys rotated on the way (any head dim, vector and scalar halves; positions far from 0) are bit for bit what
     the bf16 cast followed by rotary.rotate gives; values only convert."""
     from kvrag.model import rotary
@@ -77,7 +77,7 @@ def test_fp16_to_bf16_rotated_equals_the_cast_then_torch_rotary(planes, rows, he
 @pytest.mark.parametrize("fixture,dtype,kernel", [("tiny_llama_hd64_dir", "float32", True),
                                                   ("tiny_llama_dir", "float32", False),
                                                   ("tiny_llama_hd64_dir", "bfloat16", True)])
-def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixture, dtype, kernel):
+def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, isa, fixture, dtype, kernel):
     """`kvrag model info` names the attention path: the row kernel for head dim 64 in float32 (with bf16 pair
     products for a bf16 model where the CPU has them), SDPA for head dim 16 (the kernel takes multiples of 64).
     A bf16 model on a CPU with AMX attends in bf16 (model.device.attention_dtype), which the row kernel does not
@@ -86,6 +86,7 @@ def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixt
 
     from kvrag.tests.conftest import run_cli_in_process
 
+    monkeypatch.setenv("KVRAG_ISA", isa)  # the CLI's edge chooses the build from its configuration
     code, out, err = run_cli_in_process(monkeypatch, capsys, "model_cmd", "model", "info", "--json", "--model",
                                         str(request.getfixturevalue(fixture)), "--dtype", dtype, "--device", "cpu")
     assert code == 0, err
@@ -93,8 +94,10 @@ def test_model_info_says_which_attention_runs(monkeypatch, capsys, request, fixt
     if dtype == "bfloat16" and cpu_has_amx():
         assert attention == "SDPA (bfloat16)"
         return
+    assert json.loads(out)["kernels"] == isa
     pairs = ", Q.K in bf16 pairs" if dtype == "bfloat16" and row_attention.bf16_dot_available() else ""
-    assert attention == (f"kvrag row kernel (AVX-512, float32{pairs})" if kernel else "SDPA (float32)")
+    name = native.ISA_NAMES[isa]
+    assert attention == (f"kvrag row kernel ({name}, float32{pairs})" if kernel else "SDPA (float32)")
 
 
 # ---- the whole decode step: a row's rotary position apart from its slot (a reduced KV holds fewer rows) ----------
@@ -171,7 +174,7 @@ def _check_near_reference(path, prompt, feed, offset, logits: list[torch.Tensor]
 
 @needs_native_step
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_whole_step_rotates_to_its_rotary_position_not_its_slot(fixture, request):
+def test_whole_step_rotates_to_its_rotary_position_not_its_slot(isa, fixture, request):
     """Rows written at slots 40..47 and rotated to positions 77..84 (37 tokens dropped before them): the torch
     reference rotated the same way, and not the step rotated at its slot (the keys then differ far past the
     bound: the rotation is the kernel's, not within tolerance)."""
@@ -197,7 +200,7 @@ def _pooled(model, caches: list, steps: int) -> tuple[BlockPool, list]:
 
 
 @needs_native_step
-def test_batch_rows_each_rotate_to_their_own_position(tiny_qwen2_dir):
+def test_batch_rows_each_rotate_to_their_own_position(isa, tiny_qwen2_dir):
     """Three sequences in one batch, 0, 9 and 120 tokens dropped before their new rows (rotary positions up to
     156 over tables of at most 37 slots): each row's logits and K/V near the torch reference rotated as that row
     is, and the bits of the same sequence stepped alone by WholeStep."""
@@ -220,7 +223,7 @@ def test_batch_rows_each_rotate_to_their_own_position(tiny_qwen2_dir):
 
 
 @needs_native_step
-def test_rotary_positions_past_the_tables_are_refused(tiny_llama_hd64_dir):
+def test_rotary_positions_past_the_tables_are_refused(isa, tiny_llama_hd64_dir):
     """A rotary position outside the rotary tables is refused before anything is written, whatever the slot;
     a slot past the tables with its rotary position inside them is taken (a slot needs no angles)."""
     model = _load(tiny_llama_hd64_dir, torch.bfloat16)
@@ -271,7 +274,7 @@ def _attention(q, k, v, out, n_keys, scale):
 
 @needs_native
 @pytest.mark.parametrize("n, k", [(1, 16), (7, 576), (960, 576), (576, 1536), (4099, 64)])
-def test_native_gemv_equals_linear_up_to_one_bf16_step(n, k):
+def test_native_gemv_equals_linear_up_to_one_bf16_step(isa, n, k):
     g = torch.Generator().manual_seed(n + k)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
     exact = w.double() @ x.double()  # [N]
@@ -287,7 +290,7 @@ def test_native_gemv_equals_linear_up_to_one_bf16_step(n, k):
 @needs_native
 @pytest.mark.parametrize("keys, n_kv, group, dim", [(1, 3, 3, 64), (15, 3, 3, 64), (333, 3, 3, 64), (2049, 2, 4, 128),
                                                     (100, 4, 1, 16)])
-def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
+def test_native_attention_equals_a_float32_softmax(isa, keys, n_kv, group, dim):
     """One row over the first `keys` cache rows, against float64 SDPA; rows past them are never read."""
     g = torch.Generator().manual_seed(keys * 7 + dim)
     q = torch.randn(n_kv * group, dim, generator=g).bfloat16()  # [Hq, D]
@@ -303,7 +306,7 @@ def test_native_attention_equals_a_float32_softmax(keys, n_kv, group, dim):
 
 
 @needs_native
-def test_native_kernels_refuse_shapes_they_cannot_take():
+def test_native_kernels_refuse_shapes_they_cannot_take(isa):
     with pytest.raises(RuntimeError):
         _gemv(torch.zeros(4, 17, dtype=torch.bfloat16), torch.zeros(17, dtype=torch.bfloat16),
                            torch.empty(4, dtype=torch.bfloat16))

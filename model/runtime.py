@@ -13,7 +13,7 @@ from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.names import default_weights
 from kvrag.model.prepared import load_weights
 from kvrag.model.prompt import PromptBuilder, check_segmentation
-from kvrag.model.quant import resolve_weights
+from kvrag.model.quant import resolve_weights, torch_ops_wanted
 from kvrag.model.transformer import Transformer
 
 
@@ -55,7 +55,7 @@ class Runtime:
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
         form = resolve_weights(weights, dev, native, default_weights(local.name))
-        net = load_weights(local, resolve_dtype(dtype, dev), dev, form, keep_prepared)
+        net = load_weights(local, resolve_dtype(dtype, dev), dev, form, keep_prepared, torch_ops_wanted(dev, native))
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
         return cls(local, net, tokenizer, prompts, lead_in, keep_prepared)
 
@@ -71,7 +71,8 @@ class Runtime:
         itself where it has them."""
         if self.model.weights == form:
             return self
-        net = load_weights(self.local, self.model.dtype, self.model.device, form, self.keep_prepared)
+        net = load_weights(self.local, self.model.dtype, self.model.device, form, self.keep_prepared,
+                           torch_ops_wanted(self.model.device, self.model.native))
         net.triton, net.native, net.weights = self.model.triton, self.model.native, form
         return replace(self, model=net)
 

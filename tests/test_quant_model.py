@@ -238,12 +238,17 @@ def test_auto_gives_each_model_the_form_its_answers_were_measured_in():
     assert resolve_weights("auto", cpu, default="int4") == ("int4" if quant.available() else "dense")
 
 
-def test_native_off_turns_the_integer_kernels_off_too():
+def test_native_off_runs_a_named_form_on_torchs_ops(tiny_llama_hd64_dir):
     """KVRAG_NATIVE=0 turns kvrag's C++ kernels off: auto gives dense weights then, and a quantized form asked for
-    by name is one line (it used to leave the quant kernels running)."""
+    by name runs on torch's weight-only ops (every matrix in their layout), never on kvrag's integer kernel."""
+    from kvrag.model.runtime import Runtime
+
     cpu = torch.device("cpu")
     assert resolve_weights("auto", cpu, native=False) == "dense"
     assert resolve_weights("dense", cpu, native=False) == "dense"
     for form in ("int8", "int4"):
-        with pytest.raises(KvragError, match=f"--weights {form} runs kvrag's native kernels, which KVRAG_NATIVE=0"):
-            resolve_weights(form, cpu, native=False)
+        assert resolve_weights(form, cpu, native=False) == form
+    model = Runtime.load(str(tiny_llama_hd64_dir), dtype="float32", device="cpu", weights="int8", native=False,
+                         keep_prepared=False).model
+    matrices = [getattr(layer, name) for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    assert all(w.torch_form is not None for w in [*matrices, model.lm_head])

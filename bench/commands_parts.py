@@ -100,7 +100,7 @@ def bench_decode(
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
     from kvrag.model.prepared import load_weights
-    from kvrag.model.quant import resolve_weights
+    from kvrag.model.quant import resolve_weights, torch_ops_wanted
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
@@ -112,7 +112,7 @@ def bench_decode(
     forms = [resolve_weights(w.strip(), cpu, isa != "none", default_weights(local.name))
              for w in weights.split(",") if w.strip()]
     for form in forms:
-        net = load_weights(local, dtype, cpu, form)
+        net = load_weights(local, dtype, cpu, form, torch_ops=torch_ops_wanted(cpu, isa != "none"))
         net.native = isa != "none"
         serves = step_serves(net.step_weights()) and net.native
         typer.echo(f"-- {local.name}, {str(dtype).removeprefix('torch.')}, weights {form}, kernels {isa} (the whole "

@@ -59,21 +59,23 @@ def bench_peer(
         raise KvragError(f"--model must name a model kvrag pulls by name ({', '.join(KNOWN_MODELS)}), got {model!r}")
     forms = tuple(w.strip() for w in weights.split(",") if w.strip())
     levels = tuple(positive_ints(concurrency, "--concurrency"))
+    tokenizer = resolve_model(model).load_tokenizer()
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    tokens_per_word = count(FILLER) / len(FILLER.split())
+    raw = read_dataset(dataset)
+    items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
+    # the RAG questions from the split's end, the chat's turns from its start
+    rag = trimmed(items[-rag_items * len(levels):], rag_passages) if rag_items else []
     cfg = PeerConfig(model, work / "store", work, llama_server, peer_url, forms,
                      tuple(positive_ints(prompts, "--prompts")), tuple(positive_ints(batches, "--batches")),
                      decode_tokens, chat_turns, chat_words, threads,
                      gguf=known_gguf(model) if llama_server is not None else None,
-                     rag_store=work / "store-rag" if rag_items else None, concurrency=levels)
+                     rag_store=work / "store-rag" if rag_items else None, concurrency=levels,
+                     rag_tokens=max((count(p.text) for p in rag_prompts(rag)), default=0) + 64)  # + the template
     work.mkdir(parents=True, exist_ok=True)
     StoreEnv.open(cfg.store, create=True).close()  # the requests bring their text: nothing to index
-    tokenizer = resolve_model(model).load_tokenizer()
-    tokens_per_word = len(tokenizer(FILLER, add_special_tokens=False)["input_ids"]) / len(FILLER.split())
-    raw = read_dataset(dataset)
-    items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
     log = stderr_console()
     say = lambda m: log.print(m, soft_wrap=True, highlight=False)  # noqa: E731
-    # the RAG questions from the split's end, the chat's turns from its start
-    rag = trimmed(items[-rag_items * len(levels):], rag_passages) if rag_items else []
     if rag:
         build_store(work, "rag", rag, say, model=model)
     report = stamped(run(cfg, items, tokens_per_word, say, rag_prompts(rag)))

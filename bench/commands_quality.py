@@ -12,7 +12,7 @@ import typer
 
 from kvrag.bench.commands_parts import MUSIQUE_HELP, auto_verdict, emit, stamped
 from kvrag.bench.typer_app import bench_app
-from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, stderr_console
+from kvrag.cli.common import DEVICE_OPTION, DTYPE_OPTION, JSON_OPTION, MODEL_OPTION, settings, stderr_console
 from kvrag.errors import KvragError
 
 
@@ -191,9 +191,9 @@ def bench_weights(
     from kvrag.bench.invented import invented_items
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
     from kvrag.bench.rag.items import read_dataset
-    from kvrag.model.device import resolve_device, resolve_dtype
+    from kvrag.model.device import resolve_device
     from kvrag.model.prepared import load_weights
-    from kvrag.model.quant import BITS
+    from kvrag.model.quant import BITS, torch_ops_wanted
     from kvrag.model.runtime import Runtime
 
     names = [f.strip() for f in forms.split(",") if f.strip()]
@@ -201,10 +201,13 @@ def bench_weights(
         raise KvragError(f"--split takes tune or report and --weights int8, int4, mixed, float32, got {split!r}, {forms!r}")
     raw = read_dataset(dataset) if items or (answers and answerable) else []
     indices = [i for i in (MUSIQUE_TUNE if split == "tune" else MUSIQUE_REPORT) if i < len(raw)][:items]
-    runtime = Runtime.load(model, dtype, tune_process=True, weights="dense")
+    config = settings(model=model, dtype=dtype)  # KVRAG_ISA and KVRAG_NATIVE as a user's `ask` reads them
+    runtime = Runtime.load(config.model, config.dtype, tune_process=True, weights="dense", native=config.native,
+                           isa=config.isa)
     device = resolve_device(None)
+    on_torch = torch_ops_wanted(device, runtime.model.native)  # no kvrag kernel: the forms on torch's ops
     quantized = {n: load_weights(runtime.local, torch.float32, device) if n == "float32" else
-                 load_weights(runtime.local, resolve_dtype(dtype, device), device, n) for n in names}
+                 load_weights(runtime.local, runtime.model.dtype, device, n, torch_ops=on_torch) for n in names}
     sets_items = {f"MuSiQue {split}": [raw[i] for i in indices], "invented": invented_items(invented, seed=2)}
     sets = {} if answers else {where: bench.rag_prompts(runtime, its, passages) for where, its in sets_items.items()}
     console = stderr_console()

@@ -88,15 +88,16 @@ def tokens_per_s(model: Transformer, prompt: int, steps: int, rounds: int) -> di
     return {name: statistics.median(v) for name, v in times.items()} | {"prefill": prompt / prefill_s}
 
 
-def native_call_ms(model: Transformer, prompt: int, steps: int) -> float:
+def native_call_ms(model: Transformer, prompt: int, steps: int) -> float | None:
     """Median milliseconds of the native call alone (every layer and the LM head), without the step's torch
-    work around it (embedding row, float32 rescoring): the rest of a native step is that overhead."""
+    work around it (embedding row, float32 rescoring): the rest of a native step is that overhead. None where the
+    whole native step does not serve (torch steps)."""
     ids = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(prompt))
     _, cache = prefill(model, ids, extra=1)
     decode_step(model, cache, 0)
     step, out = cache.stepper, torch.empty(model.lm_head.shape[0])
     if step.whole is None:
-        return float("nan")
+        return None
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -144,9 +145,10 @@ def single_stream(model: Transformer, tokenizer, prompts: list[int], steps: int,
             out(f"{prompt:>6} {bytes_per_token(model, prompt) / 1e6:8.1f} {floor:6.1f} {cells}   "
                 f"(prefill {speed['prefill']:.1f} tokens/s, load {os.getloadavg()[0]:.2f})")
             call = native_call_ms(model, prompt, 3 * steps)
-            out(f"{'':>6} native step {1e3 / speed['native']:.2f} ms: the native call {call:.2f} ms "
-                f"({bytes_per_token(model, prompt) / call / 1e6:.1f} GB/s), torch around it "
-                f"{1e3 / speed['native'] - call:.2f} ms")
+            if call is not None:
+                out(f"{'':>6} native step {1e3 / speed['native']:.2f} ms: the native call {call:.2f} ms "
+                    f"({bytes_per_token(model, prompt) / call / 1e6:.1f} GB/s), torch around it "
+                    f"{1e3 / speed['native'] - call:.2f} ms")
         if items:
             same, n = agreement(model, tokenizer, items, answer_tokens)
             out(f"greedy answers of {answer_tokens} tokens identical to the reference's: {same} of {n} "

@@ -60,6 +60,7 @@ class PeerConfig:
     # concurrency level's own prompts
     rag_store: Path | None = None
     concurrency: tuple[int, ...] = (1, 4)
+    rag_tokens: int = 0  # the longest RAG prompt's tokens: llama-server's slots must hold it
     extra: dict = field(default_factory=lambda: {"k": 0, "ignore_eos": True})  # kvrag: no retrieval; llama.cpp: EOS
 
     def __post_init__(self) -> None:
@@ -189,9 +190,10 @@ class LlamaServer:
         cfg = self.cfg
         (port,) = free_ports(1)
         slots = max(cfg.batches)
-        # -c is shared by the slots: each gets a share that holds the longest prompt and the whole chat (at most
-        # two tokens a word, and its answers)
-        per_slot = max(max(cfg.prompts) + cfg.decode_tokens, cfg.chat_turns * (cfg.chat_words * 2 + 64)) + 256
+        # -c is shared by the slots: each gets a share that holds the longest prompt, RAG's included, and the whole
+        # chat (at most two tokens a word, and its answers)
+        longest = max(*cfg.prompts, cfg.rag_tokens) + cfg.decode_tokens
+        per_slot = max(longest, cfg.chat_turns * (cfg.chat_words * 2 + 64)) + 256
         context = slots * per_slot
         log = open(cfg.work / "llama-server.log", "w")  # noqa: SIM115 - the child keeps its descriptor
         self.proc = subprocess.Popen([str(cfg.llama_server), "-m", str(cfg.gguf), "--host", "127.0.0.1",

@@ -100,18 +100,18 @@ def bench_decode(
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
     from kvrag.model.prepared import load_weights
-    from kvrag.model.quant import resolve_weights, torch_ops_wanted
+    from kvrag.model.quant import integer_everywhere, resolve_weights, torch_ops_wanted
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
     config = settings(model=model)  # KVRAG_DTYPE, KVRAG_NATIVE and KVRAG_ISA as a user's `ask` reads them
     cpu = torch.device("cpu")
     isa = kernel_build.use(config.isa) if config.native else "none"
-    dtype = resolve_dtype(config.dtype, cpu)
     local = resolve_model(config.model)
     forms = [resolve_weights(w.strip(), cpu, isa != "none", default_weights(local.name))
              for w in weights.split(",") if w.strip()]
-    for form in forms:
+    for form in forms:  # each in the dtype a user's process gives it
+        dtype = resolve_dtype(config.dtype, cpu, integer_everywhere(local.config, form, cpu, isa != "none"))
         net = load_weights(local, dtype, cpu, form, torch_ops=torch_ops_wanted(cpu, isa != "none"))
         net.native = isa != "none"
         serves = step_serves(net.step_weights()) and net.native
@@ -124,7 +124,8 @@ def bench_decode(
                                  typer.echo)
             continue
         if not step_serves(net.step_weights()):
-            raise KvragError("the native batched step does not serve this model or CPU (needs AVX-512 and a bf16 model)")
+            raise KvragError("the native batched step does not serve this model or CPU (needs kvrag's kernels and a "
+                            "bf16 model)")
         decode.batched(net, contexts, sizes, steps or 4, threads or torch.get_num_threads(), typer.echo)
 
 

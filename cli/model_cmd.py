@@ -40,14 +40,15 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     from kvrag.model.device import resolve_device, resolve_dtype
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
-    from kvrag.model.quant import resolve_weights
+    from kvrag.model.quant import integer_everywhere, resolve_weights
 
     config = settings(model=model, dtype=dtype, device=device, weights=weights)
     isa = native.use(config.isa) if config.native else "none"
     local = resolve_model(config.model)
     dev = resolve_device(config.device)
-    compute_dtype = resolve_dtype(config.dtype, dev)
-    form = resolve_weights(config.weights, dev, config.native and isa != "none", default_weights(local.name))
+    kernels_on = config.native and isa != "none"
+    form = resolve_weights(config.weights, dev, kernels_on, default_weights(local.name))
+    compute_dtype = resolve_dtype(config.dtype, dev, integer_everywhere(local.config, form, dev, kernels_on))
     payload = {
         "name": local.name,
         "path": str(local.path),

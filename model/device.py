@@ -54,11 +54,14 @@ def resolve_device(choice: str | None = None) -> torch.device:
     return torch.device(choice)
 
 
-def resolve_dtype(choice: str | None, device: torch.device) -> torch.dtype:
-    """`--dtype` (config.py's `dtype`): auto, float32 or bfloat16."""
+def resolve_dtype(choice: str | None, device: torch.device, integer_products: bool = False) -> torch.dtype:
+    """`--dtype` (config.py's `dtype`): auto, float32 or bfloat16. auto is bf16 on CUDA and on CPUs with bf16
+    hardware; on other CPUs float32, unless every matrix product runs on kvrag's integer kernel
+    (`integer_products`: a quantized form, model/quant.py's integer_everywhere), where no bf16 matmul runs (torch's
+    is two orders of magnitude slower there) and bf16 lets the native decode step serve and halves the KV."""
     choice = (choice or "auto").lower()
     if choice == "auto":
-        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        fast = device.type == "cuda" or (device.type == "cpu" and (cpu_has_fast_bf16() or integer_products))
         return torch.bfloat16 if fast else torch.float32
     if choice not in DTYPES:
         raise KvragError(f"unknown dtype '{choice}' (use auto, float32 or bfloat16)")

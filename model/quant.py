@@ -215,6 +215,23 @@ def packed_for(w: torch.Tensor, weights: str) -> quant.Packed:
     return four if error[4] <= error[8] else eight
 
 
+def _fits(n: int, k: int) -> bool:
+    """Whether a matrix [N, K] fits the kernel's tiles (N % 16, K % 32)."""
+    return n % quant.TILE == 0 and k % quant.GROUP == 0
+
+
+def integer_everywhere(cfg, weights: str, device: torch.device, native: bool = True) -> bool:
+    """Whether every matrix product of a model of this shape in form `weights` runs on kvrag's integer kernel here:
+    a quantized form, kvrag's kernel running (`native` and built for this CPU), and every matrix packed by
+    quantize_layers (none left dense). Then `--dtype auto` may be bf16 on a CPU without bf16 hardware
+    (model/device.py's resolve_dtype)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
+              (cfg.hidden_size, cfg.intermediate_size), (cfg.vocab_size, cfg.hidden_size)]
+    return (weights != "dense" and device.type == "cpu" and native and quant.available()
+            and q % quant.TILE == 0 and kv % quant.TILE == 0 and all(_fits(n, k) for n, k in shapes))
+
+
 def quantize_layers(model, weights: str, torch_ops: bool = False) -> None:
     """Replace the model's layer matrices and LM head by their `weights` form, in place: int8 all in 8 bits; int4
     the layers' matrices in 4 bits and the head in 8, as GGUF's 4-bit files keep their output tensor at 6-8 bits
@@ -223,16 +240,12 @@ def quantize_layers(model, weights: str, torch_ops: bool = False) -> None:
     stays dense. `torch_ops`: each also packed for torch's weight-only ops (`use_torch_ops`)."""
     c = model.cfg
     split = (c.n_heads * c.head_dim) % quant.TILE == 0 and (c.n_kv_heads * c.head_dim) % quant.TILE == 0
-
-    def fits(w: torch.Tensor) -> bool:
-        return w.shape[0] % quant.TILE == 0 and w.shape[1] % quant.GROUP == 0
-
     for layer in model.layers:
         for name in MATRICES:  # LayerWeights' linear layers
             w = getattr(layer, name)
-            if fits(w) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
+            if _fits(*w.shape) and (name != "wqkv" or split):  # q, k and v are read apart, each in whole tiles
                 setattr(layer, name, QuantWeight(packed_for(w, weights), w.dtype))
-    if fits(model.lm_head):
+    if _fits(*model.lm_head.shape):
         model.lm_head = QuantWeight.of(model.lm_head, 8)
     if torch_ops:
         use_torch_ops(model)

@@ -13,7 +13,7 @@ from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.names import default_weights
 from kvrag.model.prepared import load_weights
 from kvrag.model.prompt import PromptBuilder, check_segmentation
-from kvrag.model.quant import resolve_weights, torch_ops_wanted
+from kvrag.model.quant import integer_everywhere, resolve_weights, torch_ops_wanted
 from kvrag.model.transformer import Transformer
 
 
@@ -25,6 +25,7 @@ class Runtime:
     prompts: PromptBuilder
     lead_in: int | None = None  # tokens of corpus text a stored chunk follows (None: the model's own rule)
     keep_prepared: bool = True  # write the weights' compute layout to disk for the next load (model/prepared.py)
+    dtype_setting: str | None = None  # `--dtype` as given (auto: each weights form's own, model/device.py)
 
     @property
     def fingerprint(self) -> str:
@@ -55,9 +56,10 @@ class Runtime:
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
         form = resolve_weights(weights, dev, native, default_weights(local.name))
-        net = load_weights(local, resolve_dtype(dtype, dev), dev, form, keep_prepared, torch_ops_wanted(dev, native))
+        net_dtype = resolve_dtype(dtype, dev, integer_everywhere(local.config, form, dev, native))
+        net = load_weights(local, net_dtype, dev, form, keep_prepared, torch_ops_wanted(dev, native))
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
-        return cls(local, net, tokenizer, prompts, lead_in, keep_prepared)
+        return cls(local, net, tokenizer, prompts, lead_in, keep_prepared, dtype)
 
     @classmethod
     def from_config(cls, config: KVRagConfig) -> Runtime:
@@ -67,12 +69,14 @@ class Runtime:
                         weights=config.weights, lead_in=config.lead_in, isa=config.isa)
 
     def with_weights(self, form: str) -> Runtime:
-        """This model with its layers' matrices in `form` (dense, int8, int4), on the same dtype, device and kernels:
-        itself where it has them."""
+        """This model with its layers' matrices in `form` (dense, int8, int4), on the same device and kernels and
+        the dtype the same `--dtype` gives that form (auto: dense weights on a CPU without bf16 hardware are float32
+        where a quantized form's integer products ran in bf16): itself where it has them."""
         if self.model.weights == form:
             return self
-        net = load_weights(self.local, self.model.dtype, self.model.device, form, self.keep_prepared,
-                           torch_ops_wanted(self.model.device, self.model.native))
+        dev, native = self.model.device, self.model.native
+        dtype = resolve_dtype(self.dtype_setting, dev, integer_everywhere(self.local.config, form, dev, native))
+        net = load_weights(self.local, dtype, dev, form, self.keep_prepared, torch_ops_wanted(dev, native))
         net.triton, net.native, net.weights = self.model.triton, self.model.native, form
         return replace(self, model=net)
 

@@ -252,3 +252,34 @@ def test_native_off_runs_a_named_form_on_torchs_ops(tiny_llama_hd64_dir):
                          keep_prepared=False).model
     matrices = [getattr(layer, name) for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
     assert all(w.torch_form is not None for w in [*matrices, model.lm_head])
+
+
+def test_auto_dtype_is_bf16_where_every_product_is_integer(monkeypatch, tiny_llama_hd64_dir):
+    """On a CPU without bf16 hardware (flags of an AVX2 core) `--dtype auto` is float32, except for a quantized form
+    whose every matrix runs on kvrag's integer kernel: no bf16 matmul runs there. A shape that leaves a matrix dense
+    (an intermediate size off the 32-input groups), dense weights, kvrag's kernels off or a GPU keep the old rule;
+    the dense twin a write-back stores with (Runtime.with_weights) is float32 again."""
+    from dataclasses import replace
+
+    from kvrag.model import device as device_mod
+    from kvrag.model.files import resolve_model
+    from kvrag.model.quant import integer_everywhere
+    from kvrag.model.runtime import Runtime
+
+    monkeypatch.setattr(device_mod, "cpu_has_fast_bf16", lambda: False)
+    cpu = torch.device("cpu")
+    cfg = resolve_model(str(tiny_llama_hd64_dir)).config
+    runs = quant.available()
+    assert integer_everywhere(cfg, "int8", cpu) == runs
+    assert not integer_everywhere(cfg, "dense", cpu) and not integer_everywhere(cfg, "int8", cpu, native=False)
+    assert not integer_everywhere(replace(cfg, intermediate_size=cfg.intermediate_size + 16), "int8", cpu)
+    assert device_mod.resolve_dtype("auto", cpu, integer_products=True) == torch.bfloat16
+    assert device_mod.resolve_dtype("auto", cpu) == torch.float32
+    assert device_mod.resolve_dtype("float32", cpu, integer_products=True) == torch.float32
+    if not runs:
+        return
+    rt = Runtime.load(str(tiny_llama_hd64_dir), device="cpu", weights="int8", keep_prepared=False)
+    assert rt.model.dtype == torch.bfloat16
+    assert rt.with_weights("dense").model.dtype == torch.float32
+    forced = Runtime.load(str(tiny_llama_hd64_dir), dtype="bfloat16", device="cpu", weights="int8", keep_prepared=False)
+    assert forced.with_weights("dense").model.dtype == torch.bfloat16

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvrag.errors import KvragError
 from kvrag.home import kvrag_home
+from kvrag.kernels import cpu
 from kvrag.kernels.cpu import cpu_flags
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
@@ -78,6 +79,22 @@ def use(setting: str | None) -> str:
 def isa() -> str:
     """The build kernels run in this process: the edge's choice, else the best this CPU runs."""
     return _CHOICE.get("isa") or resolve_isa("auto")
+
+
+def held_below_avx512() -> bool:
+    """Whether the process runs an AVX2 build on a CPU with AVX-512 (KVRAG_ISA=avx2 or avxvnni): it then stands for
+    a CPU that has only that build's ISA, so its bf16 hardware (AMX, AVX512-BF16) is not used either."""
+    return isa() in ("avx2", "avxvnni") and "avx512" in runnable()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 hardware (AMX or AVX512-BF16) the process may use: what picks `--dtype auto`."""
+    return cpu.cpu_has_fast_bf16() and not held_below_avx512()
+
+
+def cpu_has_amx() -> bool:
+    """AMX the process may use (a quantized bf16 model's long prompts multiply there: model/quant.py)."""
+    return cpu.cpu_has_amx() and not held_below_avx512()
 
 
 def library(which: str | None = None) -> ctypes.CDLL | None:

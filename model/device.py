@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 from kvrag.errors import KvragError
-from kvrag.kernels.cpu import cpu_has_amx, cpu_has_fast_bf16
+from kvrag.kernels.native import cpu_has_amx, cpu_has_fast_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from kvrag.errors import KvragError
 from kvrag.kernels import quant, torch_quant
-from kvrag.kernels.cpu import cpu_has_amx
 from kvrag.kernels.decode_step import MATRICES
+from kvrag.kernels.native import cpu_has_amx
 
 WEIGHTS = ("auto", "dense", "int8", "int4", "mixed")  # auto: the model's own default where the kernel runs, else dense
 # The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvrag.kernels.native import cpu_has_fast_bf16
+
 if TYPE_CHECKING:
     from kvrag.model.cache import DecodeCache
     from kvrag.model.transformer import Transformer
@@ -162,10 +164,12 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_po
                      exact: bool = True) -> torch.Tensor:
     """What a tap (CacheKV.tap) scores with: the scaled logits [Hkv, g, R, S] in float32 of queries q [R, Hq, hd] over
     rotated keys k [S, Hkv, hd], -inf where a key lies after its query. exact=False: the product in the keys' dtype,
-    as Keyformer's code scores (a decode step then skips a float32 copy of every key)."""
+    as Keyformer's code scores (a decode step then skips a float32 copy of every key), where that dtype's matmul is
+    fast (a CPU without bf16 hardware multiplies bf16 two orders of magnitude slower than float32)."""
     r, hq, hd = q.shape
     h_kv = k.shape[1]
-    dtype = torch.float32 if exact else k.dtype
+    low = not exact and (k.dtype != torch.bfloat16 or k.device.type != "cpu" or cpu_has_fast_bf16())
+    dtype = k.dtype if low else torch.float32
     qf = q.to(dtype).view(r, h_kv, hq // h_kv, hd).permute(1, 2, 0, 3)  # [Hkv, g, R, hd]
     logits = torch.matmul(qf, k.to(dtype).permute(1, 2, 0).unsqueeze(1)).float() * hd ** -0.5  # [Hkv, g, R, S]
     return logits.masked_fill_(k_pos[None, :] > q_pos[:, None], -math.inf)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrag.kernels import native
-from kvrag.kernels.cpu import cpu_has_amx, cpu_has_fast_bf16
+from kvrag.kernels.native import cpu_has_amx, cpu_has_fast_bf16
 from kvrag.tests.conftest import run_kvrag
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch
 from kvrag.kernels import decode_step as native_decode
 from kvrag.kernels import fp16_to_bf16, native, row_attention
 from kvrag.kernels.attention import attend_few_rows
-from kvrag.kernels.cpu import cpu_has_amx
+from kvrag.kernels.native import cpu_has_amx
 from kvrag.kvcache.allocator import BlockLayout
 from kvrag.kvcache.block_pool import BlockPool
 from kvrag.model.files import resolve_model

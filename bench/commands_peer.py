@@ -4,6 +4,7 @@ over kvrag's server alone (bench/chat.py); `kvrag bench kills`: servers killed a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -59,6 +60,11 @@ def bench_peer(
         raise KvragError(f"--model must name a model kvrag pulls by name ({', '.join(KNOWN_MODELS)}), got {model!r}")
     forms = tuple(w.strip() for w in weights.split(",") if w.strip())
     levels = tuple(positive_ints(concurrency, "--concurrency"))
+    cfg = PeerConfig(model, work / "store", work, llama_server, peer_url, forms,
+                     tuple(positive_ints(prompts, "--prompts")), tuple(positive_ints(batches, "--batches")),
+                     decode_tokens, chat_turns, chat_words, threads,
+                     gguf=known_gguf(model) if llama_server is not None else None,
+                     rag_store=work / "store-rag" if rag_items else None, concurrency=levels)
     tokenizer = resolve_model(model).load_tokenizer()
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     tokens_per_word = count(FILLER) / len(FILLER.split())
@@ -66,12 +72,7 @@ def bench_peer(
     items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
     # the RAG questions from the split's end, the chat's turns from its start
     rag = trimmed(items[-rag_items * len(levels):], rag_passages) if rag_items else []
-    cfg = PeerConfig(model, work / "store", work, llama_server, peer_url, forms,
-                     tuple(positive_ints(prompts, "--prompts")), tuple(positive_ints(batches, "--batches")),
-                     decode_tokens, chat_turns, chat_words, threads,
-                     gguf=known_gguf(model) if llama_server is not None else None,
-                     rag_store=work / "store-rag" if rag_items else None, concurrency=levels,
-                     rag_tokens=max((count(p.text) for p in rag_prompts(rag)), default=0) + 64)  # + the template
+    cfg = replace(cfg, rag_tokens=max((count(p.text) for p in rag_prompts(rag)), default=0) + 64)  # + the template
     work.mkdir(parents=True, exist_ok=True)
     StoreEnv.open(cfg.store, create=True).close()  # the requests bring their text: nothing to index
     log = stderr_console()

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 if XDIST_WORKER:
     torch.set_num_threads(1)  # (in case a plugin imported torch before the variable above was set)
 
+from kvrag.tests.kernel_paths import isa  # noqa: E402,F401 - every kernel build this CPU runs, a test each
 from kvrag.tests.passages import corpus, tiny_runtime  # noqa: E402,F401 - fixtures of the prompt-reuse tests
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -63,26 +64,6 @@ def _weight_forms() -> list[str]:
 WEIGHT_FORMS = _weight_forms()
 
 
-def _kernel_isas() -> list[str]:
-    """Every build of kvrag's kernels this CPU runs (kernels/native.py), best first: each kernel test runs on each
-    against its torch twin, so an AVX-512 machine also tests the AVX2 machines' paths."""
-    from kvrag.kernels import native
-
-    return list(native.runnable())
-
-
-KERNEL_ISAS = _kernel_isas()
-
-
-@pytest.fixture(params=KERNEL_ISAS or [pytest.param("none", marks=pytest.mark.skip("no kvrag kernel runs here"))])
-def isa(request):
-    """The test runs with kvrag's kernels of this build (native.use), the process's earlier choice restored after."""
-    from kvrag.kernels import native
-
-    before = native.isa()
-    native.use(request.param)
-    yield request.param
-    native.use(before)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MUSIQUE_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "musique_s.json"
 

@@ -54,7 +54,7 @@ constexpr int HALVES = TILE / W;  // a 64-byte weight vector's parts of W output
 constexpr int HALF_BYTES = 4 * W;  // weight bytes of a part
 // Rows a pass over a tile's weights: AVX-512's 32 registers hold 8 accumulators and 8 weight vectors. AVX2's 16 hold
 // a part's 8 weight vectors (plain AVX2 also |q|'s 8, from L1 when spilled) and a few accumulators: of 2 to 8 rows,
-// 4 (AVX-VNNI) and 6 (AVX2) were the fastest at 64 rows on a Sapphire Rapids, within ~5 % of the others.
+// 4 (AVX-VNNI) and 6 (AVX2) were the fastest at 64 rows on this project's 2-core test machine, within ~5 % of the others.
 constexpr int BLOCK = KVRAG_AVX512 ? 8 : DPBUSD ? 4 : 6;
 // Weight bytes fetched into L2 ahead of the products: a tile's stream outruns the hardware prefetcher, most of all
 // int4's (docs/quantized.md, "Speed against the memory floor")

@@ -315,7 +315,9 @@ def test_a_damaged_stored_value_is_recomputed_and_the_request_succeeds(store_cop
         first = http.post(srv.url + "/v1/completions", json=body).json()  # stores the chunk's KV if missing
         table = LocalKVTable(rag.env, rag.runtime.fingerprint, "fp16")
         key = table.key(chunk).layer(2).to_bytes()
-        value = bytearray(rag.env.read(lambda txn: txn.get(key, db=rag.env.db("kv"))))
+        stored = lambda: rag.env.read(lambda txn: txn.get(key, db=rag.env.db("kv")))  # noqa: E731
+        wait_for(lambda: stored() is not None, "the chunk's KV written back")  # the write-back runs behind the answer
+        value = bytearray(stored())
         value[HEADER_SIZE + 10] ^= 0x40
         rag.env.write(lambda txn: txn.put(key, bytes(value), db=rag.env.db("kv")))
         assert not verify(rag.env).ok

@@ -96,11 +96,10 @@ def bench_decode(
     from kvrag.bench import decode
     from kvrag.kernels import native as kernel_build
     from kvrag.kernels.decode_step import step_serves
-    from kvrag.model.device import resolve_dtype
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
     from kvrag.model.prepared import load_weights
-    from kvrag.model.quant import integer_everywhere, resolve_weights, torch_ops_wanted
+    from kvrag.model.quant import form_dtype, resolve_weights, torch_ops_wanted
 
     contexts = positive_ints(prompts or ("1024,6144" if batches else "300,2000"), "--prompts")
     sizes = positive_ints(batches, "--batches") if batches else None
@@ -111,7 +110,7 @@ def bench_decode(
     forms = [resolve_weights(w.strip(), cpu, isa != "none", default_weights(local.name))
              for w in weights.split(",") if w.strip()]
     for form in forms:  # each in the dtype a user's process gives it
-        dtype = resolve_dtype(config.dtype, cpu, integer_everywhere(local.config, form, cpu, isa != "none"))
+        dtype = form_dtype(config.dtype, local.config, form, cpu, isa != "none")
         net = load_weights(local, dtype, cpu, form, torch_ops=torch_ops_wanted(cpu, isa != "none"))
         net.native = isa != "none"
         serves = step_serves(net.step_weights()) and net.native

@@ -72,14 +72,15 @@ def bench_peer(
     items = [raw[i] for i in MUSIQUE_REPORT if i < len(raw)] or raw  # a small file: all of it
     # the RAG questions from the split's end, the chat's turns from its start
     rag = trimmed(items[-rag_items * len(levels):], rag_passages) if rag_items else []
-    cfg = replace(cfg, rag_tokens=max((count(p.text) for p in rag_prompts(rag)), default=0) + 64)  # + the template
+    prompts_rag = rag_prompts(rag)
+    cfg = replace(cfg, rag_tokens=max((count(p.text) for p in prompts_rag), default=0) + 64)  # + the template
     work.mkdir(parents=True, exist_ok=True)
     StoreEnv.open(cfg.store, create=True).close()  # the requests bring their text: nothing to index
     log = stderr_console()
     say = lambda m: log.print(m, soft_wrap=True, highlight=False)  # noqa: E731
     if rag:
         build_store(work, "rag", rag, say, model=model)
-    report = stamped(run(cfg, items, tokens_per_word, say, rag_prompts(rag)))
+    report = stamped(run(cfg, items, tokens_per_word, say, prompts_rag))
     (work / "report.json").write_text(json.dumps(report, indent=2))
     emit(report, markdown, as_json)
 

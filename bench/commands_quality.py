@@ -191,9 +191,9 @@ def bench_weights(
     from kvrag.bench.invented import invented_items
     from kvrag.bench.rag.datasets import MUSIQUE_REPORT, MUSIQUE_TUNE
     from kvrag.bench.rag.items import read_dataset
-    from kvrag.model.device import resolve_device, resolve_dtype
+    from kvrag.model.device import resolve_device
     from kvrag.model.prepared import load_weights
-    from kvrag.model.quant import BITS, integer_everywhere, torch_ops_wanted
+    from kvrag.model.quant import BITS, form_dtype, torch_ops_wanted
     from kvrag.model.runtime import Runtime
 
     names = [f.strip() for f in forms.split(",") if f.strip()]
@@ -207,11 +207,9 @@ def bench_weights(
     device = resolve_device(None)
     native, on_torch = runtime.model.native, torch_ops_wanted(device, runtime.model.native)  # on_torch: torch's ops
     # each form in the dtype `--dtype` gives it in a user's process (auto: bf16 where every product is integer)
-    def form_dtype(form: str) -> torch.dtype:
-        return resolve_dtype(config.dtype, device, integer_everywhere(runtime.local.config, form, device, native))
-
     quantized = {n: load_weights(runtime.local, torch.float32, device) if n == "float32" else
-                 load_weights(runtime.local, form_dtype(n), device, n, torch_ops=on_torch) for n in names}
+                 load_weights(runtime.local, form_dtype(config.dtype, runtime.local.config, n, device, native),
+                              device, n, torch_ops=on_torch) for n in names}
     sets_items = {f"MuSiQue {split}": [raw[i] for i in indices], "invented": invented_items(invented, seed=2)}
     sets = {} if answers else {where: bench.rag_prompts(runtime, its, passages) for where, its in sets_items.items()}
     console = stderr_console()

@@ -37,10 +37,10 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     Example: kvrag model info --model gemma3-270m --json
     """
     from kvrag.kernels import native
-    from kvrag.model.device import resolve_device, resolve_dtype
+    from kvrag.model.device import resolve_device
     from kvrag.model.files import resolve_model
     from kvrag.model.names import default_weights
-    from kvrag.model.quant import integer_everywhere, resolve_weights
+    from kvrag.model.quant import form_dtype, resolve_weights
 
     config = settings(model=model, dtype=dtype, device=device, weights=weights)
     isa = native.use(config.isa) if config.native else "none"
@@ -48,7 +48,7 @@ def info(model: str = MODEL_OPTION, dtype: str = DTYPE_OPTION, device: str = DEV
     dev = resolve_device(config.device)
     kernels_on = config.native and isa != "none"
     form = resolve_weights(config.weights, dev, kernels_on, default_weights(local.name))
-    compute_dtype = resolve_dtype(config.dtype, dev, integer_everywhere(local.config, form, dev, kernels_on))
+    compute_dtype = form_dtype(config.dtype, local.config, form, dev, kernels_on)
     payload = {
         "name": local.name,
         "path": str(local.path),

@@ -23,6 +23,7 @@ from kvrag.errors import KvragError
 from kvrag.kernels import quant, torch_quant
 from kvrag.kernels.decode_step import MATRICES
 from kvrag.kernels.native import cpu_has_amx
+from kvrag.model.device import resolve_dtype
 
 WEIGHTS = ("auto", "dense", "int8", "int4", "mixed")  # auto: the model's own default where the kernel runs, else dense
 # The quantized form a model may default to: int8 kept the dense model's greedy tokens far better than int4
@@ -220,16 +221,26 @@ def _fits(n: int, k: int) -> bool:
     return n % quant.TILE == 0 and k % quant.GROUP == 0
 
 
+def _qkv_splits(cfg) -> bool:
+    """Whether q, k and v's parts of the fused projection each fill whole tiles (they are read apart)."""
+    return (cfg.n_heads * cfg.head_dim) % quant.TILE == 0 and (cfg.n_kv_heads * cfg.head_dim) % quant.TILE == 0
+
+
 def integer_everywhere(cfg, weights: str, device: torch.device, native: bool = True) -> bool:
     """Whether every matrix product of a model of this shape in form `weights` runs on kvrag's integer kernel here:
     a quantized form, kvrag's kernel running (`native` and built for this CPU), and every matrix packed by
-    quantize_layers (none left dense). Then `--dtype auto` may be bf16 on a CPU without bf16 hardware
-    (model/device.py's resolve_dtype)."""
+    quantize_layers (none left dense)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes = [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
               (cfg.hidden_size, cfg.intermediate_size), (cfg.vocab_size, cfg.hidden_size)]
-    return (weights != "dense" and device.type == "cpu" and native and quant.available()
-            and q % quant.TILE == 0 and kv % quant.TILE == 0 and all(_fits(n, k) for n, k in shapes))
+    return (weights != "dense" and device.type == "cpu" and native and quant.available() and _qkv_splits(cfg)
+            and all(_fits(n, k) for n, k in shapes))
+
+
+def form_dtype(setting: str | None, cfg, weights: str, device: torch.device, native: bool = True) -> torch.dtype:
+    """The dtype `--dtype` (`setting`) gives a model of this shape in form `weights`: auto is bf16 on a CPU without
+    bf16 hardware too where every product is integer (`integer_everywhere`; model/device.py's resolve_dtype)."""
+    return resolve_dtype(setting, device, integer_everywhere(cfg, weights, device, native))
 
 
 def quantize_layers(model, weights: str, torch_ops: bool = False) -> None:
@@ -238,8 +249,7 @@ def quantize_layers(model, weights: str, torch_ops: bool = False) -> None:
     (the head decides every token; docs/quantized.md); mixed each layer matrix as `packed_for` picks, the head in 8.
     A matrix whose shape does not fit the kernel's tiles (N % 16, K % 32; q/k/v's parts each a multiple of 16)
     stays dense. `torch_ops`: each also packed for torch's weight-only ops (`use_torch_ops`)."""
-    c = model.cfg
-    split = (c.n_heads * c.head_dim) % quant.TILE == 0 and (c.n_kv_heads * c.head_dim) % quant.TILE == 0
+    split = _qkv_splits(model.cfg)
     for layer in model.layers:
         for name in MATRICES:  # LayerWeights' linear layers
             w = getattr(layer, name)

@@ -8,12 +8,12 @@ import torch
 
 from kvrag.config import KVRagConfig
 from kvrag.kernels import native as kernel_build
-from kvrag.model.device import resolve_device, resolve_dtype, resolve_triton, set_cpu_threads
+from kvrag.model.device import resolve_device, resolve_triton, set_cpu_threads
 from kvrag.model.files import LocalModel, resolve_model
 from kvrag.model.names import default_weights
 from kvrag.model.prepared import load_weights
 from kvrag.model.prompt import PromptBuilder, check_segmentation
-from kvrag.model.quant import integer_everywhere, resolve_weights, torch_ops_wanted
+from kvrag.model.quant import form_dtype, resolve_weights, torch_ops_wanted
 from kvrag.model.transformer import Transformer
 
 
@@ -56,8 +56,8 @@ class Runtime:
         prompts = PromptBuilder(tokenizer)
         check_segmentation(prompts, local.name)
         form = resolve_weights(weights, dev, native, default_weights(local.name))
-        net_dtype = resolve_dtype(dtype, dev, integer_everywhere(local.config, form, dev, native))
-        net = load_weights(local, net_dtype, dev, form, keep_prepared, torch_ops_wanted(dev, native))
+        net = load_weights(local, form_dtype(dtype, local.config, form, dev, native), dev, form, keep_prepared,
+                           torch_ops_wanted(dev, native))
         net.triton, net.native, net.weights = resolve_triton(kernels, dev), native, form
         return cls(local, net, tokenizer, prompts, lead_in, keep_prepared, dtype)
 
@@ -75,7 +75,7 @@ class Runtime:
         if self.model.weights == form:
             return self
         dev, native = self.model.device, self.model.native
-        dtype = resolve_dtype(self.dtype_setting, dev, integer_everywhere(self.local.config, form, dev, native))
+        dtype = form_dtype(self.dtype_setting, self.local.config, form, dev, native)
         net = load_weights(self.local, dtype, dev, form, self.keep_prepared, torch_ops_wanted(dev, native))
         net.triton, net.native, net.weights = self.model.triton, self.model.native, form
         return replace(self, model=net)
